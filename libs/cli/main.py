@@ -1,0 +1,388 @@
+"""``keel``: the command line.
+
+    keel up | down | status          the embedded runtime (NATS + PostgreSQL) and the services
+    keel migrate                     bring the event store schema up to date
+    keel service NAME                run one service in the foreground (recorder, controller)
+    keel replay [--job J] [--service S] --verify
+    keel events tail [--job J] [-n N] [--follow] | show ID | schema [--write | --check]
+    keel demo                        the end-to-end demonstration behind `make demo`
+
+Global flags (``--config``, ``--home``, ``--nats-url``, ``--database-url``) are the top layer of the
+settings (defaults < YAML < KEEL_* environment < flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from keel.core.config import ConfigError, Settings, load_settings
+
+SERVICES = ("recorder", "controller")
+
+
+class CliError(RuntimeError):
+    """A user-facing failure: printed without a traceback, exit status 2."""
+
+
+# -- settings and endpoints ----------------------------------------------------------------------
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {
+        "home": args.home,
+        "nats_url": args.nats_url,
+        "database_url": args.database_url,
+    }
+    return load_settings(Path(args.config) if args.config else None, overrides=overrides)
+
+
+def runtime_for(settings: Settings):  # type: ignore[no-untyped-def]
+    from keel.core.runtime import EmbeddedRuntime
+
+    return EmbeddedRuntime(
+        home=settings.home,
+        nats_port=settings.nats.port,
+        nats_monitor_port=settings.nats.monitor_port,
+        postgres_port=settings.postgres.port,
+        sync_always=settings.nats.sync_always,
+    )
+
+
+def endpoints(settings: Settings) -> tuple[str, str]:
+    """(NATS URL, database URL): external servers when configured, else the running embedded ones."""
+    nats_url, database_url = settings.nats_url, settings.database_url
+    if nats_url and database_url:
+        return nats_url, database_url
+    state_file = settings.home / "runtime.json"
+    if not state_file.exists():
+        raise CliError(f"no embedded runtime under {settings.home}: run `keel up` or set KEEL_NATS_URL and KEEL_DATABASE_URL")
+    state = json.loads(state_file.read_text())
+    return nats_url or state["nats"]["url"], database_url or state["postgres"]["dsn"]
+
+
+# -- up / down / status ---------------------------------------------------------------------------
+
+
+def _pid_file(settings: Settings, service: str) -> Path:
+    return settings.home / "services" / f"{service}.pid"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    return not cmdline.exists() or b"keel" in cmdline.read_bytes()
+
+
+def _service_pid(settings: Settings, service: str) -> int | None:
+    path = _pid_file(settings, service)
+    try:
+        pid = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _pid_alive(pid) else None
+
+
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    state: dict[str, Any] = {}
+    if not (settings.nats_url and settings.database_url):
+        state = runtime_for(settings).up()
+    nats_url, database_url = endpoints(settings)
+    from keel.core.store import run_migrations
+
+    run_migrations(database_url, settings.db_schema)
+    services_dir = settings.home / "services"
+    services_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
+    for service in SERVICES if not args.no_services else ():
+        if _service_pid(settings, service):
+            continue
+        log_path = services_dir / f"{service}.log"
+        with open(log_path, "ab") as log_file:
+            command = [sys.executable, "-m", "keel.cli.main"]
+            if args.config:
+                command += ["--config", args.config]
+            process = subprocess.Popen(
+                [*command, "service", service],
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        _pid_file(settings, service).write_text(f"{process.pid}\n")
+    print(json.dumps({"nats_url": nats_url, "database_url": database_url, **_status(settings, state)}, indent=2, default=str))
+    return 0
+
+
+def _status(settings: Settings, runtime_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    services = {}
+    for service in SERVICES:
+        pid = _service_pid(settings, service)
+        services[service] = {"running": pid is not None, "pid": pid}
+    result: dict[str, Any] = {"services": services}
+    if not (settings.nats_url and settings.database_url):
+        result["runtime"] = runtime_state or runtime_for(settings).status()
+    return result
+
+
+def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
+    for service in SERVICES:
+        pid = _service_pid(settings, service)
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        _pid_file(settings, service).unlink(missing_ok=True)
+    if not (settings.nats_url and settings.database_url):
+        runtime_for(settings).down()
+    print("keel: down")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    status = _status(settings)
+    print(json.dumps(status, indent=2, default=str))
+    return 0
+
+
+# -- services -------------------------------------------------------------------------------------
+
+
+def _run_until_signal(main: Callable[[asyncio.Event], Coroutine[Any, Any, None]]) -> None:
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    asyncio.run(runner())
+
+
+def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
+    nats_url, database_url = endpoints(settings)
+    if args.name == "recorder":
+        from keel.recorder.main import serve
+    elif args.name == "controller":
+        from keel.controller.main import serve
+    else:  # argparse's choices make this unreachable
+        raise CliError(f"unknown service {args.name}")
+    _run_until_signal(lambda stop: serve(settings, nats_url, database_url, stop))
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.core.store import run_migrations
+
+    _, database_url = endpoints(settings)
+    run_migrations(database_url, settings.db_schema)
+    print(f"keel: schema {settings.db_schema} is at the latest revision")
+    return 0
+
+
+# -- replay and events ----------------------------------------------------------------------------
+
+
+def deciders_for(settings: Settings) -> dict[str, Any]:
+    from keel.controller.main import decider_from_settings
+
+    return {"controller": decider_from_settings(settings)}
+
+
+def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.core.replay import verify
+    from keel.core.store import EventStore, create_engine
+
+    _, database_url = endpoints(settings)
+    deciders = deciders_for(settings)
+    if args.service and args.service not in deciders:
+        raise CliError(f"no decider named {args.service!r}; known: {', '.join(deciders)}")
+    chosen = [deciders[args.service]] if args.service else list(deciders.values())
+
+    async def load() -> list[Any]:
+        engine = create_engine(database_url, settings.db_schema)
+        try:
+            return [r.event async for r in EventStore(engine).read(job_id=args.job)]
+        finally:
+            await engine.dispose()
+
+    events = asyncio.run(load())
+    diverged = False
+    for decider in chosen:
+        report = verify(decider, events)
+        print(report.summary())
+        for divergence in report.divergences:
+            print("  " + divergence.describe().replace("\n", "\n  "))
+        diverged |= not report.clean
+    if args.verify and diverged:
+        return 1
+    return 0
+
+
+def _format_event(position: int, event: Any) -> str:
+    payload = event.payload.model_dump(mode="json")
+    brief = ", ".join(f"{k}={v}" for k, v in payload.items() if v not in ("", [], {}, None))
+    if len(brief) > 140:
+        brief = brief[:137] + "..."
+    stamp = event.occurred_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    return f"{position:>8} {stamp} {event.job_id:<10} {event.subject:<16} {event.type:<22} {event.producer:<12} {brief}"
+
+
+def cmd_events(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.core.store import EventStore, create_engine
+
+    _, database_url = endpoints(settings)
+
+    async def main() -> int:
+        engine = create_engine(database_url, settings.db_schema)
+        store = EventStore(engine)
+        try:
+            if args.events_command == "show":
+                try:
+                    event_id = uuid.UUID(args.id)
+                except ValueError:
+                    raise CliError(f"not an event id: {args.id!r}") from None
+                recorded = await store.get(event_id)
+                if recorded is None:
+                    raise CliError(f"no event {args.id} in the log")
+                print(json.dumps({"position": recorded.position, "js_seq": recorded.js_seq,
+                                  "recorded_at": recorded.recorded_at.isoformat(), **recorded.event.to_wire()}, indent=2))
+                return 0
+            head = await store.head_position()
+            after = max(0, head - args.n) if args.job is None else 0
+            recent = [r async for r in store.read(job_id=args.job, after_position=after)][-args.n :]
+            for recorded in recent:
+                print(_format_event(recorded.position, recorded.event))
+            position = recent[-1].position if recent else head
+            while args.follow:
+                await asyncio.sleep(0.5)
+                async for recorded in store.read(job_id=args.job, after_position=position):
+                    print(_format_event(recorded.position, recorded.event), flush=True)
+                    position = recorded.position
+            return 0
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_schema(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.core.catalogue import CATALOGUE_PATH, build_catalogue, render
+
+    text = render(build_catalogue())
+    if args.write:
+        CATALOGUE_PATH.write_text(text)
+        print(f"keel: wrote {CATALOGUE_PATH}")
+        return 0
+    if args.check:
+        if not CATALOGUE_PATH.exists() or CATALOGUE_PATH.read_text() != text:
+            print(f"keel: {CATALOGUE_PATH} is out of date; run `keel events schema --write`", file=sys.stderr)
+            return 1
+        print("keel: event catalogue is up to date")
+        return 0
+    print(text, end="")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.demo import run_demo
+
+    return run_demo(settings, config=args.config)
+
+
+# -- argument parsing -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keel", description="Keel: keep large training jobs productive.")
+    parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
+    parser.add_argument("--home", help="runtime directory for the embedded servers (default ~/.keel, KEEL_HOME)")
+    parser.add_argument("--nats-url", help="use this NATS server instead of the embedded one (KEEL_NATS_URL)")
+    parser.add_argument("--database-url", help="use this PostgreSQL instead of the embedded one (KEEL_DATABASE_URL)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the embedded NATS and PostgreSQL, migrate, start the services")
+    up.add_argument("--no-services", action="store_true", help="start only the servers")
+    up.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop the services and the embedded servers").set_defaults(func=cmd_down)
+    sub.add_parser("status", help="what is running").set_defaults(func=cmd_status)
+    sub.add_parser("migrate", help="bring the event store schema up to date").set_defaults(func=cmd_migrate)
+
+    service = sub.add_parser("service", help="run one service in the foreground")
+    service.add_argument("name", choices=SERVICES)
+    service.set_defaults(func=cmd_service)
+
+    replay = sub.add_parser("replay", help="fold the log through the current deciders and diff the decisions")
+    replay.add_argument("--job")
+    replay.add_argument("--service")
+    replay.add_argument("--verify", action="store_true", help="exit 1 when any decision diverges")
+    replay.set_defaults(func=cmd_replay)
+
+    events = sub.add_parser("events", help="read the event log")
+    events_sub = events.add_subparsers(dest="events_command", required=True)
+    tail = events_sub.add_parser("tail", help="the latest events")
+    tail.add_argument("--job")
+    tail.add_argument("-n", type=int, default=20)
+    tail.add_argument("-f", "--follow", action="store_true")
+    tail.set_defaults(func=cmd_events)
+    show = events_sub.add_parser("show", help="one event in full")
+    show.add_argument("id")
+    show.set_defaults(func=cmd_events)
+    schema = events_sub.add_parser("schema", help="the JSON Schema catalogue of every event type")
+    group = schema.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true")
+    group.add_argument("--check", action="store_true")
+    schema.set_defaults(func=cmd_schema)
+
+    sub.add_parser("demo", help="run the end-to-end demonstration").set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("nats").setLevel(logging.WARNING)
+    try:
+        settings = settings_from_args(args)
+        return int(args.func(args, settings))
+    except (ConfigError, CliError) as exc:
+        print(f"keel: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        # The embedded runtime's errors (port in use, data dir locked) are meant for people.
+        if type(exc).__module__ == "keel.core.runtime":
+            print(f"keel: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The NATS JetStream adapter: the only code in Keel that talks to NATS.
+
+Contracts:
+
+- ``publish`` / ``publish_many`` set ``Nats-Msg-Id`` to the event id and return only once JetStream
+  acknowledged every message (with ``sync_interval: always``, acknowledged means on disk). Transient
+  errors (timeouts, no responders, a reconnect) are retried with capped exponential backoff, a bounded
+  number of times, then raised as ``PublishFailed``.
+- Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
+- ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
+  original raw bytes, the headers say why and where it came from.
+
+Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 8 GiB — the stream is a durable
+buffer in front of Postgres, which keeps history for good; ``duplicate_window`` 2 min for dedup on
+``Nats-Msg-Id``; ``max_msg_size`` 1 MiB (NATS's max_payload) so that an oversized event still reaches
+the recorder and is dead-lettered with a reason rather than silently refused to the publisher's
+successor; the event limit itself is ``max_event_bytes`` (256 KiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from keel.core.config import BusSettings
+from keel.core.events import Event
+
+log = logging.getLogger(__name__)
+
+NATS_MAX_PAYLOAD_BYTES = 1024 * 1024
+HEADER_DLQ_REASON = "Keel-Dlq-Reason"
+HEADER_DLQ_SUBJECT = "Keel-Dlq-Original-Subject"
+HEADER_DLQ_STREAM_SEQ = "Keel-Dlq-Stream-Seq"
+
+_TRANSIENT = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.ServerError,
+)
+
+
+class PublishFailed(RuntimeError):
+    """JetStream did not acknowledge a publish after every retry."""
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    stream_seq: int
+    duplicate: bool
+
+
+class Bus:
+    """One connection to NATS plus the JetStream context, for one subject prefix."""
+
+    def __init__(self, nc: NatsClient, settings: BusSettings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=settings.publish_timeout.total_seconds())
+        self.settings = settings
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel") -> Bus:
+        """Connect (retrying while the server starts) and make sure both streams exist."""
+        nc = await nats.connect(
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=2,
+            allow_reconnect=True,
+            pending_size=64 * 1024 * 1024,
+        )
+        bus = cls(nc, settings)
+        await bus.ensure_streams()
+        return bus
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    @property
+    def events_subjects(self) -> str:
+        return f"{self.settings.subject_prefix}.>"
+
+    @property
+    def dlq_prefix(self) -> str:
+        return f"{self.settings.subject_prefix}_dlq"
+
+    def subject_for(self, event: Event) -> str:
+        """``<prefix>.<job>.<aggregate kind>.<type>``."""
+        return f"{self.settings.subject_prefix}.{event.job_id}.{event.aggregate_kind}.{event.type}"
+
+    async def ensure_streams(self) -> None:
+        s = self.settings
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=s.stream,
+                subjects=[self.events_subjects],
+                storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS,
+                max_age=s.max_age.total_seconds(),
+                max_bytes=s.max_bytes,
+                max_msg_size=NATS_MAX_PAYLOAD_BYTES,
+                duplicate_window=s.duplicate_window.total_seconds(),
+                discard=api.DiscardPolicy.OLD,
+            )
+        )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=s.dlq_stream,
+                subjects=[f"{self.dlq_prefix}.>"],
+                storage=api.StorageType.FILE,
+                max_age=s.max_age.total_seconds(),
+                max_bytes=s.max_bytes,
+                duplicate_window=s.duplicate_window.total_seconds(),
+            )
+        )
+
+    async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        try:
+            await self.js.stream_info(config.name)
+            await self.js.update_stream(config)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(config)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    async def publish(self, event: Event) -> PublishResult:
+        """Publish one event and wait for its acknowledgement (retrying transient errors)."""
+        return await self.publish_raw(self.subject_for(event), event.to_json(), msg_id=str(event.id))
+
+    async def publish_raw(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> PublishResult:
+        """Publish bytes as they are (tests and the dead-letter path use this directly)."""
+        all_headers = {api.Header.MSG_ID: msg_id, **(headers or {})}
+        delay_s = self.settings.retry_backoff_initial.total_seconds()
+        last_error: BaseException | None = None
+        for attempt in range(1, self.settings.publish_attempts + 1):
+            try:
+                ack = await self.js.publish(subject, data, headers=all_headers)
+                return PublishResult(ack.seq, bool(ack.duplicate))
+            except _TRANSIENT as exc:
+                last_error = exc
+                log.warning("publish to %s failed (attempt %d): %r", subject, attempt, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+        raise PublishFailed(f"publish to {subject} not acknowledged after {self.settings.publish_attempts} attempts: {last_error!r}")
+
+    async def publish_many(self, events: Sequence[Event], *, max_in_flight: int = 256) -> list[PublishResult]:
+        """Publish many events with up to ``max_in_flight`` unacknowledged; returns once all are acked."""
+        results: list[PublishResult | None] = [None] * len(events)
+        pending = list(range(len(events)))
+        delay_s = self.settings.retry_backoff_initial.total_seconds()
+        for attempt in range(1, self.settings.publish_attempts + 1):
+            failed: list[int] = []
+            for start in range(0, len(pending), max_in_flight):
+                window = pending[start : start + max_in_flight]
+                futures = []
+                for index in window:
+                    event = events[index]
+                    try:
+                        futures.append(
+                            await self.js.publish_async(
+                                self.subject_for(event), event.to_json(), headers={api.Header.MSG_ID: str(event.id)}
+                            )
+                        )
+                    except _TRANSIENT:
+                        futures.append(None)
+                for index, future in zip(window, futures):
+                    if future is None:
+                        failed.append(index)
+                        continue
+                    try:
+                        ack = await asyncio.wait_for(future, self.settings.publish_timeout.total_seconds())
+                        results[index] = PublishResult(ack.seq, bool(ack.duplicate))
+                    except (*_TRANSIENT, nats.js.errors.APIError):
+                        failed.append(index)
+            if not failed:
+                return [r for r in results if r is not None]
+            log.warning("%d of %d publishes not acknowledged (attempt %d); retrying", len(failed), len(pending), attempt)
+            pending = failed
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+        raise PublishFailed(f"{len(pending)} events not acknowledged after {self.settings.publish_attempts} attempts")
+
+    # -- consuming -----------------------------------------------------------------------------
+
+    async def pull_consumer(
+        self,
+        durable: str,
+        *,
+        filter_subject: str | None = None,
+        ack_all: bool = False,
+        max_deliver: int | None = None,
+        max_ack_pending: int = 20_000,
+    ) -> JetStreamContext.PullSubscription:
+        """A durable pull consumer on the events stream (created if missing, from the first message).
+
+        ``max_deliver`` bounds redelivery (``-1``: unbounded, for the recorder, which must never give
+        up on an event); by default ``BusSettings.max_deliver``.
+        """
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.ALL if ack_all else api.AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait.total_seconds(),
+            max_deliver=self.settings.max_deliver if max_deliver is None else max_deliver,
+            filter_subject=filter_subject or self.events_subjects,
+            max_ack_pending=max_ack_pending,
+        )
+        return await self.js.pull_subscribe(
+            config.filter_subject, durable=durable, stream=self.settings.stream, config=config
+        )
+
+    async def dead_letter(self, msg: Msg, reason: str) -> PublishResult:
+        """Copy ``msg`` (raw bytes) to the dead-letter stream with the reason; the caller then acks it."""
+        seq = msg.metadata.sequence.stream if msg.reply else 0
+        tail = msg.subject.split(".", 1)[1] if "." in msg.subject else msg.subject
+        headers = {
+            HEADER_DLQ_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
+            HEADER_DLQ_SUBJECT: msg.subject,
+            HEADER_DLQ_STREAM_SEQ: str(seq),
+        }
+        return await self.publish_raw(f"{self.dlq_prefix}.{tail}", msg.data, msg_id=f"dlq-{self.settings.stream}-{seq}", headers=headers)
+
+
+async def fetch_batch(sub: JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
+    """Fetch up to ``batch`` messages; an empty list when none arrived within ``timeout_s``."""
+    try:
+        return await sub.fetch(batch, timeout=timeout_s)
+    except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        return []

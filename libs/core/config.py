@@ -1,0 +1,210 @@
+"""Typed settings: defaults < YAML file < ``KEEL_*`` environment < CLI flags.
+
+Every duration and size carries a unit (see ``keel.core.units``). A bad value anywhere fails at start
+with a ``ConfigError`` that names the source, the field and the reason.
+
+Environment variables: ``KEEL_NATS_URL``, ``KEEL_DATABASE_URL``, ``KEEL_HOME`` and ``KEEL_CONFIG`` (the
+YAML path) are top-level; every other field is ``KEEL_<SECTION>__<FIELD>``, e.g.
+``KEEL_BUS__MAX_AGE=3d`` or ``KEEL_NATS__SYNC_ALWAYS=false``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from keel.core.units import ByteSize, Duration, parse_duration, parse_size
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or wrong; the message names the source, field and reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NatsSettings(_Section):
+    """The embedded NATS server (ignored when ``nats_url`` points at an external server)."""
+
+    port: int = Field(4322, ge=1, le=65535)
+    monitor_port: int = Field(8322, ge=1, le=65535)
+    sync_always: bool = True
+    """JetStream ``sync_interval: always``: an acknowledged publish is on disk. The single-server default."""
+
+
+class PostgresSettings(_Section):
+    """The embedded PostgreSQL server (ignored when ``database_url`` is set)."""
+
+    port: int = Field(5433, ge=1, le=65535)
+
+
+class BusSettings(_Section):
+    """The JetStream stream and consumer settings shared by every service."""
+
+    subject_prefix: str = "keel"
+    """Subjects are ``<prefix>.<job>.<aggregate>.<type>``; tests use their own prefix for isolation."""
+    stream: str = "KEEL"
+    dlq_stream: str = "KEEL_DLQ"
+    max_age: Duration = parse_duration("7d")
+    """Stream retention: Postgres is the system of record, the stream is a durable buffer in front of it."""
+    max_bytes: ByteSize = parse_size("8GiB")
+    duplicate_window: Duration = parse_duration("2m")
+    """JetStream dedup window on ``Nats-Msg-Id``: redelivered decisions inside it are dropped by the server."""
+    max_event_bytes: ByteSize = parse_size("256KiB")
+    """Largest accepted event; larger ones go to the dead-letter stream. Below NATS's 1 MiB max_payload."""
+    ack_wait: Duration = parse_duration("30s")
+    max_deliver: int = Field(10, ge=1)
+    """Bounded redelivery of a message whose effect keeps failing transiently."""
+    publish_attempts: int = Field(5, ge=1)
+    retry_backoff_initial: Duration = parse_duration("100ms")
+    retry_backoff_max: Duration = parse_duration("5s")
+    publish_timeout: Duration = parse_duration("5s")
+
+    @field_validator("subject_prefix", "stream", "dlq_stream")
+    @classmethod
+    def _token(cls, value: str) -> str:
+        if not _TOKEN_RE.match(value):
+            raise ValueError(f"must be letters, digits, '_' or '-' only, got {value!r}")
+        return value
+
+
+class RecorderSettings(_Section):
+    batch_size: int = Field(1000, ge=1, le=100_000)
+    fetch_timeout: Duration = parse_duration("200ms")
+    consumer: str = "recorder"
+
+
+class ControllerSettings(_Section):
+    observe_only: bool = False
+    """Observe mode: decide and record, execute nothing."""
+    command_ttl: Duration = parse_duration("5m")
+    """Every command expires; a cold start never executes a stale one."""
+
+
+class Settings(_Section):
+    """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
+
+    home: Path = Path("~/.keel").expanduser()
+    nats_url: str | None = None
+    database_url: str | None = None
+    db_schema: str = "public"
+    nats: NatsSettings = NatsSettings()
+    postgres: PostgresSettings = PostgresSettings()
+    bus: BusSettings = BusSettings()
+    recorder: RecorderSettings = RecorderSettings()
+    controller: ControllerSettings = ControllerSettings()
+
+    @field_validator("db_schema")
+    @classmethod
+    def _schema_token(cls, value: str) -> str:
+        if not re.match(r"^[a-z_][a-z0-9_]*$", value):
+            raise ValueError(f"must be a lower-case SQL identifier, got {value!r}")
+        return value
+
+
+_TOP_LEVEL_ENV = {
+    "KEEL_NATS_URL": "nats_url",
+    "KEEL_DATABASE_URL": "database_url",
+    "KEEL_HOME": "home",
+    "KEEL_DB_SCHEMA": "db_schema",
+}
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    layer: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name in _TOP_LEVEL_ENV:
+            layer[_TOP_LEVEL_ENV[name]] = value
+        elif name.startswith("KEEL_") and "__" in name:
+            section, _, field = name[len("KEEL_") :].lower().partition("__")
+            layer.setdefault(section, {})[field] = value
+    return layer
+
+
+def _yaml_layer(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _describe(source: str, error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        reason = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            reason = "unknown setting"
+        lines.append(f"{source}: {field}: {reason}")
+    return "; ".join(lines)
+
+
+def load_settings(
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge the layers and validate once.
+
+    ``overrides`` are CLI flags as a nested mapping (``{"nats": {"port": 5000}}``); ``None`` values are
+    ignored so unset flags do not mask lower layers. Raises ``ConfigError``.
+    """
+    environ = os.environ if environ is None else environ
+    if config_file is None and environ.get("KEEL_CONFIG"):
+        config_file = Path(environ["KEEL_CONFIG"])
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_file is not None:
+        layers.append((f"config file {config_file}", _yaml_layer(config_file)))
+    layers.append(("environment", _env_layer(environ)))
+    layers.append(("command line", _drop_none(overrides or {})))
+
+    merged: dict[str, Any] = {}
+    for source, layer in layers:
+        # Validate each layer on its own first so the error names the layer the bad value came from.
+        try:
+            Settings.model_validate(_deep_merge(merged, layer))
+        except ValidationError as exc:
+            raise ConfigError(_describe(source, exc)) from None
+        merged = _deep_merge(merged, layer)
+    settings = Settings.model_validate(merged)
+    return settings.model_copy(update={"home": settings.home.expanduser()})
+
+
+def _drop_none(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            nested = _drop_none(value)
+            if nested:
+                result[key] = nested
+        elif value is not None:
+            result[key] = value
+    return result

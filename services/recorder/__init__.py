@@ -1,0 +1,1 @@
+"""The recorder: persists every event exactly once and keeps the read models (projections) current."""

@@ -1,0 +1,27 @@
+"""``keel service recorder``: wire the recorder to NATS and Postgres and run it until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from keel.core.bus import Bus
+from keel.core.config import Settings
+from keel.core.store import create_engine, run_migrations
+from keel.recorder.adapter import Recorder
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event) -> None:
+    await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
+    bus = await Bus.connect(nats_url, settings.bus, name="keel-recorder")
+    engine = create_engine(database_url, settings.db_schema)
+    recorder = Recorder(bus, engine, settings.recorder)
+    try:
+        await recorder.start()
+        log.info("recorder: consuming %s into %s", bus.events_subjects, settings.db_schema)
+        await recorder.run(stop)
+    finally:
+        await bus.close()
+        await engine.dispose()

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from keel.core.config import ConfigError, load_settings
+from keel.core.units import format_duration, parse_duration, parse_size
+
+
+def test_defaults() -> None:
+    settings = load_settings(environ={})
+    assert settings.bus.max_age == timedelta(days=7)
+    assert settings.bus.max_event_bytes == 256 * 1024
+    assert settings.nats.sync_always is True
+    assert settings.nats_url is None
+
+
+def test_precedence_defaults_yaml_env_flags(tmp_path: Path) -> None:
+    config = tmp_path / "keel.yaml"
+    config.write_text("bus:\n  max_age: 3d\n  duplicate_window: 5m\nnats:\n  port: 5000\n")
+    env = {"KEEL_BUS__MAX_AGE": "2d", "KEEL_NATS_URL": "nats://env:4222"}
+    settings = load_settings(config, environ=env, overrides={"nats": {"port": 6000}, "nats_url": None})
+    assert settings.bus.duplicate_window == timedelta(minutes=5)  # YAML over default
+    assert settings.bus.max_age == timedelta(days=2)  # env over YAML
+    assert settings.nats.port == 6000  # flag over YAML
+    assert settings.nats_url == "nats://env:4222"  # an unset flag does not mask the env
+
+
+def test_config_path_from_environment(tmp_path: Path) -> None:
+    config = tmp_path / "k.yaml"
+    config.write_text("controller:\n  observe_only: true\n")
+    assert load_settings(environ={"KEEL_CONFIG": str(config)}).controller.observe_only is True
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("bus:\n  max_age: 30\n", "bus.max_age: duration needs a unit"),
+        ("bus:\n  max_age: soon\n", "bus.max_age: invalid duration 'soon'"),
+        ("bus:\n  max_bytes: 1000\n", "bus.max_bytes: size needs a unit"),
+        ("bus:\n  max_ages: 3d\n", "bus.max_ages: unknown setting"),
+        ("nats:\n  port: 70000\n", "nats.port"),
+        ("bus:\n  subject_prefix: 'a.b'\n", "bus.subject_prefix: must be letters"),
+        ("- a\n- b\n", "top level must be a mapping"),
+        ("bus: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_file_names_the_file_field_and_reason(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(config, environ={})
+    assert message in str(info.value)
+    assert str(config) in str(info.value)
+
+
+def test_bad_environment_value_names_the_environment() -> None:
+    with pytest.raises(ConfigError, match="environment: recorder.batch_size"):
+        load_settings(environ={"KEEL_RECORDER__BATCH_SIZE": "lots"})
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "absent.yaml", environ={})
+
+
+@pytest.mark.parametrize("text, seconds", [("250ms", 0.25), ("30s", 30), ("5m", 300), ("24h", 86400), ("7d", 604800), ("1.5s", 1.5)])
+def test_durations(text: str, seconds: float) -> None:
+    value = parse_duration(text)
+    assert value.total_seconds() == seconds
+    assert parse_duration(format_duration(value)) == value
+
+
+def test_sizes() -> None:
+    assert parse_size("256KiB") == 262144 and parse_size("8GiB") == 8 * 1024**3
+    with pytest.raises(ValueError):
+        parse_size("12 parsecs")
