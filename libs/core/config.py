@@ -93,7 +93,8 @@ class ControllerSettings(_Section):
 class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
-    home: Path = Path("~/.keel").expanduser()
+    home: Path = Field(default_factory=lambda: default_home())
+    """Where ``keel up`` keeps its servers' data, logs and pid files."""
     nats_url: str | None = None
     database_url: str | None = None
     db_schema: str = "public"
@@ -109,6 +110,14 @@ class Settings(_Section):
         if not re.match(r"^[a-z_][a-z0-9_]*$", value):
             raise ValueError(f"must be a lower-case SQL identifier, got {value!r}")
         return value
+
+
+def default_home() -> Path:
+    """``~/.keel``; as root ``/var/lib/keel``, because the embedded PostgreSQL runs as an unprivileged
+    account that cannot reach into ``/root``."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/keel")
+    return Path("~/.keel").expanduser()
 
 
 _TOP_LEVEL_ENV = {

@@ -140,7 +140,12 @@ class Recorder:
     async def _write(self, conn: AsyncConnection, plan: BatchPlan, by_seq: dict[int, Msg]) -> tuple[int, int]:
         rows = [event_row(event, seq, as_sent) for seq, as_sent, event in plan.accepted]
         new_positions = await append_events(conn, rows)
-        fresh = [event for _, _, event in plan.accepted if event.id in new_positions]
+        fresh, seen = [], set()
+        for _, _, event in plan.accepted:
+            # A duplicate inside one batch (same event id under two message ids) counts once.
+            if event.id in new_positions and event.id not in seen:
+                fresh.append(event)
+            seen.add(event.id)
         for projection in self.projections:
             await _apply_upserts(conn, projection.project(fresh))
         for seq, reason in plan.rejected:

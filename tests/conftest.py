@@ -1,0 +1,168 @@
+"""Shared fixtures: real NATS and PostgreSQL servers, started once per test session on free ports.
+
+With ``KEEL_NATS_URL`` / ``KEEL_DATABASE_URL`` set, those servers are used instead. Every test gets its
+own subject prefix, JetStream streams and Postgres schema (``keel_env``), so tests never see each
+other's events. Tests that restart a server start their own (``own_nats`` / ``own_postgres``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from keel.core.bus import Bus
+from keel.core.config import BusSettings, RecorderSettings, Settings
+from keel.core.runtime import NatsServer, PostgresServer, free_port
+from keel.core.store import EventStore, create_engine, run_migrations
+from keel.recorder.adapter import Recorder
+
+
+def _scratch_dir(prefix: str) -> Path:
+    # Not pytest's tmp_path: the embedded Postgres runs as an unprivileged user that must reach it.
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def scratch_dir() -> Iterator[Path]:
+    path = _scratch_dir("keel-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Servers:
+    nats_url: str
+    database_url: str
+
+
+@pytest.fixture(scope="session")
+def servers() -> Iterator[Servers]:
+    external_nats = os.environ.get("KEEL_NATS_URL")
+    external_db = os.environ.get("KEEL_DATABASE_URL")
+    root = _scratch_dir("keel-servers-")
+    started = []
+    try:
+        if external_nats:
+            nats_url = external_nats
+        else:
+            nats = NatsServer(store_dir=root / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
+            nats_url = nats.start()
+            started.append(nats)
+        if external_db:
+            database_url = external_db
+        else:
+            postgres = PostgresServer(data_dir=root / "pg", port=free_port())
+            database_url = postgres.start()
+            started.append(postgres)
+        yield Servers(nats_url, database_url)
+    finally:
+        for server in reversed(started):
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def isolated_settings(servers: Servers, **recorder: object) -> Settings:
+    """Settings with a fresh subject prefix, stream names and schema."""
+    tag = uuid.uuid4().hex[:10]
+    bus = BusSettings(subject_prefix=f"kt{tag}", stream=f"KT{tag}", dlq_stream=f"KT{tag}_DLQ")
+    return Settings(
+        nats_url=servers.nats_url,
+        database_url=servers.database_url,
+        db_schema=f"t_{tag}",
+        bus=bus,
+        recorder=RecorderSettings(**recorder),  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class KeelEnv:
+    """One test's slice of the servers: its own prefix, streams and schema, and helpers."""
+
+    settings: Settings
+    bus: Bus
+    store: EventStore
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    stops: list[asyncio.Event] = field(default_factory=list)
+
+    @property
+    def engine(self):  # type: ignore[no-untyped-def]
+        return self.store.engine
+
+    async def start_recorder(self, settings: RecorderSettings | None = None) -> Recorder:
+        recorder = Recorder(self.bus, self.engine, settings or self.settings.recorder)
+        await recorder.start()
+        stop = asyncio.Event()
+        self.stops.append(stop)
+        self.tasks.append(asyncio.create_task(recorder.run(stop)))
+        return recorder
+
+    async def wait_for_count(self, expected: int, timeout_s: float = 30.0) -> int:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        count = await self.store.count()
+        while count < expected and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            count = await self.store.count()
+        for task in self.tasks:
+            if task.done() and task.exception():
+                raise task.exception()  # type: ignore[misc]
+        return count
+
+    async def shutdown(self) -> None:
+        for stop in self.stops:
+            stop.set()
+        for task in self.tasks:
+            try:
+                await asyncio.wait_for(task, 10)
+            except Exception:  # noqa: BLE001 - teardown: the test has already reported
+                task.cancel()
+
+
+@pytest_asyncio.fixture
+async def keel_env(servers: Servers) -> AsyncIterator[KeelEnv]:
+    settings = isolated_settings(servers)
+    await asyncio.to_thread(run_migrations, servers.database_url, settings.db_schema)
+    bus = await Bus.connect(servers.nats_url, settings.bus)
+    engine = create_engine(servers.database_url, settings.db_schema)
+    env = KeelEnv(settings, bus, EventStore(engine))
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+        for stream in (settings.bus.stream, settings.bus.dlq_stream):
+            try:
+                await bus.js.delete_stream(stream)
+            except Exception:  # noqa: BLE001 - best-effort cleanup on a shared server
+                pass
+        await bus.close()
+        async with engine.begin() as conn:
+            from sqlalchemy import text
+
+            await conn.execute(text(f'DROP SCHEMA "{settings.db_schema}" CASCADE'))
+        await engine.dispose()
+
+
+@pytest.fixture
+def own_nats(scratch_dir: Path) -> Iterator[NatsServer]:
+    server = NatsServer(store_dir=scratch_dir / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_postgres(scratch_dir: Path) -> Iterator[PostgresServer]:
+    server = PostgresServer(data_dir=scratch_dir / "pg", port=free_port())
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,34 @@
+"""Event factories shared by tests and benchmarks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from keel.core.event_types import NodeHealthChanged, NodeRegistered
+from keel.core.events import Event
+
+T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
+
+
+def health_event(node: str, *, job: str = "job1", status: str = "degraded", fatal: bool = False,
+                 confidence: str = "low", component: str = "host", at: datetime = T0, detail: str = "") -> Event:
+    return Event.create(
+        NodeHealthChanged(node_id=node, status=status, component=component, check="psi_memory",  # type: ignore[arg-type]
+                          confidence=confidence, is_fatal=fatal, detail=detail),  # type: ignore[arg-type]
+        job_id=job, subject=f"node/{node}", producer="inspector", occurred_at=at,
+    )
+
+
+def fleet_events(count: int, *, job: str = "job1", nodes: int = 1200) -> list[Event]:
+    """``count`` realistic, non-fatal events from a fleet: registrations, then health flaps."""
+    events = []
+    for index in range(count):
+        node = f"n{index % nodes:04d}"
+        at = T0 + timedelta(milliseconds=index)
+        if index < nodes:
+            events.append(Event.create(NodeRegistered(node_id=node, host=f"host-{node}"), job_id=job,
+                                       subject=f"node/{node}", producer="agent", occurred_at=at))
+        else:
+            status = "degraded" if index % 2 else "healthy"
+            events.append(health_event(node, job=job, status=status, at=at, detail=f"sample {index}"))
+    return events
