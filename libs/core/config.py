@@ -61,7 +61,8 @@ class BusSettings(_Section):
     """JetStream dedup window on ``Nats-Msg-Id``: redelivered decisions inside it are dropped by the server."""
     max_event_bytes: ByteSize = parse_size("256KiB")
     """Largest accepted event; larger ones go to the dead-letter stream. Below NATS's 1 MiB max_payload."""
-    ack_wait: Duration = parse_duration("30s")
+    ack_wait: Duration = parse_duration("10s")
+    """How long a delivered, unacknowledged message waits before redelivery (a crashed consumer's batch)."""
     max_deliver: int = Field(10, ge=1)
     """Bounded redelivery of a message whose effect keeps failing transiently."""
     publish_attempts: int = Field(5, ge=1)

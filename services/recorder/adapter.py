@@ -3,7 +3,7 @@
 Per batch: fetch up to ``batch_size`` messages from the durable consumer; decode each (invalid ones
 go to the dead-letter stream and the ``dead_letters`` table, with the reason); in ONE transaction
 append the valid events (idempotent on event id), apply the projections to the newly stored ones and
-advance the tracking row; commit; only then acknowledge (AckAll on the last message of the batch).
+advance the tracking row; commit; only then acknowledge every message of the batch.
 
 A crash anywhere before the ack means redelivery, which the event-id uniqueness and the tracking row
 turn into a no-op. Transient Postgres errors (restart, lost connection) are retried with capped
@@ -64,7 +64,9 @@ class Recorder:
         self._sub = None
 
     async def start(self) -> None:
-        self._sub = await self.bus.pull_consumer(self.settings.consumer, ack_all=True, max_deliver=-1)
+        # Explicit acks, never AckAll: after a crash, the dead process's unacknowledged deliveries are
+        # still outstanding, and an AckAll from the successor would acknowledge them unrecorded.
+        self._sub = await self.bus.pull_consumer(self.settings.consumer, max_deliver=-1)
         self._tracked_seq = await self._load_tracking()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -87,9 +89,8 @@ class Recorder:
         by_seq = {m.metadata.sequence.stream: m for m in msgs}
         fresh, duplicates = await self._commit_with_retry(plan, by_seq)
         last_seq = max(by_seq)
-        # AckAll: acknowledging the highest sequence acknowledges everything below it. Safe because
-        # one recorder process handles its durable consumer's batches strictly one after another.
-        await by_seq[last_seq].ack()
+        for msg in msgs:
+            await msg.ack()
         self._tracked_seq = max(self._tracked_seq, last_seq)
         self.stats.batches += 1
         self.stats.recorded += fresh

@@ -1,0 +1,180 @@
+"""Crashes and restarts with real processes: nothing acknowledged is lost, nothing is recorded twice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from keel.core.bus import Bus, PublishFailed
+from keel.core.config import Settings
+from keel.core.store import EventStore, create_engine, run_migrations
+from keel.core.runtime import NatsServer, PostgresServer
+from keel.recorder.adapter import Recorder
+
+from tests.conftest import Servers, isolated_settings
+from tests.factories import fleet_events
+
+pytestmark = pytest.mark.integration
+
+
+def service_env(settings: Settings) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KEEL_NATS_URL": settings.nats_url or "",
+        "KEEL_DATABASE_URL": settings.database_url or "",
+        "KEEL_DB_SCHEMA": settings.db_schema,
+        "KEEL_BUS__SUBJECT_PREFIX": settings.bus.subject_prefix,
+        "KEEL_BUS__STREAM": settings.bus.stream,
+        "KEEL_BUS__DLQ_STREAM": settings.bus.dlq_stream,
+        "KEEL_RECORDER__BATCH_SIZE": "200",
+        "KEEL_BUS__ACK_WAIT": "3s",  # redeliver a killed recorder's batch quickly
+    }
+
+
+def start_recorder_process(settings: Settings, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "keel.cli.main", "service", "recorder"],
+            env=service_env(settings), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+
+
+async def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_recorder_killed_mid_batch_loses_nothing_and_duplicates_nothing(keel_env, scratch_dir: Path) -> None:
+    total = 6000
+    events = fleet_events(total)
+    log = scratch_dir / "recorder.log"
+    recorder = start_recorder_process(keel_env.settings, log)
+    try:
+        publishing = asyncio.create_task(keel_env.bus.publish_many(events, max_in_flight=128))
+        store = keel_env.store
+
+        async def some_recorded() -> bool:
+            return await store.count() >= 500
+
+        await wait_until(some_recorded, 60, "the recorder to record its first batches")
+        recorder.send_signal(signal.SIGKILL)
+        recorder.wait(10)
+        killed_at = await store.count()
+        await publishing
+        assert killed_at < total, "the kill came too late to test anything"
+
+        recorder = start_recorder_process(keel_env.settings, log)
+
+        async def all_recorded() -> bool:
+            return await store.count() >= total
+
+        await wait_until(all_recorded, 60, "the restarted recorder to catch up")
+        await asyncio.sleep(0.5)  # anything recorded twice would show up now
+        ids = [r.event.id async for r in store.read()]
+        assert len(ids) == total
+        assert set(ids) == {e.id for e in events}
+    finally:
+        recorder.terminate()
+        recorder.wait(10)
+    assert recorder.returncode == 0, log.read_text()[-2000:]
+
+
+async def test_nats_killed_mid_stream_every_acknowledged_event_reaches_postgres(
+    own_nats: NatsServer, servers: Servers
+) -> None:
+    settings = isolated_settings(Servers(own_nats.url, servers.database_url))
+    await asyncio.to_thread(run_migrations, servers.database_url, settings.db_schema)
+    engine = create_engine(servers.database_url, settings.db_schema)
+    store = EventStore(engine)
+    publisher = await Bus.connect(own_nats.url, settings.bus, name="publisher")
+    consumer_bus = await Bus.connect(own_nats.url, settings.bus, name="recorder")
+    recorder = Recorder(consumer_bus, engine, settings.recorder)
+    await recorder.start()
+    stop = asyncio.Event()
+    recording = asyncio.create_task(recorder.run(stop))
+    acknowledged: set[uuid.UUID] = set()
+    refused = 0
+    try:
+        for index, event in enumerate(fleet_events(1500)):
+            if index == 500:
+                own_nats.kill()  # SIGKILL: no chance to flush anything not already on disk
+                restarting = asyncio.create_task(asyncio.to_thread(_restart_later, own_nats, 0.5))
+            try:
+                await publisher.publish(event)
+                acknowledged.add(event.id)
+            except PublishFailed:
+                refused += 1
+        await restarting
+
+        async def all_acknowledged_recorded() -> bool:
+            if recording.done():
+                recording.result()
+            return await store.count() >= len(acknowledged)
+
+        await wait_until(all_acknowledged_recorded, 60, "acknowledged events to reach Postgres")
+        recorded = {r.event.id async for r in store.read()}
+        assert acknowledged <= recorded
+        assert len(acknowledged) >= 1000, f"only {len(acknowledged)} acknowledged, {refused} refused"
+    finally:
+        stop.set()
+        await asyncio.wait_for(recording, 30)
+        await publisher.close()
+        await consumer_bus.close()
+        await engine.dispose()
+
+
+def _restart_later(server: NatsServer, delay_s: float) -> None:
+    import time
+
+    time.sleep(delay_s)
+    server.start()
+
+
+async def test_postgres_restarted_recorder_retries_and_catches_up(own_postgres: PostgresServer, servers: Servers) -> None:
+    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn))
+    await asyncio.to_thread(run_migrations, own_postgres.dsn, settings.db_schema)
+    engine = create_engine(own_postgres.dsn, settings.db_schema)
+    store = EventStore(engine)
+    bus = await Bus.connect(servers.nats_url, settings.bus)
+    recorder = Recorder(bus, engine, settings.recorder)
+    await recorder.start()
+    stop = asyncio.Event()
+    recording = asyncio.create_task(recorder.run(stop))
+    events = fleet_events(3000)
+    try:
+        await bus.publish_many(events[:1000])
+
+        async def first_part() -> bool:
+            return await store.count() >= 1000
+
+        await wait_until(first_part, 30, "the first 1000 events")
+        await asyncio.to_thread(own_postgres.stop)
+        await bus.publish_many(events[1000:])  # JetStream keeps accepting while Postgres is down
+        await asyncio.sleep(1.0)
+        assert not recording.done()
+        await asyncio.to_thread(own_postgres.start)
+
+        async def everything() -> bool:
+            return await store.count() >= 3000
+
+        await wait_until(everything, 60, "the recorder to catch up after the restart")
+        ids = [r.event.id async for r in store.read()]
+        assert len(ids) == len(set(ids)) == 3000
+        assert recorder.stats.db_retries > 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(recording, 30)
+        for stream in (settings.bus.stream, settings.bus.dlq_stream):
+            await bus.js.delete_stream(stream)
+        await bus.close()
+        await engine.dispose()
