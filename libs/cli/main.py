@@ -310,7 +310,7 @@ def cmd_schema(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from keel.cli.demo import run_demo
 
-    return run_demo(settings, config=args.config)
+    return run_demo(settings, config=args.config, keep=args.keep)
 
 
 # -- argument parsing -----------------------------------------------------------------------------
@@ -358,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--check", action="store_true")
     schema.set_defaults(func=cmd_schema)
 
-    sub.add_parser("demo", help="run the end-to-end demonstration").set_defaults(func=cmd_demo)
+    demo = sub.add_parser("demo", help="run the end-to-end demonstration")
+    demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
