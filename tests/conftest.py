@@ -75,7 +75,8 @@ def servers() -> Iterator[Servers]:
 def isolated_settings(servers: Servers, **recorder: object) -> Settings:
     """Settings with a fresh subject prefix, stream names and schema."""
     tag = uuid.uuid4().hex[:10]
-    bus = BusSettings(subject_prefix=f"kt{tag}", stream=f"KT{tag}", dlq_stream=f"KT{tag}_DLQ")
+    # Small streams: JetStream reserves max_bytes of disk per stream up front.
+    bus = BusSettings(subject_prefix=f"kt{tag}", stream=f"KT{tag}", dlq_stream=f"KT{tag}_DLQ", max_bytes="256MiB")
     return Settings(
         nats_url=servers.nats_url,
         database_url=servers.database_url,

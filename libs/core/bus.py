@@ -10,7 +10,8 @@ Contracts:
 - ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
   original raw bytes, the headers say why and where it came from.
 
-Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 8 GiB — the stream is a durable
+Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 2 GiB per stream (reserved up front by
+JetStream), ``replicas`` 1 (3 in production clusters) — the stream is a durable
 buffer in front of Postgres, which keeps history for good; ``duplicate_window`` 2 min for dedup on
 ``Nats-Msg-Id``; ``max_msg_size`` 1 MiB (NATS's max_payload) so that an oversized event still reaches
 the recorder and is dead-lettered with a reason rather than silently refused to the publisher's
@@ -124,6 +125,7 @@ class Bus:
                 max_msg_size=NATS_MAX_PAYLOAD_BYTES,
                 duplicate_window=s.duplicate_window.total_seconds(),
                 discard=api.DiscardPolicy.OLD,
+                num_replicas=s.replicas,
             )
         )
         await self._ensure_stream(
@@ -134,6 +136,7 @@ class Bus:
                 max_age=s.max_age.total_seconds(),
                 max_bytes=s.max_bytes,
                 duplicate_window=s.duplicate_window.total_seconds(),
+                num_replicas=s.replicas,
             )
         )
 

@@ -56,7 +56,10 @@ class BusSettings(_Section):
     dlq_stream: str = "KEEL_DLQ"
     max_age: Duration = parse_duration("7d")
     """Stream retention: Postgres is the system of record, the stream is a durable buffer in front of it."""
-    max_bytes: ByteSize = parse_size("8GiB")
+    max_bytes: ByteSize = parse_size("2GiB")
+    """Per stream. JetStream reserves this much file storage up front, so it must fit the disk."""
+    replicas: int = Field(1, ge=1, le=5)
+    """JetStream stream replicas: 1 for the embedded single server, 3 (R3) in production clusters."""
     duplicate_window: Duration = parse_duration("2m")
     """JetStream dedup window on ``Nats-Msg-Id``: redelivered decisions inside it are dropped by the server."""
     max_event_bytes: ByteSize = parse_size("256KiB")

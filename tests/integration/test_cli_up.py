@@ -1,0 +1,99 @@
+"""`keel up` / `keel status` / `keel down` as a user runs them: real servers and services in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.core.bus import Bus
+from keel.core.config import BusSettings
+from keel.core.runtime import free_port
+from keel.core.store import EventStore, create_engine
+
+from tests.factories import health_event
+
+pytestmark = pytest.mark.integration
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KEEL_NATS_URL", "KEEL_DATABASE_URL")}
+    env.update(
+        KEEL_HOME=str(home),
+        KEEL_NATS__PORT=str(free_port()),
+        KEEL_NATS__MONITOR_PORT=str(free_port()),
+        KEEL_POSTGRES__PORT=str(free_port()),
+    )
+    return env
+
+
+def keel(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "keel.cli.main", *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) -> None:
+    env = cli_env(scratch_dir / "home")
+    up = keel(env, "up")
+    try:
+        assert up.returncode == 0, up.stderr
+        state = json.loads(up.stdout)
+        pids = [state["services"][s]["pid"] for s in ("recorder", "controller")]
+        pids += [state["runtime"]["nats"]["pid"], state["runtime"]["postgres"]["pid"]]
+        assert all(pids) and all(pid_alive(pid) for pid in pids)
+
+        again = keel(env, "up")
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)["services"] == state["services"]  # idempotent: same processes
+
+        async def publish_and_read() -> int:
+            bus = await Bus.connect(state["nats_url"], BusSettings())
+            await bus.publish(health_event("n1", status="failed", fatal=True, confidence="high", component="gpu"))
+            await bus.close()
+            engine = create_engine(state["database_url"])
+            store = EventStore(engine)
+            deadline = time.monotonic() + 30
+            while await store.count() < 2 and time.monotonic() < deadline:  # the event and the eviction
+                await asyncio.sleep(0.1)
+            count = await store.count()
+            await engine.dispose()
+            return count
+
+        assert asyncio.run(publish_and_read()) == 2
+        status = json.loads(keel(env, "status").stdout)
+        assert status["services"]["recorder"]["running"] and status["runtime"]["nats"]["running"]
+    finally:
+        down = keel(env, "down")
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(pid) for pid in pids)
+    assert keel(env, "down").returncode == 0  # idempotent
+    status = json.loads(keel(env, "status").stdout)
+    assert not status["services"]["recorder"]["running"] and not status["runtime"]["postgres"]["running"]
+
+
+def test_up_with_a_taken_port_says_which_and_starts_nothing(scratch_dir: Path) -> None:
+    env = cli_env(scratch_dir / "home")
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", int(env["KEEL_NATS__PORT"])))
+        blocker.listen()
+        result = keel(env, "up")
+    assert result.returncode == 2
+    assert env["KEEL_NATS__PORT"] in result.stderr and "Traceback" not in result.stderr
+    assert not json.loads(keel(env, "status").stdout)["runtime"]["nats"]["running"]
