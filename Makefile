@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test unit integration demo bench bench-quick schema clean
+.PHONY: install test unit integration demo bench bench-quick schema proto clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ bench-quick: install
 
 schema: install
 	$(BIN)/keel events schema --write
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/core/protocol \
+		--pyi_out=libs/core/protocol proto/keel/agent/v1/node_local.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -102,3 +102,85 @@ class NodeEvicted(EventPayload):
     outcome: Literal["evicted", "expired", "failed", "skipped_observe_only"]
     detail: str = ""
 
+
+
+# -- node agent, ranks and fault injection (node agent issue) ---------------------------------------
+
+ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent", "success"]
+FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full"]
+
+
+@event_type("NodeHeartbeat", version=1, aggregate="node")
+class NodeHeartbeat(EventPayload):
+    """Periodic liveness of a node agent and a summary of its ranks (not every sample)."""
+
+    node_id: str
+    standby: bool = False
+    ranks_alive: int = Field(ge=0)
+    ranks_expected: int = Field(ge=0)
+    last_step: int = -1
+    step_time_p50_s: float | None = None
+    """Median step time over the last interval, across this node's ranks."""
+    health: HealthStatus = "healthy"
+
+
+@event_type("RankStarted", version=1, aggregate="rank")
+class RankStarted(EventPayload):
+    """The agent started one training process. ``generation`` counts in-place restarts of the job."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    pid: int
+    generation: int = Field(ge=0)
+
+
+@event_type("RankExited", version=1, aggregate="rank")
+class RankExited(EventPayload):
+    """A training process ended, with its exit status, the tail of its stderr and a classification."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    pid: int
+    generation: int = Field(ge=0)
+    exit_code: int | None
+    signal: str | None = None
+    classification: ExitClass
+    error_type: str = ""
+    """The exception class or error marker found in stderr (``TypeError``, ``NCCL error``, ``OOM``...)."""
+    stderr_tail: str = ""
+    reason: str = ""
+    """Why the classifier chose ``classification``."""
+
+
+@event_type("RanksRestartRequested", version=1, aggregate="node")
+class RanksRestartRequested(EventPayload):
+    """A command: restart this node's ranks in place as ``generation``. Ignored after ``expires_at``."""
+
+    node_id: str
+    generation: int = Field(ge=1)
+    reason: str
+    expires_at: AwareDatetime
+
+
+@event_type("RanksRestarted", version=1, aggregate="node")
+class RanksRestarted(EventPayload):
+    """The agent carried out (or refused) a restart command."""
+
+    node_id: str
+    command_id: str
+    generation: int = Field(ge=0)
+    outcome: Literal["restarted", "expired", "failed", "stale_generation"]
+    detail: str = ""
+
+
+@event_type("FaultInjected", version=1, aggregate="node")
+class FaultInjected(EventPayload):
+    """``keel inject`` broke something on purpose; detection latency is measured from this event."""
+
+    kind: FaultKind
+    node_id: str
+    rank: int | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    injected_by: str = "keel inject"
