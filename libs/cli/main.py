@@ -110,25 +110,46 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     services_dir = settings.home / "services"
     services_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
+    started: dict[str, subprocess.Popen] = {}
     for service in SERVICES if not args.no_services else ():
         if _service_pid(settings, service):
             continue
         log_path = services_dir / f"{service}.log"
+        ready_file = services_dir / f"{service}.ready"
+        ready_file.unlink(missing_ok=True)
         with open(log_path, "ab") as log_file:
             command = [sys.executable, "-m", "keel.cli.main"]
             if args.config:
                 command += ["--config", args.config]
             process = subprocess.Popen(
                 [*command, "service", service],
-                env=env,
+                env={**env, "KEEL_SERVICE_READY_FILE": str(ready_file)},
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         _pid_file(settings, service).write_text(f"{process.pid}\n")
+        started[service] = process
+    _wait_until_ready(settings, started, timeout_s=60.0)
     print(json.dumps({"nats_url": nats_url, "database_url": database_url, **_status(settings, state)}, indent=2, default=str))
     return 0
+
+
+def _wait_until_ready(settings: Settings, started: dict[str, subprocess.Popen], timeout_s: float) -> None:
+    """Return once every started service consumes live; raise with its log tail if one dies."""
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(started)
+    while waiting:
+        for service, process in list(waiting.items()):
+            if (settings.home / "services" / f"{service}.ready").exists():
+                del waiting[service]
+            elif process.poll() is not None:
+                log_tail = (settings.home / "services" / f"{service}.log").read_text(errors="replace")[-2000:]
+                raise CliError(f"service {service} exited with status {process.returncode} while starting:\n{log_tail}")
+        if waiting and time.monotonic() > deadline:
+            raise CliError(f"services not ready after {timeout_s:.0f} s: {', '.join(waiting)} (see {settings.home / 'services'})")
+        time.sleep(0.05)
 
 
 def _status(settings: Settings, runtime_state: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -187,7 +208,13 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.controller.main import serve
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")
-    _run_until_signal(lambda stop: serve(settings, nats_url, database_url, stop))
+    ready_file = os.environ.get("KEEL_SERVICE_READY_FILE")
+
+    def on_ready() -> None:
+        if ready_file:
+            Path(ready_file).write_text(f"{os.getpid()}\n")
+
+    _run_until_signal(lambda stop: serve(settings, nats_url, database_url, stop, on_ready))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from keel.controller.core import ControllerDecider, ControllerPolicy
 from keel.core.bus import Bus
@@ -21,7 +22,10 @@ def decider_from_settings(settings: Settings) -> ControllerDecider:
     return ControllerDecider(policy)
 
 
-async def serve(settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event) -> None:
+async def serve(
+    settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None
+) -> None:
+    """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
     await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
     bus = await Bus.connect(nats_url, settings.bus, name="keel-controller")
     engine = create_engine(database_url, settings.db_schema)
@@ -29,6 +33,7 @@ async def serve(settings: Settings, nats_url: str, database_url: str, stop: asyn
     try:
         await runner.start()
         log.info("controller: state rebuilt from the log; consuming live")
+        on_ready()
         await runner.run(stop)
     finally:
         await bus.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from keel.core.bus import Bus
 from keel.core.config import Settings
@@ -13,7 +14,10 @@ from keel.recorder.adapter import Recorder
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event) -> None:
+async def serve(
+    settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None
+) -> None:
+    """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
     await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
     bus = await Bus.connect(nats_url, settings.bus, name="keel-recorder")
     engine = create_engine(database_url, settings.db_schema)
@@ -21,6 +25,7 @@ async def serve(settings: Settings, nats_url: str, database_url: str, stop: asyn
     try:
         await recorder.start()
         log.info("recorder: consuming %s into %s", bus.events_subjects, settings.db_schema)
+        on_ready()
         await recorder.run(stop)
     finally:
         await bus.close()
