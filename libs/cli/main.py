@@ -334,6 +334,16 @@ def cmd_schema(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.agent_cmd import run_agent
+
+    try:
+        nats_url: str | None = endpoints(settings)[0] if not settings.nats_url else settings.nats_url
+    except CliError:
+        nats_url = None
+    return run_agent(args.launch_args, settings, nats_url)
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from keel.cli.demo import run_demo
 
@@ -385,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--check", action="store_true")
     schema.set_defaults(func=cmd_schema)
 
+    run = sub.add_parser("run", help="launch and supervise one node's ranks (torchrun-compatible)", add_help=False)
+    run.add_argument("launch_args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
+
     demo = sub.add_parser("demo", help="run the end-to-end demonstration")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
     demo.set_defaults(func=cmd_demo)
@@ -393,7 +407,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    launch_args: list[str] | None = None
+    if "run" in argv:
+        # Everything after `run` belongs to the launcher (torchrun flags start with dashes, which
+        # argparse would otherwise try to read as keel's own).
+        index = argv.index("run")
+        argv, launch_args = argv[: index + 1], argv[index + 1 :]
     args = parser.parse_args(argv)
+    if launch_args is not None:
+        args.launch_args = launch_args
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,187 @@
+"""Start, watch, stop and restart one node's rank processes (adapter: processes and pipes only).
+
+Every rank runs in its own process group, so stopping a rank also stops its dataloader workers and
+other children. A rank's stderr is kept as a bounded tail (for exit classification) and written in
+full to ``<agent_dir>/logs/``. Restarts in place use a new *generation*: a new rendezvous port, so no
+stale store keys survive (see ``LaunchSpec.master_port_for``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from keel.agent.launch_spec import LaunchSpec
+
+log = logging.getLogger(__name__)
+
+STDERR_TAIL_LINES = 40
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    local_rank: int
+    generation: int
+    popen: subprocess.Popen
+    started_at_s: float
+    started_at_utc: datetime
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
+    stopping: bool = False
+    """Set when the agent itself stops the rank: its exit is not a failure."""
+    reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tail_text(self) -> str:
+        return "".join(self.stderr_tail)
+
+
+@dataclass(frozen=True)
+class RankExit:
+    rank: int
+    local_rank: int
+    pid: int
+    generation: int
+    exit_code: int | None
+    signal: str | None
+    stderr_tail: str
+    stopped_by_agent: bool
+
+
+def _pump_stderr(stream, tail: collections.deque, log_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with open(log_path, "ab") as log_file:
+        for line in iter(stream.readline, b""):
+            log_file.write(line)
+            log_file.flush()
+            tail.append(line.decode(errors="replace"))
+    stream.close()
+
+
+class RankSupervisor:
+    """Owns the rank processes of one node. Not thread-safe: call from the agent's loop only."""
+
+    def __init__(self, spec: LaunchSpec, socket_path: Path, fault_file: Path, python: str = sys.executable) -> None:
+        self.spec = spec
+        self.socket_path = socket_path
+        self.fault_file = fault_file
+        self.python = python
+        self.ranks: dict[int, RankProcess] = {}
+        self.generation = 0
+        self.logs_dir = spec.agent_dir / "logs"
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+
+    def rank_env(self, local_rank: int, generation: int) -> dict[str, str]:
+        spec = self.spec
+        env = dict(os.environ)
+        env.update(
+            RANK=str(spec.global_rank(local_rank)),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=str(spec.world_size),
+            LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
+            GROUP_RANK=str(spec.node_rank),
+            NODE_RANK=str(spec.node_rank),
+            ROLE_RANK=str(spec.global_rank(local_rank)),
+            ROLE_WORLD_SIZE=str(spec.world_size),
+            MASTER_ADDR=spec.master_addr,
+            MASTER_PORT=str(spec.master_port_for(generation)),
+            TORCHELASTIC_RESTART_COUNT=str(generation),
+            KEEL_JOB_ID=spec.job_id,
+            KEEL_NODE_ID=spec.node_id,
+            KEEL_AGENT_SOCKET=str(self.socket_path),
+            KEEL_GENERATION=str(generation),
+            KEEL_FAULT_FILE=str(self.fault_file),
+            PYTHONUNBUFFERED="1",
+        )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def start_all(self, generation: int) -> list[RankProcess]:
+        """Start every local rank as ``generation``. The previous generation must be stopped first."""
+        if any(p.popen.poll() is None for p in self.ranks.values()):
+            raise RuntimeError("start_all while ranks of the previous generation still run; stop_all first")
+        self.generation = generation
+        self.ranks = {}
+        for local_rank in range(self.spec.nproc_per_node):
+            rank = self.spec.global_rank(local_rank)
+            stdout_path = self.logs_dir / f"rank{rank}.g{generation}.stdout"
+            stderr_path = self.logs_dir / f"rank{rank}.g{generation}.stderr"
+            with open(stdout_path, "ab") as stdout:
+                popen = subprocess.Popen(
+                    [self.python, *self.spec.command],
+                    env=self.rank_env(local_rank, generation),
+                    stdout=stdout,
+                    stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            process = RankProcess(rank, local_rank, generation, popen, time.monotonic(), datetime.now(UTC))
+            assert popen.stderr is not None
+            process.reader = threading.Thread(
+                target=_pump_stderr, args=(popen.stderr, process.stderr_tail, stderr_path),
+                name=f"rank{rank}-stderr", daemon=True,
+            )
+            process.reader.start()
+            self.ranks[rank] = process
+        return list(self.ranks.values())
+
+    def poll(self) -> list[RankExit]:
+        """Ranks that exited since the last call (each reported once)."""
+        exits = []
+        for rank, process in list(self.ranks.items()):
+            code = process.popen.poll()
+            if code is None:
+                continue
+            if process.reader is not None:
+                process.reader.join(timeout=2)  # the tail is complete once the pipe is drained
+            del self.ranks[rank]
+            exits.append(
+                RankExit(
+                    rank=rank,
+                    local_rank=process.local_rank,
+                    pid=process.pid,
+                    generation=process.generation,
+                    exit_code=code if code >= 0 else None,
+                    signal=signal.Signals(-code).name if code < 0 else None,
+                    stderr_tail=process.tail_text(),
+                    stopped_by_agent=process.stopping,
+                )
+            )
+        return exits
+
+    def alive(self) -> list[RankProcess]:
+        return [p for p in self.ranks.values() if p.popen.poll() is None]
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every rank's process group, then SIGKILL what is left after ``grace_s``."""
+        for process in self.ranks.values():
+            process.stopping = True
+            self._signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for process in self.alive():
+            self._signal_group(process, signal.SIGKILL)
+        for process in self.ranks.values():
+            try:
+                process.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log.error("rank %d (pid %d) did not die after SIGKILL", process.rank, process.pid)
+
+    @staticmethod
+    def _signal_group(process: RankProcess, sig: signal.Signals) -> None:
+        try:
+            os.killpg(process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
