@@ -337,11 +337,68 @@ def cmd_schema(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from keel.cli.agent_cmd import run_agent
 
+    return run_agent(args.launch_args, settings, _nats_url_or_none(settings))
+
+
+def _nats_url_or_none(settings: Settings) -> str | None:
+    if settings.nats_url:
+        return settings.nats_url
     try:
-        nats_url: str | None = endpoints(settings)[0] if not settings.nats_url else settings.nats_url
+        return endpoints(settings)[0]
     except CliError:
-        nats_url = None
-    return run_agent(args.launch_args, settings, nats_url)
+        return None
+
+
+def cmd_cluster(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.cluster import ClusterError, cluster_dir, cluster_down, cluster_status, cluster_up
+
+    directory = cluster_dir(settings, args.dir)
+    try:
+        if args.cluster_command == "up":
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            state = cluster_up(settings, directory, nodes=args.nodes, standby=args.standby,
+                               nproc_per_node=args.nproc_per_node, job_id=args.job_id, command=command,
+                               nats_url=_nats_url_or_none(settings), probe_interval=args.probe_interval,
+                               heartbeat_interval=args.heartbeat_interval)
+            print(json.dumps(state, indent=2))
+        elif args.cluster_command == "down":
+            stopped = cluster_down(directory)
+            print(f"keel: cluster down ({len(stopped)} agents stopped)")
+        else:
+            print(json.dumps(cluster_status(directory), indent=2))
+    except ClusterError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
+def cmd_inject(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.cluster import ClusterError, FaultSpec, cluster_dir, inject, load_scenario
+
+    directory = cluster_dir(settings, args.dir)
+    try:
+        if args.scenario:
+            faults = load_scenario(Path(args.scenario)).faults
+        else:
+            if not args.kind or not args.node:
+                raise CliError("keel inject KIND --node NODE [--rank R] [--param k=v], or --scenario FILE")
+            params = {}
+            for item in args.param:
+                key, sep, value = item.partition("=")
+                if not sep:
+                    raise CliError(f"--param takes key=value, got {item!r}")
+                try:
+                    params[key] = json.loads(value)
+                except ValueError:
+                    params[key] = value
+            try:
+                faults = [FaultSpec(kind=args.kind, node=args.node, rank=args.rank, params=params)]
+            except ValueError as exc:
+                raise CliError(f"invalid fault: {exc}") from None
+        for line in inject(settings, directory, faults, _nats_url_or_none(settings)):
+            print(f"keel: injected {line}")
+    except ClusterError as exc:
+        raise CliError(str(exc)) from None
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
@@ -399,20 +456,63 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("launch_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=cmd_run)
 
+    cluster = sub.add_parser("cluster", help="a local multi-node cluster of node agents")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    cluster_up = cluster_sub.add_parser("up", help="start N agents running the training command")
+    cluster_up.add_argument("--nodes", type=int, required=True)
+    cluster_up.add_argument("--standby", type=int, default=0)
+    cluster_up.add_argument("--nproc-per-node", type=int, default=1)
+    cluster_up.add_argument("--job-id", default="job")
+    cluster_up.add_argument("--dir", help="cluster state directory (default <home>/cluster)")
+    cluster_up.add_argument("--probe-interval", default="1s")
+    cluster_up.add_argument("--heartbeat-interval", default="5s")
+    cluster_up.add_argument("command", nargs=argparse.REMAINDER, help="-- [-m module | script.py] [args]")
+    cluster_up.set_defaults(func=cmd_cluster)
+    for name, text in (("down", "stop every agent and rank"), ("status", "agents and their ranks")):
+        parser_ = cluster_sub.add_parser(name, help=text)
+        parser_.add_argument("--dir")
+        parser_.set_defaults(func=cmd_cluster)
+
+    inject = sub.add_parser("inject", help="inject a fault into the local cluster")
+    inject.add_argument("kind", nargs="?", help="crash hang slow nan oom gpu-lost xid nic-down disk-full")
+    inject.add_argument("--node")
+    inject.add_argument("--rank", type=int)
+    inject.add_argument("--param", action="append", default=[], help="key=value (JSON values allowed)")
+    inject.add_argument("--scenario", help="YAML file: faults: [{at: 10s, kind: hang, node: n01, rank: 2}]")
+    inject.add_argument("--dir")
+    inject.set_defaults(func=cmd_inject)
+
     demo = sub.add_parser("demo", help="run the end-to-end demonstration")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
     demo.set_defaults(func=cmd_demo)
     return parser
 
 
+_GLOBAL_FLAGS_WITH_VALUE = {"--config", "--home", "--nats-url", "--database-url"}
+
+
+def _command_index(argv: list[str]) -> int | None:
+    """Position of the subcommand: the first word that is not a global flag or its value."""
+    index = 0
+    while index < len(argv):
+        word = argv[index]
+        if word in _GLOBAL_FLAGS_WITH_VALUE:
+            index += 2
+        elif word.startswith("-"):
+            index += 1
+        else:
+            return index
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     launch_args: list[str] | None = None
-    if "run" in argv:
+    index = _command_index(argv)
+    if index is not None and argv[index] == "run":
         # Everything after `run` belongs to the launcher (torchrun flags start with dashes, which
         # argparse would otherwise try to read as keel's own).
-        index = argv.index("run")
         argv, launch_args = argv[: index + 1], argv[index + 1 :]
     args = parser.parse_args(argv)
     if launch_args is not None:
