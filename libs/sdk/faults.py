@@ -1,0 +1,131 @@
+"""Injected workload faults: the fault file ``keel inject`` has the node agent write, and its parsing.
+
+The agent writes ``$KEEL_FAULT_FILE`` (replacing it whole, e.g. write-then-rename) as JSON::
+
+    {"id": "f-12", "kind": "crash" | "hang" | "slow" | "nan" | "oom",
+     "rank": 3 | null,              # global rank; null = every rank of this node
+     "params": {...},               # optional, per kind (below)
+     "generation": 2}               # optional: only processes of this restart generation apply it
+
+Common params: ``at_step`` (int, optional) is the first step that does not complete normally; without
+it the fault takes effect at the next ``Session.step_done``. Per kind: ``slow`` takes ``fraction``
+(float > 0, default 0.3: each step becomes 30 % slower). The others take no params.
+
+A fault id is applied at most once per process. A process started after a restart applies a fault
+left in the file again unless the fault names another ``generation`` (or the agent cleared the file):
+the agent should stamp ``generation`` or rewrite the file when it restarts ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FAULT_KINDS", "FaultFileError", "InjectedFault", "FaultFileWatcher", "parse_fault"]
+
+FAULT_KINDS = frozenset({"crash", "hang", "slow", "nan", "oom"})
+
+_log = logging.getLogger("keel.sdk")
+
+
+class FaultFileError(ValueError):
+    """The fault file is not valid JSON or does not describe a fault; it is ignored."""
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    id: str
+    kind: str
+    rank: int | None
+    params: dict[str, Any] = field(default_factory=dict)
+    generation: int | None = None
+
+    @property
+    def at_step(self) -> int | None:
+        value = self.params.get("at_step")
+        return None if value is None else int(value)
+
+    def targets(self, rank: int, generation: int) -> bool:
+        """Whether a process of global ``rank`` in restart ``generation`` should apply this fault."""
+        if self.rank is not None and self.rank != rank:
+            return False
+        return self.generation is None or self.generation == generation
+
+
+def parse_fault(text: str) -> InjectedFault:
+    """Parse the fault file's text. Raises ``FaultFileError`` with the reason; unknown kinds included."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FaultFileError(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FaultFileError(f"expected a JSON object, got {type(data).__name__}")
+    fault_id, kind = data.get("id"), data.get("kind")
+    if not isinstance(fault_id, str) or not fault_id:
+        raise FaultFileError("missing or empty string field 'id'")
+    if kind not in FAULT_KINDS:
+        raise FaultFileError(f"fault {fault_id}: unknown kind {kind!r} (known: {', '.join(sorted(FAULT_KINDS))})")
+    rank = data.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise FaultFileError(f"fault {fault_id}: 'rank' must be a non-negative integer or null, got {rank!r}")
+    params = data.get("params") or {}
+    if not isinstance(params, dict):
+        raise FaultFileError(f"fault {fault_id}: 'params' must be an object, got {type(params).__name__}")
+    at_step = params.get("at_step")
+    if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int)):
+        raise FaultFileError(f"fault {fault_id}: params.at_step must be an integer, got {at_step!r}")
+    if kind == "slow":
+        fraction = params.get("fraction", 0.3)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:
+            raise FaultFileError(f"fault {fault_id}: params.fraction must be a number > 0, got {fraction!r}")
+    generation = data.get("generation")
+    if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)):
+        raise FaultFileError(f"fault {fault_id}: 'generation' must be an integer or null, got {generation!r}")
+    return InjectedFault(id=fault_id, kind=kind, rank=rank, params=dict(params), generation=generation)
+
+
+class FaultFileWatcher:
+    """Reads the fault file only when it changed (``os.stat``: mtime, size, inode) and yields each
+    fault id for this process at most once. A malformed or unknown fault is logged once and skipped."""
+
+    def __init__(self, path: str, *, rank: int, generation: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.generation = generation
+        self._last_stat: tuple[int, int, int] | None = None
+        self._seen_ids: set[str] = set()
+
+    def poll(self) -> InjectedFault | None:
+        """A new fault for this process, or ``None``. Cost when nothing changed: one ``stat``."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._last_stat = None
+            return None
+        except OSError as exc:
+            _log.error("keel fault file %s unreadable (%s); ignoring it", self.path, exc)
+            return None
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature == self._last_stat:
+            return None
+        self._last_stat = signature
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            _log.error("keel fault file %s unreadable (%s); ignoring it", self.path, exc)
+            return None
+        if not text.strip():
+            return None
+        try:
+            fault = parse_fault(text)
+        except FaultFileError as exc:
+            _log.error("keel fault file %s ignored: %s", self.path, exc)
+            return None
+        if fault.id in self._seen_ids or not fault.targets(self.rank, self.generation):
+            return None
+        self._seen_ids.add(fault.id)
+        return fault

@@ -1,0 +1,309 @@
+"""Train the example GPT with real data and pipeline parallelism on gloo, reporting to keel.sdk.
+
+    torchrun --standalone --nproc-per-node 4 -m keel.workload.train --pp 2      # DP=2 x PP=2
+    torchrun --standalone --nproc-per-node 2 -m keel.workload.train --pp 2      # DP=1 x PP=2
+    python -m keel.workload.train                                                # one process
+
+Topology (``topology``): ``world_size = DP x PP`` and ``pp_rank = rank % PP``, ``dp_rank = rank // PP``.
+The ranks of one pipeline are consecutive (``[0, 1]``, ``[2, 3]`` for world 4, PP 2), so with one
+pipeline per node a PP group is a node; a DP group is the ranks that hold the same stage
+(``[0, 2]``, ``[1, 3]``).
+
+One step (GPipe): the per-replica batch of ``--batch`` sequences is cut into ``--micro-batches``
+micro-batches. Each stage runs the forward of every micro-batch, receiving activations from the previous
+stage and sending its output to the next with ``dist.send``/``dist.recv``; then the backward of every
+micro-batch in reverse, receiving activation gradients from the next stage and sending input gradients
+to the previous. Gradients are averaged across the DP group with one all-reduce, the global gradient
+norm and the loss are all-reduced over the world (one 2-element all-reduce), gradients are clipped to
+norm 1, and AdamW steps with a warmup + cosine LR schedule. A stuck rank therefore blocks its pipeline
+peers in ``recv`` and the other replicas in the all-reduce, as in production.
+
+Deterministic: every RNG is seeded from ``--seed`` and gloo's CPU reductions are deterministic for a
+fixed world, so two runs with the same arguments print bitwise-identical losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import keel.sdk
+from keel.core.units import parse_duration
+from keel.workload.data import MarkovDataset, ShardedSampler, collate
+from keel.workload.model import SIZES, PipelineStage, build_model, split_stages
+
+__all__ = ["topology", "main", "parse_args"]
+
+_MAX_GRAD_NORM = 1.0
+
+
+def topology(world_size: int, pp: int) -> dict[str, Any]:
+    """Each rank's data- and pipeline-parallel coordinates and groups, for ``world_size = DP x pp``.
+
+    Returns ``{"world_size", "pp", "dp", "pp_groups": [[rank, ...] per pipeline, by dp_rank],
+    "dp_groups": [[rank, ...] per stage, by pp_rank], "ranks": [{"rank", "dp_rank", "pp_rank",
+    "pp_group", "dp_group"} per rank]}`` with ``pp_rank = rank % pp`` and ``dp_rank = rank // pp``.
+    Raises ``ValueError`` when ``world_size`` is not a positive multiple of ``pp``.
+    """
+    if pp < 1 or world_size < 1 or world_size % pp:
+        raise ValueError(f"world size {world_size} is not a positive multiple of pp {pp}")
+    dp = world_size // pp
+    pp_groups = [[d * pp + s for s in range(pp)] for d in range(dp)]
+    dp_groups = [[d * pp + s for d in range(dp)] for s in range(pp)]
+    ranks = [
+        {"rank": r, "dp_rank": r // pp, "pp_rank": r % pp, "pp_group": pp_groups[r // pp], "dp_group": dp_groups[r % pp]}
+        for r in range(world_size)
+    ]
+    return {"world_size": world_size, "pp": pp, "dp": dp, "pp_groups": pp_groups, "dp_groups": dp_groups, "ranks": ranks}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m keel.workload.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps to run")
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages; WORLD_SIZE must be a multiple")
+    p.add_argument("--micro-batches", type=int, default=2, help="GPipe micro-batches per step")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step per data-parallel replica")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear warmup steps (default: steps // 10)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=0, help="run an eval phase every K steps (0: never)")
+    p.add_argument("--eval-steps", type=int, default=2, help="batches per eval phase")
+    p.add_argument("--pg-timeout", type=parse_duration, default=timedelta(minutes=10),
+                   help="gloo timeout for a blocked send/recv/all-reduce, with a unit (e.g. '10m')")
+    args = p.parse_args(argv)
+    if args.batch % args.micro_batches:
+        p.error(f"--batch {args.batch} is not divisible by --micro-batches {args.micro_batches}")
+    for name in ("steps", "pp", "micro_batches", "batch", "eval_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+@dataclass
+class _Ctx:
+    rank: int
+    world_size: int
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    dp_group: Any  # a ProcessGroup, or None for the default group
+    distributed: bool
+
+    @property
+    def prev_rank(self) -> int:
+        return self.rank - 1
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + 1
+
+
+def _setup_dist(pp: int, timeout: timedelta) -> _Ctx:
+    """Join the job (``env://``, as set by torchrun or the keel agent) and create the DP groups.
+
+    Without ``WORLD_SIZE`` in the environment this is a single-process run and nothing is initialised.
+    """
+    distributed = "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = 0, 1
+    topo = topology(world_size, pp)
+    me = topo["ranks"][rank]
+    dp_group = None
+    if distributed and topo["dp"] > 1 and pp > 1:
+        # Every rank must create every group, in the same order.
+        for members in topo["dp_groups"]:
+            group = dist.new_group(members)
+            if rank in members:
+                dp_group = group
+    return _Ctx(rank, world_size, pp, topo["dp"], me["pp_rank"], me["dp_rank"], dp_group, distributed)
+
+
+def _lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to 10 % at ``steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _pipeline_forward(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, mb_shape: tuple[int, int, int],
+                      *, grad: bool, scale: float = 1.0) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Forward one micro-batch through this stage: returns ``(stage input, stage output)``.
+
+    The first stage reads ``inputs`` (token ids); the others receive ``[B, T, d]`` activations from the
+    previous stage. All but the last stage send their output on to the next.
+    """
+    if stage.is_first:
+        x = inputs
+        received = None
+    else:
+        received = torch.empty(mb_shape)
+        dist.recv(received, src=ctx.prev_rank)
+        received.requires_grad_(grad)
+        x = received
+    out = stage(x)
+    if not stage.is_last:
+        if scale != 1.0:
+            out = out * scale
+        dist.send(out.detach().contiguous(), dst=ctx.next_rank)
+    return received, out
+
+
+def _train_step(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, targets: torch.Tensor, micro_batches: int,
+                d_model: int, nan_factor: float) -> torch.Tensor:
+    """Forward and backward of one step over all micro-batches (GPipe). Returns this pipeline's mean
+    loss on the last stage and 0 elsewhere (a 0-dim tensor, no grad)."""
+    mb_inputs, mb_targets = inputs.chunk(micro_batches), targets.chunk(micro_batches)
+    saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    total = torch.zeros(())
+    for m in range(micro_batches):
+        shape = (mb_inputs[m].shape[0], mb_inputs[m].shape[1], d_model)
+        received, out = _pipeline_forward(stage, ctx, mb_inputs[m], shape, grad=True, scale=nan_factor)
+        if stage.is_last:
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), mb_targets[m].reshape(-1)) * nan_factor / micro_batches
+            total += loss.detach()
+            saved.append((received, loss))
+        else:
+            saved.append((received, out))
+    for m in reversed(range(micro_batches)):
+        received, out = saved[m]
+        if stage.is_last:
+            out.backward()
+        else:
+            grad_out = torch.empty_like(out)
+            dist.recv(grad_out, src=ctx.next_rank)
+            out.backward(grad_out)
+        if not stage.is_first:
+            assert received is not None and received.grad is not None
+            dist.send(received.grad.contiguous(), dst=ctx.prev_rank)
+    return total
+
+
+def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor) -> tuple[float, float]:
+    """Average gradients over the DP group, then all-reduce ``[loss, grad_norm²/DP]`` over the world.
+
+    Returns ``(mean loss over replicas, global gradient norm)``. Must run after every micro-batch's
+    backward and before clipping and ``optimizer.step``.
+    """
+    params = [p for p in stage.parameters() if p.grad is not None]
+    if ctx.distributed and ctx.dp > 1:
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=ctx.dp_group)
+        flat /= ctx.dp
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+    sq = torch.zeros(())
+    for p in params:
+        sq += p.grad.pow(2).sum()
+    # DP replicas now hold identical gradients: each contributes 1/DP of its stage's squared norm.
+    stats = torch.stack([local_loss, sq / ctx.dp])
+    if ctx.distributed:
+        dist.all_reduce(stats)
+    return float(stats[0]) / ctx.dp, math.sqrt(float(stats[1]))
+
+
+def _evaluate(stage: PipelineStage, ctx: _Ctx, dataset: MarkovDataset, batch: int, steps: int, d_model: int) -> float:
+    """Mean eval loss over ``steps`` batches of the eval split, sharded by DP rank (same batches every call)."""
+    sampler = ShardedSampler(dataset.num_samples, batch_size=batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=dataset.seed + 1)
+    total = torch.zeros(())
+    stage.eval()
+    with torch.no_grad():
+        for _ in range(steps):
+            inputs, targets = collate(dataset, sampler.next_indices(), split="eval")
+            _, out = _pipeline_forward(stage, ctx, inputs, (inputs.shape[0], inputs.shape[1], d_model), grad=False)
+            if stage.is_last:
+                total += F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+    stage.train()
+    stats = torch.stack([total / steps])
+    if ctx.distributed:
+        dist.all_reduce(stats)
+    return float(stats[0]) / ctx.dp
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    session = keel.sdk.init()
+    start_s = time.monotonic()
+    with session.phase("setup"):
+        torch.manual_seed(args.seed)
+        ctx = _setup_dist(args.pp, args.pg_timeout)
+        cfg = SIZES[args.size]
+        stage = split_stages(build_model(cfg, args.seed), args.pp)[ctx.pp_rank]
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps, warmup))
+        dataset = MarkovDataset(cfg.vocab_size, cfg.seq_len, seed=args.seed)
+        sampler = ShardedSampler(dataset.num_samples, batch_size=args.batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=args.seed)
+        n_params = sum(p.numel() for p in stage.parameters())
+    if ctx.rank == 0:
+        print(f"keel.workload: size {args.size} world {ctx.world_size} dp {ctx.dp} pp {ctx.pp} "
+              f"stage0_params {n_params} setup_s {time.monotonic() - start_s:.2f}", flush=True)
+
+    tokens = args.batch * cfg.seq_len
+    loss = float("nan")
+    with session.phase("step"):
+        for step in range(args.steps):
+            t0 = time.monotonic()
+            inputs, targets = collate(dataset, sampler.next_indices())
+            optimizer.zero_grad(set_to_none=True)
+            local_loss = _train_step(stage, ctx, inputs, targets, args.micro_batches, cfg.d_model, session.nan_factor())
+            loss, grad_norm = _sync_gradients(stage, ctx, local_loss)
+            _clip(stage, grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step_s = time.monotonic() - t0
+            if ctx.rank == 0:
+                print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.6f} lr {lr:.3e} "
+                      f"step_time_s {step_s:.3f} tokens_per_s {tokens / step_s:.0f}", flush=True)
+            session.step_done(step, loss=loss, grad_norm=grad_norm, tokens=tokens)
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                with session.phase("eval"):
+                    eval_loss = _evaluate(stage, ctx, dataset, args.batch, args.eval_steps, cfg.d_model)
+                if ctx.rank == 0:
+                    print(f"eval step {step} loss {eval_loss:.6f}", flush=True)
+    if ctx.rank == 0:
+        print(f"done steps {args.steps} final_loss {loss:.6f} wall_s {time.monotonic() - start_s:.2f}", flush=True)
+    session.done()
+    if ctx.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _clip(stage: PipelineStage, grad_norm: float) -> None:
+    """Clip to the *global* norm (all stages, computed in ``_sync_gradients``), as a non-pipelined
+    model would; ``clip_grad_norm_`` on one stage would only see that stage's share."""
+    coef = _MAX_GRAD_NORM / (grad_norm + 1e-6)
+    if coef < 1.0 or math.isnan(coef):
+        for p in stage.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
