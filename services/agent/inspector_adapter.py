@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from keel.agent.channel import RankChannel
 from keel.agent.inspector import InspectorCore, InspectorPolicy, RankProbe, RankView, classify_exit, default_probes
@@ -38,6 +39,7 @@ class InspectorWatcher:
                     last_progress_at=state.last_progress_at if reported else None,
                     step_times=list(state.step_times_s) if reported else [],
                     started_at=process.started_at_utc,
+                    loss=state.loss if reported else None,
                 )
             )
         return views
@@ -49,9 +51,14 @@ class InspectorWatcher:
         return list(changes)
 
 
-def build_watcher(spec: LaunchSpec) -> InspectorWatcher:
-    """Standbys run the node probes too: they must pass a self-check before they count."""
-    return InspectorWatcher(spec)
+def build_watcher(spec: LaunchSpec, policy_config: dict[str, Any] | None = None) -> InspectorWatcher:
+    """Standbys run the node probes too: they must pass a self-check before they count.
+
+    ``policy_config``: ``InspectorPolicy`` fields as text with units (``settings.inspector``, i.e.
+    ``KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR=25s``); raises ``ValueError`` naming a bad key or value.
+    """
+    config = {"probe_interval": spec.probe_interval, **(policy_config or {})}
+    return InspectorWatcher(spec, InspectorPolicy.from_config(config))
 
 
 def classify(spec: LaunchSpec) -> Callable[[int | None, str | None, str], tuple[str, str, str]]:

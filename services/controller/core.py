@@ -22,7 +22,6 @@ HARDWARE_COMPONENTS = frozenset({"gpu", "nic", "disk", "kernel", "host"})
 class NodeView:
     node_id: str
     standby: bool = False
-    health: str = "healthy"
     eviction_pending: str | None = None
     """Id of an eviction decision not yet carried out."""
     evicted: bool = False
@@ -60,11 +59,11 @@ class ControllerDecider:
         return event.type == NodeHealthChanged.event_name
 
     def evolve(self, state: ControllerState, event: Event) -> ControllerState:
+        # Health reports are the bulk of the log; rung 1 decides on the report itself, so they do not
+        # change this state (copying the node map for each would cap replay speed).
         payload = event.payload
         if isinstance(payload, NodeRegistered):
             return state.with_node(replace(state.node(payload.node_id), standby=payload.standby))
-        if isinstance(payload, NodeHealthChanged):
-            return state.with_node(replace(state.node(payload.node_id), health=payload.status))
         if isinstance(payload, NodeEvictionDecided):
             return state.with_node(replace(state.node(payload.node_id), eviction_pending=str(event.id)))
         if isinstance(payload, NodeEvicted):
@@ -76,9 +75,9 @@ class ControllerDecider:
     def decide(self, state: ControllerState, event: Event) -> Decision:
         payload = event.payload
         assert isinstance(payload, NodeHealthChanged)
-        node = state.node(payload.node_id)
         if payload.status != "failed":
             return Decision.nothing(f"{payload.node_id} is {payload.status}: nothing to do")
+        node = state.node(payload.node_id)
         if node.evicted:
             return Decision.nothing(f"{payload.node_id} is already evicted")
         if node.eviction_pending:

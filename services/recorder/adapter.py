@@ -5,8 +5,10 @@ go to the dead-letter stream and the ``dead_letters`` table, with the reason); i
 append the valid events (idempotent on event id), apply the projections to the newly stored ones and
 advance the tracking row; commit; only then acknowledge every message of the batch.
 
-A crash anywhere before the ack means redelivery, which the event-id uniqueness and the tracking row
-turn into a no-op. Transient Postgres errors (restart, lost connection) are retried with capped
+A crash anywhere before the ack means redelivery, which the event-id uniqueness turns into a no-op.
+Redelivery is not in stream order (a dead consumer's batch comes back after ``ack_wait``, behind newer
+messages), so the tracking row (highest sequence and position made durable) is for monitoring only,
+never a reason to skip a message: skipping "old" sequences lost a killed recorder's batch. Transient Postgres errors (restart, lost connection) are retried with capped
 backoff for as long as it takes: the consumer is unbounded (``max_deliver=-1``) because the recorder
 must never give up on an event.
 """
@@ -18,10 +20,11 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import sqlalchemy as sa
 from nats.aio.msg import Msg
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -60,26 +63,45 @@ class Recorder:
         self.settings = settings
         self.projections = list(projections)
         self.stats = RecorderStats()
-        self._tracked_seq = 0
         self._sub = None
 
     async def start(self) -> None:
         # Explicit acks, never AckAll: after a crash, the dead process's unacknowledged deliveries are
         # still outstanding, and an AckAll from the successor would acknowledge them unrecorded.
         self._sub = await self.bus.pull_consumer(self.settings.consumer, max_deliver=-1)
-        self._tracked_seq = await self._load_tracking()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Record until ``stop`` is set. Returns after the batch in hand is durable and acknowledged."""
+        """Record until ``stop`` is set. Returns after the batch in hand is durable and acknowledged.
+
+        Pipelined: the next batch is fetched while the current one is written, so that the recorder
+        waits on NATS and on Postgres at the same time rather than in turn. A batch fetched when
+        ``stop`` is set is still recorded (it has been delivered; leaving it unacknowledged would hold
+        it back for ``ack_wait`` after a restart).
+        """
         if self._sub is None:
             await self.start()
-        while not stop.is_set():
-            await self.run_once()
+        fetching = asyncio.create_task(self._fetch())
+        try:
+            while True:
+                msgs = await fetching
+                if stop.is_set():
+                    await self._record(msgs)
+                    return
+                fetching = asyncio.create_task(self._fetch())
+                await self._record(msgs)
+        finally:
+            if not fetching.done():
+                fetching.cancel()
 
     async def run_once(self) -> int:
         """Fetch and record one batch; returns the number of messages handled."""
+        return await self._record(await self._fetch())
+
+    async def _fetch(self) -> list[Msg]:
         assert self._sub is not None, "call start() first"
-        msgs = await fetch_batch(self._sub, self.settings.batch_size, self.settings.fetch_timeout.total_seconds())
+        return await fetch_batch(self._sub, self.settings.batch_size, self.settings.fetch_timeout.total_seconds())
+
+    async def _record(self, msgs: list[Msg]) -> int:
         if not msgs:
             return 0
         plan = self.plan(msgs)
@@ -91,7 +113,6 @@ class Recorder:
         last_seq = max(by_seq)
         for msg in msgs:
             await msg.ack()
-        self._tracked_seq = max(self._tracked_seq, last_seq)
         self.stats.batches += 1
         self.stats.recorded += fresh
         self.stats.duplicates += duplicates
@@ -103,9 +124,6 @@ class Recorder:
         plan = BatchPlan()
         for msg in msgs:
             seq = msg.metadata.sequence.stream
-            if seq <= self._tracked_seq:
-                plan.already_recorded.append(seq)
-                continue
             try:
                 as_sent, event = decode_wire(msg.data, max_bytes=self.bus.settings.max_event_bytes)
             except InvalidEvent as exc:
@@ -157,19 +175,49 @@ class Recorder:
         await save_tracking(conn, self.settings.consumer, last_seq, last_position)
         return len(fresh), len(plan.accepted) - len(fresh)
 
-    async def _load_tracking(self) -> int:
-        table = metadata.tables["tracking"]
-        async with self.engine.connect() as conn:
-            value = (
-                await conn.execute(sa.select(table.c.last_js_seq).where(table.c.consumer == self.settings.consumer))
-            ).scalar_one_or_none()
-        return int(value or 0)
 
 
 async def _apply_upserts(conn: AsyncConnection, upserts: list[Upsert]) -> None:
-    for upsert in upserts:
-        table = metadata.tables[upsert.table]
-        values = dict(upsert.key) | dict(upsert.values)
-        stmt = insert(table).values(**values)
-        stmt = stmt.on_conflict_do_update(index_elements=[k for k, _ in upsert.key], set_=dict(upsert.values))
-        await conn.execute(stmt)
+    """Apply ``upserts`` in order (later ones win), as one ``INSERT … ON CONFLICT DO UPDATE`` per
+    table and column set rather than one statement per event.
+
+    Upserts of the same row are merged first (``{**earlier, **later}``), which leaves the row exactly
+    as applying them one by one would, and which a single statement needs (it may not touch a row
+    twice). The rows travel as one array per column through ``unnest`` on the raw asyncpg connection:
+    one round trip and one cached prepared statement per batch. ``bench/bus.py`` measured the
+    statement-per-event version at under 1,000 events/s, far below the bus.
+    """
+    def time_order(upsert: Upsert) -> Any:
+        # With ``only_if_newer``, merge in the order of that column, not of arrival (redelivery).
+        return dict(upsert.values)[upsert.only_if_newer] if upsert.only_if_newer else 0
+
+    merged: dict[tuple[str, tuple[tuple[str, Any], ...]], dict[str, Any]] = {}
+    guards: dict[str, str | None] = {}
+    for upsert in sorted(upserts, key=time_order) if all(u.only_if_newer for u in upserts) else upserts:
+        values = merged.setdefault((upsert.table, upsert.key), {})
+        values.update(upsert.values)
+        guards[upsert.table] = upsert.only_if_newer
+    groups: dict[tuple[str, tuple[str, ...], tuple[str, ...]], list[tuple[Any, ...]]] = {}
+    for (table, key), values in merged.items():
+        key_columns = tuple(k for k, _ in key)
+        value_columns = tuple(values)
+        groups.setdefault((table, key_columns, value_columns), []).append((*(v for _, v in key), *values.values()))
+    if not groups:
+        return
+    raw = (await conn.get_raw_connection()).driver_connection
+    assert raw is not None
+    for (table_name, key_columns, value_columns), rows in groups.items():
+        table = metadata.tables[table_name]
+        columns = (*key_columns, *value_columns)
+        types = [table.c[c].type.compile(dialect=postgresql.dialect()) for c in columns]
+        arrays = ", ".join(f"${i}::{t}[]" for i, t in enumerate(types, start=1))
+        updates = ", ".join(f"{c} = EXCLUDED.{c}" for c in value_columns)
+        action = f"DO UPDATE SET {updates}" if updates else "DO NOTHING"
+        guard = guards.get(table_name)
+        if updates and guard:
+            action += f" WHERE {table_name}.{guard} <= EXCLUDED.{guard}"
+        await raw.execute(
+            f"INSERT INTO {table_name} ({', '.join(columns)}) SELECT * FROM unnest({arrays}) "
+            f"ON CONFLICT ({', '.join(key_columns)}) {action}",
+            *[list(column) for column in zip(*rows)],
+        )

@@ -20,6 +20,9 @@ class Upsert:
     table: str
     key: tuple[tuple[str, Any], ...]
     values: tuple[tuple[str, Any], ...]
+    only_if_newer: str | None = None
+    """A column among ``values``: update an existing row only if this value is not older than the
+    stored one (redelivered events arrive out of order; a read model must not go back in time)."""
 
 
 class Projection(Protocol):
@@ -52,7 +55,7 @@ class NodeStatusProjection:
                 values = (("evicted", True), ("last_event_id", event.id), ("updated_at", event.occurred_at))
             else:
                 continue
-            upserts.append(Upsert("node_status", key, values))
+            upserts.append(Upsert("node_status", key, values, only_if_newer="updated_at"))
         return upserts
 
 
@@ -64,8 +67,6 @@ class BatchPlan:
     """(stream sequence, envelope as sent, event) for every valid message, in stream order."""
     rejected: list[tuple[int, str]] = field(default_factory=list)
     """(stream sequence, reason) for every message to dead-letter."""
-    already_recorded: list[int] = field(default_factory=list)
-    """Sequences at or below the tracking row: durable before, only to be acknowledged."""
 
 
 DEFAULT_PROJECTIONS: tuple[Projection, ...] = (NodeStatusProjection(),)

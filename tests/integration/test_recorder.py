@@ -171,3 +171,19 @@ async def test_event_on_the_wrong_subject_is_dead_lettered(keel_env) -> None:
     [row] = await keel_env.store.dead_letters()
     assert row["js_seq"] == ack.stream_seq and "belongs on" in row["reason"]
     assert await keel_env.store.count() == 0
+
+
+async def test_projection_does_not_go_back_in_time_on_late_events(keel_env) -> None:
+    from datetime import timedelta
+
+    newer = health_event("n9", status="failed", fatal=True, confidence="high", component="gpu", detail="new",
+                         at=T0 + timedelta(seconds=10))
+    older = health_event("n9", status="healthy", detail="old", at=T0)
+    await keel_env.bus.publish(newer)
+    await keel_env.start_recorder()
+    await keel_env.wait_for_count(1)
+    await keel_env.bus.publish(older)  # a late (redelivered or delayed) event from before
+    await keel_env.wait_for_count(2)
+    async with keel_env.engine.connect() as conn:
+        row = (await conn.execute(sa.select(metadata.tables["node_status"]))).one()
+    assert row.health == "failed" and row.last_event_id == newer.id

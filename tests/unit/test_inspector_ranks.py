@@ -23,14 +23,14 @@ def view(phase: str, *, report: float, progress: float, step_times=(), step: int
 def test_calibration() -> None:
     assert step_timeout([], POLICY)[0] == POLICY.setup_timeout            # first step gets the setup timeout
     assert step_timeout([20.0, 1.0], POLICY)[0] == POLICY.setup_timeout   # still warming up
-    assert step_timeout([1.0] * 50, POLICY)[0] == timedelta(seconds=30)   # floor
+    assert step_timeout([1.0] * 50, POLICY)[0] == timedelta(seconds=25)   # floor
     one_outlier = [12.0] * 99 + [15.0]  # nearest-rank p99 of 100 samples ignores the single worst one
     assert step_timeout(one_outlier, POLICY)[0] == timedelta(seconds=36)
     timeout, how = step_timeout([12.0] * 98 + [15.0] * 2, POLICY)
     assert timeout == timedelta(seconds=45) and "3 x p99" in how
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([5.0], 99) == 5.0
     # only the last calibration_window step times count
-    assert step_timeout([100.0] * 10 + [1.0] * 100, POLICY)[0] == timedelta(seconds=30)
+    assert step_timeout([100.0] * 10 + [1.0] * 100, POLICY)[0] == timedelta(seconds=25)
 
 
 def test_phase_timeouts() -> None:
@@ -72,16 +72,16 @@ def test_done_and_exited_ranks_never_hang() -> None:
 
 def test_real_stall_after_steady_steps_fails_with_evidence() -> None:
     probe, core = RankProbe(POLICY), InspectorCore("n1", POLICY)
-    steps = [2.0] * 30  # 3 x p99 = 6 s < floor: timeout 30 s
+    steps = [2.0] * 30  # 3 x p99 = 6 s < floor: timeout 25 s
     state, emitted = core.initial_state(), []
     for t in range(60, 100):  # reports keep coming (a background heartbeat), the step does not move
         state, ev = core.step(state, probe.collect([view("step", report=t, progress=60, step_times=steps)], at(t)), at(t))
         emitted += [(t, e) for e in ev]
     [(t, event)] = emitted
-    assert t == 91 and event.component == "rank" and event.check == "no_progress"
+    assert t == 86 and event.component == "rank" and event.check == "no_progress"
     assert (event.status, event.confidence, event.is_fatal) == ("failed", "medium", False)
     assert {k: event.evidence[k] for k in ("rank", "phase", "silent_for_s", "timeout_s")} == {
-        "rank": 3, "phase": "step", "silent_for_s": 31.0, "timeout_s": 30.0}
+        "rank": 3, "phase": "step", "silent_for_s": 26.0, "timeout_s": 25.0}
 
 
 def test_heartbeat_lost_when_reports_stop() -> None:

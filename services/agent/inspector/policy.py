@@ -48,7 +48,8 @@ class InspectorPolicy:
 
     # ranks
     heartbeat_timeout: timedelta = timedelta(seconds=60)
-    step_timeout_floor: timedelta = timedelta(seconds=30)
+    step_timeout_floor: timedelta = timedelta(seconds=25)
+    """Below 30 s so that, with a 1 s probe interval and publishing, a hang is reported within 30 s."""
     step_timeout_factor: float = 3.0
     step_timeout_percentile: float = 99.0
     warmup_steps: int = 3

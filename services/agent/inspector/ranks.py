@@ -53,6 +53,8 @@ class RankView:
     last_progress_at: datetime | None
     step_times: Sequence[float] = field(default_factory=tuple)
     started_at: datetime | None = None
+    loss: float | None = None
+    """The last reported loss; a non-finite one is reported (NaN/Inf usually means corruption)."""
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
@@ -111,13 +113,21 @@ class RankProbe:
         timeout, how = phase_timeout(view, self.policy)
         if timeout is None:
             return [healthy("rank", "heartbeat_lost", key, "done", **base), healthy("rank", "no_progress", key, "done", **base)]
-        out = []
+        out = [self._loss(view, key, base)]
         hb_timeout = max(self.policy.heartbeat_timeout, timeout)
         out.append(self._check(view, now, "heartbeat_lost", view.last_report_at, hb_timeout,
                                f"max(heartbeat timeout, {how})", key, base, "no report from"))
         out.append(self._check(view, now, "no_progress", view.last_progress_at, timeout, how, key, base,
                                "no step or phase progress on"))
         return out
+
+    @staticmethod
+    def _loss(view: RankView, key: str, base: dict[str, object]) -> Observation:
+        if view.loss is not None and not math.isfinite(view.loss):
+            return Observation("rank", "nonfinite_loss", key, "failed", "medium", False,
+                               f"rank {view.rank} reported loss {view.loss} at step {view.step}",
+                               {**base, "loss": str(view.loss)}, immediate=True)
+        return healthy("rank", "nonfinite_loss", key, **base)
 
     def _check(self, view: RankView, now: datetime, check: str, since: datetime | None, timeout: timedelta,
                how: str, key: str, base: dict[str, object], what: str) -> Observation:
