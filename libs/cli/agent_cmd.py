@@ -28,7 +28,12 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     outbox = Outbox(nats_url, settings.bus, name=f"keel-agent-{spec.node_id}") if nats_url else None
     if outbox is None:
         log.warning("keel run: no NATS configured (KEEL_NATS_URL or `keel up`): supervising without reporting")
-    agent = NodeAgent(spec, outbox=outbox, watcher=build_watcher(spec), classify=classify(spec), supervised=supervised)
+    try:
+        watcher = build_watcher(spec, settings.inspector)
+    except ValueError as exc:
+        print(f"keel run: inspector settings: {exc}", file=sys.stderr)
+        return 2
+    agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised)
 
     async def main() -> int:
         stop = asyncio.Event()

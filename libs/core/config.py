@@ -107,6 +107,9 @@ class Settings(_Section):
     bus: BusSettings = BusSettings()
     recorder: RecorderSettings = RecorderSettings()
     controller: ControllerSettings = ControllerSettings()
+    inspector: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
+    by the agent at start: an unknown key or a value without its unit stops it with the reason."""
 
     @field_validator("db_schema")
     @classmethod

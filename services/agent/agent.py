@@ -98,6 +98,10 @@ class NodeAgent:
     # -- ranks -----------------------------------------------------------------------------------
 
     def start_ranks(self, generation: int) -> None:
+        if generation > 0:
+            # An injected workload fault belongs to the generation it was injected into; a restarted
+            # process must not apply it again.
+            self.supervisor.fault_file.unlink(missing_ok=True)
         self.generation = generation
         self.channel.forget_generation_before(generation)
         for process in self.supervisor.start_all(generation):
