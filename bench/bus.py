@@ -295,9 +295,14 @@ def stream_config(name: str, subjects: str):  # type: ignore[no-untyped-def]
 
 
 async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, batch: int, fetch_timeout_s: float) -> None:
-    """The raw ceiling's consumer (a child process): fetch and acknowledge, nothing else."""
+    """The raw ceiling's consumer (a child process): fetch and acknowledge, nothing else.
+
+    It pulls with the same ``BatchPuller`` as Keel's services (nats-py's own ``fetch`` costs about
+    three times the CPU per message), so the ceiling is the best this client stack does, not a
+    strawman.
+    """
     import nats
-    from keel.core.bus import fetch_batch
+    from keel.core.bus import BatchPuller, fetch_batch
     from keel.core.config import BusSettings
     from nats.js import api
 
@@ -312,7 +317,9 @@ async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, ba
         filter_subject=subjects,
         max_ack_pending=20_000,
     )
-    sub = await js.pull_subscribe(subjects, durable="raw", stream=stream, config=config)
+    await js.add_consumer(stream, config)
+    sub = BatchPuller(nc, stream, "raw")
+    await sub.start()
     print("ready", flush=True)
     got = 0
     while got < count:

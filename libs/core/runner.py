@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from keel.core.bus import Bus, fetch_batch
+from keel.core.bus import Bus, fetch_batch, stream_sequence
 from keel.core.decider import Decider, DeciderSession, StepResult, materialise
 from keel.core.events import Event, InvalidEvent, decode_event
 from keel.core.store import EventStore
@@ -90,7 +90,7 @@ class DeciderRunner(Generic[S]):
                 self.stats.malformed += 1
                 await msg.term()
                 continue
-            seq = msg.metadata.sequence.stream
+            seq = stream_sequence(msg)
             if seq <= self._folded_js_seq and (
                 event.producer == self.session.decider.name or event.id in self._decided_causes
             ):

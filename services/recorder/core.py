@@ -23,6 +23,8 @@ class Upsert:
     only_if_newer: str | None = None
     """A column among ``values``: update an existing row only if this value is not older than the
     stored one (redelivered events arrive out of order; a read model must not go back in time)."""
+    order: Any = None
+    """That column's value, to merge several upserts of one batch in time order."""
 
 
 class Projection(Protocol):
@@ -55,7 +57,7 @@ class NodeStatusProjection:
                 values = (("evicted", True), ("last_event_id", event.id), ("updated_at", event.occurred_at))
             else:
                 continue
-            upserts.append(Upsert("node_status", key, values, only_if_newer="updated_at"))
+            upserts.append(Upsert("node_status", key, values, only_if_newer="updated_at", order=event.occurred_at))
         return upserts
 
 
