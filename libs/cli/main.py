@@ -237,7 +237,7 @@ def deciders_for(settings: Settings) -> dict[str, Any]:
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
-    from keel.core.replay import verify
+    from keel.core.replay import ReplayVerifier
     from keel.core.store import EventStore, create_engine
 
     _, database_url = endpoints(settings)
@@ -246,17 +246,20 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         raise CliError(f"no decider named {args.service!r}; known: {', '.join(deciders)}")
     chosen = [deciders[args.service]] if args.service else list(deciders.values())
 
-    async def load() -> list[Any]:
+    async def replay_all() -> list[Any]:
+        # One pass over the log feeds every decider, streaming: memory stays flat for any log size.
         engine = create_engine(database_url, settings.db_schema)
+        verifiers = [ReplayVerifier(decider) for decider in chosen]
         try:
-            return [r.event async for r in EventStore(engine).read(job_id=args.job)]
+            async for recorded in EventStore(engine).read(job_id=args.job):
+                for verifier in verifiers:
+                    verifier.observe(recorded.event)
         finally:
             await engine.dispose()
+        return [verifier.finish() for verifier in verifiers]
 
-    events = asyncio.run(load())
     diverged = False
-    for decider in chosen:
-        report = verify(decider, events)
+    for report in asyncio.run(replay_all()):
         print(report.summary())
         for divergence in report.divergences:
             print("  " + divergence.describe().replace("\n", "\n  "))

@@ -81,16 +81,22 @@ def _comparable(event: Event) -> dict[str, Any]:
     return {key: wire[key] for key in ("type", "subject", "job_id", "causation_id", "correlation_id", "payload")}
 
 
-def verify(decider: Decider[S], events: Iterable[Event]) -> ReplayReport[S]:
-    """Run ``decider`` over the recorded ``events`` and compare its decisions with the recorded ones."""
-    session = DeciderSession(decider)
-    report: ReplayReport[S] = ReplayReport(decider.name)
-    pending: dict[uuid.UUID, tuple[Event, Event, str]] = {}  # decision id -> (cause, replayed, reason)
-    for event in events:
+class ReplayVerifier(Generic[S]):
+    """``verify`` one event at a time, so a log of any length streams through in constant memory
+    (only decisions not yet matched are held)."""
+
+    def __init__(self, decider: Decider[S]) -> None:
+        self.decider = decider
+        self.session = DeciderSession(decider)
+        self.report: ReplayReport[S] = ReplayReport(decider.name)
+        self._pending: dict[uuid.UUID, tuple[Event, Event, str]] = {}  # decision id -> (cause, replayed, reason)
+
+    def observe(self, event: Event) -> None:
+        report, decider = self.report, self.decider
         report.events_folded += 1
         if event.producer == decider.name and event.causation_id is not None:
             report.decisions_recorded += 1
-            match = pending.pop(event.id, None)
+            match = self._pending.pop(event.id, None)
             if match is None:
                 report.divergences.append(
                     Divergence("unexpected", event.causation_id, "?", event.id, event.type, _comparable(event), None)
@@ -104,14 +110,26 @@ def verify(decider: Decider[S], events: Iterable[Event]) -> ReplayReport[S]:
                             _comparable(event), _comparable(replayed), reason,
                         )
                     )
-        result = session.observe(event)
+        result = self.session.observe(event)
         if result.decision is not None:
             for produced in result.emitted:
                 report.decisions_replayed += 1
-                pending[produced.id] = (event, produced, result.decision.reason)
-    for cause, replayed, reason in pending.values():
-        report.divergences.append(
-            Divergence("missing", cause.id, cause.type, replayed.id, replayed.type, None, _comparable(replayed), reason)
-        )
-    report.final_state = session.state
-    return report
+                self._pending[produced.id] = (event, produced, result.decision.reason)
+
+    def finish(self) -> ReplayReport[S]:
+        """Decisions the code made that the log never recorded are ``missing``."""
+        for cause, replayed, reason in self._pending.values():
+            self.report.divergences.append(
+                Divergence("missing", cause.id, cause.type, replayed.id, replayed.type, None, _comparable(replayed), reason)
+            )
+        self._pending.clear()
+        self.report.final_state = self.session.state
+        return self.report
+
+
+def verify(decider: Decider[S], events: Iterable[Event]) -> ReplayReport[S]:
+    """Run ``decider`` over the recorded ``events`` and compare its decisions with the recorded ones."""
+    verifier = ReplayVerifier(decider)
+    for event in events:
+        verifier.observe(event)
+    return verifier.finish()
