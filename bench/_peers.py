@@ -149,17 +149,17 @@ def _far_from_phase(step: int, eval_every: int, ckpt_every: int, margin: int = 3
     return True
 
 
-def write_fault(path: Path, kind: str, rank: int | None) -> tuple[str, float]:
+def write_fault(path: Path, kind: str, rank: int | None, params: dict[str, Any] | None = None) -> tuple[str, float]:
     fault_id = str(uuid.uuid4())
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"id": fault_id, "kind": kind, "rank": rank, "params": {}}))
+    tmp.write_text(json.dumps({"id": fault_id, "kind": kind, "rank": rank, "params": params or {}}))
     at = time.time()
     os.replace(tmp, path)
     return fault_id, at
 
 
 def measure_crash(name: str, argv: list[str], env: dict[str, str], work: Path, kind: str, rank: int,
-                  eval_every: int, ckpt_every: int, start_timeout_s: float = 150.0,
+                  eval_every: int, ckpt_every: int, at_step_ahead: int = 2, start_timeout_s: float = 150.0,
                   detect_timeout_s: float = 60.0) -> dict[str, Any]:
     """Start the launcher, wait for steady training, inject ``kind`` into ``rank``, time the launcher."""
     fault_file = work / f"{name}-fault.json"
@@ -170,7 +170,7 @@ def measure_crash(name: str, argv: list[str], env: dict[str, str], work: Path, k
     try:
         step = steady_point(launcher, eval_every, ckpt_every, min_step=5, timeout_s=start_timeout_s)
         startup_s = time.monotonic() - t_start
-        fault_id, injected_at = write_fault(fault_file, kind, rank)
+        fault_id, injected_at = write_fault(fault_file, kind, rank, {"at_step": step + at_step_ahead})
         deadline = time.monotonic() + detect_timeout_s
         while time.monotonic() < deadline:
             for at, text in launcher.snapshot():
