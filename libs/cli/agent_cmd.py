@@ -30,7 +30,7 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
         log.warning("keel run: no NATS configured (KEEL_NATS_URL or `keel up`): supervising without reporting")
     try:
         watcher = build_watcher(spec, settings.inspector)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         print(f"keel run: inspector settings: {exc}", file=sys.stderr)
         return 2
     agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised)

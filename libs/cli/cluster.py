@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -309,14 +309,14 @@ def apply_fault(node: NodeInfo, fault: FaultSpec, fault_id: str) -> str:
 
 
 async def publish_injection(nats_url: str, settings: Settings, job_id: str, node: NodeInfo, fault: FaultSpec,
-                            fault_id: str, detail: str) -> None:
+                            fault_id: str, detail: str, injected_at: datetime) -> None:
     bus = await Bus.connect(nats_url, settings.bus, name="keel-inject")
     try:
         event = Event.create(
             FaultInjected(kind=fault.kind, node_id=node.node_id, rank=fault.rank,
                           params={**fault.params, "detail": detail, "fault_id": fault_id}),
             event_id=uuid.UUID(fault_id), job_id=job_id, subject=f"node/{node.node_id}", producer="cli",
-            occurred_at=now_utc(),
+            occurred_at=injected_at,
         )
         await bus.publish(event)
     finally:
@@ -337,8 +337,10 @@ def inject(settings: Settings, directory: Path, faults: list[FaultSpec], nats_ur
         if delay_s > 0:
             time.sleep(delay_s)
         fault_id = str(uuid.uuid4())
+        injected_at = now_utc()  # before the fault exists: detection is measured from here
         detail = apply_fault(nodes[fault.node], fault, fault_id)
         if nats_url:
-            asyncio.run(publish_injection(nats_url, settings, state["job_id"], nodes[fault.node], fault, fault_id, detail))
+            asyncio.run(publish_injection(nats_url, settings, state["job_id"], nodes[fault.node], fault, fault_id,
+                                          detail, injected_at))
         done.append(detail)
     return done

@@ -79,9 +79,14 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel") -> Bus:
         """Connect (retrying while the server starts) and make sure both streams exist."""
+        async def quiet_error(error: Exception) -> None:
+            # nats-py logs every failed (re)connect with a traceback; callers report unreachability once.
+            log.debug("nats %s: %r", name, error)
+
         nc = await nats.connect(
             url,
             name=name,
+            error_cb=quiet_error,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.2,
             connect_timeout=2,

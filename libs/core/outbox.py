@@ -44,13 +44,14 @@ class Outbox:
         warned = False
         while not stop.is_set() and self.bus is None:
             try:
-                self.bus = await asyncio.wait_for(Bus.connect(self.url, self.settings, name=self.name), 10)
+                self.bus = await asyncio.wait_for(Bus.connect(self.url, self.settings, name=self.name), 3)
                 self.connected.set()
                 if warned:
                     log.warning("%s: reached NATS at %s; publishing %d buffered events", self.name, self.url, len(self.pending))
             except Exception as exc:  # noqa: BLE001 - any failure to connect is retried; the reason is logged
                 if not warned:
-                    log.error("%s: cannot reach NATS at %s (%s); buffering events and retrying", self.name, self.url, exc)
+                    log.error("%s: cannot reach NATS at %s (%s); buffering events and retrying", self.name, self.url,
+                              f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
                     warned = True
                 await _sleep_or_stop(stop, delay_s)
                 delay_s = min(delay_s * 2, 5.0)
@@ -59,7 +60,11 @@ class Outbox:
             self._wakeup.clear()
             if not self.pending:
                 await _wait_any(stop, self._wakeup, timeout_s=1.0)
-        await self._publish_pending()
+        if self.bus is not None:
+            await self._publish_pending()
+        elif self.pending:
+            log.error("%s: NATS at %s was never reachable; %d events were not published", self.name, self.url,
+                      len(self.pending))
 
     async def _publish_pending(self) -> None:
         assert self.bus is not None

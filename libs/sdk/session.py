@@ -125,10 +125,30 @@ class Session:
         )
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._error = ""
         if self._sender is not None:
             self._send_report()
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="keel-heartbeat", daemon=True)
             self._heartbeat.start()
+            self._chain_excepthook()
+
+    def _chain_excepthook(self) -> None:
+        """On an uncaught exception, after the traceback is printed, tell the agent at once: a dying
+        torch process can take seconds to shut its process groups down, and the agent should not
+        wait for the exit to know the rank failed."""
+        previous = sys.excepthook
+
+        def report_failure(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            previous(exc_type, exc, tb)
+            sys.stderr.flush()
+            if self._closed or issubclass(exc_type, KeyboardInterrupt):
+                return
+            with self._lock:
+                self._phase = pb.PHASE_FAILED
+                self._error = f"{exc_type.__name__}: {exc}"[:1000]
+            self._send_report()
+
+        sys.excepthook = report_failure
 
     # -- reporting ---------------------------------------------------------------------------------
 
@@ -171,6 +191,7 @@ class Session:
                 loss=self._loss,
                 grad_norm=self._grad_norm,
                 tokens_per_s=self._tokens_per_s,
+                error=self._error,
             )
             payload = report.SerializeToString()
         self._sender.send(payload)

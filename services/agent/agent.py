@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import statistics
 from collections.abc import Callable
@@ -116,6 +117,11 @@ class NodeAgent:
         """Publish a rank's exit; True when it is a failure."""
         if exit_.stopped_by_agent:
             classification, error_type, reason = "stopped_by_agent", "", "stopped by the agent (restart or shutdown)"
+        elif exit_.reported_failure:
+            # Killed by the agent after the rank reported an uncaught exception: classify the exception
+            # (its traceback is in the stderr tail), not the SIGKILL.
+            classification, error_type, reason = self.classify(1, None, exit_.stderr_tail)
+            reason = f"{reason} (the rank reported {exit_.reported_failure!r}; the agent ended its shutdown)"
         else:
             classification, error_type, reason = self.classify(exit_.exit_code, exit_.signal, exit_.stderr_tail)
         self.emit(
@@ -186,10 +192,14 @@ class NodeAgent:
         )
         self.last_heartbeat_at = now
 
-    def tick(self) -> AgentResult | None:
-        """One pass of the loop; an ``AgentResult`` when the agent should stop."""
+    def tick(self, probe: bool = True) -> AgentResult | None:
+        """One pass of the loop; an ``AgentResult`` when the agent should stop. ``probe``: also sample
+        the health probes (once per probe interval; exits and reports are handled on every wake-up)."""
         now = self.clock()
         self.channel.drain(now, self.generation)
+        for rank, state in self.channel.ranks.items():
+            if state.phase == "failed" and self.supervisor.kill_failed(rank, state.error):
+                log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank, state.error)
         exits = self.supervisor.poll()
         failures = [e for e in exits if self.report_exit(e)]
         if failures and not self.failed:
@@ -205,7 +215,7 @@ class NodeAgent:
                     self.failed = False
                 else:
                     return AgentResult(1, f"rank {failures[0].rank} failed and no restarts are left")
-        if self.watcher is not None:
+        if probe and self.watcher is not None:
             for payload in self.watcher.sample(now, self.channel, self.supervisor):
                 self.emit(payload)
         if self.last_heartbeat_at is None or now - self.last_heartbeat_at >= self.spec.heartbeat_interval:
@@ -221,17 +231,32 @@ class NodeAgent:
             self.start_ranks(0)
         commands = asyncio.create_task(self.consume_commands(stop)) if self.outbox is not None else None
         result = AgentResult(143, "stopped")
+        # Wake at once when a rank reports or a child exits, not only once per probe interval: a
+        # crash is then seen within milliseconds of the process ending.
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        loop.add_reader(self.channel.sock.fileno(), wake.set)
+        loop.add_signal_handler(signal.SIGCHLD, wake.set)
+        interval_s = self.spec.probe_interval.total_seconds()
+        next_probe_at = loop.time()
         try:
             while not stop.is_set():
-                outcome = self.tick()
+                probe = loop.time() >= next_probe_at
+                if probe:
+                    next_probe_at = loop.time() + interval_s
+                wake.clear()
+                outcome = self.tick(probe=probe)
                 if outcome is not None:
                     result = outcome
                     break
-                try:
-                    await asyncio.wait_for(stop.wait(), self.spec.probe_interval.total_seconds())
-                except asyncio.TimeoutError:
-                    pass
+                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+                await asyncio.wait(waiters, timeout=max(0.0, next_probe_at - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waiters:
+                    waiter.cancel()
         finally:
+            loop.remove_reader(self.channel.sock.fileno())
+            loop.remove_signal_handler(signal.SIGCHLD)
             self.supervisor.stop_all()
             for exit_ in self.supervisor.poll():
                 self.report_exit(exit_)

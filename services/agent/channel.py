@@ -27,6 +27,7 @@ PHASE_NAMES = {
     node_local_pb2.PHASE_CHECKPOINT: "checkpoint",
     node_local_pb2.PHASE_EVAL: "eval",
     node_local_pb2.PHASE_DONE: "done",
+    node_local_pb2.PHASE_FAILED: "failed",
 }
 
 
@@ -44,6 +45,8 @@ class RankState:
     loss: float | None = None
     grad_norm: float | None = None
     tokens_per_s: float | None = None
+    error: str = ""
+    """With phase ``failed``: the uncaught exception the rank reported."""
     last_seq: int = 0
     dropped: int = 0
     """Reports the rank sent that never arrived (gaps in ``seq``)."""
@@ -110,6 +113,8 @@ class RankChannel:
         state.loss = report.loss
         state.grad_norm = report.grad_norm
         state.tokens_per_s = report.tokens_per_s
+        if report.error:
+            state.error = report.error
 
     def forget_generation_before(self, generation: int) -> None:
         self.ranks = {r: s for r, s in self.ranks.items() if s.generation >= generation}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from keel.agent.channel import RankChannel
@@ -61,11 +63,24 @@ def build_watcher(spec: LaunchSpec, policy_config: dict[str, Any] | None = None)
     return InspectorWatcher(spec, InspectorPolicy.from_config(config))
 
 
+def user_code_paths(command: tuple[str, ...]) -> tuple[str, ...]:
+    """Where the user's own code lives: the directory of the script, or of the ``-m`` module's file."""
+    if command[:1] == ("-m",) and len(command) > 1:
+        try:
+            spec = importlib.util.find_spec(command[1])
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin and spec.origin not in ("built-in", "frozen"):
+            return (str(Path(spec.origin).resolve().parent),)
+        return ()
+    if command and command[0].endswith(".py"):
+        return (str(Path(command[0]).resolve().parent),)
+    return ()
+
+
 def classify(spec: LaunchSpec) -> Callable[[int | None, str | None, str], tuple[str, str, str]]:
-    """The exit classifier bound to the user's script: frames in it count as user code."""
-    user_paths = tuple(part for part in spec.command if part.endswith(".py")) or tuple(
-        spec.command[1:2] if spec.command[:1] == ("-m",) else ()
-    )
+    """The exit classifier bound to the user's code: frames under its directory count as user code."""
+    user_paths = user_code_paths(spec.command)
 
     def run(exit_code: int | None, signal: str | None, stderr_tail: str) -> tuple[str, str, str]:
         return classify_exit(exit_code, signal, stderr_tail, user_paths)

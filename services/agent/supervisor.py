@@ -38,6 +38,8 @@ class RankProcess:
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     stopping: bool = False
     """Set when the agent itself stops the rank: its exit is not a failure."""
+    reported_failure: str = ""
+    """The uncaught exception the rank reported before the agent killed it (see ``kill_failed``)."""
     reader: threading.Thread | None = None
 
     @property
@@ -58,6 +60,7 @@ class RankExit:
     signal: str | None
     stderr_tail: str
     stopped_by_agent: bool
+    reported_failure: str = ""
 
 
 def _pump_stderr(stream, tail: collections.deque, log_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -155,10 +158,21 @@ class RankSupervisor:
                     exit_code=code if code >= 0 else None,
                     signal=signal.Signals(-code).name if code < 0 else None,
                     stderr_tail=process.tail_text(),
-                    stopped_by_agent=process.stopping,
+                    stopped_by_agent=process.stopping and not process.reported_failure,
+                    reported_failure=process.reported_failure,
                 )
             )
         return exits
+
+    def kill_failed(self, rank: int, error: str) -> bool:
+        """SIGKILL a rank that reported an uncaught exception: its traceback is already on stderr, and
+        a dying torch process can spend seconds shutting its process groups down. True if killed."""
+        process = self.ranks.get(rank)
+        if process is None or process.reported_failure or process.popen.poll() is not None:
+            return False
+        process.reported_failure = error or "uncaught exception"
+        self._signal_group(process, signal.SIGKILL)
+        return True
 
     def alive(self) -> list[RankProcess]:
         return [p for p in self.ranks.values() if p.popen.poll() is None]

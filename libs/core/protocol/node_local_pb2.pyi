@@ -13,15 +13,17 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_CHECKPOINT: _ClassVar[Phase]
     PHASE_EVAL: _ClassVar[Phase]
     PHASE_DONE: _ClassVar[Phase]
+    PHASE_FAILED: _ClassVar[Phase]
 PHASE_UNSPECIFIED: Phase
 PHASE_SETUP: Phase
 PHASE_STEP: Phase
 PHASE_CHECKPOINT: Phase
 PHASE_EVAL: Phase
 PHASE_DONE: Phase
+PHASE_FAILED: Phase
 
 class RankReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "rank", "local_rank", "pid", "generation", "seq", "sent_at_unix_s", "phase", "step", "step_time_s", "loss", "grad_norm", "tokens_per_s")
+    __slots__ = ("job_id", "node_id", "rank", "local_rank", "pid", "generation", "seq", "sent_at_unix_s", "phase", "step", "step_time_s", "loss", "grad_norm", "tokens_per_s", "error")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +38,7 @@ class RankReport(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     rank: int
@@ -50,4 +53,5 @@ class RankReport(_message.Message):
     loss: float
     grad_norm: float
     tokens_per_s: float
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_s: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...

@@ -96,14 +96,34 @@ class InspectorPolicy:
         values: dict[str, Any] = {}
         for name, value in config.items():
             default = getattr(cls, name)
-            if isinstance(default, timedelta):
-                values[name] = parse_duration(value)
-            elif name.endswith("_bytes"):
-                values[name] = parse_size(value)
-            elif isinstance(default, frozenset):
-                values[name] = frozenset(int(v) for v in value)
-            elif isinstance(default, tuple):
-                values[name] = tuple(value)
-            else:
-                values[name] = value
+            try:
+                values[name] = _coerce(name, default, value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"inspector policy {name}: {exc}") from None
         return cls(**values)
+
+
+def _coerce(name: str, default: Any, value: Any) -> Any:
+    """A config value in the type of the field's default; text (environment variables) is parsed,
+    lists may be given as comma-separated text."""
+    if isinstance(default, timedelta):
+        return parse_duration(value)
+    if name.endswith("_bytes"):
+        return parse_size(value)
+    if isinstance(value, str) and isinstance(default, (frozenset, tuple)):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(default, frozenset):
+        return frozenset(int(v) for v in value)
+    if isinstance(default, tuple):
+        return tuple(str(v) for v in value)
+    if isinstance(default, bool):
+        if isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"expected true or false, got {value!r}")
+            return value.lower() in ("true", "1", "yes")
+        return bool(value)
+    if isinstance(default, int):
+        return int(value)
+    if isinstance(default, float):
+        return float(value)
+    return value
