@@ -87,15 +87,19 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def seed_overlay_root(root: Path, gpus: int) -> None:
-    """The files a simulated node's probes read: copies of this machine's, plus simulated GPUs and NIC."""
-    for relative in ("proc/pressure/memory", "proc/pressure/cpu", "proc/pressure/io", "proc/vmstat", "proc/loadavg"):
-        source = Path("/") / relative
+    """The files a simulated node's probes read: a calm host (no pressure, no load: copying this
+    machine's live values would freeze whatever load it had at that moment into every node), this
+    machine's vmstat counters, a simulated NIC and simulated GPUs."""
+    calm_psi = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    for relative, text in (("proc/pressure/memory", calm_psi), ("proc/pressure/cpu", calm_psi),
+                           ("proc/pressure/io", calm_psi), ("proc/loadavg", "0.00 0.00 0.00 1/100 1\n")):
         target = root / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            target.write_text(source.read_text())
-        except OSError:
-            target.write_text("")
+        target.write_text(text)
+    try:
+        (root / "proc/vmstat").write_text(Path("/proc/vmstat").read_text())
+    except OSError:
+        (root / "proc/vmstat").write_text("oom_kill 0\n")
     nic = root / "sys/class/net" / SIMULATED_NIC
     nic.mkdir(parents=True, exist_ok=True)
     (nic / "operstate").write_text("up\n")

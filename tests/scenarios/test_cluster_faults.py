@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from keel.cli.cluster import FaultSpec, cluster_down, cluster_up, inject
+from keel.cli.cluster import FaultSpec, cluster_down, cluster_status, cluster_up, inject
 from keel.core.event_types import RanksRestartRequested
 from keel.core.events import Event, now_utc
 from keel.core.runtime import free_port
@@ -118,11 +118,32 @@ async def test_hardware_faults_reach_the_log_with_node_and_confidence_while_trai
     assert blamed == {("n00", "gpu"), ("n01", "nic"), ("n01", "gpu"), ("s00", "disk")}
     await cluster.wait_training(min_step=3, since=now_utc())
 
+    # A rank made 100% slower slows the whole job (its DP and PP peers wait for it): the step time in
+    # the node heartbeats doubles. (Convicting the slow node is the analyzer's work.)
+    def p50s(events: list[Event], after: Any) -> list[float]:
+        return [e.payload.step_time_p50_s for e in events
+                if e.occurred_at > after and e.payload.step_time_p50_s and not e.payload.standby]
+
+    before = p50s(await cluster.events(["NodeHeartbeat"]), injected["xid"].occurred_at)
+    await cluster.inject(FaultSpec(kind="slow", node="n00", rank=0, params={"fraction": 1.0}))
+    slowed_at = now_utc()
+    await asyncio.sleep(8)
+    after = p50s(await cluster.events(["NodeHeartbeat"]), slowed_at + timedelta(seconds=4))
+    assert before and after, "no step times in the heartbeats"
+    assert min(after) >= 1.5 * (sorted(before)[len(before) // 2]), (before, after)
+
     # A NaN injected into the computation comes out of every rank's loss.
     await cluster.inject(FaultSpec(kind="nan", node="n00", rank=0))
     nan = await cluster.wait_for(["NodeHealthChanged"], lambda e: e.payload.check == "nonfinite_loss"
                                  and e.payload.status == "failed", 30, "a non-finite loss report")
     assert nan.payload.component == "rank" and "nan" in nan.payload.detail.lower()
+
+    # `keel cluster down` leaves nothing running: no agent, no rank.
+    state = await asyncio.to_thread(cluster_status, cluster.directory)
+    assert all(node["running"] for node in state["nodes"]) and sum(len(n["ranks"]) for n in state["nodes"]) == 4
+    await asyncio.to_thread(cluster.down)
+    state = await asyncio.to_thread(cluster_status, cluster.directory)
+    assert not any(node["running"] or node["ranks"] for node in state["nodes"]), state
 
 
 async def test_crash_is_classified_then_a_restart_on_command_resumes_training(cluster) -> None:
