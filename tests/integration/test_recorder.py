@@ -187,3 +187,23 @@ async def test_projection_does_not_go_back_in_time_on_late_events(keel_env) -> N
     async with keel_env.engine.connect() as conn:
         row = (await conn.execute(sa.select(metadata.tables["node_status"]))).one()
     assert row.health == "failed" and row.last_event_id == newer.id
+
+
+async def test_old_versions_are_stored_as_sent_and_upcast_on_read(keel_env) -> None:
+    from pathlib import Path
+
+    golden = json.loads((Path(__file__).resolve().parents[1] / "golden/NodeHealthChanged/v1.json").read_text())
+    old = golden["envelope"]
+    current = health_event("n1")
+    subject = f"{keel_env.settings.bus.subject_prefix}.{old['job_id']}.node.NodeHealthChanged"
+    await keel_env.bus.publish_raw(subject, json.dumps(old).encode(), msg_id=old["id"])
+    await keel_env.bus.publish(current)
+    await keel_env.start_recorder()
+    await keel_env.wait_for_count(2)
+    async with keel_env.engine.connect() as conn:
+        versions = dict((await conn.execute(sa.select(metadata.tables["events"].c.event_id,
+                                                      metadata.tables["events"].c.schema_version))).all())
+    assert versions[uuid.UUID(old["id"])] == 1  # as sent
+    [first, second] = [r.event async for r in keel_env.store.read()]  # one chunk, both versions
+    assert first.schema_version == 2 and first.payload.status == "failed" and first.payload.confidence == "medium"
+    assert second == current
