@@ -143,17 +143,6 @@ class Event(BaseModel):
         return self.model_dump_json().encode()
 
 
-class StoredRow(BaseModel):
-    """An event as the store returns it in bulk: position, JetStream sequence, recorded time."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    position: int
-    js_seq: int | None
-    recorded_at: AwareDatetime
-    event: Event
-
-
 P = TypeVar("P", bound=type[EventPayload])
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -174,16 +163,6 @@ class EventRegistry:
     def __init__(self) -> None:
         self._types: dict[str, _TypeEntry] = {}
         self._current: TypeAdapter[Event] | None = None
-        self._rows: TypeAdapter[list[StoredRow]] | None = None
-
-    def stored_rows_adapter(self) -> TypeAdapter[list[StoredRow]]:
-        """Validates a JSON array of store rows whose events are all at their current version."""
-        if self._rows is None:
-            classes = tuple(entry.model.envelope_class for entry in self._types.values())
-            union = Annotated[Union[classes], Field(discriminator="type")]  # type: ignore[valid-type]  # noqa: UP007
-            row_model = create_model("StoredRowOfAny", __base__=StoredRow, event=(union, ...))
-            self._rows = TypeAdapter(list[row_model])  # type: ignore[valid-type]
-        return self._rows
 
     def current_version_adapter(self) -> TypeAdapter[Event]:
         """Validates JSON of *any* type at its current version in one pass (discriminated on ``type``);
@@ -210,7 +189,7 @@ class EventRegistry:
                 payload=(model, ...),
             )
             self._types[name] = _TypeEntry(name, aggregate, version, model)
-            self._current = self._rows = None
+            self._current = None
             return model
 
         return decorate
@@ -288,6 +267,19 @@ class EventRegistry:
         except ValidationError as exc:
             raise InvalidEvent(_validation_reason(name, exc)) from None
 
+
+    def parse_envelope_json(self, name: str, version: int, text: str | bytes) -> Event:
+        """Like ``parse_envelope`` for JSON text whose type and version the caller already knows
+        (store rows): the current version is parsed and validated in one pass in pydantic's core."""
+        entry = self._entry(name)
+        if version != entry.current_version:
+            return self.parse_envelope(json.loads(text))
+        envelope_class = entry.model.envelope_class
+        assert envelope_class is not None
+        try:
+            return envelope_class.model_validate_json(text)
+        except ValidationError as exc:
+            raise InvalidEvent(_validation_reason(name, exc)) from None
 
 
 def _validation_reason(name: str, exc: ValidationError) -> str:

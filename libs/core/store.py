@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import ValidationError
-from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID, aggregate_order_by, insert
+from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID, insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from keel.core.events import REGISTRY, Event, EventRegistry, InvalidEvent
@@ -239,15 +238,18 @@ def _row_to_event(row: Any, registry: EventRegistry) -> Event:
     return registry.parse_envelope(envelope)
 
 
-# The whole envelope as JSON, built by Postgres: pydantic then parses and validates it in its core,
-# without Python dicts, UUID or datetime objects in between (replay reads every event;
-# ``bench/bus.py`` measures ``replay_eps``).
-_ENVELOPE_JSON = sa.func.json_build_object(
-    "id", events_table.c.event_id, "type", events_table.c.type,
-    "schema_version", events_table.c.schema_version, "job_id", events_table.c.job_id,
-    "subject", events_table.c.subject, "occurred_at", events_table.c.occurred_at,
-    "producer", events_table.c.producer, "causation_id", events_table.c.causation_id,
-    "correlation_id", events_table.c.correlation_id, "payload", events_table.c.payload,
+# The whole envelope as JSON text, built by Postgres: pydantic then parses and validates it in one
+# pass in its core, without Python dicts, UUID or datetime objects in between (replay reads every
+# event; ``bench/bus.py`` measures ``replay_eps``).
+_ENVELOPE_JSON = sa.cast(
+    sa.func.json_build_object(
+        "id", events_table.c.event_id, "type", events_table.c.type,
+        "schema_version", events_table.c.schema_version, "job_id", events_table.c.job_id,
+        "subject", events_table.c.subject, "occurred_at", events_table.c.occurred_at,
+        "producer", events_table.c.producer, "causation_id", events_table.c.causation_id,
+        "correlation_id", events_table.c.correlation_id, "payload", events_table.c.payload,
+    ),
+    sa.Text,
 ).label("envelope")
 
 
@@ -279,48 +281,31 @@ class EventStore:
         def chunk_size() -> int:
             return chunk if remaining is None else min(chunk, remaining)
 
+        parse = self.registry.parse_envelope_json
         size = chunk_size()
         fetching = asyncio.ensure_future(
             self._fetch_chunk(after_position, size, job_id, types, subject, correlation_id)
         )
         try:
             while True:
-                last_position, count, rows_json = await fetching
-                full = count == size
+                rows = await fetching
+                full = len(rows) == size
                 if remaining is not None:
-                    remaining -= count
+                    remaining -= len(rows)
                 if full and (remaining is None or remaining > 0):
                     size = chunk_size()
                     fetching = asyncio.ensure_future(
-                        self._fetch_chunk(last_position, size, job_id, types, subject, correlation_id)
+                        self._fetch_chunk(rows[-1][0], size, job_id, types, subject, correlation_id)
                     )
                 else:
                     fetching = None
-                for recorded in self._parse_chunk(rows_json) if count else ():
-                    yield recorded
+                for row in rows:
+                    yield RecordedEvent(row[0], row[1], row[2], parse(row[3], row[4], row[5]))
                 if fetching is None:
                     return
         finally:
             if fetching is not None and not fetching.done():
                 fetching.cancel()
-
-    def _parse_chunk(self, rows_json: str) -> list[RecordedEvent]:
-        """A chunk arrives as ONE JSON array (``json_agg``): when every event in it is at its current
-        version, pydantic parses and validates the whole array in one call in its core, several
-        times faster than event by event (``bench/bus.py``: ``replay_eps``). A chunk holding an older
-        version takes the per-event path, which upcasts."""
-        try:
-            rows = self.registry.stored_rows_adapter().validate_json(rows_json)
-            return [RecordedEvent(row.position, row.js_seq, row.recorded_at, row.event) for row in rows]
-        except ValidationError:
-            pass
-        recorded = []
-        for row in json.loads(rows_json):
-            recorded.append(
-                RecordedEvent(row["position"], row["js_seq"], datetime.fromisoformat(row["recorded_at"]),
-                              self.registry.parse_envelope(row["event"]))
-            )
-        return recorded
 
     async def _fetch_chunk(
         self,
@@ -330,29 +315,20 @@ class EventStore:
         types: Sequence[str] | None,
         subject: str | None,
         correlation_id: uuid.UUID | None,
-    ) -> tuple[int, int, str]:
-        """(last position, number of rows, the rows as one JSON array) of the next chunk."""
-        inner = sa.select(
-            events_table.c.position, events_table.c.js_seq, events_table.c.recorded_at, _ENVELOPE_JSON,
+    ) -> list[Any]:
+        query = sa.select(
+            events_table.c.position, events_table.c.js_seq, events_table.c.recorded_at,
+            events_table.c.type, events_table.c.schema_version, _ENVELOPE_JSON,
         ).where(events_table.c.position > after_position)
         if job_id is not None:
-            inner = inner.where(events_table.c.job_id == job_id)
+            query = query.where(events_table.c.job_id == job_id)
         if types:
-            inner = inner.where(events_table.c.type.in_(list(types)))
+            query = query.where(events_table.c.type.in_(list(types)))
         if subject is not None:
-            inner = inner.where(events_table.c.subject == subject)
+            query = query.where(events_table.c.subject == subject)
         if correlation_id is not None:
-            inner = inner.where(events_table.c.correlation_id == correlation_id)
-        chunk = inner.order_by(events_table.c.position).limit(size).subquery("chunk")
-        row_json = sa.func.json_build_object(
-            "position", chunk.c.position, "js_seq", chunk.c.js_seq, "recorded_at", chunk.c.recorded_at,
-            "event", chunk.c.envelope,
-        )
-        query = sa.select(
-            sa.func.coalesce(sa.func.max(chunk.c.position), after_position),
-            sa.func.count(),
-            sa.cast(sa.func.json_agg(aggregate_order_by(row_json, chunk.c.position)), sa.Text),
-        )
+            query = query.where(events_table.c.correlation_id == correlation_id)
+        query = query.order_by(events_table.c.position).limit(size)
         # Built by SQLAlchemy, fetched with asyncpg: SQLAlchemy's per-row result processing cost more
         # than the fetch itself.
         async with self.engine.connect() as conn:
@@ -360,8 +336,7 @@ class EventStore:
             raw = (await conn.get_raw_connection()).driver_connection
             assert raw is not None
             params = [compiled.params[name] for name in compiled.positiontup or ()]
-            last_position, count, rows_json = await raw.fetchrow(str(compiled), *params)
-            return int(last_position), int(count), rows_json
+            return list(await raw.fetch(str(compiled), *params))
 
     async def get(self, event_id: uuid.UUID) -> RecordedEvent | None:
         async with self.engine.connect() as conn:
