@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test unit integration demo bench bench-quick schema proto clean
+.PHONY: install test unit integration demo bench bench-quick bench-detection schema proto clean
 
 install: $(STAMP)
 
@@ -37,6 +37,13 @@ bench: install
 
 bench-quick: install
 	$(BIN)/python bench/bus.py --quick
+	$(BIN)/python -m bench.detection --quick
+
+# The ft_launcher peer is a benchmark-only dependency; it drags in the deprecated pynvml shim, which
+# would print a warning in every rank, so the shim goes again (nvidia-ml-py provides pynvml).
+bench-detection: install
+	$(BIN)/python -m pip install -q nvidia-resiliency-ext && $(BIN)/python -m pip uninstall -y -q pynvml || true
+	$(BIN)/python -m bench.detection --json bench/results/detection.json
 
 schema: install
 	$(BIN)/keel events schema --write
