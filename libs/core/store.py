@@ -299,7 +299,11 @@ class EventStore:
                     )
                 else:
                     fetching = None
-                for row in rows:
+                for index, row in enumerate(rows):
+                    if index % 256 == 0:
+                        # Let the event loop read the next chunk off the socket meanwhile: otherwise
+                        # Postgres stalls on a full socket buffer until this chunk is consumed.
+                        await asyncio.sleep(0)
                     yield RecordedEvent(row[0], row[1], row[2], parse(row[3], row[4], row[5]))
                 if fetching is None:
                     return
