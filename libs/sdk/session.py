@@ -227,13 +227,16 @@ class Session:
     ) -> None:
         """Record that ``step`` finished; call once per step, after ``optimizer.step``.
 
-        ``step_time_s`` is the time since the previous ``step_done`` or phase change (less any delay an
-        injected ``slow`` fault added), ``tokens_per_s`` is ``tokens / step_time_s``. ``tokens`` is what
+        ``step_time_s`` is the time since the previous ``step_done`` or phase change (an injected
+        ``slow`` fault's delay included), ``tokens_per_s`` is ``tokens / step_time_s``. ``tokens`` is what
         this rank's data-parallel replica processed in the step. Sends a report, then checks the fault
         file (one ``stat``) and applies a due fault, which may raise, block forever, or sleep.
         """
         now = time.monotonic()
-        step_time_s = max(now - self._mark_s - self._injected_sleep_s, 0.0)
+        # Reported: the whole step, an injected slowdown included (that is what a slow rank looks like).
+        # The slowdown itself is based on the step without it, so it does not compound.
+        step_time_s = max(now - self._mark_s, 0.0)
+        work_time_s = max(step_time_s - self._injected_sleep_s, 0.0)
         self._mark_s = now
         self._injected_sleep_s = 0.0
         with self._lock:
@@ -247,7 +250,7 @@ class Session:
         if self._nan_at_step is not None and step >= self._nan_at_step:
             self._nan_at_step = None
         self._send_report()
-        self._apply_faults(step, step_time_s)
+        self._apply_faults(step, work_time_s)
 
     def done(self) -> None:
         """Report ``done`` (silence after it is not a hang) and stop the heartbeat. Idempotent."""
