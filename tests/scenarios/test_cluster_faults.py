@@ -118,20 +118,20 @@ async def test_hardware_faults_reach_the_log_with_node_and_confidence_while_trai
     assert blamed == {("n00", "gpu"), ("n01", "nic"), ("n01", "gpu"), ("s00", "disk")}
     await cluster.wait_training(min_step=3, since=now_utc())
 
-    # A rank made 100% slower slows the whole job (its DP and PP peers wait for it): the step time in
-    # the node heartbeats doubles. (Convicting the slow node is the analyzer's work.)
+    # A rank made 4x slower slows the whole job (its DP and PP peers wait for it): the step times in
+    # the node heartbeats go up accordingly. (Convicting the slow node is the analyzer's work.)
     def p50s(events: list[Event], after: Any) -> list[float]:
         return [e.payload.step_time_p50_s for e in events
                 if e.occurred_at > after and e.payload.step_time_p50_s and not e.payload.standby]
 
     before = p50s(await cluster.events(["NodeHeartbeat"]), injected["xid"].occurred_at)
-    await cluster.inject(FaultSpec(kind="slow", node="n00", rank=0, params={"fraction": 1.0}))
+    await cluster.inject(FaultSpec(kind="slow", node="n00", rank=0, params={"fraction": 3.0}))
     slowed_at = now_utc()
     await asyncio.sleep(8)
     after = p50s(await cluster.events(["NodeHeartbeat"]), slowed_at + timedelta(seconds=4))
     assert before and after, "no step times in the heartbeats"
     median_before, median_after = sorted(before)[len(before) // 2], sorted(after)[len(after) // 2]
-    assert median_after >= 1.4 * median_before, (before, after)
+    assert median_after >= 1.5 * median_before, (before, after)
 
     # A NaN injected into the computation comes out of every rank's loss.
     await cluster.inject(FaultSpec(kind="nan", node="n00", rank=0))
