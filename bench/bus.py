@@ -47,7 +47,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -59,6 +58,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tests.factories builds the events
     sys.path.insert(0, str(REPO))
+
+from bench._servers import Servers, scratch_dir  # noqa: E402
 
 MODES = ("sync_always", "sync_default")
 OFFERED_EPS = 1000
@@ -98,62 +99,7 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-def scratch_dir(prefix: str) -> Path:
-    # Not under /root: the embedded Postgres runs as an unprivileged user that must reach it.
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    path.chmod(0o755)
-    return path
-
-
 # -- servers --------------------------------------------------------------------------------------
-
-
-@dataclass
-class Servers:
-    nats: dict[str, str] = field(default_factory=dict)
-    database_url: str = ""
-    pids: dict[str, int | None] = field(default_factory=dict)
-    """nats-<mode> / postgres -> server pid (embedded servers only), for the CPU accounting."""
-    root: Path | None = None
-    started: list[Any] = field(default_factory=list)
-
-    def start(self) -> None:
-        from keel.core.runtime import NatsServer, PostgresServer, free_port
-
-        self.root = scratch_dir("keel-bench-")
-        external_nats = os.environ.get("KEEL_NATS_URL")
-        if external_nats:
-            log(f"using KEEL_NATS_URL={external_nats} for both durability modes")
-            self.nats = {mode: external_nats for mode in MODES}
-        else:
-            for mode in MODES:
-                server = NatsServer(
-                    store_dir=self.root / f"nats-{mode}",
-                    port=free_port(),
-                    monitor_port=free_port(),
-                    sync_always=mode == "sync_always",
-                )
-                self.nats[mode] = server.start()
-                self.started.append(server)
-                self.pids[f"nats-{mode}"] = server.pid
-        external_db = os.environ.get("KEEL_DATABASE_URL")
-        if external_db:
-            self.database_url = external_db
-        else:
-            postgres = PostgresServer(data_dir=self.root / "pg", port=free_port())
-            self.database_url = postgres.start()
-            self.started.append(postgres)
-            self.pids["postgres"] = postgres.pid
-
-    def stop(self) -> None:
-        for server in reversed(self.started):
-            try:
-                server.stop()
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                log(f"warning: stopping {type(server).__name__}: {exc!r}")
-        self.started.clear()
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _proc_table() -> dict[int, tuple[int, float]]:
@@ -716,6 +662,7 @@ async def measure_replay(database_url: str, count: int) -> dict[str, float]:
         folded = 0
         fold_s = 0.0
         gc.collect()
+        gc.freeze()  # what `keel replay` does too: the long-lived heap is not rescanned by every collection
         t0 = time.perf_counter()
         async for recorded in EventStore(engine).read():
             f0 = time.perf_counter()
@@ -769,7 +716,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "persisted_ratio_by_mode": {},
         "persisted_events": dict(sizes.persisted),
     }
-    servers = Servers()
+    servers = Servers(modes=tuple(MODES), log=log, prefix="keel-bench-")
     home = scratch_dir("keel-bench-home-")
     began = time.perf_counter()
     try:

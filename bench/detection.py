@@ -74,8 +74,6 @@ import re
 import shutil
 import statistics
 import sys
-import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -89,6 +87,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import _peers  # noqa: E402
+from bench._servers import Servers, scratch_dir  # noqa: E402
 
 HARDWARE = ("gpu-lost", "xid", "nic-down", "disk-full")
 WORKLOAD = ("crash", "oom", "hang")
@@ -131,13 +130,6 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def scratch_dir(prefix: str) -> Path:
-    # Not under /root: the embedded Postgres runs as an unprivileged user that must reach it.
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    path.chmod(0o755)
-    return path
-
-
 def pct(values: list[float], p: float) -> float | None:
     """Nearest-rank percentile (as the inspector computes it)."""
     if not values:
@@ -147,39 +139,6 @@ def pct(values: list[float], p: float) -> float | None:
 
 
 # -- servers and the log -------------------------------------------------------------------------
-
-
-@dataclass
-class Servers:
-    nats_url: str = ""
-    database_url: str = ""
-    root: Path | None = None
-    started: list[Any] = field(default_factory=list)
-
-    def start(self) -> None:
-        from keel.core.runtime import NatsServer, PostgresServer, free_port
-
-        self.root = scratch_dir("keel-bench-detect-")
-        self.nats_url = os.environ.get("KEEL_NATS_URL", "")
-        if not self.nats_url:
-            nats = NatsServer(store_dir=self.root / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
-            self.nats_url = nats.start()
-            self.started.append(nats)
-        self.database_url = os.environ.get("KEEL_DATABASE_URL", "")
-        if not self.database_url:
-            postgres = PostgresServer(data_dir=self.root / "pg", port=free_port())
-            self.database_url = postgres.start()
-            self.started.append(postgres)
-
-    def stop(self) -> None:
-        for server in reversed(self.started):
-            try:
-                server.stop()
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
-                log(f"warning: stopping {type(server).__name__}: {exc!r}")
-        self.started.clear()
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
 
 
 class EventLog:
@@ -874,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mode = QUICK if args.quick else FULL
     started = time.monotonic()
-    servers = Servers()
+    servers = Servers(log=log, prefix="keel-bench-detect-")
     log(f"detection benchmark ({mode.name})")
     servers.start()
     try:

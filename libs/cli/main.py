@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -250,6 +251,8 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         # One pass over the log feeds every decider, streaming: memory stays flat for any log size.
         engine = create_engine(database_url, settings.db_schema)
         verifiers = [ReplayVerifier(decider) for decider in chosen]
+        gc.collect()
+        gc.freeze()  # the long-lived heap is not rescanned by every collection during a long replay
         try:
             async for recorded in EventStore(engine).read(job_id=args.job):
                 for verifier in verifiers:

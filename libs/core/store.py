@@ -269,7 +269,7 @@ class EventStore:
         subject: str | None = None,
         correlation_id: uuid.UUID | None = None,
         limit: int | None = None,
-        chunk: int = 5000,
+        chunk: int = 20000,
     ) -> AsyncIterator[RecordedEvent]:
         """Events in position order, upcast to their current version, streamed in chunks.
 
