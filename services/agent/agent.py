@@ -121,6 +121,11 @@ class NodeAgent:
             # Killed by the agent after the rank reported an uncaught exception: classify the exception
             # (its traceback is in the stderr tail), not the SIGKILL.
             classification, error_type, reason = self.classify(1, None, exit_.stderr_tail)
+            # The exception the rank named itself: if that alone says infrastructure (MemoryError,
+            # an NCCL/gloo error...), trust it over a stderr tail that later output may have muddled.
+            reported = self.classify(1, None, exit_.reported_failure)
+            if classification != "infrastructure" and reported[0] == "infrastructure":
+                classification, error_type, reason = reported
             reason = f"{reason} (the rank reported {exit_.reported_failure!r}; the agent ended its shutdown)"
         else:
             classification, error_type, reason = self.classify(exit_.exit_code, exit_.signal, exit_.stderr_tail)

@@ -205,7 +205,8 @@ async def test_oom_inside_a_rank_is_an_infrastructure_exit(cluster) -> None:
     await cluster.inject(FaultSpec(kind="oom", node="n01", rank=2))
     exit_ = await cluster.wait_for(["RankExited"], lambda e: e.payload.rank == 2
                                    and e.payload.classification not in ("stopped_by_agent",), 30, "the OOM exit")
-    assert exit_.payload.classification == "infrastructure" and "MemoryError" in exit_.payload.error_type
+    assert exit_.payload.classification == "infrastructure" and "MemoryError" in exit_.payload.error_type, \
+        exit_.payload.model_dump()
 
 
 def keel_cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
