@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test unit integration demo bench bench-quick bench-detection schema proto clean
+.PHONY: install test unit integration demo bench bench-quick bench-detection bench-checkpoint schema proto clean
 
 install: $(STAMP)
 
@@ -45,12 +45,23 @@ bench-detection: install
 	$(BIN)/python -m pip install -q nvidia-resiliency-ext && $(BIN)/python -m pip uninstall -y -q pynvml || true
 	$(BIN)/python -m bench.detection --json bench/results/detection.json
 
+# DLRover (the Flash Checkpoint peer) is a benchmark-only dependency, never a runtime one; torch stays
+# pinned on the same command line. Its deprecated pynvml shim goes again, as for bench-detection.
+bench-checkpoint: install
+	$(BIN)/python -m pip install -q 'dlrover[torch]==0.6.1' grpcio torch==2.13.0 && $(BIN)/python -m pip uninstall -y -q pynvml || true
+	$(BIN)/python -m bench.checkpoint --json bench/results/checkpoint.json
+
 schema: install
 	$(BIN)/keel events schema --write
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/core/protocol \
 		--pyi_out=libs/core/protocol proto/keel/agent/v1/node_local.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/checkpoint/v1 --python_out=libs/core/protocol \
+		--pyi_out=libs/core/protocol --grpc_python_out=libs/core/protocol proto/keel/checkpoint/v1/shard_store.proto
+	# grpc_tools writes a top-level `import shard_store_pb2`; the module lives in keel.core.protocol.
+	sed -i 's/^import shard_store_pb2 as/from keel.core.protocol import shard_store_pb2 as/' \
+		libs/core/protocol/shard_store_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -33,7 +33,13 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     except (TypeError, ValueError) as exc:
         print(f"keel run: inspector settings: {exc}", file=sys.stderr)
         return 2
-    agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised)
+    checkpointing = None
+    if spec.ckpt_dir is not None:
+        checkpointing = build_checkpointing(spec, settings, supervised=supervised)
+    agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
+                      checkpointing=checkpointing)
+    if checkpointing is not None:
+        checkpointing.emit = agent.emit
 
     async def main() -> int:
         stop = asyncio.Event()
@@ -53,3 +59,22 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
         return result.exit_code
 
     return asyncio.run(main())
+
+
+def build_checkpointing(spec, settings: Settings, *, supervised: bool):  # type: ignore[no-untyped-def]
+    """The node's checkpoint duties: its shard store (gRPC, on ``--keel-store-address``) and the
+    persistent tier (``--keel-persist-root``, else the configured ``checkpoint.persist_root``, if any)."""
+    from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing
+
+    assert spec.ckpt_dir is not None
+    transport = GrpcTransport(spec.job_id, spec.node_id, spec.ckpt_dir, bind=spec.store_address,
+                              advertise=spec.store_advertise)
+    persist_root = spec.persist_root or settings.checkpoint.resolved_persist_root(settings.home)
+    log.info("%s: shard store on %s, slots in %s, persistent tier %s", spec.node_id, transport.address,
+             spec.ckpt_dir, persist_root)
+    return NodeCheckpointing(
+        job_id=spec.job_id, node_id=spec.node_id,
+        local_ranks=[spec.global_rank(i) for i in range(spec.nproc_per_node)], world_size=spec.world_size,
+        node_dir=spec.ckpt_dir, agent_dir=spec.agent_dir, emit=lambda *a, **k: None, transport=transport,
+        persist_root=persist_root, report_interval=settings.checkpoint.report_interval, supervised=supervised,
+    )

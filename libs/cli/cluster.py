@@ -131,8 +131,14 @@ def cluster_up(
     extra_env: dict[str, str] | None = None,
     probe_interval: str = "1s",
     heartbeat_interval: str = "5s",
+    persist_root: Path | None = None,
 ) -> dict[str, Any]:
-    """Start ``nodes`` agents running ``command`` (and ``standby`` idle ones). Returns the state written."""
+    """Start ``nodes`` agents running ``command`` (and ``standby`` idle ones). Returns the state written.
+
+    Each node gets its own shared-memory checkpoint folder under one ``/dev/shm/keel-cluster-*`` root
+    (removed by ``cluster_down``; ``kill_node`` removes one node's, as losing the machine would) and
+    the persistent tier under ``persist_root`` (default ``<directory>/checkpoints``).
+    """
     if (directory / "cluster.json").exists():
         state = json.loads((directory / "cluster.json").read_text())
         if any(_alive(n["pid"]) for n in state["nodes"]):
@@ -142,6 +148,8 @@ def cluster_up(
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     master_port = free_port()
+    shm_root = Path("/dev/shm") / f"keel-cluster-{uuid.uuid4().hex[:10]}"
+    persist_root = persist_root or directory / "checkpoints"
     env = dict(os.environ, **(extra_env or {}))
     if nats_url:
         env["KEEL_NATS_URL"] = nats_url
@@ -159,18 +167,66 @@ def cluster_up(
             "--keel-job-id", job_id, "--keel-node-id", node_id, "--keel-fault-domain", f"domain-{index}",
             "--keel-agent-dir", str(agent_dir), "--keel-root", str(root),
             "--keel-probe-interval", probe_interval, "--keel-heartbeat-interval", heartbeat_interval,
-            "--keel-supervised",
+            "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
+            "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
         ]
         argv += ["--keel-standby"] if is_standby else list(command)
-        with open(agent_dir / "agent.log", "ab") as log:
-            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        process = _spawn_agent(argv, env, agent_dir)
         node_states.append({"node_id": node_id, "standby": is_standby, "agent_dir": str(agent_dir),
-                            "root": str(root), "pid": process.pid})
+                            "root": str(root), "pid": process.pid, "ckpt_dir": str(shm_root / node_id),
+                            "argv": argv})
     state = {"job_id": job_id, "nodes": node_states, "master_port": master_port, "nproc_per_node": nproc_per_node,
-             "command": command, "started_at": now_utc().isoformat()}
+             "command": command, "started_at": now_utc().isoformat(), "shm_root": str(shm_root),
+             "persist_root": str(persist_root), "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
     _atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return state
+
+
+def _spawn_agent(argv: list[str], env: dict[str, str], agent_dir: Path) -> subprocess.Popen:
+    with open(agent_dir / "agent.log", "ab") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _node_entry(state: dict[str, Any], node_id: str) -> dict[str, Any]:
+    for node in state["nodes"]:
+        if node["node_id"] == node_id:
+            return node
+    raise ClusterError(f"no node {node_id!r} in this cluster (nodes: {[n['node_id'] for n in state['nodes']]})")
+
+
+def kill_node(directory: Path, node_id: str) -> None:
+    """Lose a node as a machine is lost: SIGKILL its agent and ranks, and wipe its shared memory."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    for pid in _ranks_of(Path(node["agent_dir"])):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if _alive(node["pid"]):
+        os.killpg(node["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(node["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(node["ckpt_dir"], ignore_errors=True)
+
+
+def start_node(directory: Path, node_id: str) -> int:
+    """Start a fresh agent for ``node_id`` (a replacement machine with empty shared memory). It joins as
+    an idle standby with the node's rank slice and starts ranks on the next restart command. Returns its pid."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    if _alive(node["pid"]):
+        raise ClusterError(f"node {node_id} is still running (pid {node['pid']}); kill it first")
+    argv = list(node["argv"])
+    if "--keel-standby" not in argv:
+        argv.insert(argv.index("--keel-supervised") + 1, "--keel-standby")
+    env = dict(os.environ, **state.get("env", {}))
+    process = _spawn_agent(argv, env, Path(node["agent_dir"]))
+    node["pid"] = process.pid
+    _atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return process.pid
 
 
 def _alive(pid: int) -> bool:
@@ -201,6 +257,9 @@ def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+    shm_root = json.loads((directory / "cluster.json").read_text()).get("shm_root")
+    if shm_root:
+        shutil.rmtree(shm_root, ignore_errors=True)
     return [n["node_id"] for n in nodes]
 
 

@@ -2,9 +2,10 @@
 
     keel up | down | status          the embedded runtime (NATS + PostgreSQL) and the services
     keel migrate                     bring the event store schema up to date
-    keel service NAME                run one service in the foreground (recorder, controller)
+    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker)
     keel replay [--job J] [--service S] --verify
     keel events tail [--job J] [-n N] [--follow] | show ID | schema [--write | --check]
+    keel checkpoints ls [--root PATH] [--job J] [--json]   the persistent checkpoint tier
     keel demo                        the end-to-end demonstration behind `make demo`
 
 Global flags (``--config``, ``--home``, ``--nats-url``, ``--database-url``) are the top layer of the
@@ -30,7 +31,7 @@ from typing import Any
 
 from keel.core.config import ConfigError, Settings, load_settings
 
-SERVICES = ("recorder", "controller")
+SERVICES = ("recorder", "controller", "checkpoint-broker")
 
 
 class CliError(RuntimeError):
@@ -207,6 +208,8 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.recorder.main import serve
     elif args.name == "controller":
         from keel.controller.main import serve
+    elif args.name == "checkpoint-broker":
+        from keel.checkpoint_broker.main import serve
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")
     ready_file = os.environ.get("KEEL_SERVICE_READY_FILE")
@@ -232,9 +235,10 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def deciders_for(settings: Settings) -> dict[str, Any]:
+    from keel.checkpoint_broker.main import decider_from_settings as broker_from_settings
     from keel.controller.main import decider_from_settings
 
-    return {"controller": decider_from_settings(settings)}
+    return {"controller": decider_from_settings(settings), "checkpoint-broker": broker_from_settings(settings)}
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
@@ -407,6 +411,27 @@ def cmd_inject(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_checkpoints(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.core.ckpt_disk import list_checkpoints
+
+    root = Path(args.root).expanduser() if args.root else settings.checkpoint.resolved_persist_root(settings.home)
+    try:
+        infos = list_checkpoints(root, args.job)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        print(json.dumps({"root": str(root), "checkpoints": [info.to_json() for info in infos]}, indent=2))
+        return 0
+    if not infos:
+        print(f"keel: no checkpoints under {root}" + (f" for job {args.job}" if args.job else ""))
+        return 0
+    print(f"{'JOB':<16} {'STEP':>9} {'RANKS':>5} {'BYTES':>14} {'CREATED_AT':<29} STATUS")
+    for info in infos:
+        status = info.status if not info.detail or info.detail == "no manifest" else f"{info.status} ({info.detail})"
+        print(f"{info.job:<16} {info.step:>9} {info.ranks:>5} {info.bytes:>14} {info.created_at:<29} {status}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from keel.cli.demo import run_demo
 
@@ -487,6 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("--scenario", help="YAML file: faults: [{at: 10s, kind: hang, node: n01, rank: 2}]")
     inject.add_argument("--dir")
     inject.set_defaults(func=cmd_inject)
+
+    checkpoints = sub.add_parser("checkpoints", help="the persistent checkpoint tier")
+    checkpoints_sub = checkpoints.add_subparsers(dest="checkpoints_command", required=True)
+    checkpoints_ls = checkpoints_sub.add_parser("ls", help="committed and incomplete checkpoints")
+    checkpoints_ls.add_argument("--root", help="persistent tier root (default: checkpoint.persist_root, <home>/checkpoints)")
+    checkpoints_ls.add_argument("--job")
+    checkpoints_ls.add_argument("--json", action="store_true")
+    checkpoints_ls.set_defaults(func=cmd_checkpoints)
 
     demo = sub.add_parser("demo", help="run the end-to-end demonstration")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")

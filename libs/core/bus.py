@@ -248,12 +248,14 @@ class Bus:
         durable: str,
         *,
         filter_subject: str | None = None,
+        filter_subjects: list[str] | None = None,
         ack_all: bool = False,
         max_deliver: int | None = None,
         max_ack_pending: int = 20_000,
     ) -> BatchPuller:
         """A durable pull consumer on the events stream (created if missing, from the first message).
 
+        ``filter_subjects``: several subjects (NATS 2.10+), instead of one ``filter_subject``.
         ``max_deliver`` bounds redelivery (``-1``: unbounded, for the recorder, which must never give
         up on an event); by default ``BusSettings.max_deliver``.
         """
@@ -263,7 +265,8 @@ class Bus:
             ack_policy=api.AckPolicy.ALL if ack_all else api.AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait.total_seconds(),
             max_deliver=self.settings.max_deliver if max_deliver is None else max_deliver,
-            filter_subject=filter_subject or self.events_subjects,
+            filter_subject=None if filter_subjects else (filter_subject or self.events_subjects),
+            filter_subjects=filter_subjects or None,
             max_ack_pending=max_ack_pending,
         )
         try:

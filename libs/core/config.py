@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from keel.core.units import ByteSize, Duration, parse_duration, parse_size
 
@@ -94,6 +94,38 @@ class ControllerSettings(_Section):
     """Every command expires; a cold start never executes a stale one."""
 
 
+class CheckpointSettings(_Section):
+    """The checkpoint broker: the persistent tier, its schedule (Young's formula) and restore planning."""
+
+    persist_root: Path | None = None
+    """Root of the persistent tier (``<root>/<job>/step-<s:09d>/``), shared by the nodes and the broker;
+    ``None``: ``<home>/checkpoints``."""
+    retention: int = Field(3, ge=1)
+    """Committed steps (manifests) kept per job; older step directories are removed."""
+    persist_every_floor: int = Field(10, ge=1)
+    """Fewest steps between two persists (K's lower clamp), in steps."""
+    persist_every_ceiling: int = Field(1000, ge=1)
+    """Most steps between two persists (K's upper clamp), in steps."""
+    initial_save_cost: Duration = parse_duration("5s")
+    """Young's C before any persist was measured."""
+    mtbf_prior: Duration = parse_duration("4h")
+    """Young's MTBF prior: MTBF = (observed time + prior) / (failures + 1)."""
+    restore_plan_timeout: Duration = parse_duration("10s")
+    """How long the broker waits for every node's inventory before planning with what arrived."""
+    report_interval: Duration = parse_duration("1s")
+    """How often agents report stored shards; also the broker's clock tick while a restore plan waits."""
+
+    @model_validator(mode="after")
+    def _floor_below_ceiling(self) -> CheckpointSettings:
+        if self.persist_every_floor > self.persist_every_ceiling:
+            raise ValueError(f"persist_every_floor ({self.persist_every_floor}) must not exceed "
+                             f"persist_every_ceiling ({self.persist_every_ceiling})")
+        return self
+
+    def resolved_persist_root(self, home: Path) -> Path:
+        return (self.persist_root or home / "checkpoints").expanduser()
+
+
 class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
@@ -107,6 +139,7 @@ class Settings(_Section):
     bus: BusSettings = BusSettings()
     recorder: RecorderSettings = RecorderSettings()
     controller: ControllerSettings = ControllerSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

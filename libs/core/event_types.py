@@ -184,3 +184,177 @@ class FaultInjected(EventPayload):
     rank: int | None = None
     params: dict[str, Any] = Field(default_factory=dict)
     injected_by: str = "keel inject"
+
+
+# -- checkpointing (issue 4) -------------------------------------------------------------------------
+#
+# Tiers, fastest first: "memory" (the rank's own node, shared memory), "peer" (the committed copy a
+# backup node holds in its shared memory), "disk" (the persistent tier: a local or shared filesystem).
+
+CheckpointTier = Literal["memory", "peer", "disk"]
+
+
+class RankGroups(EventPayload):
+    """One rank's parallel groups (lists of global ranks, the rank itself included)."""
+
+    rank: int = Field(ge=0)
+    dp: list[int] = Field(default_factory=list)
+    pp: list[int] = Field(default_factory=list)
+    tp: list[int] = Field(default_factory=list)
+
+
+@event_type("CheckpointRanksRegistered", version=1, aggregate="node")
+class CheckpointRanksRegistered(EventPayload):
+    """A node's ranks registered their Checkpointer: their parallel groups, and where the node's shard
+    store listens (``host:port`` of its gRPC ``ShardStore``) so peers can send it backups."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    store_address: str
+    ranks: list[RankGroups] = Field(min_length=1)
+
+
+class BackupAssignment(EventPayload):
+    rank: int = Field(ge=0)
+    node_id: str
+    backup_node_id: str
+    backup_address: str
+    fallback: str = ""
+    """Why this backup is weaker than the rule ("" when no parallel group has ranks on both the rank's
+    node and the backup node, so evicting any one group leaves a copy of the shard)."""
+
+
+@event_type("CheckpointBackupAssigned", version=1, aggregate="job")
+class CheckpointBackupAssigned(EventPayload):
+    """The broker chose (or re-chose) each rank's backup peer: a node outside the rank's DP, PP and TP
+    groups and not its own node; ``fallback`` explains any assignment that could not meet that."""
+
+    assignments: list[BackupAssignment] = Field(min_length=1)
+    reason: str
+
+
+class ShardRecord(EventPayload):
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    digest: str  # hex SHA-256 of the shard payload
+    owner_node_id: str = ""  # for tier "peer": the node whose rank this is; "" otherwise
+    write_s: float = Field(default=0.0, ge=0)  # for tier "disk": seconds this shard took to write
+
+
+@event_type("CheckpointShardsStored", version=1, aggregate="node")
+class CheckpointShardsStored(EventPayload):
+    """A node holds verified shards in one tier (its ranks' own snapshots, backups it holds for peers,
+    or shards it persisted). Sent at most once per report interval per tier, newest step only."""
+
+    node_id: str
+    tier: CheckpointTier
+    shards: list[ShardRecord] = Field(min_length=1)
+
+
+@event_type("CheckpointStepCommitted", version=1, aggregate="job")
+class CheckpointStepCommitted(EventPayload):
+    """Every rank's shard of ``step`` is present and verified in ``tier``: restorable from there."""
+
+    tier: CheckpointTier
+    step: int = Field(ge=0)
+    ranks: int = Field(ge=1)
+    bytes: int = Field(ge=0)
+
+
+@event_type("CheckpointScheduleSet", version=1, aggregate="job")
+class CheckpointScheduleSet(EventPayload):
+    """The persistent tier's interval: every ``every_k_steps`` steps, from Young's formula
+    K = sqrt(2 * save_cost * MTBF) / step_time, clamped to the configured floor and ceiling."""
+
+    every_k_steps: int = Field(ge=1)
+    save_cost_s: float = Field(ge=0)
+    mtbf_s: float = Field(gt=0)
+    step_time_s: float = Field(ge=0)
+    reason: str
+
+
+@event_type("CheckpointPersisted", version=1, aggregate="job")
+class CheckpointPersisted(EventPayload):
+    """Step ``step`` is on the persistent tier: every shard written and its manifest written last,
+    atomically. ``save_cost_s``: the slowest node's write time (the C of Young's formula)."""
+
+    step: int = Field(ge=0)
+    path: str
+    """The manifest file (``<root>/<job>/step-<s:09d>/manifest.json``)."""
+    manifest_digest: str
+    bytes: int = Field(ge=0)
+    save_cost_s: float = Field(ge=0)
+
+
+class InventoryEntry(EventPayload):
+    rank: int = Field(ge=0)
+    tier: Literal["memory", "peer"]
+    step: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    digest: str
+
+
+class RejectedShard(EventPayload):
+    rank: int = Field(ge=0)
+    tier: CheckpointTier
+    step: int = Field(ge=-1)
+    reason: str
+
+
+@event_type("CheckpointInventoryReported", version=1, aggregate="node")
+class CheckpointInventoryReported(EventPayload):
+    """Before a restart as ``generation``, a node lists the shards it holds in memory and for peers,
+    each verified against its digest; ``rejected`` lists the ones that failed and why."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    entries: list[InventoryEntry] = Field(default_factory=list)
+    rejected: list[RejectedShard] = Field(default_factory=list)
+    ranks: list[int] = Field(default_factory=list)
+    """The ranks this node will run as ``generation`` (a replacement node names the ranks it takes
+    over); empty: the broker uses ``RankStarted`` of that generation, else the last registration."""
+
+
+class RestoreSource(EventPayload):
+    rank: int = Field(ge=0)
+    tier: CheckpointTier
+    node_id: str  # the node holding the shard (for "disk": "" - the shared path is read directly)
+    address: str = ""  # that node's shard store, for "peer"
+    path: str = ""  # for "disk": the shard file
+    digest: str
+    bytes: int = Field(ge=0)
+
+
+@event_type("CheckpointRestorePlanned", version=1, aggregate="job")
+class CheckpointRestorePlanned(EventPayload):
+    """The broker's plan for the ranks of ``generation``: resume after ``step`` (``-1``: start fresh),
+    each rank's shard from the fastest tier that holds it verified."""
+
+    generation: int = Field(ge=0)
+    step: int = Field(ge=-1)
+    sources: list[RestoreSource] = Field(default_factory=list)
+    reason: str
+
+
+@event_type("CheckpointTierFallback", version=1, aggregate="job")
+class CheckpointTierFallback(EventPayload):
+    """A restore (or a backup) could not use the faster tier and took a slower one, and why."""
+
+    generation: int = Field(ge=0)
+    rank: int = Field(ge=-1)  # -1: the whole job
+    step: int = Field(ge=-1)
+    from_tier: CheckpointTier
+    to_tier: CheckpointTier | Literal["none"]
+    reason: str
+
+
+@event_type("CheckpointBackupFailed", version=1, aggregate="node")
+class CheckpointBackupFailed(EventPayload):
+    """A node could not send a rank's shard to its backup peer (peer dead, refused, verification)."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    backup_node_id: str
+    reason: str

@@ -23,6 +23,7 @@ step reported again and again.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -34,11 +35,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from keel.core.protocol import node_local_pb2 as pb
 from keel.core.units import parse_duration
 from keel.sdk.faults import FaultFileWatcher, InjectedFault
 from keel.sdk.transport import DatagramSender
+
+if TYPE_CHECKING:
+    from keel.sdk.checkpoint import Checkpointer
 
 __all__ = ["PHASES", "SessionConfig", "Session", "init"]
 
@@ -126,6 +131,9 @@ class Session:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._error = ""
+        self._checkpointer: Checkpointer | None = None
+        self._checkpoint_step: int | None = None
+        self._checkpoint_groups_json = ""
         if self._sender is not None:
             self._send_report()
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="keel-heartbeat", daemon=True)
@@ -192,6 +200,8 @@ class Session:
                 grad_norm=self._grad_norm,
                 tokens_per_s=self._tokens_per_s,
                 error=self._error,
+                checkpoint_step=self._checkpoint_step,
+                checkpoint_groups_json=self._checkpoint_groups_json,
             )
             payload = report.SerializeToString()
         self._sender.send(payload)
@@ -222,16 +232,33 @@ class Session:
         self._injected_sleep_s = 0.0
         self._send_report()
 
+    def attach_checkpointer(self, checkpointer: Checkpointer) -> None:
+        """From now on ``step_done(step)`` first calls ``checkpointer.snapshot(step)`` (a no-op if the loop
+        already did), and reports carry the checkpointer's parallel groups. Called by ``Checkpointer``."""
+        self._checkpointer = checkpointer
+        with self._lock:
+            self._checkpoint_groups_json = json.dumps(checkpointer.groups, sort_keys=True)
+
+    def checkpoint_completed(self, step: int) -> None:
+        """Report that the slot of ``step`` is COMPLETE; thread-safe (the checkpoint copy thread calls it)."""
+        with self._lock:
+            self._checkpoint_step = step
+        self._send_report()
+
     def step_done(
         self, step: int, *, loss: float | None = None, grad_norm: float | None = None, tokens: int | None = None
     ) -> None:
         """Record that ``step`` finished; call once per step, after ``optimizer.step``.
+
+        With an attached ``Checkpointer``, first snapshots ``step`` (counted in the step's time).
 
         ``step_time_s`` is the time since the previous ``step_done`` or phase change (an injected
         ``slow`` fault's delay included), ``tokens_per_s`` is ``tokens / step_time_s``. ``tokens`` is what
         this rank's data-parallel replica processed in the step. Sends a report, then checks the fault
         file (one ``stat``) and applies a due fault, which may raise, block forever, or sleep.
         """
+        if self._checkpointer is not None:
+            self._checkpointer.snapshot(step)
         now = time.monotonic()
         # Reported: the whole step, an injected slowdown included (that is what a slow rank looks like).
         # The slowdown itself is based on the step without it, so it does not compound.

@@ -20,6 +20,13 @@ peers in ``recv`` and the other replicas in the all-reduce, as in production.
 
 Deterministic: every RNG is seeded from ``--seed`` and gloo's CPU reductions are deterministic for a
 fixed world, so two runs with the same arguments print bitwise-identical losses.
+
+Checkpointing (``keel.sdk.Checkpointer``), on when ``$KEEL_CKPT_DIR`` or ``--ckpt-dir`` is set: every
+step is snapshotted into shared-memory slots, and a (re)started run restores in its setup phase (the
+agent's restore plan, else the newest step every rank holds in the slot folder) and continues at the
+next step, with the LR schedule, the sampler and every RNG where they were: its losses and final state
+are bitwise those of an uninterrupted run. ``--save-final PATH`` writes each rank's final state to
+``PATH.rank<R>`` (a shard file, ``keel.sdk.shard``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -34,12 +42,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import keel.sdk
 from keel.core.units import parse_duration
+from keel.sdk.checkpoint import Checkpointer
 from keel.workload.data import MarkovDataset, ShardedSampler, collate
 from keel.workload.model import SIZES, PipelineStage, build_model, split_stages
 
@@ -83,10 +93,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-steps", type=int, default=2, help="batches per eval phase")
     p.add_argument("--pg-timeout", type=parse_duration, default=timedelta(minutes=10),
                    help="gloo timeout for a blocked send/recv/all-reduce, with a unit (e.g. '10m')")
+    p.add_argument("--ckpt-dir", default=None,
+                   help="slot folder for every-step checkpoints (default: $KEEL_CKPT_DIR; unset: off)")
+    p.add_argument("--ckpt-slots", type=int, default=2, help="ring slots per rank")
+    p.add_argument("--save-final", default=None, metavar="PATH",
+                   help="after the last step, each rank writes its whole state to PATH.rank<R>")
     args = p.parse_args(argv)
     if args.batch % args.micro_batches:
         p.error(f"--batch {args.batch} is not divisible by --micro-batches {args.micro_batches}")
-    for name in ("steps", "pp", "micro_batches", "batch", "eval_steps"):
+    for name in ("steps", "pp", "micro_batches", "batch", "eval_steps", "ckpt_slots"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -249,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     session = keel.sdk.init()
     start_s = time.monotonic()
     with session.phase("setup"):
+        # Every global RNG, even those this loop does not draw from: a checkpoint holds them all, so a
+        # resumed run's final state equals an uninterrupted one's only if they start the same.
         torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        np.random.seed(args.seed)
         ctx = _setup_dist(args.pp, args.pg_timeout)
         cfg = SIZES[args.size]
         stage = split_stages(build_model(cfg, args.seed), args.pp)[ctx.pp_rank]
@@ -259,14 +278,23 @@ def main(argv: list[str] | None = None) -> int:
         dataset = MarkovDataset(cfg.vocab_size, cfg.seq_len, seed=args.seed)
         sampler = ShardedSampler(dataset.num_samples, batch_size=args.batch, dp_rank=ctx.dp_rank, dp_size=ctx.dp, seed=args.seed)
         n_params = sum(p.numel() for p in stage.parameters())
+        me = topology(ctx.world_size, ctx.pp)["ranks"][ctx.rank]
+        ckpt = Checkpointer(session, model=stage, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                            groups={"dp": me["dp_group"], "pp": me["pp_group"], "tp": [ctx.rank]},
+                            rank=ctx.rank, world_size=ctx.world_size, slots=args.ckpt_slots,
+                            ckpt_dir=args.ckpt_dir or os.environ.get("KEEL_CKPT_DIR") or None)
+        restored = ckpt.restore()  # -1: fresh; a collective when resuming from the slot folder
     if ctx.rank == 0:
         print(f"keel.workload: size {args.size} world {ctx.world_size} dp {ctx.dp} pp {ctx.pp} "
               f"stage0_params {n_params} setup_s {time.monotonic() - start_s:.2f}", flush=True)
+        if restored >= 0:
+            print(f"keel.workload: restored step {restored} from {ckpt.restored_from}", flush=True)
 
     tokens = args.batch * cfg.seq_len
     loss = float("nan")
+    last_step = restored
     with session.phase("step"):
-        for step in range(args.steps):
+        for step in range(restored + 1, args.steps):
             t0 = time.monotonic()
             inputs, targets = collate(dataset, sampler.next_indices())
             optimizer.zero_grad(set_to_none=True)
@@ -274,18 +302,29 @@ def main(argv: list[str] | None = None) -> int:
             loss, grad_norm = _sync_gradients(stage, ctx, local_loss)
             _clip(stage, grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            optimizer.step()  # its pre-hook waits for the copy of the previous snapshot
             scheduler.step()
+            ckpt.snapshot(step)  # a no-op without a slot folder
+            last_step = step
             step_s = time.monotonic() - t0
             if ctx.rank == 0:
                 print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.6f} lr {lr:.3e} "
-                      f"step_time_s {step_s:.3f} tokens_per_s {tokens / step_s:.0f}", flush=True)
+                      f"step_time_s {step_s:.3f} tokens_per_s {tokens / step_s:.0f} loss_hex {loss.hex()}", flush=True)
             session.step_done(step, loss=loss, grad_norm=grad_norm, tokens=tokens)
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 with session.phase("eval"):
                     eval_loss = _evaluate(stage, ctx, dataset, args.batch, args.eval_steps, cfg.d_model)
                 if ctx.rank == 0:
                     print(f"eval step {step} loss {eval_loss:.6f}", flush=True)
+    ckpt.close()
+    if ckpt.enabled and ctx.rank == 0:
+        st = ckpt.stats().summary()
+        print(f"checkpoint snapshots {st['snapshots']:.0f} bytes {st['bytes']:.0f} "
+              f"blocking_mean_ms {st['blocking_mean_s'] * 1e3:.3f} blocking_p99_ms {st['blocking_p99_s'] * 1e3:.3f} "
+              f"capture_mean_ms {st['capture_mean_s'] * 1e3:.3f} wait_mean_ms {st['wait_mean_s'] * 1e3:.3f} "
+              f"copy_mean_ms {st['copy_mean_s'] * 1e3:.3f} hash_mean_ms {st['hash_mean_s'] * 1e3:.3f}", flush=True)
+    if args.save_final:
+        ckpt.save_file(f"{args.save_final}.rank{ctx.rank}", step=last_step)
     if ctx.rank == 0:
         print(f"done steps {args.steps} final_loss {loss:.6f} wall_s {time.monotonic() - start_s:.2f}", flush=True)
     session.done()

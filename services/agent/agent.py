@@ -18,12 +18,14 @@ import logging
 import signal
 import socket
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
 from keel.agent.channel import RankChannel
+from keel.agent.checkpointing import BROKER_EVENT_TYPES, NodeCheckpointing
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.supervisor import RankExit, RankSupervisor
 from keel.core.bus import fetch_batch
@@ -64,6 +66,7 @@ class NodeAgent:
         watcher: HealthWatcher | None,
         classify: Callable[[int | None, str | None, str], tuple[str, str, str]],
         supervised: bool,
+        checkpointing: NodeCheckpointing | None = None,
         clock: Callable[[], datetime] = now_utc,
     ) -> None:
         self.spec = spec
@@ -72,6 +75,7 @@ class NodeAgent:
         self.classify = classify
         self.supervised = supervised
         self.clock = clock
+        self.checkpointing = checkpointing
         spec.agent_dir.mkdir(parents=True, exist_ok=True)
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
         self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json")
@@ -105,6 +109,8 @@ class NodeAgent:
             self.supervisor.fault_file.unlink(missing_ok=True)
         self.generation = generation
         self.channel.forget_generation_before(generation)
+        if self.checkpointing is not None:
+            self.supervisor.extra_env = self.checkpointing.rank_env(generation)
         for process in self.supervisor.start_all(generation):
             self.emit(
                 RankStarted(node_id=self.spec.node_id, rank=process.rank, local_rank=process.local_rank,
@@ -154,6 +160,8 @@ class NodeAgent:
             self.supervisor.stop_all()
             for exit_ in self.supervisor.poll():
                 self.report_exit(exit_)
+            if self.checkpointing is not None:
+                self.checkpointing.prepare_restart(payload.generation)
             self.start_ranks(payload.generation)
             self.failed = False
             outcome, detail = "restarted", f"restarted {self.spec.nproc_per_node} ranks in place: {payload.reason}"
@@ -168,8 +176,12 @@ class NodeAgent:
         await self.outbox.connected.wait()
         bus = self.outbox.bus
         assert bus is not None
-        subject = f"{bus.settings.subject_prefix}.{self.spec.job_id}.node.RanksRestartRequested"
-        sub = await bus.pull_consumer(f"agent-{self.spec.job_id}-{self.spec.node_id}", filter_subject=subject)
+        prefix = f"{bus.settings.subject_prefix}.{self.spec.job_id}"
+        subjects = [f"{prefix}.node.RanksRestartRequested"]
+        if self.checkpointing is not None:
+            subjects += [f"{prefix}.job.{name}" for name in BROKER_EVENT_TYPES]
+        sub = await bus.pull_consumer(f"agent-{self.spec.job_id}-{self.spec.node_id}-{len(subjects)}",
+                                      filter_subjects=subjects)
         while not stop.is_set():
             for msg in await fetch_batch(sub, 16, 0.5):
                 try:
@@ -178,7 +190,10 @@ class NodeAgent:
                     log.warning("ignoring malformed command: %s", exc.reason)
                     await msg.term()
                     continue
-                self.handle_command(command)
+                if command.type == "RanksRestartRequested":
+                    self.handle_command(command)
+                elif self.checkpointing is not None:
+                    self.checkpointing.handle_event(command)
                 await msg.ack()
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -216,6 +231,8 @@ class NodeAgent:
                     self.report_exit(exit_)
                 if self.restarts_left > 0:
                     self.restarts_left -= 1
+                    if self.checkpointing is not None:
+                        self.checkpointing.prepare_restart(self.generation + 1)
                     self.start_ranks(self.generation + 1)
                     self.failed = False
                 else:
@@ -223,6 +240,10 @@ class NodeAgent:
         if probe and self.watcher is not None:
             for payload in self.watcher.sample(now, self.channel, self.supervisor):
                 self.emit(payload)
+        if self.checkpointing is not None:
+            ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
+            self.checkpointing.tick(time.monotonic(), {r: s.groups for r, s in ranks.items()},
+                                    {r: s.checkpoint_step for r, s in ranks.items()})
         if self.last_heartbeat_at is None or now - self.last_heartbeat_at >= self.spec.heartbeat_interval:
             self.heartbeat(now)
         if not self.spec.standby and not self.supervisor.ranks and not self.failed:
@@ -233,6 +254,8 @@ class NodeAgent:
         self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(), standby=self.spec.standby,
                                  fault_domain=self.spec.fault_domain))
         if not self.spec.standby:
+            if self.checkpointing is not None:
+                self.checkpointing.start_fresh()
             self.start_ranks(0)
         commands = asyncio.create_task(self.consume_commands(stop)) if self.outbox is not None else None
         result = AgentResult(143, "stopped")
@@ -242,6 +265,8 @@ class NodeAgent:
         wake = asyncio.Event()
         loop.add_reader(self.channel.sock.fileno(), wake.set)
         loop.add_signal_handler(signal.SIGCHLD, wake.set)
+        if self.checkpointing is not None:
+            self.checkpointing.wake = lambda: loop.call_soon_threadsafe(wake.set)
         interval_s = self.spec.probe_interval.total_seconds()
         next_probe_at = loop.time()
         try:
@@ -269,5 +294,7 @@ class NodeAgent:
             if commands is not None:
                 commands.cancel()
             self.channel.close()
+            if self.checkpointing is not None:
+                self.checkpointing.close(job_finished=result.exit_code == 0 and not self.spec.standby)
         return result
 

@@ -8,6 +8,7 @@ Malformed datagrams are counted and dropped; they never stop the agent.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -50,6 +51,10 @@ class RankState:
     last_seq: int = 0
     dropped: int = 0
     """Reports the rank sent that never arrived (gaps in ``seq``)."""
+    checkpoint_step: int = -1
+    """The newest step whose shared-memory snapshot the rank completed (-1: none)."""
+    groups: dict[str, list[int]] | None = None
+    """The rank's parallel groups (``dp``, ``pp``, ``tp``: global ranks), once its Checkpointer exists."""
 
 
 class RankChannel:
@@ -115,6 +120,21 @@ class RankChannel:
         state.tokens_per_s = report.tokens_per_s
         if report.error:
             state.error = report.error
+        if report.HasField("checkpoint_step") and report.checkpoint_step > state.checkpoint_step:
+            state.checkpoint_step = report.checkpoint_step
+        if report.checkpoint_groups_json and state.groups is None:
+            state.groups = _parse_groups(report.checkpoint_groups_json, report.rank)
 
     def forget_generation_before(self, generation: int) -> None:
         self.ranks = {r: s for r, s in self.ranks.items() if s.generation >= generation}
+
+
+def _parse_groups(text: str, rank: int) -> dict[str, list[int]] | None:
+    """``{"dp": [...], "pp": [...], "tp": [...]}`` from a rank, or None (logged) when malformed."""
+    try:
+        raw = json.loads(text)
+        groups = {kind: [int(r) for r in raw.get(kind, [rank])] for kind in ("dp", "pp", "tp")}
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.warning("rank %d sent malformed checkpoint groups %r: %s", rank, text[:200], exc)
+        return None
+    return groups

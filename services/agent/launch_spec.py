@@ -7,6 +7,7 @@ and underscores are both accepted (``--nproc-per-node`` / ``--nproc_per_node``),
 from __future__ import annotations
 
 import argparse
+import hashlib
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +41,14 @@ class LaunchSpec:
     """Root the probes read (an overlay root for simulated nodes of a local cluster)."""
     heartbeat_interval: timedelta = timedelta(seconds=5)
     probe_interval: timedelta = timedelta(seconds=1)
+    ckpt_dir: Path | None = None
+    """The node's shared-memory slot folder (``$KEEL_CKPT_DIR`` of its ranks); None: no checkpointing."""
+    store_address: str = "127.0.0.1:0"
+    """``HOST:PORT`` the node's shard store (gRPC) binds; port 0 picks a free one."""
+    store_advertise: str = ""
+    """The host peers dial to reach the shard store (default: the bound host, or this host's name)."""
+    persist_root: Path | None = None
+    """The persistent tier's root (a local or shared filesystem); None: no persistent tier."""
 
     @property
     def world_size(self) -> int:
@@ -94,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--keel-root", default="/", help="root the health probes read (overlay root of a simulated node)")
     add("--keel-heartbeat-interval", default="5s")
     add("--keel-probe-interval", default="1s")
+    add("--keel-ckpt-dir", default="", help="shared-memory folder for the ranks' snapshots "
+        "(default /dev/shm/keel-<hash of the agent dir>)")
+    add("--keel-no-checkpoint", action="store_true", help="no in-memory checkpoints, no shard store")
+    add("--keel-store-address", default="", help="HOST:PORT the shard store binds (default 127.0.0.1:0 on one "
+        "node, 0.0.0.0:0 on several)")
+    add("--keel-store-advertise", default="", help="host peers use to reach the shard store")
+    add("--keel-persist-root", default="", help="persistent checkpoint tier (a local or shared path)")
     parser.add_argument("-m", "--module", dest="module", action="store_true", help="run the script as a module")
     parser.add_argument("script", nargs="?")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -137,6 +153,15 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         probe = parse_duration(args.keel_probe_interval)
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
+    job_id = args.keel_job_id or args.rdzv_id or "job"
+    agent_dir = Path(args.keel_agent_dir or f"/tmp/keel-agent-{node_id}")
+    # One shared-memory folder per agent directory, so two agents on one host never share slots.
+    default_ckpt_dir = Path("/dev/shm") / f"keel-{hashlib.sha256(str(agent_dir.resolve()).encode()).hexdigest()[:12]}"
+    ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir)
+    store_address = args.keel_store_address or ("127.0.0.1:0" if nnodes == 1 else "0.0.0.0:0")
+    host, _, port = store_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(f"--keel-store-address must be HOST:PORT, got {store_address!r}")
     return LaunchSpec(
         nnodes=nnodes,
         nproc_per_node=args.nproc_per_node,
@@ -144,13 +169,17 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         master_addr=master_addr,
         master_port=master_port,
         command=command,
-        job_id=args.keel_job_id or args.rdzv_id or "job",
+        job_id=job_id,
         node_id=node_id,
         fault_domain=args.keel_fault_domain,
         standby=args.keel_standby,
         max_restarts=args.max_restarts,
-        agent_dir=Path(args.keel_agent_dir or f"/tmp/keel-agent-{node_id}"),
+        agent_dir=agent_dir,
         root=Path(args.keel_root),
         heartbeat_interval=heartbeat,
         probe_interval=probe,
+        ckpt_dir=ckpt_dir,
+        store_address=store_address,
+        store_advertise=args.keel_store_advertise,
+        persist_root=Path(args.keel_persist_root) if args.keel_persist_root else None,
     )

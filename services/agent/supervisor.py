@@ -82,6 +82,8 @@ class RankSupervisor:
         self.python = python
         self.ranks: dict[int, RankProcess] = {}
         self.generation = 0
+        self.extra_env: dict[str, str] = {}
+        """Added to every rank's environment (the checkpoint folder and restore plan of a generation)."""
         self.logs_dir = spec.agent_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
 
@@ -107,6 +109,7 @@ class RankSupervisor:
             KEEL_FAULT_FILE=str(self.fault_file),
             PYTHONUNBUFFERED="1",
         )
+        env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 

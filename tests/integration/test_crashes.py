@@ -39,10 +39,17 @@ def service_env(settings: Settings) -> dict[str, str]:
 
 
 def start_recorder_process(settings: Settings, log_path: Path) -> subprocess.Popen:
+    return start_service_process("recorder", settings, log_path)
+
+
+def start_service_process(name: str, settings: Settings, log_path: Path,
+                          extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``keel service NAME`` as a child process bound to the test's servers, prefix and schema."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "keel.cli.main", "service", "recorder"],
-            env=service_env(settings), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "keel.cli.main", "service", name],
+            env={**service_env(settings), **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
 
 

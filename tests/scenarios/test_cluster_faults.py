@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,7 +22,16 @@ from keel.core.event_types import RanksRestartRequested
 from keel.core.events import Event, now_utc
 from keel.core.runtime import free_port
 
-from tests.integration.test_crashes import service_env
+from tests.integration.test_crashes import service_env, start_service_process
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 15) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
 
 pytestmark = pytest.mark.integration
 
@@ -74,11 +84,15 @@ class Cluster:
 @pytest.fixture
 async def cluster(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
     await keel_env.start_recorder()
+    # The checkpoint broker plans every restart's restore (restarted ranks wait for its plan).
+    broker = start_service_process("checkpoint-broker", keel_env.settings, scratch_dir / "broker.log",
+                                   {"KEEL_CHECKPOINT__PERSIST_ROOT": str(scratch_dir / "cluster" / "checkpoints")})
     running = Cluster(keel_env, scratch_dir / "cluster")
     try:
         yield running
     finally:
         await asyncio.to_thread(running.down)
+        stop_process(broker)
 
 
 def health(node: str, component: str, status: str | None = None) -> Callable[[Event], bool]:

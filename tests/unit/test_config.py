@@ -77,3 +77,19 @@ def test_sizes() -> None:
     assert parse_size("256KiB") == 262144 and parse_size("8GiB") == 8 * 1024**3
     with pytest.raises(ValueError):
         parse_size("12 parsecs")
+
+
+def test_checkpoint_section_defaults_env_and_units(tmp_path: Path) -> None:
+    defaults = load_settings(environ={}).checkpoint
+    assert (defaults.retention, defaults.persist_every_floor, defaults.persist_every_ceiling) == (3, 10, 1000)
+    assert defaults.initial_save_cost == timedelta(seconds=5) and defaults.mtbf_prior == timedelta(hours=4)
+    assert defaults.restore_plan_timeout == timedelta(seconds=10) and defaults.report_interval == timedelta(seconds=1)
+    assert defaults.resolved_persist_root(tmp_path) == tmp_path / "checkpoints"
+    settings = load_settings(environ={"KEEL_CHECKPOINT__PERSIST_ROOT": str(tmp_path / "ckpt"),
+                                      "KEEL_CHECKPOINT__MTBF_PRIOR": "2h", "KEEL_CHECKPOINT__RETENTION": "5"})
+    assert settings.checkpoint.resolved_persist_root(tmp_path) == tmp_path / "ckpt"
+    assert settings.checkpoint.mtbf_prior == timedelta(hours=2) and settings.checkpoint.retention == 5
+    with pytest.raises(ConfigError, match="checkpoint.initial_save_cost: invalid duration '5'"):
+        load_settings(environ={"KEEL_CHECKPOINT__INITIAL_SAVE_COST": "5"})
+    with pytest.raises(ConfigError, match="must not exceed persist_every_ceiling"):
+        load_settings(environ={"KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "2000"})

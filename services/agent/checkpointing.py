@@ -1,0 +1,552 @@
+"""The node agent's checkpoint duties (the node store): everything between a rank's shared-memory slots
+and the rest of the cluster.
+
+- Owns the node's slot folder (``$KEEL_CKPT_DIR`` of its ranks): created before the ranks start, kept
+  when they crash (an in-place restart loads from it), removed when the job finishes.
+- Registers the node's ranks (their parallel groups, this node's shard-store address) with the broker.
+- Reports what the node holds per tier (``CheckpointShardsStored``): its ranks' slots ("memory"), the
+  backups it holds for peers ("peer"), the shards it persisted ("disk").
+- Sends each rank's newest committed snapshot to the rank's backup peer (latest wins: steps are
+  skipped, never queued), and persists every K-th step (K from the broker's ``CheckpointScheduleSet``).
+- Before a restart: takes a verified inventory (``CheckpointInventoryReported``); after the broker's
+  ``CheckpointRestorePlanned``: stages each local rank's shard (fetching from a peer when needed) and
+  writes the plan file the ranks' ``Checkpointer.restore()`` waits for.
+
+Slow work (hashing, gRPC transfers, disk writes) runs on a small thread pool; its results are folded
+into events on the agent's loop (``tick``), so ``emit`` is only ever called from the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from keel.core import ckpt_slots
+from keel.core.event_types import (
+    BackupAssignment,
+    CheckpointBackupAssigned,
+    CheckpointBackupFailed,
+    CheckpointInventoryReported,
+    CheckpointRanksRegistered,
+    CheckpointRestorePlanned,
+    CheckpointScheduleSet,
+    CheckpointShardsStored,
+    CheckpointTierFallback,
+    InventoryEntry,
+    RankGroups,
+    RejectedShard,
+    ShardRecord,
+)
+from keel.core.events import Event
+
+log = logging.getLogger(__name__)
+
+# A backup peer that failed this many sends in a row is reported (the broker re-places the backup);
+# sends to it are then retried only every _SEND_RETRY_INTERVAL_S, in case it comes back on the same address.
+_SEND_FAILURES_REPORTED = 3
+_SEND_RETRY_INTERVAL_S = 10.0
+
+# Broker events every agent of the job consumes (besides its own commands).
+BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned")
+
+
+class PeerTransport(Protocol):
+    """How shards travel between node stores (``GrpcTransport``: the gRPC ``ShardStore``). Blocking calls,
+    made from the checkpointing thread pool."""
+
+    address: str
+    """Where this node's own shard store listens (peers send it backups)."""
+
+    def send(self, address: str, *, rank: int, step: int) -> None:
+        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``."""
+        ...
+
+    def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
+        """Fetch a shard held at ``address`` into ``dest`` (atomically), verified against ``sha256``."""
+        ...
+
+    def held_backups(self, *, verify: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Backups this node holds for peers, ``{"owner_node_id", "rank", "step", "bytes", "sha256",
+        "path"}`` each, and (with ``verify``) the ones that failed verification, ``{"rank", "step", "reason"}``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class GrpcTransport:
+    """``PeerTransport`` over the gRPC ``ShardStore``: runs this node's store server and its client calls
+    on one private event loop thread (grpc.aio objects belong to the loop that made them)."""
+
+    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, bind: str, advertise: str = "",
+                 timeout: timedelta = timedelta(seconds=60)) -> None:
+        import asyncio
+        import threading
+
+        from keel.agent import shard_store
+
+        self._shard_store = shard_store
+        self.job_id, self.node_id, self.node_dir, self.timeout = job_id, node_id, Path(node_dir), timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"keel-store-{node_id}", daemon=True)
+        self._thread.start()
+        host, _, port = bind.rpartition(":")
+        self.server = shard_store.ShardStoreServer(job_id, node_id, self.node_dir)
+        bound = self._call(self.server.start(host.strip("[]"), int(port)))
+        bound_host, _, bound_port = bound.rpartition(":")
+        if advertise:
+            bound_host = advertise
+        elif bound_host in ("0.0.0.0", "[::]"):
+            import socket
+
+            bound_host = socket.gethostname()
+        self.address = f"{bound_host}:{bound_port}"
+        self._sender = self._call(self._make_sender())
+
+    async def _make_sender(self):  # type: ignore[no-untyped-def]
+        return self._shard_store.ShardSender(self.job_id, self.node_id, self.node_dir, timeout=self.timeout)
+
+    def _call(self, coroutine):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def send(self, address: str, *, rank: int, step: int) -> None:
+        self._call(self._sender.send(address, rank, step))
+
+    def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
+        self._call(self._shard_store.fetch_shard(address, self.job_id, owner_node_id, rank, step, dest, sha256,
+                                                 self.timeout))
+
+    def held_backups(self, *, verify: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        held, rejected = self.server.held_shards(verify=verify)
+        return ([{"owner_node_id": h.owner_node_id, "rank": h.rank, "step": h.step, "bytes": h.bytes,
+                  "sha256": h.sha256, "path": str(h.path)} for h in held if h.kind == "backup"],
+                [{"rank": r.rank, "step": r.step, "reason": r.reason} for r in rejected if r.kind == "backup"])
+
+    def close(self) -> None:
+        """Stop the server and the sender; idempotent."""
+        if self._loop.is_closed() or not self._thread.is_alive():
+            return
+        try:
+            self._call(self._sender.close())
+            self._call(self.server.stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+@dataclass
+class _RankProgress:
+    last_sent_step: int = -1
+    send_failures: int = 0
+    retry_at_s: float = 0.0
+    """After ``_SEND_FAILURES_REPORTED`` failures: the next try (monotonic), in case the peer comes back."""
+    last_persisted_step: int = -1
+
+
+@dataclass
+class _Plan:
+    generation: int
+    step: int
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    pending: dict[int, Future] = field(default_factory=dict)
+
+
+def plan_file(agent_dir: Path, generation: int) -> Path:
+    """Where the ranks of ``generation`` find their restore plan (``$KEEL_RESTORE_PLAN``)."""
+    return Path(agent_dir) / "restore" / f"g{generation}.json"
+
+
+def complete_slots(node_dir: Path, rank: int) -> list[tuple[Path, ckpt_slots.SlotHeader]]:
+    """The rank's COMPLETE slots (header only, not verified), newest step first."""
+    found = []
+    for path in ckpt_slots.list_slots(node_dir).get(rank, []):
+        try:
+            header = ckpt_slots.read_header(path)
+        except ckpt_slots.SlotError:
+            continue
+        if header.complete:
+            found.append((path, header))
+    return sorted(found, key=lambda item: item[1].step, reverse=True)
+
+
+def read_slot_of_step(node_dir: Path, rank: int, step: int) -> tuple[Path, bytes, str]:
+    """The verified payload of the rank's slot holding ``step``: ``(path, payload, sha256)``.
+
+    Raises ``SlotError`` when no slot holds that step (overwritten since) or it fails verification.
+    """
+    for path, header in complete_slots(node_dir, rank):
+        if header.step == step:
+            _, payload = ckpt_slots.read_payload(path, verify=True)
+            return path, payload, header.digest
+    raise ckpt_slots.SlotError(f"rank {rank}: no complete slot holds step {step} any more")
+
+
+class NodeCheckpointing:
+    """One node's checkpoint duties. ``emit(payload, subject)`` publishes; call ``tick`` on the loop."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        node_id: str,
+        local_ranks: list[int],
+        world_size: int,
+        node_dir: Path,
+        agent_dir: Path,
+        emit: Callable[..., None],
+        transport: PeerTransport | None,
+        persist_root: Path | None,
+        report_interval: timedelta = timedelta(seconds=1),
+        supervised: bool = True,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.job_id = job_id
+        self.node_id = node_id
+        self.local_ranks = list(local_ranks)
+        self.world_size = world_size
+        self.node_dir = Path(node_dir)
+        self.agent_dir = Path(agent_dir)
+        self.emit = emit
+        self.transport = transport
+        self.persist_root = persist_root
+        self.report_interval = report_interval
+        self.supervised = supervised
+        self.wake = wake
+        self.node_dir.mkdir(parents=True, exist_ok=True)
+        self.pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"keel-ckpt-{node_id}")
+        self.generation = 0
+        self.registered_generation: int | None = None
+        self.assignments: dict[int, BackupAssignment] = {}
+        self.every_k_steps: int | None = None
+        self.progress: dict[int, _RankProgress] = {r: _RankProgress() for r in self.local_ranks}
+        self.sending: dict[int, Future] = {}
+        self.persisting: dict[int, tuple[int, Future]] = {}
+        self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
+        self.last_report_at = 0.0
+        self.last_reported: dict[str, Any] = {}
+        self.plan: _Plan | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def rank_env(self, generation: int) -> dict[str, str]:
+        """Environment for the ranks of ``generation``: their slot folder and their restore plan."""
+        return {"KEEL_CKPT_DIR": str(self.node_dir), "KEEL_RESTORE_PLAN": str(plan_file(self.agent_dir, generation))}
+
+    def start_fresh(self) -> None:
+        """A new launch of the job (generation 0): no slot of an earlier launch may be restored."""
+        for paths in ckpt_slots.list_slots(self.node_dir).values():
+            for path in paths:
+                path.unlink(missing_ok=True)
+        shutil.rmtree(self.node_dir / "restore", ignore_errors=True)
+        shutil.rmtree(self.agent_dir / "restore", ignore_errors=True)
+        self._write_plan(0, -1, {}, reason="a new launch starts fresh")
+
+    def close(self, *, job_finished: bool) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
+        if job_finished:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+
+    # -- before a restart ---------------------------------------------------------------------------
+
+    def prepare_restart(self, generation: int) -> None:
+        """The node's ranks are stopped: take a verified inventory for the broker (supervised), or plan
+        locally (unsupervised, one node: the newest step every local rank holds) and write the plan."""
+        self.generation = generation
+        self.registered_generation = None
+        for future in self.sending.values():
+            future.cancel()
+        self.sending.clear()
+        for progress in self.progress.values():
+            # The new generation may resume from an older step: its snapshots must replace the failed
+            # generation's backups on the peers, not wait until they pass the last step sent before.
+            progress.last_sent_step = -1
+        entries, rejected = self.inventory()
+        if self.supervised:
+            self.plan = None
+            self.emit(CheckpointInventoryReported(node_id=self.node_id, generation=generation, entries=entries,
+                                                  rejected=rejected, ranks=self.local_ranks),
+                      subject=f"node/{self.node_id}")
+            return
+        steps_per_rank = [{e.step for e in entries if e.rank == r and e.tier == "memory"} for r in self.local_ranks]
+        common = set.intersection(*steps_per_rank) if steps_per_rank else set()
+        step = max(common) if common else -1
+        shards = {}
+        for rank in self.local_ranks if step >= 0 else []:
+            path, header = next((p, h) for p, h in complete_slots(self.node_dir, rank) if h.step == step)
+            shards[str(rank)] = {"path": str(path), "format": "slot", "digest": header.digest, "tier": "memory"}
+        self._write_plan(generation, step, shards, reason="local plan (unsupervised): newest step every local rank holds")
+
+    def inventory(self) -> tuple[list[InventoryEntry], list[RejectedShard]]:
+        """Every slot and held backup, each verified against its SHA-256."""
+        entries: list[InventoryEntry] = []
+        rejected: list[RejectedShard] = []
+        for rank in self.local_ranks:
+            for path in ckpt_slots.list_slots(self.node_dir).get(rank, []):
+                try:
+                    header, payload = ckpt_slots.read_payload(path, verify=True)
+                except ckpt_slots.SlotError as exc:
+                    step = _header_step(path)
+                    if step is not None:  # an empty or half-written slot is not worth a report
+                        rejected.append(RejectedShard(rank=rank, tier="memory", step=step, reason=str(exc)))
+                    continue
+                entries.append(InventoryEntry(rank=rank, tier="memory", step=header.step, bytes=len(payload),
+                                              digest=header.digest))
+        held, bad = self.transport.held_backups(verify=True) if self.transport else ([], [])
+        for backup in held:
+            entries.append(InventoryEntry(rank=backup["rank"], tier="peer", step=backup["step"], bytes=backup["bytes"],
+                                          digest=backup["sha256"]))
+        for backup in bad:
+            rejected.append(RejectedShard(rank=backup["rank"], tier="peer", step=backup["step"], reason=backup["reason"]))
+        return entries, rejected
+
+    # -- broker events ------------------------------------------------------------------------------
+
+    def handle_event(self, event: Event) -> None:
+        payload = event.payload
+        if isinstance(payload, CheckpointBackupAssigned):
+            for assignment in payload.assignments:
+                if assignment.rank in self.progress and assignment.node_id == self.node_id:
+                    previous = self.assignments.get(assignment.rank)
+                    self.assignments[assignment.rank] = assignment
+                    # A new address is a new store (the peer's agent restarted): send again, and
+                    # forget the failures of the old one, or a rank that failed 3 times never resumes.
+                    if previous is None or (previous.backup_node_id, previous.backup_address) != (
+                            assignment.backup_node_id, assignment.backup_address):
+                        self.progress[assignment.rank].last_sent_step = -1
+                        self.progress[assignment.rank].send_failures = 0
+        elif isinstance(payload, CheckpointScheduleSet):
+            self.every_k_steps = payload.every_k_steps
+        elif isinstance(payload, CheckpointRestorePlanned):
+            if payload.generation == self.generation and self.supervised:
+                self._start_plan(payload)
+
+    def _start_plan(self, planned: CheckpointRestorePlanned) -> None:
+        plan = _Plan(planned.generation, planned.step)
+        for source in planned.sources:
+            if source.rank not in self.progress:
+                continue
+            entry: dict[str, Any] = {"digest": source.digest, "tier": source.tier}
+            if source.tier == "memory":
+                slot = next((p for p, h in complete_slots(self.node_dir, source.rank)
+                             if h.step == planned.step and h.digest == source.digest), None)
+                if slot is None:
+                    entry["error"] = f"slot of step {planned.step} is gone from {self.node_dir}"
+                else:
+                    entry.update(path=str(slot), format="slot")
+            elif source.tier == "disk":
+                entry.update(path=source.path, format="shard")
+            elif source.node_id == self.node_id and self.transport is not None:
+                held = next((h for h in self.transport.held_backups()[0]
+                             if h["rank"] == source.rank and h["step"] == planned.step), None)
+                entry.update(path=held["path"], format="shard") if held else entry.update(
+                    error=f"backup of rank {source.rank} step {planned.step} is gone from this node")
+            elif self.transport is None:
+                entry["error"] = "this agent has no shard transport to fetch a peer copy"
+            else:
+                dest = ckpt_slots.restore_path(self.node_dir, source.rank)
+                entry.update(path=str(dest), format="shard")
+                plan.pending[source.rank] = self.pool.submit(
+                    self._fetch, source.address, source.rank, planned.step, dest, source.digest, source.node_id)
+            plan.entries[source.rank] = entry
+        self.plan = plan
+        self._finish_plan_if_ready()
+
+    def _fetch(self, address: str, rank: int, step: int, dest: Path, digest: str, holder: str) -> float:
+        started = time.monotonic()
+        try:
+            assert self.transport is not None
+            # The owner is not checked: after a replacement the rank may run on another node than before.
+            self.transport.fetch(address, owner_node_id="", rank=rank, step=step, dest=dest, sha256=digest)
+        finally:
+            self.wake()
+        return time.monotonic() - started
+
+    def _finish_plan_if_ready(self) -> None:
+        plan = self.plan
+        if plan is None or plan.generation != self.generation:
+            return
+        for rank, future in list(plan.pending.items()):
+            if not future.done():
+                return
+            exc = future.exception()
+            if exc is not None:
+                reason = f"fetching rank {rank} step {plan.step} from its peer failed: {exc}"
+                plan.entries[rank]["error"] = reason
+                self.emit(CheckpointTierFallback(generation=plan.generation, rank=rank, step=plan.step,
+                                                 from_tier="peer", to_tier="none", reason=reason),
+                          subject=f"job/{self.job_id}")  # a job-aggregate event: node/... is refused
+            del plan.pending[rank]
+        shards = {str(rank): entry for rank, entry in plan.entries.items()}
+        self._write_plan(plan.generation, plan.step, shards, reason="planned by the checkpoint broker")
+        self.plan = None
+
+    def _write_plan(self, generation: int, step: int, shards: dict[str, Any], reason: str) -> None:
+        document = {"generation": generation, "step": step, "shards": shards, "reason": reason}
+        ckpt_slots.write_file_atomic(plan_file(self.agent_dir, generation), json.dumps(document, indent=1).encode(),
+                                     fsync=False)
+        log.info("%s: restore plan for generation %d: step %d (%s)", self.node_id, generation, step, reason)
+
+    # -- the loop -------------------------------------------------------------------------------------
+
+    def tick(self, monotonic_s: float, groups: dict[int, dict[str, list[int]] | None],
+             checkpoint_steps: dict[int, int]) -> None:
+        """Fold finished background work into events and start new work.
+
+        ``groups``/``checkpoint_steps``: what the channel knows of each local rank of the current generation.
+        """
+        self._register(groups)
+        self._collect_sends()
+        self._collect_persists()
+        self._finish_plan_if_ready()
+        self._start_sends(checkpoint_steps)
+        self._start_persists(checkpoint_steps)
+        if monotonic_s - self.last_report_at >= self.report_interval.total_seconds():
+            self.last_report_at = monotonic_s
+            self._report_memory()
+            self._report_backups()
+
+    def _register(self, groups: dict[int, dict[str, list[int]] | None]) -> None:
+        if self.registered_generation == self.generation:
+            return
+        if any(groups.get(rank) is None for rank in self.local_ranks):
+            return
+        ranks = [RankGroups(rank=r, **groups[r]) for r in self.local_ranks]  # type: ignore[arg-type]
+        self.emit(CheckpointRanksRegistered(node_id=self.node_id, generation=self.generation,
+                                            world_size=self.world_size, store_address=self.transport.address if self.transport else "",
+                                            ranks=ranks), subject=f"node/{self.node_id}")
+        self.registered_generation = self.generation
+
+    def _report(self, tier: str, shards: list[ShardRecord]) -> None:
+        key = tier
+        signature = [(s.rank, s.step, s.digest, s.owner_node_id) for s in shards]
+        if not shards or self.last_reported.get(key) == signature:
+            return
+        self.last_reported[key] = signature
+        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),  # type: ignore[arg-type]
+                  subject=f"node/{self.node_id}")
+
+    def _report_memory(self) -> None:
+        shards = [ShardRecord(rank=rank, step=header.step, bytes=header.payload_len, digest=header.digest)
+                  for rank in self.local_ranks for _, header in complete_slots(self.node_dir, rank)]
+        self._report("memory", shards)
+
+    def _report_backups(self) -> None:
+        if self.transport is None:
+            return
+        shards = [ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
+                              owner_node_id=h["owner_node_id"]) for h in self.transport.held_backups()[0]]
+        self._report("peer", sorted(shards, key=lambda s: (s.rank, s.step)))
+
+    # backups to peers
+
+    def _start_sends(self, checkpoint_steps: dict[int, int]) -> None:
+        if self.transport is None:
+            return
+        for rank, assignment in self.assignments.items():
+            step = checkpoint_steps.get(rank, -1)
+            progress = self.progress[rank]
+            if step <= progress.last_sent_step or rank in self.sending:
+                continue
+            if progress.send_failures >= _SEND_FAILURES_REPORTED and time.monotonic() < progress.retry_at_s:
+                continue
+            self.sending[rank] = self.pool.submit(self._send, assignment, step)
+
+    def _send(self, assignment: BackupAssignment, step: int) -> int:
+        try:
+            assert self.transport is not None
+            self.transport.send(assignment.backup_address, rank=assignment.rank, step=step)
+            return step
+        finally:
+            self.wake()
+
+    def _collect_sends(self) -> None:
+        for rank, future in list(self.sending.items()):
+            if not future.done():
+                continue
+            del self.sending[rank]
+            progress = self.progress[rank]
+            exc = future.exception() if not future.cancelled() else None
+            if future.cancelled():
+                continue
+            if exc is None:
+                progress.last_sent_step = future.result()
+                progress.send_failures = 0
+            elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":
+                log.debug("rank %d: snapshot moved on before it was sent (%s)", rank, exc)
+            else:
+                progress.send_failures += 1
+                progress.retry_at_s = time.monotonic() + _SEND_RETRY_INTERVAL_S
+                assignment = self.assignments[rank]
+                log.warning("%s: backup of rank %d to %s failed: %s", self.node_id, rank, assignment.backup_node_id, exc)
+                if progress.send_failures == _SEND_FAILURES_REPORTED:  # a dead peer: tell the broker once, it re-places the backup
+                    self.emit(CheckpointBackupFailed(node_id=self.node_id, rank=rank,
+                                                     backup_node_id=assignment.backup_node_id,
+                                                     reason=f"{type(exc).__name__}: {exc}"),
+                              subject=f"node/{self.node_id}")
+
+    # the persistent tier
+
+    def _start_persists(self, checkpoint_steps: dict[int, int]) -> None:
+        if self.persist_root is None or not self.every_k_steps:
+            return
+        for rank in self.local_ranks:
+            step = checkpoint_steps.get(rank, -1)
+            progress = self.progress[rank]
+            if step < 0 or step % self.every_k_steps or step <= progress.last_persisted_step or rank in self.persisting:
+                continue
+            progress.last_persisted_step = step
+            self.persisting[rank] = (step, self.pool.submit(self._persist, rank, step))
+
+    def _persist(self, rank: int, step: int) -> ShardRecord:
+        from keel.core import ckpt_disk
+
+        try:
+            _, payload, digest = read_slot_of_step(self.node_dir, rank, step)
+            assert self.persist_root is not None
+            started = time.monotonic()
+            ckpt_disk.write_shard(self.persist_root, self.job_id, step, rank, payload)
+            return ShardRecord(rank=rank, step=step, bytes=len(payload), digest=digest,
+                               write_s=time.monotonic() - started)
+        finally:
+            self.wake()
+
+    def _collect_persists(self) -> None:
+        for rank, (step, future) in list(self.persisting.items()):
+            if not future.done():
+                continue
+            del self.persisting[rank]
+            exc = future.exception() if not future.cancelled() else None
+            if future.cancelled():
+                continue
+            if exc is not None:
+                log.warning("%s: persisting rank %d step %d failed: %s", self.node_id, rank, step, exc)
+                continue
+            done = self.persisted.setdefault(step, {})
+            done[rank] = future.result()
+            if len(done) == len(self.local_ranks):
+                self.emit(CheckpointShardsStored(node_id=self.node_id, tier="disk",
+                                                 shards=[done[r] for r in self.local_ranks]),
+                          subject=f"node/{self.node_id}")
+                self.persisted = {s: d for s, d in self.persisted.items() if s > step}
+
+
+def _header_step(path: Path) -> int | None:
+    try:
+        header = ckpt_slots.read_header(path)
+    except ckpt_slots.SlotError:
+        return None
+    return header.step if header.state != ckpt_slots.SLOT_EMPTY else None
+

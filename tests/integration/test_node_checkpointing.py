@@ -1,0 +1,541 @@
+"""NodeCheckpointing end to end: real gRPC shard stores, the real broker decider, real slot files.
+
+No NATS or PostgreSQL: every node's ``emit`` wraps its payload into an ``Event`` exactly like
+``NodeAgent.emit`` (subject defaults to ``node/<id>``) and the in-process ``Cluster`` feeds it to a
+``DeciderSession`` over ``CheckpointBrokerDecider``; the broker's decisions go back to every live node's
+``handle_event``, as the agents' pull consumers would deliver them. Each node runs a real
+``GrpcTransport`` (a ``ShardStore`` server on ``127.0.0.1:0`` and its client) over a node folder in
+``/dev/shm``; slots are written with the real ``SlotWriter``. Sends, fetches and persists run on the
+node's thread pool, so the tests tick the nodes in a bounded loop until the expected events appear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, plan_file
+from keel.checkpoint_broker.core import CheckpointBrokerDecider
+from keel.core import ckpt_disk
+from keel.core.ckpt_slots import HEADER_BYTES, SlotWriter, restore_path, slot_path
+from keel.core.decider import DeciderSession
+from keel.core.event_types import (
+    CheckpointBackupAssigned,
+    CheckpointBackupFailed,
+    CheckpointInventoryReported,
+    CheckpointRanksRegistered,
+    CheckpointRestorePlanned,
+    CheckpointScheduleSet,
+    CheckpointShardsStored,
+    CheckpointStepCommitted,
+    CheckpointTierFallback,
+)
+from keel.core.events import Event, EventPayload
+
+JOB = "job-nc"
+WAIT_S = 10.0
+TRANSFER_TIMEOUT = timedelta(seconds=5)
+
+
+def solo_groups(rank: int) -> dict[str, list[int]]:
+    """Singleton groups: no parallel group spans two nodes, so every other node is an ISOLATED backup
+    candidate (placed without a fallback)."""
+    return {"dp": [rank], "pp": [rank], "tp": [rank]}
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_slot(node_dir: Path, rank: int, step: int, payload: bytes, *, slots: int = 2, generation: int = 0) -> Path:
+    """A rank's snapshot of ``step`` in ring slot ``step % slots``, the way the Checkpointer writes it."""
+    path = slot_path(node_dir, rank, step % slots)
+    writer = SlotWriter(path, len(payload))
+    writer.begin(step, generation)
+    writer.payload_view()[: len(payload)] = payload
+    writer.complete(step, len(payload), sha(payload), generation)
+    writer.close()
+    return path
+
+
+def corrupt_payload_byte(path: Path, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + offset)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# -- the harness --------------------------------------------------------------------------------------
+
+
+class Node:
+    """One node agent's checkpoint duties: NodeCheckpointing over a real GrpcTransport (optional)."""
+
+    def __init__(self, cluster: Cluster, node_id: str, ranks: list[int], world_size: int, *,
+                 transport: bool = True, persist_root: Path | None = None, supervised: bool = True) -> None:
+        self.cluster = cluster
+        self.node_id = node_id
+        self.ranks = ranks
+        self.dir = cluster.base / "shm" / JOB / node_id
+        self.agent_dir = cluster.base / "agents" / node_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.transport = (GrpcTransport(JOB, node_id, self.dir, bind="127.0.0.1:0", timeout=TRANSFER_TIMEOUT)
+                          if transport else None)
+        self.transport_closed = False
+        self.alive = True
+        self.ckpt = NodeCheckpointing(
+            job_id=JOB, node_id=node_id, local_ranks=ranks, world_size=world_size, node_dir=self.dir,
+            agent_dir=self.agent_dir, emit=self.emit, transport=self.transport, persist_root=persist_root,
+            report_interval=timedelta(0), supervised=supervised)
+        # What the rank channel knows of each local rank (NodeAgent.tick passes these).
+        self.groups: dict[int, dict[str, list[int]] | None] = {r: solo_groups(r) for r in ranks}
+        self.steps: dict[int, int] = {}
+        self.payloads: dict[tuple[int, int], bytes] = {}  # (rank, step) -> payload
+
+    def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None:
+        # As NodeAgent.emit: the subject defaults to the node's own.
+        event = Event.create(payload, job_id=JOB, subject=subject or f"node/{self.node_id}", producer="agent",
+                             occurred_at=datetime.now(UTC))
+        self.cluster.queue.append(event)
+
+    def snapshot(self, rank: int, step: int, size: int = 64 * 1024, *, generation: int = 0) -> bytes:
+        """The rank completes its snapshot of ``step`` (random payload) and reports it."""
+        payload = os.urandom(size)
+        write_slot(self.dir, rank, step, payload, generation=generation)
+        self.payloads[(rank, step)] = payload
+        self.steps[rank] = max(self.steps.get(rank, -1), step)
+        return payload
+
+    def kill_store(self) -> None:
+        """The node's shard store dies (the peers' sends and fetches then fail); the node stops ticking."""
+        assert self.transport is not None
+        self.transport.close()
+        self.transport_closed = True
+        self.alive = False
+
+    def tick(self) -> None:
+        self.ckpt.tick(time.monotonic(), self.groups, self.steps)
+
+    def close(self) -> None:
+        if self.transport_closed:
+            self.ckpt.transport = None  # already closed: a second close would wait on a stopped loop
+        self.ckpt.close(job_finished=False)
+
+
+class Cluster:
+    """Nodes plus the broker decider, in one process: events go node -> broker -> nodes."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.session = DeciderSession(CheckpointBrokerDecider())
+        self.nodes: dict[str, Node] = {}
+        self.retired: list[Node] = []  # replaced by a restarted agent of the same node
+        self.queue: list[Event] = []
+        self.log: list[Event] = []
+
+    def add(self, node_id: str, ranks: list[int], world_size: int, **kwargs: Any) -> Node:
+        node = self.nodes[node_id] = Node(self, node_id, ranks, world_size, **kwargs)
+        return node
+
+    def restart(self, node_id: str) -> Node:
+        """The node's agent restarts: a new NodeCheckpointing and shard store (a new port) over the same
+        node folder; the ranks' slots survive in shared memory."""
+        old = self.nodes[node_id]
+        old.alive = False
+        self.retired.append(old)
+        new = self.add(node_id, old.ranks, old.ckpt.world_size)
+        new.steps = dict(old.steps)
+        return new
+
+    def pump(self) -> None:
+        """Deliver queued node events to the broker and the broker's decisions to every live node."""
+        while self.queue:
+            event = self.queue.pop(0)
+            self.log.append(event)
+            for decided in self.session.observe(event).emitted:
+                self.log.append(decided)
+                self.broadcast(decided)
+
+    def broadcast(self, event: Event) -> None:
+        for node in self.nodes.values():
+            if node.alive:
+                node.ckpt.handle_event(event)
+        self.pump()
+
+    def tick(self) -> None:
+        for node in self.nodes.values():
+            if node.alive:
+                node.tick()
+        self.pump()
+
+    def wait_for(self, what: str, predicate: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.tick()
+            found = predicate()
+            if found:
+                return found
+            if time.monotonic() > deadline:
+                seen = [f"{e.producer}:{e.type}" for e in self.log]
+                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; events: {seen}")
+            time.sleep(0.02)
+
+    def settle(self, seconds: float) -> None:
+        """Keep ticking for a while (to check that something does *not* happen)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.tick()
+            time.sleep(0.02)
+
+    def payloads(self, kind: type, **fields: Any) -> list[Any]:
+        return [e.payload for e in self.events(kind, **fields)]
+
+    def events(self, kind: type, **fields: Any) -> list[Event]:
+        return [e for e in self.log if isinstance(e.payload, kind)
+                and all(getattr(e.payload, k) == v for k, v in fields.items())]
+
+    def backups(self) -> dict[int, Any]:
+        """The broker's current assignment per rank."""
+        return dict(self.session.state.job(JOB).backups)
+
+    def held(self, node: Node, rank: int, step: int, owner: str) -> list[Any]:
+        """``CheckpointShardsStored`` tier "peer" records ``node`` reported for ``rank`` at ``step``."""
+        return [s for p in self.payloads(CheckpointShardsStored, node_id=node.node_id, tier="peer")
+                for s in p.shards if s.rank == rank and s.step == step and s.owner_node_id == owner]
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    base = Path(tempfile.mkdtemp(prefix="keel-nc-", dir="/dev/shm"))
+    c = Cluster(base)
+    try:
+        yield c
+    finally:
+        for node in [*c.retired, *c.nodes.values()]:
+            node.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def three_nodes(cluster: Cluster, size: int = 64 * 1024) -> tuple[Node, Node, Node]:
+    """Nodes A, B, C with rank 0, 1, 2, each with snapshots of steps 1 and 2 (rank 0's larger than one
+    gRPC chunk)."""
+    nodes = tuple(cluster.add(n, [r], 3) for r, n in enumerate("ABC"))
+    for node in nodes:
+        [rank] = node.ranks
+        for step in (1, 2):
+            node.snapshot(rank, step, size=(1536 * 1024 if rank == 0 else size))
+    return nodes  # type: ignore[return-value]
+
+
+def backed_up(cluster: Cluster, step: int) -> dict[int, str]:
+    """Tick until the broker commits ``step`` in memory and on peers; returns rank -> backup node."""
+    cluster.wait_for(f"peer commit of step {step}",
+                     lambda: cluster.payloads(CheckpointStepCommitted, tier="peer", step=step))
+    # The owners fold their finished sends in (a peer may report before its owner's next tick).
+    cluster.wait_for("the owners' sends collected", lambda: all(
+        n.ckpt.progress[r].last_sent_step == step for n in cluster.nodes.values() for r in n.ranks))
+    return {r: a.backup_node_id for r, a in cluster.backups().items()}
+
+
+# -- 1. registration -> placement -> backup -> commits ---------------------------------------------------
+
+
+def test_registration_placement_backup_and_commits(cluster: Cluster) -> None:
+    a, b, c = three_nodes(cluster)
+    cluster.wait_for("backup assignments", lambda: cluster.payloads(CheckpointBackupAssigned))
+
+    registered = cluster.payloads(CheckpointRanksRegistered)
+    assert {(p.node_id, tuple(g.rank for g in p.ranks), p.world_size, p.generation) for p in registered} == {
+        ("A", (0,), 3, 0), ("B", (1,), 3, 0), ("C", (2,), 3, 0)}
+    assert {p.node_id: p.store_address for p in registered} == {n.node_id: n.transport.address for n in (a, b, c)}
+    [assigned] = cluster.payloads(CheckpointBackupAssigned)
+    assert "all 3 ranks registered" in assigned.reason
+    by_rank = {x.rank: x for x in assigned.assignments}
+    assert sorted(by_rank) == [0, 1, 2]
+    nodes = {n.node_id: n for n in (a, b, c)}
+    for rank, x in by_rank.items():
+        # The invariant: never the rank's own node; no group spans two nodes, so no fallback; the
+        # address is the backup node's real shard store.
+        assert x.node_id == "ABC"[rank] and x.backup_node_id != x.node_id
+        assert x.fallback == "" and x.backup_address == nodes[x.backup_node_id].transport.address
+    assert sorted(x.backup_node_id for x in by_rank.values()) == ["A", "B", "C"], "one backup per node"
+    assert a.ckpt.assignments[0].backup_node_id == by_rank[0].backup_node_id
+
+    backup = backed_up(cluster, 2)
+    # Each backup node reported the newest step of the rank it holds, as the owner's rank, verified.
+    for rank, holder in backup.items():
+        owner = nodes["ABC"[rank]]
+        payload = owner.payloads[(rank, 2)]
+        [record] = cluster.held(nodes[holder], rank, 2, owner.node_id)
+        assert record.digest == sha(payload) and record.bytes == len(payload)
+        held = [h for h in nodes[holder].transport.held_backups(verify=True)[0] if h["rank"] == rank]
+        assert [(h["step"], h["owner_node_id"], h["sha256"]) for h in held] == [(2, owner.node_id, sha(payload))]
+        assert Path(held[0]["path"]).read_bytes() == payload
+        assert owner.ckpt.progress[rank].last_sent_step == 2
+    # Memory and peer commits of the newest step every rank holds, once each.
+    commits = {(p.tier, p.step): p for p in cluster.payloads(CheckpointStepCommitted)}
+    assert sorted(commits) == [("memory", 2), ("peer", 2)]
+    total = sum(len(n.payloads[(n.ranks[0], 2)]) for n in (a, b, c))
+    assert all(p.ranks == 3 and p.bytes == total for p in commits.values())
+
+
+# -- 2. a dead backup peer: three failed sends, re-placement, backup on the new peer -----------------------
+
+
+def test_dead_backup_peer_is_replaced_after_three_failed_sends(cluster: Cluster) -> None:
+    a, b, c = three_nodes(cluster)
+    nodes = {n.node_id: n for n in (a, b, c)}
+    backup = backed_up(cluster, 2)
+    dead = nodes[backup[0]]
+    survivor = next(n for n in (b, c) if n is not dead)
+    dead.kill_store()
+    payload = a.snapshot(0, 3)
+
+    [failed] = cluster.wait_for("CheckpointBackupFailed", lambda: cluster.payloads(CheckpointBackupFailed))
+    assert (failed.node_id, failed.rank, failed.backup_node_id) == ("A", 0, dead.node_id)
+    assert failed.reason.startswith("PeerUnavailable") and dead.transport.address in failed.reason
+    moved = cluster.wait_for("rank 0 re-placed", lambda: [
+        x for p in cluster.payloads(CheckpointBackupAssigned) for x in p.assignments
+        if x.rank == 0 and x.backup_node_id != dead.node_id])
+    assert [(x.node_id, x.backup_node_id, x.backup_address) for x in moved] == [
+        ("A", survivor.node_id, survivor.transport.address)]
+    [reassigned] = [e for e in cluster.events(CheckpointBackupAssigned)
+                    if any(x.rank == 0 and x.backup_node_id == survivor.node_id for x in e.payload.assignments)]
+    assert f"A could not back up rank 0 on {dead.node_id}" in reassigned.payload.reason
+    # Only rank 0 moved; the broker's failure report came before the re-placement.
+    assert [x.rank for x in reassigned.payload.assignments] == [0]
+    assert cluster.log.index(cluster.events(CheckpointBackupFailed)[0]) < cluster.log.index(reassigned)
+
+    [record] = cluster.wait_for("the new peer holding rank 0 step 3",
+                                lambda: cluster.held(survivor, 0, 3, "A"))
+    assert record.digest == sha(payload) and record.bytes == len(payload)
+    cluster.wait_for("A's send collected", lambda: a.ckpt.progress[0].last_sent_step == 3)
+    assert a.ckpt.progress[0].send_failures == 0
+    assert len(cluster.payloads(CheckpointBackupFailed)) == 1, "the failure is reported once"
+
+
+# -- 3. a corrupted slot: rejected in the inventory, restored from the peer over gRPC ----------------------
+
+
+def test_corrupted_slot_is_restored_from_the_peer_copy(cluster: Cluster) -> None:
+    a, b, c = three_nodes(cluster)
+    nodes = {n.node_id: n for n in (a, b, c)}
+    backup = backed_up(cluster, 2)
+    holder = nodes[backup[0]]
+    original = a.payloads[(0, 2)]
+    corrupt_payload_byte(slot_path(a.dir, 0, 2 % 2))
+
+    for node in (a, b, c):
+        node.groups, node.steps = {}, {}  # ranks stopped: nothing to register or send
+        node.ckpt.prepare_restart(generation=1)
+        cluster.pump()
+
+    [inventory] = cluster.payloads(CheckpointInventoryReported, node_id="A")
+    assert inventory.generation == 1 and inventory.ranks == [0]
+    [rejected] = inventory.rejected
+    assert (rejected.rank, rejected.tier, rejected.step) == (0, "memory", 2)
+    assert "digest mismatch" in rejected.reason
+    assert {(e.rank, e.tier, e.step) for e in inventory.entries if e.rank == 0} == {(0, "memory", 1)}
+    [holder_inventory] = cluster.payloads(CheckpointInventoryReported, node_id=holder.node_id)
+    assert [(e.tier, e.step, e.digest) for e in holder_inventory.entries if e.rank == 0] == [
+        ("peer", 2, sha(original))]
+
+    [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
+    assert planned.step == 2
+    sources = {s.rank: s for s in planned.sources}
+    assert (sources[0].tier, sources[0].node_id, sources[0].address, sources[0].digest) == (
+        "peer", holder.node_id, holder.transport.address, sha(original))
+    assert {r: (s.tier, s.node_id) for r, s in sources.items() if r != 0} == {1: ("memory", "B"), 2: ("memory", "C")}
+    [fallback] = cluster.payloads(CheckpointTierFallback, generation=1)
+    assert (fallback.rank, fallback.step, fallback.from_tier, fallback.to_tier) == (0, 2, "memory", "peer")
+    assert "rejected its memory copy of rank 0 step 2" in fallback.reason and "digest mismatch" in fallback.reason
+
+    # A fetches rank 0 from the holder's ShardStore (GetShard) and only then writes the plan.
+    path = plan_file(a.agent_dir, 1)
+    cluster.wait_for("A's plan file", path.exists)
+    plan = json.loads(path.read_text())
+    assert (plan["generation"], plan["step"]) == (1, 2)
+    entry = plan["shards"]["0"]
+    assert (entry["tier"], entry["format"], entry["digest"]) == ("peer", "shard", sha(original))
+    assert "error" not in entry and entry["path"] == str(restore_path(a.dir, 0))
+    fetched = Path(entry["path"]).read_bytes()
+    assert sha(fetched) == entry["digest"] and fetched == original
+    # The other ranks restore from their own slots.
+    for node in (b, c):
+        [rank] = node.ranks
+        other = json.loads(plan_file(node.agent_dir, 1).read_text())
+        assert other["step"] == 2 and list(other["shards"]) == [str(rank)]
+        mine = other["shards"][str(rank)]
+        assert (mine["tier"], mine["format"], mine["path"]) == ("memory", "slot", str(slot_path(node.dir, rank, 0)))
+        assert mine["digest"] == sha(node.payloads[(rank, 2)])
+
+
+def test_failed_peer_fetch_reports_a_job_fallback_and_writes_the_plan(cluster: Cluster) -> None:
+    a, b, c = three_nodes(cluster)
+    nodes = {n.node_id: n for n in (a, b, c)}
+    holder = nodes[backed_up(cluster, 2)[0]]
+    corrupt_payload_byte(slot_path(a.dir, 0, 0))
+    # Every node reports its inventory; the holder of rank 0's backup dies right after reporting.
+    others = [n for n in (a, b, c) if n is not holder]
+    for node in [holder, *others]:
+        node.groups, node.steps = {}, {}
+        node.ckpt.prepare_restart(generation=1)
+        if node is holder:
+            node.kill_store()
+        cluster.pump()
+    [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
+    assert {s.rank: s.node_id for s in planned.sources if s.tier == "peer"} == {0: holder.node_id}
+
+    path = plan_file(a.agent_dir, 1)
+    cluster.wait_for("A's plan file", path.exists)
+    [event] = [e for e in cluster.events(CheckpointTierFallback) if e.producer == "agent"]
+    assert event.subject == f"job/{JOB}"  # a job-level event (Event.create refuses node/...)
+    fallback = event.payload
+    assert (fallback.generation, fallback.rank, fallback.step, fallback.from_tier, fallback.to_tier) == (
+        1, 0, 2, "peer", "none")
+    assert "from its peer failed" in fallback.reason
+    entry = json.loads(path.read_text())["shards"]["0"]
+    assert entry["tier"] == "peer" and "from its peer failed" in entry["error"]
+    assert not restore_path(a.dir, 0).exists()
+
+
+# -- 4. the persistent tier on the broker's schedule ------------------------------------------------------
+
+
+def test_persistent_tier_every_k_steps(cluster: Cluster) -> None:
+    root = cluster.base / "persist"
+    a = cluster.add("A", [0, 1], 3, transport=False, persist_root=root)
+    b = cluster.add("B", [2], 3, transport=False, persist_root=root)
+    for node in (a, b):
+        for rank in node.ranks:
+            node.snapshot(rank, 3)
+    schedule = Event.create(
+        CheckpointScheduleSet(every_k_steps=2, save_cost_s=1.0, mtbf_s=3600.0, step_time_s=0.1, reason="test"),
+        job_id=JOB, subject=f"job/{JOB}", producer="checkpoint-broker", occurred_at=datetime.now(UTC))
+    cluster.wait_for("memory commit of step 3",
+                     lambda: cluster.payloads(CheckpointStepCommitted, tier="memory", step=3))
+    cluster.log.append(schedule)
+    cluster.broadcast(schedule)
+    assert a.ckpt.every_k_steps == b.ckpt.every_k_steps == 2
+
+    cluster.settle(0.3)  # step 3 is not a multiple of K
+    assert cluster.payloads(CheckpointShardsStored, tier="disk") == []
+    assert not ckpt_disk.step_dir(root, JOB, 3).exists()
+
+    for node in (a, b):
+        for rank in node.ranks:
+            node.snapshot(rank, 4)
+    [commit] = cluster.wait_for("disk commit of step 4",
+                                lambda: cluster.payloads(CheckpointStepCommitted, tier="disk", step=4))
+    assert commit.ranks == 3 and commit.bytes == 3 * 64 * 1024
+    for node in (a, b):
+        [stored] = cluster.payloads(CheckpointShardsStored, node_id=node.node_id, tier="disk")
+        assert [s.rank for s in stored.shards] == node.ranks
+        for record in stored.shards:
+            payload = node.payloads[(record.rank, 4)]
+            assert (record.step, record.bytes, record.digest) == (4, len(payload), sha(payload))
+            assert record.write_s > 0
+            shard = ckpt_disk.shard_file(root, JOB, 4, record.rank)
+            assert shard.is_file() and sha(shard.read_bytes()) == sha(payload)
+    assert sorted(p.name for p in ckpt_disk.job_dir(root, JOB).iterdir()) == ["step-000000004"]
+    assert not ckpt_disk.manifest_path(root, JOB, 4).exists()  # the broker adapter's job, not the node's
+    # Not persisted twice.
+    cluster.settle(0.2)
+    assert len(cluster.payloads(CheckpointShardsStored, tier="disk")) == 2
+
+
+# -- 5. unsupervised: a local plan ------------------------------------------------------------------------
+
+
+def test_unsupervised_local_plan_takes_the_newest_step_every_rank_holds(cluster: Cluster) -> None:
+    node = cluster.add("solo", [0, 1], 2, transport=False, supervised=False)
+    for step in (7, 8):
+        node.snapshot(0, step)
+    for step in (6, 7):
+        node.snapshot(1, step)
+
+    node.ckpt.prepare_restart(generation=1)
+    plan = json.loads(plan_file(node.agent_dir, 1).read_text())
+    assert (plan["generation"], plan["step"]) == (1, 7)
+    assert plan["shards"] == {
+        str(rank): {"path": str(slot_path(node.dir, rank, 7 % 2)), "format": "slot",
+                    "digest": sha(node.payloads[(rank, 7)]), "tier": "memory"}
+        for rank in (0, 1)}
+    assert node.ckpt.rank_env(1)["KEEL_RESTORE_PLAN"] == str(plan_file(node.agent_dir, 1))
+
+    # Rank 0's step 7 rots: no step both ranks hold verified, so the next restart starts fresh.
+    corrupt_payload_byte(slot_path(node.dir, 0, 7 % 2))
+    node.ckpt.prepare_restart(generation=2)
+    fresh = json.loads(plan_file(node.agent_dir, 2).read_text())
+    assert (fresh["generation"], fresh["step"], fresh["shards"]) == (2, -1, {})
+    cluster.pump()
+    assert cluster.log == [], "an unsupervised node reports nothing"
+
+
+# -- after a restart: the new generation's snapshots replace the failed generation's backups --------------
+
+
+def test_new_generation_backups_replace_the_failed_generations(cluster: Cluster) -> None:
+    a, b, c = three_nodes(cluster)
+    nodes = {n.node_id: n for n in (a, b, c)}
+    holder = nodes[backed_up(cluster, 2)[0]]
+    for node in (a, b, c):
+        node.groups, node.steps = {}, {}
+        node.ckpt.prepare_restart(generation=1)
+        cluster.pump()
+    [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
+    assert planned.step == 2
+    # Generation 1 runs again (say from step 1 of another source) and snapshots step 2 anew: the backup
+    # held for rank 0 must become generation 1's (docs: the new generation's shards replace the old).
+    for node in (a, b, c):
+        [rank] = node.ranks
+        node.groups = {rank: solo_groups(rank)}
+    payload = a.snapshot(0, 2, generation=1)
+    cluster.wait_for("A's registration for generation 1",
+                     lambda: cluster.payloads(CheckpointRanksRegistered, node_id="A", generation=1))
+    cluster.wait_for("generation 1's step 2 held for rank 0", lambda: [
+        s for s in cluster.held(holder, 0, 2, "A") if s.digest == sha(payload)])
+    [held] = [h for h in holder.transport.held_backups(verify=True)[0] if h["rank"] == 0]
+    assert (held["step"], held["sha256"]) == (2, sha(payload))
+
+
+# -- a backup peer whose agent restarted (a new store address) gets backups again --------------------------
+
+
+def test_restarted_peer_with_a_new_address_gets_backups_again(cluster: Cluster) -> None:
+    a = cluster.add("A", [0], 2)
+    b = cluster.add("B", [1], 2)
+    for node in (a, b):
+        for step in (1, 2):
+            node.snapshot(node.ranks[0], step)
+    assert backed_up(cluster, 2) == {0: "B", 1: "A"}
+    b.kill_store()
+    payload = a.snapshot(0, 3)
+    [failed] = cluster.wait_for("CheckpointBackupFailed", lambda: cluster.payloads(CheckpointBackupFailed))
+    assert (failed.node_id, failed.rank, failed.backup_node_id) == ("A", 0, "B")
+    cluster.settle(0.2)
+    # No other node: the broker keeps rank 0 on B (nothing to announce) and A stops sending to it.
+    assert [x.backup_node_id for p in cluster.payloads(CheckpointBackupAssigned) for x in p.assignments
+            if x.rank == 0] == ["B"]
+    assert a.ckpt.progress[0].send_failures == 3 and not a.ckpt.sending
+
+    # B's agent comes back with a new shard store port and registers: the broker re-sends rank 0's
+    # assignment with the new address, and A resumes backing rank 0 up there.
+    b2 = cluster.restart("B")
+    assert b2.transport.address != b.transport.address
+    cluster.wait_for("rank 0's assignment with B's new address", lambda: [
+        x for p in cluster.payloads(CheckpointBackupAssigned) for x in p.assignments
+        if x.rank == 0 and x.backup_address == b2.transport.address])
+    [record] = cluster.wait_for("B's new store holding rank 0 step 3", lambda: cluster.held(b2, 0, 3, "A"))
+    assert record.digest == sha(payload)

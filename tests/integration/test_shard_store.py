@@ -1,0 +1,398 @@
+"""The node agent's shard store over real gRPC servers on free loopback ports (no mocks).
+
+Node directories are plain temp folders laid out like ``<shm root>/<job>/<node>/``; slots are written
+with the real ``SlotWriter``. Misbehaving peers (bad CRC, truncation) are real gRPC servers too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+from keel.agent.shard_store import (
+    CHUNK_BYTES,
+    PeerUnavailable,
+    ShardIntegrityError,
+    ShardSender,
+    ShardStoreServer,
+    TransferOutcome,
+    TransferRejected,
+    fetch_shard,
+)
+from keel.core.ckpt_slots import SlotWriter, backup_path, sha256_hex, slot_path
+from keel.core.protocol import shard_store_pb2 as pb
+from keel.core.protocol import shard_store_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = "job-s"
+TIMEOUT = timedelta(seconds=10)
+
+
+def make_payload(size: int, seed: int) -> bytes:
+    block = bytes((seed * 131 + i * 7) % 256 for i in range(4096))
+    return (block * (size // 4096 + 1))[:size]
+
+
+def write_slot(node_dir: Path, rank: int, index: int, step: int, payload: bytes, generation: int = 0) -> None:
+    writer = SlotWriter(slot_path(node_dir, rank, index), len(payload))
+    writer.begin(step, generation)
+    writer.payload_view()[: len(payload)] = payload
+    writer.complete(step, len(payload), sha256_hex(payload), generation)
+    writer.close()
+
+
+def chunks_for(payload: bytes, *, step: int, rank: int = 0, sha256: str | None = None, generation: int = 0,
+               job: str = JOB, total: int | None = None) -> list[pb.ShardChunk]:
+    header = pb.ShardHeader(job_id=job, owner_node_id="node-a", rank=rank, step=step,
+                            total_bytes=len(payload) if total is None else total,
+                            sha256=sha256 or sha256_hex(payload), generation=generation)
+    spans = [(o, payload[o:o + CHUNK_BYTES]) for o in range(0, len(payload), CHUNK_BYTES)] or [(0, b"")]
+    return [pb.ShardChunk(header=header if o == 0 else None, offset=o, data=d, crc32=zlib.crc32(d)) for o, d in spans]
+
+
+async def put_raw(address: str, chunks: list[pb.ShardChunk]) -> pb.PutShardReply:
+    async def stream() -> AsyncIterator[pb.ShardChunk]:
+        for chunk in chunks:
+            yield chunk
+
+    async with aio.insecure_channel(address) as channel:
+        return await pb_grpc.ShardStoreStub(channel).PutShard(stream(), timeout=10)
+
+
+def temp_files(directory: Path) -> list[Path]:
+    return [p for p in directory.rglob(".*") if ".tmp-" in p.name]
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> tuple[Path, Path]:
+    return tmp_path / "shm" / JOB / "node-a", tmp_path / "shm" / JOB / "node-b"
+
+
+@pytest.fixture
+async def store_b(nodes: tuple[Path, Path]) -> AsyncIterator[ShardStoreServer]:
+    server = ShardStoreServer(JOB, "node-b", nodes[1], max_shard_bytes=80 * 1024 * 1024)
+    await server.start("127.0.0.1")
+    yield server
+    await server.stop(timedelta(0))
+
+
+@pytest.fixture
+async def sender(nodes: tuple[Path, Path]) -> AsyncIterator[ShardSender]:
+    sender = ShardSender(JOB, "node-a", nodes[0], timeout=TIMEOUT)
+    yield sender
+    await sender.close()
+
+
+def test_generated_code_is_current(tmp_path: Path) -> None:
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto/keel/checkpoint/v1", f"--python_out={tmp_path}",
+                    f"--grpc_python_out={tmp_path}", "proto/keel/checkpoint/v1/shard_store.proto"], cwd=ROOT, check=True)
+    grpc_code = (tmp_path / "shard_store_pb2_grpc.py").read_text().replace(
+        "\nimport shard_store_pb2 as", "\nfrom keel.core.protocol import shard_store_pb2 as")
+    generated = ROOT / "libs/core/protocol"
+    assert (tmp_path / "shard_store_pb2.py").read_text() == (generated / "shard_store_pb2.py").read_text(), "run `make proto`"
+    assert grpc_code == (generated / "shard_store_pb2_grpc.py").read_text(), "run `make proto`"
+
+
+async def test_put_get_round_trip_in_chunks(nodes: tuple[Path, Path], store_b: ShardStoreServer,
+                                            sender: ShardSender, tmp_path: Path) -> None:
+    node_a, node_b = nodes
+    payload = make_payload(5 * CHUNK_BYTES + 12345, seed=1)
+    write_slot(node_a, rank=3, index=1, step=40, payload=payload, generation=2)
+
+    result = await sender.send(store_b.address, rank=3, step=40)
+    assert (result.rank, result.step, result.bytes, result.sha256) == (3, 40, len(payload), sha256_hex(payload))
+    assert result.seconds > 0 and result.bytes_per_s > 0
+    assert backup_path(node_b, 3).read_bytes() == payload
+    sidecar = json.loads((node_b / "backup" / "rank3.json").read_text())
+    assert (sidecar["owner_node_id"], sidecar["step"], sidecar["generation"]) == ("node-a", 40, 2)
+    assert not temp_files(node_b)
+
+    # The backup, chunk by chunk: at most 1 MiB each, each with its CRC32, the header first only.
+    async with aio.insecure_channel(store_b.address) as channel:
+        stub = pb_grpc.ShardStoreStub(channel)
+        chunks = [c async for c in stub.GetShard(pb.GetShardRequest(job_id=JOB, rank=3, step=40))]
+        listed = await stub.ListShards(pb.ListShardsRequest(job_id=JOB, verify=True))
+    assert len(chunks) == 6 and all(len(c.data) <= CHUNK_BYTES for c in chunks)
+    assert all(zlib.crc32(c.data) == c.crc32 for c in chunks)
+    assert chunks[0].header.kind == "backup" and not any(c.HasField("header") for c in chunks[1:])
+    assert b"".join(c.data for c in chunks) == payload
+    assert [(s.rank, s.step, s.bytes, s.kind, s.owner_node_id) for s in listed.shards] == [
+        (3, 40, len(payload), "backup", "node-a")]
+    assert listed.node_id == "node-b" and not listed.rejected
+
+    # fetch_shard from the backup holder and from the owner's own slot (a second store over node A).
+    dest = tmp_path / "restore" / "rank3.shard"
+    fetched = await fetch_shard(store_b.address, JOB, "node-a", 3, 40, dest, sha256_hex(payload), TIMEOUT)
+    assert dest.read_bytes() == payload and fetched.bytes == len(payload)
+    store_a = ShardStoreServer(JOB, "node-a", node_a)
+    address_a = await store_a.start()
+    try:
+        dest.unlink()
+        await fetch_shard(address_a, JOB, "node-a", 3, -1, dest, sha256_hex(payload), TIMEOUT, kind="slot")
+        assert dest.read_bytes() == payload
+    finally:
+        await store_a.stop()
+    assert not temp_files(tmp_path)
+
+
+async def test_bad_crc_or_wrong_sha256_is_rejected_and_the_backup_stays(nodes: tuple[Path, Path],
+                                                                         store_b: ShardStoreServer) -> None:
+    node_b = nodes[1]
+    old = make_payload(2 * CHUNK_BYTES, seed=2)
+    await put_raw(store_b.address, chunks_for(old, step=10))
+    new = make_payload(3 * CHUNK_BYTES + 7, seed=3)
+
+    corrupted = chunks_for(new, step=11)
+    corrupted[1].data = corrupted[1].data[:-1] + b"\x00"  # flipped on the wire: its CRC32 no longer matches
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await put_raw(store_b.address, corrupted)
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "CRC32 mismatch" in caught.value.details()
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await put_raw(store_b.address, chunks_for(new, step=11, sha256="ab" * 32))
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "SHA-256 mismatch" in caught.value.details()
+
+    # A stream that ends early (fewer bytes than declared) is just as refused.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await put_raw(store_b.address, chunks_for(new, step=11)[:2])
+    assert caught.value.code() == grpc.StatusCode.DATA_LOSS and "truncated" in caught.value.details()
+
+    assert backup_path(node_b, 0).read_bytes() == old
+    assert json.loads((node_b / "backup" / "rank0.json").read_text())["step"] == 10
+    assert not temp_files(node_b)
+
+
+async def test_cancelled_stream_replaces_nothing(nodes: tuple[Path, Path], store_b: ShardStoreServer) -> None:
+    node_b = nodes[1]
+    old = make_payload(CHUNK_BYTES, seed=4)
+    await put_raw(store_b.address, chunks_for(old, step=1))
+    new_chunks = chunks_for(make_payload(4 * CHUNK_BYTES, seed=5), step=2)
+    hold = asyncio.Event()
+
+    async def stream() -> AsyncIterator[pb.ShardChunk]:
+        for chunk in new_chunks[:2]:
+            yield chunk
+        await hold.wait()  # the sender dies here, half-way
+
+    async with aio.insecure_channel(store_b.address) as channel:
+        call = pb_grpc.ShardStoreStub(channel).PutShard(stream(), timeout=10)
+        deadline = time.monotonic() + 5
+        while not temp_files(node_b) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert temp_files(node_b), "the server never started writing"
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    deadline = time.monotonic() + 5
+    while temp_files(node_b) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert not temp_files(node_b)
+    assert backup_path(node_b, 0).read_bytes() == old
+    assert json.loads((node_b / "backup" / "rank0.json").read_text())["step"] == 1
+
+
+async def test_stale_oversize_and_foreign_job_are_refused(nodes: tuple[Path, Path], store_b: ShardStoreServer,
+                                                         sender: ShardSender) -> None:
+    node_a, node_b = nodes
+    newer = make_payload(1000, seed=6)
+    await put_raw(store_b.address, chunks_for(newer, step=10, generation=1))
+    write_slot(node_a, rank=0, index=0, step=8, payload=make_payload(900, seed=7), generation=1)
+    with pytest.raises(TransferRejected) as caught:
+        await sender.send(store_b.address, rank=0, step=8)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale" in caught.value.reason and "step 10" in caught.value.reason
+    assert backup_path(node_b, 0).read_bytes() == newer
+
+    # After a restore to an older step the next generation's shards supersede the failed generation's.
+    write_slot(node_a, rank=0, index=1, step=9, payload=make_payload(800, seed=8), generation=2)
+    assert (await sender.send(store_b.address, rank=0, step=9)).step == 9
+    assert backup_path(node_b, 0).read_bytes() == make_payload(800, seed=8)
+
+    small = ShardStoreServer(JOB, "node-c", node_b.parent / "node-c", max_shard_bytes=CHUNK_BYTES)
+    address_c = await small.start()
+    try:
+        write_slot(node_a, rank=1, index=0, step=3, payload=make_payload(CHUNK_BYTES + 1, seed=9))
+        with pytest.raises(TransferRejected) as caught:
+            await sender.send(address_c, rank=1, step=3)
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in caught.value.reason
+    finally:
+        await small.stop()
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+        await put_raw(store_b.address, chunks_for(make_payload(3000, seed=10), step=4, rank=5, total=2000))
+    assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "longer than the declared" in raw.value.details()
+
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+        await put_raw(store_b.address, chunks_for(newer, step=20, job="other-job"))
+    assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "other-job" in raw.value.details()
+    with pytest.raises(TransferRejected) as caught:
+        await fetch_shard(store_b.address, "other-job", "", 0, -1, node_a / "x.shard", "", TIMEOUT)
+    assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not (node_b / "backup" / "rank1.shard").exists() and not temp_files(node_b)
+
+
+async def test_latest_wins_while_a_slow_transfer_runs(nodes: tuple[Path, Path], store_b: ShardStoreServer) -> None:
+    node_a, node_b = nodes
+    outcomes: list[TransferOutcome] = []
+    # 2 MiB at 4 MiB/s: the first transfer takes about half a second.
+    sender = ShardSender(JOB, "node-a", node_a, timeout=TIMEOUT, max_bytes_per_s=4 * 1024 * 1024,
+                         on_outcome=outcomes.append)
+    try:
+        payloads = {step: make_payload(2 * CHUNK_BYTES, seed=20 + step) for step in range(1, 5)}
+        write_slot(node_a, rank=0, index=1, step=1, payload=payloads[1])
+        started = time.monotonic()
+        sender.submit(store_b.address, rank=0, step=1)
+        deadline = time.monotonic() + 5
+        while not temp_files(node_b) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert temp_files(node_b), "the first transfer never started"
+        for step in (2, 3, 4):  # each completes while step 1 is still on the wire
+            write_slot(node_a, rank=0, index=step, step=step, payload=payloads[step])
+            sender.submit(store_b.address, rank=0, step=step)
+        assert not outcomes, "the slow transfer finished too early for this test to mean anything"
+        await sender.wait_idle()
+    finally:
+        await sender.close()
+    assert [(o.requested_step, o.result.step if o.result else None, o.error) for o in outcomes] == [
+        (1, 1, None), (4, 4, None)]
+    assert sender.skipped_steps == 2
+    assert time.monotonic() - started >= 0.9  # two rate-limited transfers, one after the other
+    assert backup_path(node_b, 0).read_bytes() == payloads[4]
+    # A step the peer already holds is not sent again.
+    sender2 = ShardSender(JOB, "node-a", node_a, timeout=TIMEOUT, on_outcome=outcomes.append)
+    try:
+        await sender2.send(store_b.address, 0, 4)
+        sender2.submit(store_b.address, 0, 4)
+        await sender2.wait_idle()
+    finally:
+        await sender2.close()
+    assert len(outcomes) == 2
+
+
+@pytest.fixture
+def blackhole() -> Iterator[str]:
+    """A TCP port that accepts connections and never speaks HTTP/2 (a hung peer)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield f"127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+async def test_dead_or_hung_peer_is_unavailable_within_the_timeout(nodes: tuple[Path, Path], blackhole: str) -> None:
+    node_a = nodes[0]
+    write_slot(node_a, rank=0, index=0, step=5, payload=make_payload(3 * CHUNK_BYTES, seed=30))
+    store = ShardStoreServer(JOB, "node-b", nodes[1])
+    address = await store.start()
+    await store.stop()  # the peer died
+
+    sender = ShardSender(JOB, "node-a", node_a, timeout=timedelta(seconds=2))
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable) as caught:
+            await sender.send(address, rank=0, step=5)
+        assert time.monotonic() - started < 2.5 and caught.value.address == address
+
+        started = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="within 2s"):
+            await sender.send(blackhole, rank=0, step=5)
+        assert 1.5 < time.monotonic() - started < 4.0
+
+        # The peer comes back on the same port: the next send reaches it at once.
+        store = ShardStoreServer(JOB, "node-b", nodes[1])
+        host, port = address.rsplit(":", 1)
+        assert await store.start(host, int(port)) == address
+        try:
+            assert (await sender.send(address, rank=0, step=5)).step == 5
+        finally:
+            await store.stop()
+    finally:
+        await sender.close()
+
+    started = time.monotonic()
+    with pytest.raises(PeerUnavailable):
+        await fetch_shard(address, JOB, "node-a", 0, 5, node_a / "x.shard", "", timedelta(seconds=2))
+    assert time.monotonic() - started < 2.5
+
+
+class _LyingStore(pb_grpc.ShardStoreServicer):
+    """A peer that serves a shard wrongly: a chunk with a bad CRC32, or a stream cut short."""
+
+    def __init__(self, payload: bytes, mode: str) -> None:
+        self.payload = payload
+        self.mode = mode
+
+    async def GetShard(self, request: pb.GetShardRequest, context: aio.ServicerContext) -> AsyncIterator[pb.ShardChunk]:  # noqa: N802
+        chunks = chunks_for(self.payload, step=request.step, rank=request.rank)
+        if self.mode == "bad-crc":
+            chunks[1].crc32 ^= 1
+        elif self.mode == "truncated":
+            chunks = chunks[:-1]
+        elif self.mode == "wrong-sha":
+            chunks[0].header.sha256 = "cd" * 32
+        for chunk in chunks:
+            yield chunk
+
+
+async def test_fetch_shard_verifies(nodes: tuple[Path, Path], store_b: ShardStoreServer, sender: ShardSender,
+                                    tmp_path: Path) -> None:
+    node_a, node_b = nodes
+    payload = make_payload(2 * CHUNK_BYTES + 5, seed=40)
+    write_slot(node_a, rank=2, index=0, step=12, payload=payload)
+    await sender.send(store_b.address, rank=2, step=12)
+    dest = tmp_path / "restore" / "rank2.shard"
+
+    with pytest.raises(ShardIntegrityError, match="another shard"):
+        await fetch_shard(store_b.address, JOB, "node-a", 2, 12, dest, "ef" * 32, TIMEOUT)
+    with pytest.raises(TransferRejected) as caught:
+        await fetch_shard(store_b.address, JOB, "node-a", 2, 13, dest, "", TIMEOUT)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+
+    # The holder verifies before serving: a backup corrupted in its memory is not sent.
+    held = backup_path(node_b, 2)
+    data = bytearray(held.read_bytes())
+    data[CHUNK_BYTES + 1] ^= 0x55
+    held.write_bytes(bytes(data))
+    with pytest.raises(TransferRejected, match="SHA-256 does not match") as caught:
+        await fetch_shard(store_b.address, JOB, "node-a", 2, 12, dest, sha256_hex(payload), TIMEOUT)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    async with aio.insecure_channel(store_b.address) as channel:
+        listed = await pb_grpc.ShardStoreStub(channel).ListShards(pb.ListShardsRequest(job_id=JOB, verify=True))
+    assert not listed.shards and [(r.rank, r.step, r.kind) for r in listed.rejected] == [(2, 12, "backup")]
+
+    # A peer that sends bad bytes is caught by the fetcher.
+    for mode, message in (("bad-crc", "CRC32 mismatch"), ("truncated", "truncated"), ("wrong-sha", "SHA-256 mismatch")):
+        server = aio.server()
+        pb_grpc.add_ShardStoreServicer_to_server(_LyingStore(payload, mode), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            with pytest.raises(ShardIntegrityError, match=message):
+                await fetch_shard(f"127.0.0.1:{port}", JOB, "", 2, 12, dest, "", TIMEOUT)
+        finally:
+            await server.stop(0)
+    assert not dest.exists() and not temp_files(tmp_path)
+
+
+async def test_throughput_64mib_over_loopback(nodes: tuple[Path, Path], store_b: ShardStoreServer,
+                                              sender: ShardSender, tmp_path: Path) -> None:
+    """Not a benchmark gate: prints the rate of a 64 MiB shard (both ends in this one process)."""
+    size = 64 * 1024 * 1024
+    payload = os.urandom(size)
+    write_slot(nodes[0], rank=0, index=0, step=1, payload=payload)
+    put = await sender.send(store_b.address, rank=0, step=1)
+    got = await fetch_shard(store_b.address, JOB, "node-a", 0, 1, tmp_path / "r.shard", put.sha256, TIMEOUT * 3)
+    print(f"\n64 MiB put {put.bytes_per_s / 2**20:.0f} MiB/s, get {got.bytes_per_s / 2**20:.0f} MiB/s")
+    assert put.bytes == got.bytes == size

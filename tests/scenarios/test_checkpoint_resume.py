@@ -1,0 +1,234 @@
+"""Exact resume, end to end: the example GPT trains on a local cluster (4 nodes x 1 rank, DP 2 x PP 2, so
+every pipeline spans two nodes) with every-step in-memory checkpoints, peer backups and the checkpoint
+broker. One run is interrupted three times - a rank SIGKILLed, a whole node lost (processes and shared
+memory), a whole pipeline group lost - and restored each time; its final parameters and per-step losses
+must be bitwise equal to an uninterrupted run's.
+
+The restarts are commanded by hand here (the controller's job, issue 5); everything else is Keel's:
+inventories, the broker's restore plan and tier fallbacks, peer fetches over gRPC, the ranks' restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from keel.cli.cluster import cluster_down, cluster_status, cluster_up, kill_node, start_node
+from keel.core.event_types import RanksRestartRequested
+from keel.core.events import Event, now_utc
+from keel.core.runtime import free_port
+from keel.sdk.shard import decode_shard
+
+from tests.integration.test_crashes import service_env, start_service_process
+from tests.scenarios.test_cluster_faults import stop_process
+
+pytestmark = pytest.mark.integration
+
+STEPS = 70
+NODES = ["n00", "n01", "n02", "n03"]
+TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--pp", "2", "--steps", str(STEPS)]
+_STEP_LINE = re.compile(r"^step (\d+) loss \S+ .*loss_hex (\S+)", re.M)
+
+
+def losses_of(stdout_files: list[Path]) -> dict[int, str]:
+    """Step -> loss (exact, as float.hex) from rank 0's stdout, the last line per step (a restored run
+    repeats the steps after its checkpoint)."""
+    losses: dict[int, str] = {}
+    for path in sorted(stdout_files, key=lambda p: int(p.name.split(".g")[1].split(".")[0])):
+        for step, loss in _STEP_LINE.findall(path.read_text()):
+            losses[int(step)] = loss
+    return losses
+
+
+def state_of(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved shard, by its path in the state tree."""
+    meta, tree = decode_shard(path.read_bytes())
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(node: object, where: str) -> None:
+        if isinstance(node, torch.Tensor):
+            flat[where] = node
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    walk(tree, "")
+    return flat
+
+
+def assert_bitwise_equal(a: Path, b: Path) -> None:
+    left, right = state_of(a), state_of(b)
+    assert left.keys() == right.keys()
+    assert left, f"no tensors in {a}"
+    for key in left:
+        x, y = left[key], right[key]
+        assert x.dtype == y.dtype and x.shape == y.shape, key
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{key} differs"
+
+
+def reference_run(directory: Path) -> None:
+    """The uninterrupted run: the same 4 ranks under `keel run` on one node, no checkpointing at all."""
+    env = {**os.environ, "KEEL_HOME": str(directory)}
+    env.pop("KEEL_NATS_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "4",
+         "--master-port", str(free_port()), "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
+         *TRAIN, "--save-final", str(directory / "final")],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+class Run:
+    def __init__(self, keel_env, directory: Path) -> None:  # type: ignore[no-untyped-def]
+        self.env = keel_env
+        self.settings = keel_env.settings
+        self.directory = directory
+        self.generation = 0
+
+    async def events(self, types: list[str]) -> list[Event]:
+        return [r.event async for r in self.env.store.read(job_id="ckpt", types=types)]
+
+    async def wait_for(self, types: list[str], predicate, timeout_s: float, what: str) -> Event:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in await self.events(types):
+                if predicate(event):
+                    return event
+            await asyncio.sleep(0.2)
+        seen = [(e.type, e.payload.model_dump()) for e in await self.events(types)][-6:]
+        raise AssertionError(f"no {what} within {timeout_s}s; last events of those types: {seen}")
+
+    def rank0_stdout(self) -> list[Path]:
+        return list((self.directory / "cluster" / "nodes" / "n00" / "logs").glob("rank0.g*.stdout"))
+
+    def current_step(self) -> int:
+        steps = [int(s) for path in self.rank0_stdout() for s, _ in _STEP_LINE.findall(path.read_text())]
+        return max(steps, default=-1)
+
+    async def wait_step(self, step: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.current_step() < step:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"training did not reach step {step} in {timeout_s}s (at {self.current_step()})")
+            await asyncio.sleep(0.1)
+
+    async def restart_all(self, reason: str) -> Event:
+        """The controller's command, by hand: every node restarts its ranks as the next generation.
+        Returns the broker's restore plan for it."""
+        self.generation += 1
+        generation = self.generation
+        for node in NODES:
+            command = Event.create(RanksRestartRequested(node_id=node, generation=generation, reason=reason,
+                                                         expires_at=now_utc() + timedelta(minutes=2)),
+                                   job_id="ckpt", subject=f"node/{node}", producer="controller", occurred_at=now_utc())
+            await self.env.bus.publish(command)
+        return await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 60,
+                                   f"the restore plan of generation {generation}")
+
+
+@pytest.fixture
+async def run(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
+    await keel_env.start_recorder()
+    env = {"KEEL_CHECKPOINT__PERSIST_ROOT": str(scratch_dir / "cluster" / "checkpoints"),
+                "KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "10", "KEEL_CHECKPOINT__PERSIST_EVERY_CEILING": "10",
+                "KEEL_CHECKPOINT__RESTORE_PLAN_TIMEOUT": "20s"}
+    broker = start_service_process("checkpoint-broker", keel_env.settings, scratch_dir / "broker.log", env)
+    running = Run(keel_env, scratch_dir)
+    try:
+        yield running
+    finally:
+        await asyncio.to_thread(cluster_down, scratch_dir / "cluster")
+        stop_process(broker)
+
+
+async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(run: Run, scratch_dir: Path) -> None:
+    rng = random.Random(int(os.environ.get("KEEL_TEST_SEED", "4")))
+    reference = asyncio.create_task(asyncio.to_thread(reference_run, scratch_dir / "reference"))
+
+    env = {k: v for k, v in service_env(run.settings).items() if k.startswith("KEEL_")}
+    env["KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR"] = "60s"
+    await asyncio.to_thread(
+        cluster_up, run.settings, scratch_dir / "cluster", nodes=4, standby=0, nproc_per_node=1, job_id="ckpt",
+        command=[*TRAIN, "--save-final", str(scratch_dir / "final")], nats_url=run.settings.nats_url,
+        extra_env=env, heartbeat_interval="2s", persist_root=scratch_dir / "cluster" / "checkpoints")
+
+    # Backups are placed outside every group of their rank: rank r's DP peer and PP peer live on two
+    # other nodes, so exactly one node is left for its backup.
+    assigned = await run.wait_for(["CheckpointBackupAssigned"], lambda e: len(e.payload.assignments) == 4, 60,
+                                  "backup placement")
+    backup_of = {a.rank: a.backup_node_id for a in assigned.payload.assignments}
+    assert backup_of == {0: "n03", 1: "n02", 2: "n01", 3: "n00"}, backup_of
+    assert all(not a.fallback for a in assigned.payload.assignments)
+
+    # 1. One rank SIGKILLed at a random step: restored from local memory.
+    await run.wait_step(rng.randint(6, 14))
+    victim = rng.choice(NODES)
+    state = cluster_status(scratch_dir / "cluster")
+    pid = next(n["ranks"][0] for n in state["nodes"] if n["node_id"] == victim)
+    os.kill(pid, signal.SIGKILL)
+    plan = await run.restart_all(f"test: rank on {victim} killed")
+    assert plan.payload.step >= 5
+    assert {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    first_restore = plan.payload.step
+    await run.wait_step(first_restore + 8)
+
+    # 2. A whole node lost (its processes and its shared memory), replaced by a fresh machine: its
+    #    rank comes back from the backup peer, and the broker says why it fell back.
+    lost = rng.choice(NODES)
+    await asyncio.to_thread(kill_node, scratch_dir / "cluster", lost)
+    await asyncio.to_thread(start_node, scratch_dir / "cluster", lost)
+    plan = await run.restart_all(f"test: node {lost} lost")
+    lost_rank = NODES.index(lost)
+    tiers = {s.rank: s.tier for s in plan.payload.sources}
+    assert plan.payload.step > first_restore and tiers[lost_rank] == "peer", plan.payload
+    assert all(tier == "memory" for rank, tier in tiers.items() if rank != lost_rank), tiers
+    fallback = await run.wait_for(["CheckpointTierFallback"], lambda e: e.payload.generation == run.generation
+                                  and e.payload.rank == lost_rank, 10, "the tier fallback event")
+    assert fallback.payload.from_tier == "memory" and fallback.payload.to_tier == "peer"
+    second_restore = plan.payload.step
+    await run.wait_step(second_restore + 8)
+
+    # 3. A whole pipeline group lost: both nodes of one pipeline, processes and memory.
+    pipeline = rng.choice([[0, 1], [2, 3]])
+    for rank in pipeline:
+        await asyncio.to_thread(kill_node, scratch_dir / "cluster", NODES[rank])
+    for rank in pipeline:
+        await asyncio.to_thread(start_node, scratch_dir / "cluster", NODES[rank])
+    plan = await run.restart_all(f"test: pipeline {pipeline} lost")
+    tiers = {s.rank: s.tier for s in plan.payload.sources}
+    assert plan.payload.step > second_restore, plan.payload
+    assert {rank for rank, tier in tiers.items() if tier == "peer"} == set(pipeline), tiers
+
+    # The job finishes; final state and every step's loss equal the uninterrupted run, bit for bit.
+    await run.wait_for(["RankExited"], lambda e: e.payload.generation == run.generation and e.payload.rank == 0
+                       and e.payload.classification == "success", 240, "the end of training")
+    await reference
+    for rank in range(4):
+        final = Path(f"{scratch_dir / 'final'}.rank{rank}")
+        deadline = time.monotonic() + 60
+        while not final.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert_bitwise_equal(final, Path(f"{scratch_dir / 'reference' / 'final'}.rank{rank}"))
+    reference_losses = losses_of(list((scratch_dir / "reference" / "agent" / "logs").glob("rank0.g*.stdout")))
+    assert sorted(reference_losses) == list(range(STEPS))
+    assert losses_of(run.rank0_stdout()) == reference_losses
+
+    # The persistent tier was written on the broker's schedule (every 10 steps here) with manifests.
+    persisted = await run.events(["CheckpointPersisted"])
+    assert persisted and all(e.payload.step % 10 == 0 for e in persisted)
+    committed = await run.events(["CheckpointStepCommitted"])
+    assert {e.payload.tier for e in committed} >= {"memory", "peer", "disk"}
