@@ -38,6 +38,7 @@ bench: install
 bench-quick: install
 	$(BIN)/python bench/bus.py --quick
 	$(BIN)/python -m bench.detection --quick
+	$(BIN)/python -m bench.checkpoint --quick --variants none,torch_save,dcp_async,keel_nobackup,keel
 
 # The ft_launcher peer is a benchmark-only dependency; it drags in the deprecated pynvml shim, which
 # would print a warning in every rank, so the shim goes again (nvidia-ml-py provides pynvml).

@@ -42,7 +42,9 @@ __all__ = [
     "SlotError",
     "SlotWriter",
     "read_header",
+    "parse_header",
     "read_payload",
+    "read_payload_consistent",
     "slot_path",
     "backup_path",
     "restore_path",
@@ -148,6 +150,11 @@ class SlotWriter:
         self._map.close()
 
 
+def parse_header(raw: bytes | memoryview, where: str) -> SlotHeader:
+    """The header at the start of a slot's bytes (e.g. a memory map); ``SlotError`` if not a slot."""
+    return _unpack(raw[: HEADER.size], where)
+
+
 def read_header(path: Path) -> SlotHeader:
     """The header of a slot file; ``SlotError`` if it is missing or not a slot."""
     try:
@@ -180,6 +187,32 @@ def read_payload(path: Path, *, verify: bool = True) -> tuple[SlotHeader, bytes]
             raise SlotError(f"{path}: digest mismatch for step {header.step} (stored {header.digest[:12]}, "
                             f"actual {actual[:12]})")
     return header, payload
+
+
+def read_payload_consistent(path: Path) -> tuple[SlotHeader, bytes]:
+    """A COMPLETE slot's payload without hashing it, guaranteed not torn by a concurrent writer.
+
+    The writer marks a slot WRITING before it touches the payload, so a header that reads the same
+    (COMPLETE, same step, same completion time) before and after the payload proves the payload was
+    not being rewritten meanwhile. For senders whose receiver verifies the SHA-256 end to end; a
+    restore must still verify (``read_payload``). ``SlotError`` when incomplete, torn or truncated.
+    """
+    try:
+        with open(path, "rb") as f:
+            before = _unpack(f.read(HEADER.size), str(path))
+            if not before.complete:
+                raise SlotError(f"{path}: slot is not complete (state {before.state}, step {before.step})")
+            f.seek(HEADER_BYTES)
+            payload = f.read(before.payload_len)
+            f.seek(0)
+            after = _unpack(f.read(HEADER.size), str(path))
+    except FileNotFoundError:
+        raise SlotError(f"{path}: no such slot") from None
+    if after != before:
+        raise SlotError(f"{path}: slot of step {before.step} was overwritten while being read")
+    if len(payload) != before.payload_len:
+        raise SlotError(f"{path}: truncated payload ({len(payload)} of {before.payload_len} bytes)")
+    return before, payload
 
 
 def list_slots(node_dir: Path) -> dict[int, list[Path]]:

@@ -114,6 +114,10 @@ class CheckpointSettings(_Section):
     """How long the broker waits for every node's inventory before planning with what arrived."""
     report_interval: Duration = parse_duration("1s")
     """How often agents report stored shards; also the broker's clock tick while a restore plan waits."""
+    backup_max_duty: float = Field(0.1, gt=0, le=1)
+    """The share of wall time one rank's backup transfer may take: the broker sets the backup interval
+    (the same on every node, a power of two) to the smallest one that keeps the slowest transfer
+    within it. 1.0: back to back (every step while transfers are shorter than a step)."""
 
     @model_validator(mode="after")
     def _floor_below_ceiling(self) -> CheckpointSettings:

@@ -241,6 +241,7 @@ class ShardRecord(EventPayload):
     digest: str  # hex SHA-256 of the shard payload
     owner_node_id: str = ""  # for tier "peer": the node whose rank this is; "" otherwise
     write_s: float = Field(default=0.0, ge=0)  # for tier "disk": seconds this shard took to write
+    send_s: float = Field(default=0.0, ge=0)  # for tier "memory": seconds the rank's last backup transfer took
 
 
 @event_type("CheckpointShardsStored", version=1, aggregate="node")
@@ -269,6 +270,10 @@ class CheckpointScheduleSet(EventPayload):
     K = sqrt(2 * save_cost * MTBF) / step_time, clamped to the configured floor and ceiling."""
 
     every_k_steps: int = Field(ge=1)
+    backup_every_k_steps: int = Field(default=1, ge=1)
+    """Backups go to the peers only for steps that are multiples of this, the same on every node (so the
+    peer tier holds one step of every rank): the smallest power of two that keeps each transfer within
+    ``backup_max_duty`` of the wall time."""
     save_cost_s: float = Field(ge=0)
     mtbf_s: float = Field(gt=0)
     step_time_s: float = Field(ge=0)

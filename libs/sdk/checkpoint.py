@@ -550,30 +550,83 @@ class Checkpointer:
 
     def load_file(self, path: str | os.PathLike[str], *, digest: str | None = None) -> int:
         """Load a slot file or a shard file (verified against ``digest`` if given); returns its step."""
-        payload, source = self._read_file(Path(path), digest)
-        return self._load_payload(payload, source)
+        return self._load_verified(Path(path), digest, trusted=False)
 
-    @staticmethod
-    def _read_file(path: Path, digest: str | None) -> tuple[bytes, str]:
+    def _load_verified(self, path: Path, digest: str | None, *, trusted: bool) -> int:
+        """Load ``path`` (a slot or a shard file), memory-mapped, checking its SHA-256 while it decodes.
+
+        A slot's payload is checked against its header's digest (and ``digest``, if given); a shard file
+        against ``digest`` when given. ``trusted``: a slot the node agent verified at its inventory and
+        that nobody has written since (the plan's ``verified_by: agent``): only the header is compared.
+        The hash runs in a thread beside decoding and loading (both release the GIL); a mismatch raises
+        ``CheckpointError`` after loading, so the caller must not train on: the state is then undefined.
+        """
+        import mmap
+
         try:
             with open(path, "rb") as f:
-                magic = f.read(8)
-        except OSError as exc:
+                size = os.fstat(f.fileno()).st_size
+                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
-        if magic == ckpt_slots.MAGIC:
+        if mapped is None:
+            raise CheckpointError(f"checkpoint {path} is empty")
+        view = memoryview(mapped)
+        payload: memoryview | None = None
+        try:
+            if view[:8] == ckpt_slots.MAGIC:
+                try:
+                    header = ckpt_slots.parse_header(view, str(path))
+                except ckpt_slots.SlotError as exc:
+                    raise CheckpointError(str(exc)) from None
+                if not header.complete:
+                    raise CheckpointError(f"slot {path} is not complete (state {header.state}, step {header.step})")
+                end = ckpt_slots.HEADER_BYTES + header.payload_len
+                if end > size:
+                    raise CheckpointError(f"slot {path}: truncated payload ({size - ckpt_slots.HEADER_BYTES} of "
+                                          f"{header.payload_len} bytes)")
+                if digest is not None and header.digest != digest:
+                    raise CheckpointError(f"{path}: slot digest {header.digest[:12]} is not the expected {digest[:12]}")
+                payload, expected, source = view[ckpt_slots.HEADER_BYTES:end], header.digest, f"slot {path} (step {header.step})"
+            else:
+                payload, expected, source = view, digest, f"shard {path}"
+                trusted = False
+            hashed: dict[str, str] = {}
+            hasher = None
+            if expected is not None and not trusted:
+                def hash_payload(data: memoryview = payload) -> None:
+                    hashed["digest"] = ckpt_slots.sha256_hex(data)
+
+                hasher = threading.Thread(target=hash_payload, name="keel-restore-hash")
+                hasher.start()
+            def mismatch() -> CheckpointError | None:
+                if hasher is None:
+                    return None
+                hasher.join()
+                if hashed.get("digest") == expected:
+                    return None
+                return CheckpointError(f"{source}: digest mismatch (expected {str(expected)[:12]}, actual "
+                                       f"{hashed.get('digest', '?')[:12]}); the loaded state must not be used")
+
             try:
-                header, payload = ckpt_slots.read_payload(path, verify=True)
-            except ckpt_slots.SlotError as exc:
-                raise CheckpointError(str(exc)) from None
-            if digest is not None and header.digest != digest:
-                raise CheckpointError(f"{path}: slot digest {header.digest[:12]} is not the expected {digest[:12]}")
-            return payload, f"slot {path} (step {header.step})"
-        payload = path.read_bytes()
-        if digest is not None:
-            actual = ckpt_slots.sha256_hex(payload)
-            if actual != digest:
-                raise CheckpointError(f"{path}: digest mismatch (expected {digest[:12]}, actual {actual[:12]})")
-        return payload, f"shard {path}"
+                step = self._load_payload(payload, source)
+            except CheckpointError as exc:
+                corrupt = mismatch()  # a corrupt payload fails to decode first: name the root cause
+                raise (corrupt or exc) from (exc if corrupt else None)
+            corrupt = mismatch()
+            if corrupt is not None:
+                raise corrupt
+            return step
+        finally:
+            # Decoding copies every tensor, but a transient numpy view may still be alive: then the map
+            # is unmapped when the last reference goes, not here.
+            try:
+                if payload is not None:
+                    payload.release()
+                view.release()
+                mapped.close()
+            except BufferError:
+                pass
 
     # -- restore -----------------------------------------------------------------------------------------------
 
@@ -615,28 +668,41 @@ class Checkpointer:
         entry = (plan.get("shards") or {}).get(str(self.rank))
         if not isinstance(entry, dict) or "path" not in entry:
             raise CheckpointError(f"restore plan {plan_path} (step {step}) has no shard for rank {self.rank}")
-        payload, source = self._read_file(Path(entry["path"]), entry.get("digest") or None)
-        source += f" via plan {plan_path.name} (tier {entry.get('tier', '?')})"
-        loaded = self._load_payload(payload, source)
+        if entry.get("error"):
+            raise CheckpointError(f"restore plan {plan_path} (step {step}): rank {self.rank}'s shard could not be "
+                                  f"staged: {entry['error']}")
+        loaded = self._load_verified(Path(entry["path"]), entry.get("digest") or None,
+                                     trusted=entry.get("verified_by") == "agent")
+        self.restored_from = f"{self.restored_from} via plan {plan_path.name} (tier {entry.get('tier', '?')})"
         if loaded != step:
-            raise CheckpointError(f"{source} holds step {loaded}, the plan says {step}")
+            raise CheckpointError(f"{self.restored_from} holds step {loaded}, the plan says {step}")
         return loaded
 
     def _restore_from_slots(self) -> int:
         assert self.ckpt_dir is not None
-        verified: dict[int, Path] = {}
+        complete: dict[int, Path] = {}
         for slot_file in ckpt_slots.list_slots(self.ckpt_dir).get(self.rank, []):
             try:
                 header = ckpt_slots.read_header(slot_file)
-                if not header.complete:
-                    _log.warning("keel restore: rank %d: %s skipped: not complete (state %d, step %d)",
-                                 self.rank, slot_file, header.state, header.step)
-                    continue
-                ckpt_slots.read_payload(slot_file, verify=True)
             except ckpt_slots.SlotError as exc:
                 _log.warning("keel restore: rank %d: slot skipped: %s", self.rank, exc)
                 continue
-            verified[header.step] = slot_file
+            if not header.complete:
+                _log.warning("keel restore: rank %d: %s skipped: not complete (state %d, step %d)",
+                             self.rank, slot_file, header.state, header.step)
+                continue
+            complete[header.step] = slot_file
+        # Verify only what would be loaded, newest first (hashing every slot costs as much as loading).
+        verified: dict[int, Path] = {}
+        for step_ in sorted(complete, reverse=True):
+            try:
+                ckpt_slots.read_payload(complete[step_], verify=True)
+            except ckpt_slots.SlotError as exc:
+                _log.warning("keel restore: rank %d: slot skipped: %s", self.rank, exc)
+                continue
+            verified[step_] = complete[step_]
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1):
+                break  # alone: the newest verified slot is the answer
         steps = set(verified)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
             steps = self._common_steps(steps)
@@ -652,8 +718,7 @@ class Checkpointer:
         if step != max(verified):
             _log.warning("keel restore: rank %d: newest own step %d is not held by every rank; using %d",
                          self.rank, max(verified), step)
-        payload, source = self._read_file(verified[step], None)
-        loaded = self._load_payload(payload, source)
+        loaded = self._load_verified(verified[step], None, trusted=True)  # verified just above
         self.last_complete_step = loaded
         if self.session is not None:
             self.session.checkpoint_completed(loaded)
@@ -675,7 +740,7 @@ class Checkpointer:
             common &= {int(s) for s in t.tolist() if s >= 0}
         return common
 
-    def _load_payload(self, payload: bytes, source: str) -> int:
+    def _load_payload(self, payload: bytes | memoryview, source: str) -> int:
         try:
             meta, tree = shard.decode_shard(payload)
         except shard.ShardFormatError as exc:

@@ -160,9 +160,11 @@ class NodeAgent:
             self.supervisor.stop_all()
             for exit_ in self.supervisor.poll():
                 self.report_exit(exit_)
+            # Start the new processes first: the inventory (hashing every slot) overlaps their start-up,
+            # and they wait for the restore plan it leads to.
+            self.start_ranks(payload.generation)
             if self.checkpointing is not None:
                 self.checkpointing.prepare_restart(payload.generation)
-            self.start_ranks(payload.generation)
             self.failed = False
             outcome, detail = "restarted", f"restarted {self.spec.nproc_per_node} ranks in place: {payload.reason}"
         self.emit(
@@ -231,9 +233,9 @@ class NodeAgent:
                     self.report_exit(exit_)
                 if self.restarts_left > 0:
                     self.restarts_left -= 1
-                    if self.checkpointing is not None:
-                        self.checkpointing.prepare_restart(self.generation + 1)
                     self.start_ranks(self.generation + 1)
+                    if self.checkpointing is not None:
+                        self.checkpointing.prepare_restart(self.generation)
                     self.failed = False
                 else:
                     return AgentResult(1, f"rank {failures[0].rank} failed and no restarts are left")

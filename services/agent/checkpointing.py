@@ -111,7 +111,8 @@ class GrpcTransport:
         self._sender = self._call(self._make_sender())
 
     async def _make_sender(self):  # type: ignore[no-untyped-def]
-        return self._shard_store.ShardSender(self.job_id, self.node_id, self.node_dir, timeout=self.timeout)
+        # Backups are sent from the sent ring (``keep_sent_copy``), never straight from the rank's slots.
+        return self._shard_store.ShardSender(self.job_id, self.node_id, self.node_dir / SENT_DIR, timeout=self.timeout)
 
     def _call(self, coroutine):  # type: ignore[no-untyped-def]
         import asyncio
@@ -150,6 +151,8 @@ class _RankProgress:
     last_sent_step: int = -1
     send_failures: int = 0
     retry_at_s: float = 0.0
+    last_send_s: float = 0.0
+    """How long the last successful transfer took (reported to the broker: it sets the backup interval)."""
     """After ``_SEND_FAILURES_REPORTED`` failures: the next try (monotonic), in case the peer comes back."""
     last_persisted_step: int = -1
 
@@ -167,10 +170,56 @@ def plan_file(agent_dir: Path, generation: int) -> Path:
     return Path(agent_dir) / "restore" / f"g{generation}.json"
 
 
-def complete_slots(node_dir: Path, rank: int) -> list[tuple[Path, ckpt_slots.SlotHeader]]:
-    """The rank's COMPLETE slots (header only, not verified), newest step first."""
+SENT_DIR = "sent"
+"""Under the node folder: local copies of the last two snapshots each rank backed up to its peer (slot
+format). When a node is lost, the survivors' rings have moved past the last backed-up step; these copies
+let every surviving rank resume at the step the lost ranks' backups hold, from local memory."""
+
+
+def local_slot_files(node_dir: Path, rank: int) -> list[Path]:
+    """The rank's ring slots and its sent copies."""
+    return [*ckpt_slots.list_slots(node_dir).get(rank, []), *ckpt_slots.list_slots(Path(node_dir) / SENT_DIR).get(rank, [])]
+
+
+def keep_sent_copy(node_dir: Path, rank: int, step: int) -> Path:
+    """Copy the rank's slot of ``step`` into its sent ring (replacing the older of two); ``SlotError``
+    when the ring has already overwritten that step."""
+    source = next((p for p, h in complete_slots(node_dir, rank, sent=False) if h.step == step), None)
+    if source is None:
+        raise ckpt_slots.SlotError(f"rank {rank}: no complete slot holds step {step} any more")
+    header, payload = ckpt_slots.read_payload_consistent(source)
+    sent_dir = Path(node_dir) / SENT_DIR
+    ring = [ckpt_slots.slot_path(sent_dir, rank, i) for i in (0, 1)]
+
+    def held(path: Path) -> ckpt_slots.SlotHeader | None:
+        try:
+            found = ckpt_slots.read_header(path)
+        except ckpt_slots.SlotError:
+            return None
+        return found if found.complete else None
+
+    for path in ring:
+        found = held(path)
+        if found is not None and (found.step, found.digest) == (step, header.digest):
+            return path  # copied already (a retried send)
+    # A copy of the same step from a failed generation goes first (the sender must not find two copies
+    # of one step), then an empty or torn slot, then the older copy.
+    target = min(ring, key=lambda path: -1 if (h := held(path)) is None else (-2 if h.step == step else h.step))
+    writer = ckpt_slots.SlotWriter(target, len(payload))
+    try:
+        writer.begin(step, header.generation)
+        writer.payload_view()[: len(payload)] = payload
+        writer.complete(step, len(payload), header.digest, header.generation)
+    finally:
+        writer.close()
+    return target
+
+
+def complete_slots(node_dir: Path, rank: int, *, sent: bool = True) -> list[tuple[Path, ckpt_slots.SlotHeader]]:
+    """The rank's COMPLETE slots (header only, not verified), newest step first; ``sent``: with the
+    copies of what was backed up."""
     found = []
-    for path in ckpt_slots.list_slots(node_dir).get(rank, []):
+    for path in (local_slot_files(node_dir, rank) if sent else ckpt_slots.list_slots(node_dir).get(rank, [])):
         try:
             header = ckpt_slots.read_header(path)
         except ckpt_slots.SlotError:
@@ -229,6 +278,7 @@ class NodeCheckpointing:
         self.registered_generation: int | None = None
         self.assignments: dict[int, BackupAssignment] = {}
         self.every_k_steps: int | None = None
+        self.backup_every = 1
         self.progress: dict[int, _RankProgress] = {r: _RankProgress() for r in self.local_ranks}
         self.sending: dict[int, Future] = {}
         self.persisting: dict[int, tuple[int, Future]] = {}
@@ -249,6 +299,7 @@ class NodeCheckpointing:
             for path in paths:
                 path.unlink(missing_ok=True)
         shutil.rmtree(self.node_dir / "restore", ignore_errors=True)
+        shutil.rmtree(self.node_dir / SENT_DIR, ignore_errors=True)
         shutil.rmtree(self.agent_dir / "restore", ignore_errors=True)
         self._write_plan(0, -1, {}, reason="a new launch starts fresh")
 
@@ -286,7 +337,8 @@ class NodeCheckpointing:
         shards = {}
         for rank in self.local_ranks if step >= 0 else []:
             path, header = next((p, h) for p, h in complete_slots(self.node_dir, rank) if h.step == step)
-            shards[str(rank)] = {"path": str(path), "format": "slot", "digest": header.digest, "tier": "memory"}
+            shards[str(rank)] = {"path": str(path), "format": "slot", "digest": header.digest, "tier": "memory",
+                                 "verified_by": "agent"}
         self._write_plan(generation, step, shards, reason="local plan (unsupervised): newest step every local rank holds")
 
     def inventory(self) -> tuple[list[InventoryEntry], list[RejectedShard]]:
@@ -294,7 +346,8 @@ class NodeCheckpointing:
         entries: list[InventoryEntry] = []
         rejected: list[RejectedShard] = []
         for rank in self.local_ranks:
-            for path in ckpt_slots.list_slots(self.node_dir).get(rank, []):
+            seen: set[tuple[int, str]] = set()
+            for path in local_slot_files(self.node_dir, rank):
                 try:
                     header, payload = ckpt_slots.read_payload(path, verify=True)
                 except ckpt_slots.SlotError as exc:
@@ -302,6 +355,9 @@ class NodeCheckpointing:
                     if step is not None:  # an empty or half-written slot is not worth a report
                         rejected.append(RejectedShard(rank=rank, tier="memory", step=step, reason=str(exc)))
                     continue
+                if (header.step, header.digest) in seen:
+                    continue  # a ring slot and its sent copy: one entry
+                seen.add((header.step, header.digest))
                 entries.append(InventoryEntry(rank=rank, tier="memory", step=header.step, bytes=len(payload),
                                               digest=header.digest))
         held, bad = self.transport.held_backups(verify=True) if self.transport else ([], [])
@@ -329,6 +385,7 @@ class NodeCheckpointing:
                         self.progress[assignment.rank].send_failures = 0
         elif isinstance(payload, CheckpointScheduleSet):
             self.every_k_steps = payload.every_k_steps
+            self.backup_every = payload.backup_every_k_steps
         elif isinstance(payload, CheckpointRestorePlanned):
             if payload.generation == self.generation and self.supervised:
                 self._start_plan(payload)
@@ -345,7 +402,9 @@ class NodeCheckpointing:
                 if slot is None:
                     entry["error"] = f"slot of step {planned.step} is gone from {self.node_dir}"
                 else:
-                    entry.update(path=str(slot), format="slot")
+                    # Hashed by this agent's inventory, and nothing has written it since (the old ranks
+                    # are stopped; new ones write only after restoring): the rank compares the header only.
+                    entry.update(path=str(slot), format="slot", verified_by="agent")
             elif source.tier == "disk":
                 entry.update(path=source.path, format="shard")
             elif source.node_id == self.node_id and self.transport is not None:
@@ -439,8 +498,11 @@ class NodeCheckpointing:
                   subject=f"node/{self.node_id}")
 
     def _report_memory(self) -> None:
-        shards = [ShardRecord(rank=rank, step=header.step, bytes=header.payload_len, digest=header.digest)
-                  for rank in self.local_ranks for _, header in complete_slots(self.node_dir, rank)]
+        held = {(rank, header.step): header for rank in self.local_ranks
+                for _, header in reversed(complete_slots(self.node_dir, rank))}
+        shards = [ShardRecord(rank=rank, step=step, bytes=header.payload_len, digest=header.digest,
+                              send_s=round(self.progress[rank].last_send_s, 3))
+                  for (rank, step), header in sorted(held.items())]
         self._report("memory", shards)
 
     def _report_backups(self) -> None:
@@ -456,7 +518,7 @@ class NodeCheckpointing:
         if self.transport is None:
             return
         for rank, assignment in self.assignments.items():
-            step = checkpoint_steps.get(rank, -1)
+            step = self._backup_step(rank, checkpoint_steps.get(rank, -1))
             progress = self.progress[rank]
             if step <= progress.last_sent_step or rank in self.sending:
                 continue
@@ -464,10 +526,26 @@ class NodeCheckpointing:
                 continue
             self.sending[rank] = self.pool.submit(self._send, assignment, step)
 
+    def _backup_step(self, rank: int, newest: int) -> int:
+        """The step to back up: the newest multiple of the broker's backup interval the rank's slots
+        still hold (-1: none). Every node backs up the same steps, so the peer tier holds one step of
+        every rank."""
+        if newest < 0 or self.backup_every <= 1:
+            return newest
+        if newest % self.backup_every == 0:
+            return newest
+        wanted = newest - newest % self.backup_every
+        held = {header.step for _, header in complete_slots(self.node_dir, rank, sent=False)}
+        return wanted if wanted in held else -1
+
     def _send(self, assignment: BackupAssignment, step: int) -> int:
+        started = time.monotonic()
         try:
             assert self.transport is not None
+            # The transport sends from the sent ring: the peer's copy and the local one are the same bytes.
+            keep_sent_copy(self.node_dir, assignment.rank, step)
             self.transport.send(assignment.backup_address, rank=assignment.rank, step=step)
+            self.progress[assignment.rank].last_send_s = time.monotonic() - started
             return step
         finally:
             self.wake()

@@ -54,6 +54,7 @@ from keel.core.ckpt_slots import (
     list_slots,
     read_header,
     read_payload,
+    read_payload_consistent,
     sha256_hex,
     write_file_atomic,
 )
@@ -655,8 +656,11 @@ class _Servicer(pb_grpc.ShardStoreServicer):
 
 
 def read_committed_slot(node_dir: Path, rank: int, step: int) -> tuple[SlotHeader, bytes]:
-    """The verified payload of ``rank``'s COMPLETE slot of ``step``, or, when the ring has already
-    overwritten it, of the newest COMPLETE slot after it. ``SlotError`` when there is neither."""
+    """The payload of ``rank``'s COMPLETE slot of ``step``, or, when the ring has already overwritten
+    it, of the newest COMPLETE slot after it. ``SlotError`` when there is neither.
+
+    Not hashed here (the receiver verifies the SHA-256 end to end, which costs as much as the copy);
+    ``read_payload_consistent`` proves the payload was not torn by the rank rewriting the slot."""
     newer: list[tuple[int, Path]] = []
     for path in list_slots(node_dir).get(rank, []):
         try:
@@ -665,7 +669,7 @@ def read_committed_slot(node_dir: Path, rank: int, step: int) -> tuple[SlotHeade
             continue
         if header.complete and header.step == step:
             try:
-                found, payload = read_payload(path, verify=True)
+                found, payload = read_payload_consistent(path)
             except SlotError:
                 continue  # overwritten while reading: a newer one may serve
             if found.step == step:
@@ -675,7 +679,7 @@ def read_committed_slot(node_dir: Path, rank: int, step: int) -> tuple[SlotHeade
     errors = []
     for _, path in sorted(newer, reverse=True):
         try:
-            return read_payload(path, verify=True)
+            return read_payload_consistent(path)
         except SlotError as exc:
             errors.append(str(exc))
     raise SlotError(f"{node_dir}: no COMPLETE verified slot of rank {rank} at step {step} or later"

@@ -267,6 +267,21 @@ def mtbf_estimate(elapsed_s: float, failures: int, prior_s: float) -> float:
     return (max(0.0, elapsed_s) + prior_s) / (failures + 1)
 
 
+def backup_interval(send_s: float, step_time_s: float, max_duty: float, ceiling: int) -> int:
+    """Steps between backups so that one transfer of ``send_s`` seconds takes at most ``max_duty`` of the
+    wall time: the smallest power of two >= send_s / (max_duty * step_time), at most ``ceiling``.
+
+    Powers of two, so that a change (the step time jitters) moves every node to steps the old and the
+    new interval share; 1 (every step) when no transfer was measured yet."""
+    if send_s <= 0 or step_time_s <= 0:
+        return 1
+    raw = send_s / (max_duty * step_time_s)
+    interval = 1
+    while interval < raw and interval < ceiling:
+        interval *= 2
+    return min(interval, max(1, ceiling))
+
+
 def young_interval(
     save_cost_s: float, mtbf_s: float, step_time_s: float, floor: int, ceiling: int
 ) -> tuple[int, float]:
@@ -490,6 +505,8 @@ class DiskCommit:
 @dataclass(frozen=True)
 class ScheduleState:
     every_k: int | None = None  # the K last emitted
+    backup_every: int | None = None  # the backup interval last emitted
+    send_s: Mapping[int, float] = field(default_factory=dict)  # rank -> latest backup transfer time, s
     save_cost_s: float | None = None  # EWMA of measured save costs
     measurements: int = 0
     failures: frozenset[int] = frozenset()  # generations in which the job was interrupted
@@ -565,6 +582,8 @@ class BrokerPolicy:
     retention: int = 3  # persisted steps kept
     save_cost_weight: float = 0.3
     """EWMA weight of the newest save-cost measurement."""
+    backup_max_duty: float = 0.1
+    """The share of wall time one rank's backup transfer may take (sets the backup interval)."""
     schedule_hysteresis: float = 0.1
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
     the step time jitters every heartbeat, and agents need not hear every rounding flip."""
@@ -578,6 +597,7 @@ class BrokerPolicy:
             mtbf_prior=settings.mtbf_prior,
             restore_plan_timeout=settings.restore_plan_timeout,
             retention=settings.retention,
+            backup_max_duty=settings.backup_max_duty,
         )
 
 
@@ -668,11 +688,15 @@ class CheckpointBrokerDecider:
             times = {**job.schedule.step_times, p.node_id: p.step_time_p50_s}
             return replace(job, schedule=replace(job.schedule, step_times=times))
         if isinstance(p, CheckpointShardsStored):
+            sends = {r.rank: r.send_s for r in p.shards if p.tier == "memory" and r.send_s > 0}
+            if sends:
+                job = replace(job, schedule=replace(job.schedule, send_s={**job.schedule.send_s, **sends}))
             return self._evolve_shards(job, p, event.occurred_at)
         if isinstance(p, CheckpointStepCommitted):
             return self._evolve_commit(job, p, event)
         if isinstance(p, CheckpointScheduleSet):
-            return replace(job, schedule=replace(job.schedule, every_k=p.every_k_steps))
+            return replace(job, schedule=replace(job.schedule, every_k=p.every_k_steps,
+                                                 backup_every=p.backup_every_k_steps))
         if isinstance(p, CheckpointPersisted):
             return self._evolve_persisted(job, p)
         if isinstance(p, CheckpointInventoryReported):
@@ -744,7 +768,8 @@ class CheckpointBrokerDecider:
             parts.append(self._decide_placement(job, p, subject))
         if isinstance(p, CheckpointShardsStored):
             parts.append(self._decide_commit(job, p, subject))
-        if isinstance(p, (NodeHeartbeat, CheckpointPersisted, RankExited, NodeEvictionDecided)):
+        if isinstance(p, (NodeHeartbeat, CheckpointPersisted, RankExited, NodeEvictionDecided)) or (
+                isinstance(p, CheckpointShardsStored) and any(r.send_s > 0 for r in p.shards)):
             parts.append(self._decide_schedule(job, event, subject))
         if isinstance(p, (CheckpointInventoryReported, RankStarted, TimerTicked)):
             now = p.now if isinstance(p, TimerTicked) else event.occurred_at
@@ -823,16 +848,21 @@ class CheckpointBrokerDecider:
         mtbf = mtbf_estimate(elapsed, failures, prior)
         k, raw = young_interval(cost, mtbf, step_time, policy.persist_every_floor, policy.persist_every_ceiling)
         current = schedule.every_k
-        if current is not None and abs(k - current) < max(1.0, policy.schedule_hysteresis * current):
+        slowest_send = max(schedule.send_s.values(), default=0.0)
+        backup_every = backup_interval(slowest_send, step_time, policy.backup_max_duty, policy.persist_every_ceiling)
+        if (current is not None and abs(k - current) < max(1.0, policy.schedule_hysteresis * current)
+                and backup_every == (schedule.backup_every or 1)):
             return "", ()
         cost_from = (f"EWMA of {schedule.measurements} measured persist(s)" if schedule.save_cost_s is not None
                      else "initial estimate, nothing persisted yet")
         reason = (f"Young: K = sqrt(2 x C {cost:.2f}s x MTBF {mtbf:.0f}s) / step time {step_time:.4f}s = {raw:.1f} "
                   f"-> {k} steps (clamped to [{policy.persist_every_floor}, {policy.persist_every_ceiling}]); "
                   f"C: {cost_from}; MTBF = (observed {elapsed:.0f}s + prior {prior:.0f}s) / ({failures} failure(s) + 1)"
-                  + (f"; was {current}" if current is not None else ""))
-        payload = CheckpointScheduleSet(every_k_steps=k, save_cost_s=cost, mtbf_s=mtbf, step_time_s=step_time,
-                                        reason=reason)
+                  + (f"; was {current}" if current is not None else "")
+                  + f"; backups every {backup_every} step(s): slowest transfer {slowest_send:.3f}s within "
+                    f"{policy.backup_max_duty:.0%} of the step time")
+        payload = CheckpointScheduleSet(every_k_steps=k, backup_every_k_steps=backup_every, save_cost_s=cost,
+                                        mtbf_s=mtbf, step_time_s=step_time, reason=reason)
         return reason, (Proposal(payload, subject=subject, key="schedule"),)
 
     def _decide_restore(self, job: JobState, now: datetime, subject: str) -> _Part:

@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 
-from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, plan_file
+from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slot_files, plan_file
 from keel.checkpoint_broker.core import CheckpointBrokerDecider
 from keel.core import ckpt_disk
-from keel.core.ckpt_slots import HEADER_BYTES, SlotWriter, restore_path, slot_path
+from keel.core.ckpt_slots import HEADER_BYTES, SlotWriter, read_header, restore_path, slot_path
 from keel.core.decider import DeciderSession
 from keel.core.event_types import (
     CheckpointBackupAssigned,
@@ -328,13 +328,21 @@ def test_dead_backup_peer_is_replaced_after_three_failed_sends(cluster: Cluster)
 # -- 3. a corrupted slot: rejected in the inventory, restored from the peer over gRPC ----------------------
 
 
+def corrupt_every_local_copy(node_dir: Path, rank: int, step: int) -> None:
+    """Corrupt the rank's ring slot of ``step`` and the node's sent copy of it (the same bytes)."""
+    copies = [p for p in local_slot_files(node_dir, rank) if read_header(p).step == step]
+    assert len(copies) == 2, copies  # the ring slot and the copy kept when it was backed up
+    for path in copies:
+        corrupt_payload_byte(path)
+
+
 def test_corrupted_slot_is_restored_from_the_peer_copy(cluster: Cluster) -> None:
     a, b, c = three_nodes(cluster)
     nodes = {n.node_id: n for n in (a, b, c)}
     backup = backed_up(cluster, 2)
     holder = nodes[backup[0]]
     original = a.payloads[(0, 2)]
-    corrupt_payload_byte(slot_path(a.dir, 0, 2 % 2))
+    corrupt_every_local_copy(a.dir, 0, 2)
 
     for node in (a, b, c):
         node.groups, node.steps = {}, {}  # ranks stopped: nothing to register or send
@@ -343,7 +351,8 @@ def test_corrupted_slot_is_restored_from_the_peer_copy(cluster: Cluster) -> None
 
     [inventory] = cluster.payloads(CheckpointInventoryReported, node_id="A")
     assert inventory.generation == 1 and inventory.ranks == [0]
-    [rejected] = inventory.rejected
+    assert len(inventory.rejected) == 2  # the ring slot and the sent copy of step 2
+    rejected = inventory.rejected[0]
     assert (rejected.rank, rejected.tier, rejected.step) == (0, "memory", 2)
     assert "digest mismatch" in rejected.reason
     assert {(e.rank, e.tier, e.step) for e in inventory.entries if e.rank == 0} == {(0, "memory", 1)}
@@ -385,7 +394,7 @@ def test_failed_peer_fetch_reports_a_job_fallback_and_writes_the_plan(cluster: C
     a, b, c = three_nodes(cluster)
     nodes = {n.node_id: n for n in (a, b, c)}
     holder = nodes[backed_up(cluster, 2)[0]]
-    corrupt_payload_byte(slot_path(a.dir, 0, 0))
+    corrupt_every_local_copy(a.dir, 0, 2)
     # Every node reports its inventory; the holder of rank 0's backup dies right after reporting.
     others = [n for n in (a, b, c) if n is not holder]
     for node in [holder, *others]:
@@ -470,7 +479,7 @@ def test_unsupervised_local_plan_takes_the_newest_step_every_rank_holds(cluster:
     assert (plan["generation"], plan["step"]) == (1, 7)
     assert plan["shards"] == {
         str(rank): {"path": str(slot_path(node.dir, rank, 7 % 2)), "format": "slot",
-                    "digest": sha(node.payloads[(rank, 7)]), "tier": "memory"}
+                    "digest": sha(node.payloads[(rank, 7)]), "tier": "memory", "verified_by": "agent"}
         for rank in (0, 1)}
     assert node.ckpt.rank_env(1)["KEEL_RESTORE_PLAN"] == str(plan_file(node.agent_dir, 1))
 

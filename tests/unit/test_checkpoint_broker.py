@@ -14,6 +14,7 @@ from keel.checkpoint_broker.core import (
     CheckpointBrokerDecider,
     PersistedStep,
     RankSite,
+    backup_interval,
     mtbf_estimate,
     place_backups,
     plan_restore,
@@ -346,6 +347,28 @@ def test_schedule_is_set_when_k_changes_with_the_numbers() -> None:
     stopped = ev(RankExited(node_id="n0", rank=1, pid=2, generation=0, exit_code=0, classification="stopped_by_agent"),
                  "rank/1", T0 + timedelta(hours=1, seconds=1))
     assert emitted_of(session, [stopped], CheckpointScheduleSet) == []
+
+
+def test_backup_interval_keeps_transfers_within_the_duty_in_powers_of_two() -> None:
+    assert backup_interval(0.0, 0.35, 0.1, 1000) == 1  # nothing measured yet: every step
+    assert backup_interval(0.02, 0.35, 0.1, 1000) == 1  # 0.02 / 0.035 = 0.6
+    assert backup_interval(0.37, 0.35, 0.1, 1000) == 16  # 10.6 -> 16
+    assert backup_interval(0.37, 0.35, 1.0, 1000) == 2  # back to back: 1.06 -> 2
+    assert backup_interval(100.0, 0.1, 0.1, 1000) == 1000  # the ceiling
+
+
+def test_schedule_announces_the_backup_interval_from_the_slowest_transfer() -> None:
+    session = DeciderSession(CheckpointBrokerDecider())
+    [first] = emitted_of(session, [heartbeat("n0", 0.5, T0)], CheckpointScheduleSet)
+    assert first.backup_every_k_steps == 1
+    slow = ev(CheckpointShardsStored(node_id="n0", tier="memory", shards=[
+        ShardRecord(rank=0, step=5, bytes=10, digest="d", send_s=0.3),
+        ShardRecord(rank=1, step=5, bytes=10, digest="d", send_s=0.1)]), "node/n0", T0 + timedelta(seconds=1))
+    [second] = emitted_of(session, [slow], CheckpointScheduleSet)
+    # The slowest rank's 0.3 s within 10 % of a 0.5 s step: 6 steps -> 8.
+    assert second.backup_every_k_steps == 8 and second.every_k_steps == first.every_k_steps
+    assert "backups every 8 step(s): slowest transfer 0.300s" in second.reason
+    assert emitted_of(session, [heartbeat("n0", 0.5, T0 + timedelta(seconds=2))], CheckpointScheduleSet) == []
 
 
 # -- restore planning ------------------------------------------------------------------------------------
