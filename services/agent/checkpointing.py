@@ -78,6 +78,10 @@ class PeerTransport(Protocol):
         "path"}`` each, and (with ``verify``) the ones that failed verification, ``{"rank", "step", "reason"}``."""
         ...
 
+    def discard_backup(self, rank: int) -> None:
+        """Drop the backup held for ``rank`` (its sidecar first, so it is never served half-removed)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -129,8 +133,13 @@ class GrpcTransport:
     def held_backups(self, *, verify: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         held, rejected = self.server.held_shards(verify=verify)
         return ([{"owner_node_id": h.owner_node_id, "rank": h.rank, "step": h.step, "bytes": h.bytes,
-                  "sha256": h.sha256, "path": str(h.path)} for h in held if h.kind == "backup"],
+                  "sha256": h.sha256, "path": str(h.path), "generation": h.generation}
+                 for h in held if h.kind == "backup"],
                 [{"rank": r.rank, "step": r.step, "reason": r.reason} for r in rejected if r.kind == "backup"])
+
+    def discard_backup(self, rank: int) -> None:
+        (self.node_dir / "backup" / f"rank{rank}.json").unlink(missing_ok=True)
+        ckpt_slots.backup_path(self.node_dir, rank).unlink(missing_ok=True)
 
     def close(self) -> None:
         """Stop the server and the sender; idempotent."""
@@ -286,6 +295,10 @@ class NodeCheckpointing:
         self.last_report_at = 0.0
         self.last_reported: dict[str, Any] = {}
         self.plan: _Plan | None = None
+        self.inventory_future: tuple[int, Future] | None = None
+        self.early_plans: dict[int, CheckpointRestorePlanned] = {}
+        self.verified: dict[tuple[int, int, str], Path] = {}
+        """(rank, step, digest) -> the local copy the last inventory hashed (what a plan may trust)."""
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -314,37 +327,84 @@ class NodeCheckpointing:
 
     def prepare_restart(self, generation: int) -> None:
         """The node's ranks are stopped: take a verified inventory for the broker (supervised), or plan
-        locally (unsupervised, one node: the newest step every local rank holds) and write the plan."""
+        locally (unsupervised, one node: the newest step every local rank holds) and write the plan.
+
+        The inventory hashes every slot: it runs on the pool (the new ranks start meanwhile and wait for
+        the plan) and ``tick`` publishes it. Sends still running keep their futures (tagged with the old
+        generation): no second writer touches a rank's sent ring, and their results are ignored.
+        """
         self.generation = generation
         self.registered_generation = None
-        for future in self.sending.values():
-            future.cancel()
-        self.sending.clear()
+        self.plan = None
         for progress in self.progress.values():
             # The new generation may resume from an older step: its snapshots must replace the failed
-            # generation's backups on the peers, not wait until they pass the last step sent before.
+            # generation's backups on the peers, and its persists the failed generation's steps.
             progress.last_sent_step = -1
-        entries, rejected = self.inventory()
+            progress.last_persisted_step = -1
+        self.persisted.clear()
+        self.inventory_future = (generation, self.pool.submit(self._inventory_then_wake))
+
+    def _inventory_then_wake(self) -> tuple[list[InventoryEntry], list[RejectedShard]]:
+        try:
+            return self.inventory()
+        finally:
+            self.wake()
+
+    def _collect_inventory(self) -> None:
+        if self.inventory_future is None or not self.inventory_future[1].done():
+            return
+        generation, future = self.inventory_future
+        self.inventory_future = None
+        if generation != self.generation:
+            return  # superseded by a newer restart
+        try:
+            entries, rejected = future.result()
+        except Exception as exc:  # noqa: BLE001 - reported, and the restore goes on without this node's memory
+            log.error("%s: inventory for generation %d failed: %r", self.node_id, generation, exc)
+            entries, rejected = [], [RejectedShard(rank=r, tier="memory", step=-1, reason=f"inventory failed: {exc!r}")
+                                     for r in self.local_ranks]
         if self.supervised:
-            self.plan = None
             self.emit(CheckpointInventoryReported(node_id=self.node_id, generation=generation, entries=entries,
                                                   rejected=rejected, ranks=self.local_ranks),
                       subject=f"node/{self.node_id}")
+            early = self.early_plans.pop(generation, None)
+            if early is not None:
+                self._start_plan(early)
             return
         steps_per_rank = [{e.step for e in entries if e.rank == r and e.tier == "memory"} for r in self.local_ranks]
         common = set.intersection(*steps_per_rank) if steps_per_rank else set()
         step = max(common) if common else -1
         shards = {}
         for rank in self.local_ranks if step >= 0 else []:
-            path, header = next((p, h) for p, h in complete_slots(self.node_dir, rank) if h.step == step)
-            shards[str(rank)] = {"path": str(path), "format": "slot", "digest": header.digest, "tier": "memory",
-                                 "verified_by": "agent"}
+            digest = next(e.digest for e in entries if e.rank == rank and e.tier == "memory" and e.step == step)
+            shards[str(rank)] = {"path": str(self.verified[(rank, step, digest)]), "format": "slot", "digest": digest,
+                                 "tier": "memory", "verified_by": "agent"}
+        self._discard_newer_than(step, generation)
         self._write_plan(generation, step, shards, reason="local plan (unsupervised): newest step every local rank holds")
+
+    def _discard_newer_than(self, step: int, generation: int) -> None:
+        """After a restore to ``step``, drop what the abandoned history left with newer step numbers: ring
+        slots and sent copies of older generations, and backups held for peers. Otherwise a later restore
+        could take an abandoned step for some ranks and a new one for others. Runs before the plan file is
+        written, so no rank of ``generation`` has opened a slot yet."""
+        for rank in self.local_ranks:
+            for path in local_slot_files(self.node_dir, rank):
+                try:
+                    header = ckpt_slots.read_header(path)
+                except ckpt_slots.SlotError:
+                    continue
+                if header.step > step and header.generation < generation:
+                    path.unlink(missing_ok=True)
+        if self.transport is not None:
+            for held in self.transport.held_backups()[0]:
+                if held["step"] > step and held.get("generation", 0) < generation:
+                    self.transport.discard_backup(held["rank"])
 
     def inventory(self) -> tuple[list[InventoryEntry], list[RejectedShard]]:
         """Every slot and held backup, each verified against its SHA-256."""
         entries: list[InventoryEntry] = []
         rejected: list[RejectedShard] = []
+        self.verified = {}
         for rank in self.local_ranks:
             seen: set[tuple[int, str]] = set()
             for path in local_slot_files(self.node_dir, rank):
@@ -358,6 +418,7 @@ class NodeCheckpointing:
                 if (header.step, header.digest) in seen:
                     continue  # a ring slot and its sent copy: one entry
                 seen.add((header.step, header.digest))
+                self.verified[(rank, header.step, header.digest)] = path
                 entries.append(InventoryEntry(rank=rank, tier="memory", step=header.step, bytes=len(payload),
                                               digest=header.digest))
         held, bad = self.transport.held_backups(verify=True) if self.transport else ([], [])
@@ -386,8 +447,12 @@ class NodeCheckpointing:
         elif isinstance(payload, CheckpointScheduleSet):
             self.every_k_steps = payload.every_k_steps
             self.backup_every = payload.backup_every_k_steps
-        elif isinstance(payload, CheckpointRestorePlanned):
-            if payload.generation == self.generation and self.supervised:
+        elif isinstance(payload, CheckpointRestorePlanned) and self.supervised:
+            if payload.generation > self.generation or (payload.generation == self.generation
+                                                        and self.inventory_future is not None):
+                # Before this node's restart command, or before its inventory is out: apply it then.
+                self.early_plans[payload.generation] = payload
+            elif payload.generation == self.generation:
                 self._start_plan(payload)
 
     def _start_plan(self, planned: CheckpointRestorePlanned) -> None:
@@ -397,10 +462,9 @@ class NodeCheckpointing:
                 continue
             entry: dict[str, Any] = {"digest": source.digest, "tier": source.tier}
             if source.tier == "memory":
-                slot = next((p for p, h in complete_slots(self.node_dir, source.rank)
-                             if h.step == planned.step and h.digest == source.digest), None)
+                slot = self.verified.get((source.rank, planned.step, source.digest))
                 if slot is None:
-                    entry["error"] = f"slot of step {planned.step} is gone from {self.node_dir}"
+                    entry["error"] = f"no verified slot of step {planned.step} in {self.node_dir}"
                 else:
                     # Hashed by this agent's inventory, and nothing has written it since (the old ranks
                     # are stopped; new ones write only after restoring): the rank compares the header only.
@@ -415,7 +479,8 @@ class NodeCheckpointing:
             elif self.transport is None:
                 entry["error"] = "this agent has no shard transport to fetch a peer copy"
             else:
-                dest = ckpt_slots.restore_path(self.node_dir, source.rank)
+                # Per generation: a fetch of an older restart still running cannot rename over this one.
+                dest = self.node_dir / "restore" / f"g{planned.generation}" / f"rank{source.rank}.shard"
                 entry.update(path=str(dest), format="shard")
                 plan.pending[source.rank] = self.pool.submit(
                     self._fetch, source.address, source.rank, planned.step, dest, source.digest, source.node_id)
@@ -449,6 +514,7 @@ class NodeCheckpointing:
                           subject=f"job/{self.job_id}")  # a job-aggregate event: node/... is refused
             del plan.pending[rank]
         shards = {str(rank): entry for rank, entry in plan.entries.items()}
+        self._discard_newer_than(plan.step, plan.generation)
         self._write_plan(plan.generation, plan.step, shards, reason="planned by the checkpoint broker")
         self.plan = None
 
@@ -467,6 +533,7 @@ class NodeCheckpointing:
         ``groups``/``checkpoint_steps``: what the channel knows of each local rank of the current generation.
         """
         self._register(groups)
+        self._collect_inventory()
         self._collect_sends()
         self._collect_persists()
         self._finish_plan_if_ready()
@@ -524,7 +591,7 @@ class NodeCheckpointing:
                 continue
             if progress.send_failures >= _SEND_FAILURES_REPORTED and time.monotonic() < progress.retry_at_s:
                 continue
-            self.sending[rank] = self.pool.submit(self._send, assignment, step)
+            self.sending[rank] = (self.generation, self.pool.submit(self._send, assignment, step))
 
     def _backup_step(self, rank: int, newest: int) -> int:
         """The step to back up: the newest multiple of the broker's backup interval the rank's slots
@@ -551,19 +618,20 @@ class NodeCheckpointing:
             self.wake()
 
     def _collect_sends(self) -> None:
-        for rank, future in list(self.sending.items()):
+        for rank, (generation, future) in list(self.sending.items()):
             if not future.done():
                 continue
             del self.sending[rank]
             progress = self.progress[rank]
-            exc = future.exception() if not future.cancelled() else None
-            if future.cancelled():
-                continue
+            if future.cancelled() or generation != self.generation:
+                continue  # a send of a generation since restarted: its outcome says nothing now
+            exc = future.exception()
             if exc is None:
                 progress.last_sent_step = future.result()
                 progress.send_failures = 0
             elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":
-                log.debug("rank %d: snapshot moved on before it was sent (%s)", rank, exc)
+                # The ring overwrote the step before it was copied: the copy is slower than two steps.
+                log.warning("%s: rank %d's snapshot moved on before it could be backed up (%s)", self.node_id, rank, exc)
             else:
                 progress.send_failures += 1
                 progress.retry_at_s = time.monotonic() + _SEND_RETRY_INTERVAL_S

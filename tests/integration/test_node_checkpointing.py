@@ -27,7 +27,7 @@ import pytest
 from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slot_files, plan_file
 from keel.checkpoint_broker.core import CheckpointBrokerDecider
 from keel.core import ckpt_disk
-from keel.core.ckpt_slots import HEADER_BYTES, SlotWriter, read_header, restore_path, slot_path
+from keel.core.ckpt_slots import HEADER_BYTES, SlotWriter, read_header, slot_path
 from keel.core.decider import DeciderSession
 from keel.core.event_types import (
     CheckpointBackupAssigned,
@@ -126,6 +126,14 @@ class Node:
 
     def tick(self) -> None:
         self.ckpt.tick(time.monotonic(), self.groups, self.steps)
+
+    def restart(self, generation: int) -> None:
+        """The agent's restart: the inventory runs on the pool; the next tick publishes it (or, unsupervised,
+        writes the local plan)."""
+        self.ckpt.prepare_restart(generation=generation)
+        assert self.ckpt.inventory_future is not None
+        self.ckpt.inventory_future[1].result(timeout=10)
+        self.ckpt.tick(time.monotonic(), {}, {})  # the new ranks have not reported yet
 
     def close(self) -> None:
         if self.transport_closed:
@@ -346,7 +354,7 @@ def test_corrupted_slot_is_restored_from_the_peer_copy(cluster: Cluster) -> None
 
     for node in (a, b, c):
         node.groups, node.steps = {}, {}  # ranks stopped: nothing to register or send
-        node.ckpt.prepare_restart(generation=1)
+        node.restart(1)
         cluster.pump()
 
     [inventory] = cluster.payloads(CheckpointInventoryReported, node_id="A")
@@ -377,7 +385,7 @@ def test_corrupted_slot_is_restored_from_the_peer_copy(cluster: Cluster) -> None
     assert (plan["generation"], plan["step"]) == (1, 2)
     entry = plan["shards"]["0"]
     assert (entry["tier"], entry["format"], entry["digest"]) == ("peer", "shard", sha(original))
-    assert "error" not in entry and entry["path"] == str(restore_path(a.dir, 0))
+    assert "error" not in entry and entry["path"] == str(a.dir / "restore" / "g1" / "rank0.shard")
     fetched = Path(entry["path"]).read_bytes()
     assert sha(fetched) == entry["digest"] and fetched == original
     # The other ranks restore from their own slots.
@@ -399,7 +407,7 @@ def test_failed_peer_fetch_reports_a_job_fallback_and_writes_the_plan(cluster: C
     others = [n for n in (a, b, c) if n is not holder]
     for node in [holder, *others]:
         node.groups, node.steps = {}, {}
-        node.ckpt.prepare_restart(generation=1)
+        node.restart(1)
         if node is holder:
             node.kill_store()
         cluster.pump()
@@ -416,7 +424,7 @@ def test_failed_peer_fetch_reports_a_job_fallback_and_writes_the_plan(cluster: C
     assert "from its peer failed" in fallback.reason
     entry = json.loads(path.read_text())["shards"]["0"]
     assert entry["tier"] == "peer" and "from its peer failed" in entry["error"]
-    assert not restore_path(a.dir, 0).exists()
+    assert not (a.dir / "restore" / "g1" / "rank0.shard").exists()
 
 
 # -- 4. the persistent tier on the broker's schedule ------------------------------------------------------
@@ -474,7 +482,7 @@ def test_unsupervised_local_plan_takes_the_newest_step_every_rank_holds(cluster:
     for step in (6, 7):
         node.snapshot(1, step)
 
-    node.ckpt.prepare_restart(generation=1)
+    node.restart(1)
     plan = json.loads(plan_file(node.agent_dir, 1).read_text())
     assert (plan["generation"], plan["step"]) == (1, 7)
     assert plan["shards"] == {
@@ -482,14 +490,19 @@ def test_unsupervised_local_plan_takes_the_newest_step_every_rank_holds(cluster:
                     "digest": sha(node.payloads[(rank, 7)]), "tier": "memory", "verified_by": "agent"}
         for rank in (0, 1)}
     assert node.ckpt.rank_env(1)["KEEL_RESTORE_PLAN"] == str(plan_file(node.agent_dir, 1))
+    # Rank 0's step 8 belongs to the abandoned history: dropped before the plan, so a later restore can
+    # never pair it with a step 8 the resumed run writes.
+    assert not slot_path(node.dir, 0, 8 % 2).exists()
+    assert slot_path(node.dir, 0, 7 % 2).exists() and slot_path(node.dir, 1, 6 % 2).exists()
 
     # Rank 0's step 7 rots: no step both ranks hold verified, so the next restart starts fresh.
     corrupt_payload_byte(slot_path(node.dir, 0, 7 % 2))
-    node.ckpt.prepare_restart(generation=2)
+    node.restart(2)
     fresh = json.loads(plan_file(node.agent_dir, 2).read_text())
     assert (fresh["generation"], fresh["step"], fresh["shards"]) == (2, -1, {})
     cluster.pump()
-    assert cluster.log == [], "an unsupervised node reports nothing"
+    assert not [e for e in cluster.log if e.type == "CheckpointInventoryReported"], \
+        "an unsupervised node plans alone: no inventory for a broker"
 
 
 # -- after a restart: the new generation's snapshots replace the failed generation's backups --------------
@@ -501,7 +514,7 @@ def test_new_generation_backups_replace_the_failed_generations(cluster: Cluster)
     holder = nodes[backed_up(cluster, 2)[0]]
     for node in (a, b, c):
         node.groups, node.steps = {}, {}
-        node.ckpt.prepare_restart(generation=1)
+        node.restart(1)
         cluster.pump()
     [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
     assert planned.step == 2
