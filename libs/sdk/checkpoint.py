@@ -313,6 +313,7 @@ class Checkpointer:
         self.copy_hook: Callable[[int], None] | None = None
         """Test hook: called in the copy thread with the step, after WRITING and before the copy."""
         self.restored_from: str | None = None
+        self._restore_called = False
         self.last_complete_step = -1
 
         self._slots: dict[int, _Slot] = {}
@@ -415,6 +416,11 @@ class Checkpointer:
         """
         if not self.enabled or self._closed or step == self._last_snapshot_step:
             return
+        if not self._restore_called and os.environ.get("KEEL_RESTORE_PLAN"):
+            # Under an agent the slots may still hold what the restore plan points at: writing one
+            # before restoring could overwrite the very snapshot this rank is to resume from.
+            raise CheckpointError(f"rank {self.rank}: snapshot({step}) before restore(): under a Keel agent, "
+                                  "call restore() first (it may resume from these slots)")
         self._wait_inflight()
         t0 = time.perf_counter()
         captured = shard.capture_state(self.state_tree(for_snapshot=True))
@@ -640,6 +646,7 @@ class Checkpointer:
         corrupt slot is skipped with a warning. Raises ``CheckpointMismatchError`` for a checkpoint of
         another rank, topology or model, ``CheckpointError`` for a plan or file that cannot be used.
         """
+        self._restore_called = True
         plan_path = os.environ.get("KEEL_RESTORE_PLAN")
         if plan_path:
             return self._restore_from_plan(Path(plan_path), timeout or _env_duration("KEEL_RESTORE_TIMEOUT",

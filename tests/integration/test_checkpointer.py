@@ -428,6 +428,20 @@ def test_restore_plan_is_waited_for_verified_and_followed(shm: Path, monkeypatch
     ckpt.close()
 
 
+def test_under_an_agent_a_snapshot_before_restore_is_refused(shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The slots may hold what the plan points at: snapshotting first could overwrite it.
+    monkeypatch.setenv("KEEL_RESTORE_PLAN", str(shm / "g1.json"))
+    parts = build(0)
+    ckpt = parts.checkpointer(ckpt_dir=shm / "slots")
+    with pytest.raises(CheckpointError, match="before restore"):
+        ckpt.snapshot(0)
+    ckpt_slots.write_file_atomic(shm / "g1.json", json.dumps({"generation": 1, "step": -1, "shards": {}}).encode())
+    assert ckpt.restore() == -1
+    ckpt.snapshot(0)
+    ckpt.close()
+    assert ckpt_slots.read_header(ckpt_slots.slot_path(shm / "slots", 0, 0)).step == 0
+
+
 def test_session_step_done_snapshots_and_reports_the_complete_step(shm: Path) -> None:
     sock_path = str(shm / "agent.sock")
     agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
