@@ -166,21 +166,12 @@ def read_header(path: Path) -> SlotHeader:
 
 
 def read_payload(path: Path, *, verify: bool = True) -> tuple[SlotHeader, bytes]:
-    """A COMPLETE slot's header and payload bytes. ``verify``: check the SHA-256 digest.
+    """A COMPLETE slot's header and payload bytes, not torn (``read_payload_consistent``). ``verify``:
+    also check the SHA-256 digest.
 
-    Raises ``SlotError`` when the slot is not complete, is truncated, or fails verification.
+    Raises ``SlotError`` when the slot is not complete, is torn or truncated, or fails verification.
     """
-    try:
-        with open(path, "rb") as f:
-            header = _unpack(f.read(HEADER.size), str(path))
-            if not header.complete:
-                raise SlotError(f"{path}: slot is not complete (state {header.state}, step {header.step})")
-            f.seek(HEADER_BYTES)
-            payload = f.read(header.payload_len)
-    except FileNotFoundError:
-        raise SlotError(f"{path}: no such slot") from None
-    if len(payload) != header.payload_len:
-        raise SlotError(f"{path}: truncated payload ({len(payload)} of {header.payload_len} bytes)")
+    header, payload = read_payload_consistent(path)
     if verify:
         actual = sha256_hex(payload)
         if actual != header.digest:
@@ -194,8 +185,8 @@ def read_payload_consistent(path: Path) -> tuple[SlotHeader, bytes]:
 
     The writer marks a slot WRITING before it touches the payload, so a header that reads the same
     (COMPLETE, same step, same completion time) before and after the payload proves the payload was
-    not being rewritten meanwhile. For senders whose receiver verifies the SHA-256 end to end; a
-    restore must still verify (``read_payload``). ``SlotError`` when incomplete, torn or truncated.
+    not being rewritten meanwhile. Enough for senders whose receiver verifies the SHA-256 end to end;
+    a restore must still verify (``read_payload``). ``SlotError`` when incomplete, torn or truncated.
     """
     try:
         with open(path, "rb") as f:

@@ -138,8 +138,7 @@ class GrpcTransport:
                 [{"rank": r.rank, "step": r.step, "reason": r.reason} for r in rejected if r.kind == "backup"])
 
     def discard_backup(self, rank: int) -> None:
-        (self.node_dir / "backup" / f"rank{rank}.json").unlink(missing_ok=True)
-        ckpt_slots.backup_path(self.node_dir, rank).unlink(missing_ok=True)
+        self.server.discard_backup(rank)
 
     def close(self) -> None:
         """Stop the server and the sender; idempotent."""

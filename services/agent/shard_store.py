@@ -386,6 +386,11 @@ class ShardStoreServer:
             raise ValueError("sidecar is not a JSON object")
         return meta
 
+    def discard_backup(self, rank: int) -> None:
+        """Drop the backup held for ``rank``: the sidecar first, so a half-removed backup is never served."""
+        self._sidecar(rank).unlink(missing_ok=True)
+        backup_path(self.node_dir, rank).unlink(missing_ok=True)
+
     def held_shards(self, *, verify: bool = False) -> tuple[list[HeldShard], list[RejectedHeld]]:
         """Every COMPLETE slot and every backup under the node directory, by rank then step.
 
