@@ -37,6 +37,9 @@ def _scratch_dir(prefix: str) -> Path:
 def scratch_dir() -> Iterator[Path]:
     path = _scratch_dir("keel-test-")
     yield path
+    if os.environ.get("KEEL_KEEP_SCRATCH"):  # debugging: keep logs of a failed scenario
+        print(f"scratch kept: {path}")
+        return
     shutil.rmtree(path, ignore_errors=True)
 
 

@@ -82,6 +82,14 @@ class PeerTransport(Protocol):
         """Drop the backup held for ``rank`` (its sidecar first, so it is never served half-removed)."""
         ...
 
+    def backups_received(self) -> int:
+        """How many backups this node's store has committed since it started (moves on every new one)."""
+        ...
+
+    def on_backup_received(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread) after each backup this node's store commits."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -140,6 +148,12 @@ class GrpcTransport:
     def discard_backup(self, rank: int) -> None:
         self.server.discard_backup(rank)
 
+    def backups_received(self) -> int:
+        return self.server.backups_received
+
+    def on_backup_received(self, callback: Callable[[], None]) -> None:
+        self.server.on_backup_received = callback
+
     def close(self) -> None:
         """Stop the server and the sender; idempotent."""
         if self._loop.is_closed() or not self._thread.is_alive():
@@ -159,10 +173,12 @@ class _RankProgress:
     last_sent_step: int = -1
     send_failures: int = 0
     retry_at_s: float = 0.0
+    """After ``_SEND_FAILURES_REPORTED`` failures: the next try (monotonic), in case the peer comes back."""
     last_send_s: float = 0.0
     """How long the last successful transfer took (reported to the broker: it sets the backup interval)."""
-    """After ``_SEND_FAILURES_REPORTED`` failures: the next try (monotonic), in case the peer comes back."""
     last_persisted_step: int = -1
+    persist_missed: int = -1
+    """A multiple of K that no slot held any more when the loop looked (not looked for again)."""
 
 
 @dataclass
@@ -280,6 +296,8 @@ class NodeCheckpointing:
         self.report_interval = report_interval
         self.supervised = supervised
         self.wake = wake
+        if transport is not None:
+            transport.on_backup_received(lambda: self.wake())  # self.wake is replaced once the loop runs
         self.node_dir.mkdir(parents=True, exist_ok=True)
         self.pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"keel-ckpt-{node_id}")
         self.generation = 0
@@ -293,6 +311,8 @@ class NodeCheckpointing:
         self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
         self.last_report_at = 0.0
         self.last_reported: dict[str, Any] = {}
+        self.sent_since_report = False
+        self.received_at_report = 0
         self.plan: _Plan | None = None
         self.inventory_future: tuple[int, Future] | None = None
         self.early_plans: dict[int, CheckpointRestorePlanned] = {}
@@ -340,6 +360,7 @@ class NodeCheckpointing:
             # generation's backups on the peers, and its persists the failed generation's steps.
             progress.last_sent_step = -1
             progress.last_persisted_step = -1
+            progress.persist_missed = -1
         self.persisted.clear()
         self.inventory_future = (generation, self.pool.submit(self._inventory_then_wake))
 
@@ -538,10 +559,20 @@ class NodeCheckpointing:
         self._finish_plan_if_ready()
         self._start_sends(checkpoint_steps)
         self._start_persists(checkpoint_steps)
-        if monotonic_s - self.last_report_at >= self.report_interval.total_seconds():
-            self.last_report_at = monotonic_s
+        # Memory and backups are reported once per report interval, and also as soon as a round of
+        # backups moves (a send finished here, a backup landed here): rounds fall on the same steps on
+        # every node, so reports of them let the broker commit a step on every rank even when steps are
+        # much faster than the interval (time-based reports of the newest step would rarely coincide).
+        received = self.transport.backups_received() if self.transport is not None else 0
+        due = monotonic_s - self.last_report_at >= self.report_interval.total_seconds()
+        if due or self.sent_since_report:
             self._report_memory()
+        if due or received != self.received_at_report:
             self._report_backups()
+            self.received_at_report = received
+        if due:
+            self.last_report_at = monotonic_s
+        self.sent_since_report = False
 
     def _register(self, groups: dict[int, dict[str, list[int]] | None]) -> None:
         if self.registered_generation == self.generation:
@@ -628,6 +659,7 @@ class NodeCheckpointing:
             if exc is None:
                 progress.last_sent_step = future.result()
                 progress.send_failures = 0
+                self.sent_since_report = True
             elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":
                 # The ring overwrote the step before it was copied: the copy is slower than two steps.
                 log.warning("%s: rank %d's snapshot moved on before it could be backed up (%s)", self.node_id, rank, exc)
@@ -648,12 +680,28 @@ class NodeCheckpointing:
         if self.persist_root is None or not self.every_k_steps:
             return
         for rank in self.local_ranks:
-            step = checkpoint_steps.get(rank, -1)
             progress = self.progress[rank]
-            if step < 0 or step % self.every_k_steps or step <= progress.last_persisted_step or rank in self.persisting:
+            newest = checkpoint_steps.get(rank, -1)
+            due = newest - newest % self.every_k_steps  # the newest multiple of K reached
+            if newest < 0 or rank in self.persisting or due <= max(progress.last_persisted_step, progress.persist_missed):
+                continue
+            step = self._persist_step(rank, newest)
+            if step <= progress.last_persisted_step:
+                progress.persist_missed = due  # overwritten before this wake-up: look again at the next multiple
                 continue
             progress.last_persisted_step = step
             self.persisting[rank] = (step, self.pool.submit(self._persist, rank, step))
+
+    def _persist_step(self, rank: int, newest: int) -> int:
+        """The newest multiple of K that a slot or sent copy of the rank still holds (-1: none). The
+        loop wakes on the rank's reports, but a fast step can move the ring past a multiple of K
+        between two wake-ups; the sent copies (backups every k-th step) may still hold it."""
+        every = self.every_k_steps or 1
+        if newest % every == 0:
+            return newest
+        held = [header.step for _, header in complete_slots(self.node_dir, rank)
+                if header.step % every == 0 and header.step <= newest]
+        return max(held, default=-1)
 
     def _persist(self, rank: int, step: int) -> ShardRecord:
         from keel.core import ckpt_disk

@@ -335,6 +335,10 @@ class ShardStoreServer:
         self.address: str | None = None
         self._server: aio.Server | None = None
         self._rank_locks: dict[int, asyncio.Lock] = {}
+        self.backups_received = 0
+        """Backups committed since start: the agent reports its held backups when this moves."""
+        self.on_backup_received: Callable[[], None] | None = None
+        """Called (on the server's loop) after each committed backup: wakes the agent's loop."""
 
     # lifecycle
 
@@ -590,6 +594,9 @@ class ShardStoreServer:
             async with self.rank_lock(header.rank):
                 self._check_not_stale(header)  # another stream may have committed a newer step meanwhile
                 await self._commit(receiver, header)
+            self.backups_received += 1
+            if self.on_backup_received is not None:
+                self.on_backup_received()
             return pb.PutShardReply(rank=header.rank, step=header.step, bytes=header.total_bytes,
                                     sha256=header.sha256, received_s=time.perf_counter() - started)
         except _CrcMismatch as exc:

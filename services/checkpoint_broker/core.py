@@ -837,7 +837,18 @@ class CheckpointBrokerDecider:
     def _decide_schedule(self, job: JobState, event: Event, subject: str) -> _Part:
         schedule, policy = job.schedule, self.policy
         if not schedule.step_times:
-            return "", ()
+            if schedule.every_k is not None or not job.all_registered:
+                return "", ()
+            # Young's K is in steps and needs the step time; until a heartbeat measured one, persist at
+            # the floor (the most frequent setting: a short or fast job still gets a disk copy).
+            k = policy.persist_every_floor
+            reason = (f"no step time measured yet: persist every {k} steps (the floor) until Young's formula "
+                      f"can be applied; backups every step until a transfer is measured")
+            cost = (schedule.save_cost_s if schedule.save_cost_s is not None
+                    else policy.initial_save_cost.total_seconds())
+            payload = CheckpointScheduleSet(every_k_steps=k, backup_every_k_steps=1, save_cost_s=cost,
+                                            mtbf_s=policy.mtbf_prior.total_seconds(), step_time_s=0.0, reason=reason)
+            return reason, (Proposal(payload, subject=subject, key="schedule/initial"),)
         # Synchronous training runs at its slowest node's pace.
         step_time = max(schedule.step_times.values())
         cost = schedule.save_cost_s if schedule.save_cost_s is not None else policy.initial_save_cost.total_seconds()

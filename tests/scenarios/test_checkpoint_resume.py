@@ -35,7 +35,7 @@ from tests.scenarios.test_cluster_faults import stop_process
 
 pytestmark = pytest.mark.integration
 
-STEPS = 70
+STEPS = 120
 NODES = ["n00", "n01", "n02", "n03"]
 TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--pp", "2", "--steps", str(STEPS)]
 _STEP_LINE = re.compile(r"^step (\d+) loss \S+ .*loss_hex (\S+)", re.M)
@@ -139,6 +139,25 @@ class Run:
         return await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 60,
                                    f"the restore plan of generation {generation}")
 
+    async def wait_peer_commit_after(self, plan: Event, timeout_s: float = 90) -> int:
+        """Wait until the peer tier commits a step newer than ``plan``'s, decided after it: a full round
+        of backups of the resumed history (the premise of losing a node or a group next). The interval
+        between backups follows the measured transfer time, so how many steps that takes varies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            after_plan = False
+            async for recorded in self.env.store.read(job_id="ckpt", types=["CheckpointRestorePlanned",
+                                                                             "CheckpointStepCommitted"]):
+                event = recorded.event
+                if event.id == plan.id:
+                    after_plan = True
+                elif (after_plan and event.type == "CheckpointStepCommitted" and event.payload.tier == "peer"
+                      and event.payload.step > plan.payload.step):
+                    return event.payload.step
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"no peer-tier commit after step {plan.payload.step} within {timeout_s}s "
+                             f"(at step {self.current_step()})")
+
     async def inventories(self) -> list[tuple[str, list[tuple[str, int, int]]]]:
         """What every node reported holding before this generation's restore (for failure messages)."""
         return [(e.payload.node_id, sorted((x.tier, x.rank, x.step) for x in e.payload.entries))
@@ -190,6 +209,7 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
     assert {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
     first_restore = plan.payload.step
     await run.wait_step(first_restore + 8)
+    await run.wait_peer_commit_after(plan)
 
     # 2. A whole node lost (its processes and its shared memory), replaced by a fresh machine: its
     #    rank comes back from the backup peer, and the broker says why it fell back.
@@ -208,6 +228,7 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
     assert fallback.payload.from_tier == "memory" and fallback.payload.to_tier == "peer"
     second_restore = plan.payload.step
     await run.wait_step(second_restore + 8)
+    await run.wait_peer_commit_after(plan)
 
     # 3. A whole pipeline group lost: both nodes of one pipeline, processes and memory.
     pipeline = rng.choice([[0, 1], [2, 3]])
@@ -217,9 +238,22 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
         await asyncio.to_thread(start_node, scratch_dir / "cluster", NODES[rank])
     plan = await run.restart_all(f"test: pipeline {pipeline} lost")
     tiers = {s.rank: s.tier for s in plan.payload.sources}
-    assert plan.payload.step > second_restore, plan.payload
-    assert {rank for rank, tier in tiers.items() if tier == "peer"} >= set(pipeline), tiers
-    assert "disk" not in tiers.values(), (tiers, plan.payload.step, plan.payload.reason, await run.inventories())
+    inventories = await run.inventories()
+    assert plan.payload.step > second_restore, (plan.payload, inventories)
+    # The group's loss left a copy of every shard of the resumed history on the other pipeline's nodes.
+    survivors = {NODES[r] for r in range(4)} - {NODES[r] for r in pipeline}
+    peer_steps = {rank: max((step for node, entries in inventories if node in survivors
+                             for tier, r, step in entries if tier == "peer" and r == rank), default=-1)
+                  for rank in pipeline}
+    assert all(step > second_restore for step in peer_steps.values()), (peer_steps, inventories)
+    # The lost ranks come from those peer copies, or from the persistent tier when it holds a newer step
+    # for every rank (the planner takes the newest complete step; it says why in a fallback event).
+    for rank in pipeline:
+        assert tiers[rank] == "peer" or (tiers[rank] == "disk" and plan.payload.step > peer_steps[rank]), (
+            tiers, plan.payload.step, peer_steps, plan.payload.reason)
+    assert all(tiers[r] in ("memory", "peer") for r in range(4) if r not in pipeline), tiers
+    fallbacks = await run.events(["CheckpointTierFallback"])
+    assert {e.payload.rank for e in fallbacks if e.payload.generation == run.generation} >= set(pipeline)
 
     # The job finishes; final state and every step's loss equal the uninterrupted run, bit for bit.
     await run.wait_for(["RankExited"], lambda e: e.payload.generation == run.generation and e.payload.rank == 0

@@ -320,6 +320,19 @@ def persisted_event(step: int, save_cost_s: float, at: datetime) -> Event:
                                   save_cost_s=save_cost_s), f"job/{JOB}", at, producer="checkpoint-persister")
 
 
+def test_schedule_starts_at_the_floor_until_a_step_time_is_measured() -> None:
+    """A fast or short job whose heartbeats carry no step time yet still gets a persistent tier."""
+    session = registered_session(topology(2, 2, 1, 4), BrokerPolicy(persist_every_floor=7))
+    unmeasured = ev(NodeHeartbeat(node_id="n0", ranks_alive=1, ranks_expected=1), "node/n0", T0)
+    [initial] = emitted_of(session, [unmeasured], CheckpointScheduleSet)
+    assert (initial.every_k_steps, initial.backup_every_k_steps, initial.step_time_s) == (7, 1, 0.0)
+    assert "no step time measured yet" in initial.reason
+    # Said once; the first measured step time then applies Young's formula.
+    assert emitted_of(session, [unmeasured], CheckpointScheduleSet) == []
+    [young] = emitted_of(session, [heartbeat("n0", 2.0, T0 + timedelta(seconds=5))], CheckpointScheduleSet)
+    assert young.every_k_steps == 190 and "was 7" in young.reason
+
+
 def test_schedule_is_set_when_k_changes_with_the_numbers() -> None:
     session = DeciderSession(CheckpointBrokerDecider())
     [first] = emitted_of(session, [heartbeat("n0", 2.0, T0)], CheckpointScheduleSet)
