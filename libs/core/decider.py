@@ -33,6 +33,8 @@ class Proposal:
     payload: EventPayload
     subject: str
     key: str = ""
+    correlation_id: uuid.UUID | None = None
+    """The incident this decision belongs to; None: the cause's correlation (or the cause itself)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def materialise(decider_name: str, cause: Event, decision: Decision) -> list[Eve
                 producer=decider_name,
                 occurred_at=cause.occurred_at,
                 causation_id=cause.id,
-                correlation_id=cause.correlation_id or cause.id,
+                correlation_id=proposal.correlation_id or cause.correlation_id or cause.id,
             )
         )
     return events

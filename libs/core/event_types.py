@@ -363,3 +363,235 @@ class CheckpointBackupFailed(EventPayload):
     rank: int = Field(ge=0)
     backup_node_id: str
     reason: str
+
+
+# -- controller: the escalation ladder, diagnostics, standbys, guardrails (issue 5) -----------------
+#
+# An incident's id is the id of its ``IncidentOpened`` event; every decision the controller takes
+# about it, and every event an agent emits in answer to those commands, carries it as
+# ``correlation_id``, so ``keel timeline INCIDENT`` is one query.
+
+IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics"]
+DiagnosticCheck = Literal["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
+
+
+@event_type("IncidentOpened", version=1, aggregate="job")
+class IncidentOpened(EventPayload):
+    """The controller saw a fault that interrupts the job and took it on: every later decision about
+    it carries this event's id as ``correlation_id``."""
+
+    kind: IncidentKind
+    node_id: str = ""
+    """The suspect node when the first signal names one ("" when nothing does yet)."""
+    ranks: list[int] = Field(default_factory=list)
+    generation: int = Field(ge=0)
+    """The generation the fault hit."""
+    last_step: int = -1
+    """The newest step the job had reached when the fault was seen (recovery means getting back there)."""
+    fingerprint: str = ""
+    """What makes two failures "the same" (see ``keel.controller.guardrails.failure_fingerprint``)."""
+    reason: str
+    evidence: list[str] = Field(default_factory=list)
+
+
+@event_type("IncidentResolved", version=1, aggregate="job")
+class IncidentResolved(EventPayload):
+    """The job is stepping again after an incident (or the controller gave up on it and paged)."""
+
+    incident_id: str
+    outcome: Literal["recovered", "stopped", "superseded"]
+    rung: int = Field(ge=0, le=6)
+    """The highest rung the incident needed (0: it resolved itself)."""
+    generation: int = Field(ge=0)
+    reason: str
+
+
+@event_type("DiagnosticsRequested", version=1, aggregate="job")
+class DiagnosticsRequested(EventPayload):
+    """A command (rung 2): the listed nodes stop their ranks and run stop-time diagnostics together.
+
+    ``round`` numbers the requests of a job: agents rendezvous for the inter-node check on the job's
+    master address at ``master_port + 500 + round``, so rounds never share store keys."""
+
+    round: int = Field(ge=0)
+    nodes: list[str] = Field(min_length=1)
+    checks: list[DiagnosticCheck] = Field(min_length=1)
+    timeout_s: float = Field(gt=0)
+    """Each node reports within this; a node that does not is named by the controller's timeout."""
+    expires_at: AwareDatetime
+    reason: str
+
+
+class CheckResult(EventPayload):
+    check: DiagnosticCheck
+    passed: bool
+    skipped: bool = False
+    """The check cannot run here (the GPU self-test on a machine without a GPU): neither pass nor fail."""
+    detail: str = ""
+    bandwidth_gbps: float | None = None
+    duration_s: float = Field(default=0.0, ge=0)
+
+
+@event_type("DiagnosticsCompleted", version=1, aggregate="node")
+class DiagnosticsCompleted(EventPayload):
+    """One node's stop-time diagnostic results for a ``DiagnosticsRequested`` round."""
+
+    node_id: str
+    request_id: str
+    round: int = Field(ge=0)
+    passed: bool
+    results: list[CheckResult] = Field(default_factory=list)
+    suspects: list[str] = Field(default_factory=list)
+    """Nodes this node's collective checks point at (a peer that never joined, or sent wrong data)."""
+    detail: str = ""
+
+
+@event_type("StandbyChecked", version=1, aggregate="node")
+class StandbyChecked(EventPayload):
+    """A warm standby ran its self-check (the same diagnostics, alone): only a passing one counts."""
+
+    node_id: str
+    passed: bool
+    results: list[CheckResult] = Field(default_factory=list)
+    detail: str = ""
+
+
+@event_type("StandbyPromotionRequested", version=1, aggregate="node")
+class StandbyPromotionRequested(EventPayload):
+    """A command: the standby ``node_id`` takes over ``replaces_node_id``'s slice of ranks (``node_rank``)
+    and starts them as ``generation``, restoring from the peer copies. Ignored after ``expires_at``."""
+
+    node_id: str
+    replaces_node_id: str
+    node_rank: int = Field(ge=0)
+    ranks: list[int] = Field(min_length=1)
+    generation: int = Field(ge=1)
+    reason: str
+    expires_at: AwareDatetime
+
+
+@event_type("StandbyPromoted", version=1, aggregate="node")
+class StandbyPromoted(EventPayload):
+    """The standby's agent carried out (or refused) a promotion command."""
+
+    node_id: str
+    command_id: str
+    replaces_node_id: str
+    generation: int = Field(ge=0)
+    outcome: Literal["promoted", "expired", "failed", "not_standby"]
+    detail: str = ""
+
+
+@event_type("StandbyPoolSized", version=1, aggregate="job")
+class StandbyPoolSized(EventPayload):
+    """The warm-standby pool's target size changed: the 99th percentile of a binomial model of
+    concurrent node failures (``keel.controller.standby``); the actuator refills towards it."""
+
+    target: int = Field(ge=0)
+    ready: int = Field(ge=0)
+    job_nodes: int = Field(ge=0)
+    failure_probability: float = Field(ge=0, le=1)
+    reason: str
+
+
+@event_type("StandbyRefillRequested", version=1, aggregate="job")
+class StandbyRefillRequested(EventPayload):
+    """A command to the actuator: bring the pool back to ``target`` ready standbys (asynchronously)."""
+
+    count: int = Field(ge=1)
+    target: int = Field(ge=0)
+    reason: str
+    expires_at: AwareDatetime
+
+
+@event_type("RollbackDecided", version=1, aggregate="job")
+class RollbackDecided(EventPayload):
+    """Rung 4: the failure points at the code; roll back to the last stable version and restart
+    (carried out by hot-update; until a version is known, the restart goes ahead on the same code)."""
+
+    incident_id: str
+    reason: str
+    fingerprint: str = ""
+    to_version: str = ""
+    """The last stable code version ("" when none is known yet)."""
+    evidence: list[str] = Field(default_factory=list)
+    expires_at: AwareDatetime
+
+
+@event_type("JobStopDecided", version=1, aggregate="job")
+class JobStopDecided(EventPayload):
+    """Rung 6 (or a guardrail): stop the job and page a human; nothing is restarted automatically."""
+
+    incident_id: str
+    rung: int = Field(ge=1, le=6)
+    reason: str
+    page: bool = True
+    evidence: list[str] = Field(default_factory=list)
+
+
+class Promotion(EventPayload):
+    standby_node_id: str
+    replaces_node_id: str
+    ranks: list[int] = Field(min_length=1)
+
+
+@event_type("RestartDecided", version=1, aggregate="job")
+class RestartDecided(EventPayload):
+    """The ladder's recovery for an incident: evict ``evict``, promote standbys into their ranks, roll
+    back the code if ``rollback``, and restart every other node in place as ``generation``. The commands
+    (``NodeEvictionDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``) follow it."""
+
+    incident_id: str
+    rung: int = Field(ge=1, le=6)
+    generation: int = Field(ge=1)
+    evict: list[str] = Field(default_factory=list)
+    promotions: list[Promotion] = Field(default_factory=list)
+    restart_nodes: list[str] = Field(default_factory=list)
+    rollback: bool = False
+    fingerprint: str = ""
+    reason: str
+
+
+@event_type("ActionHeld", version=1, aggregate="job")
+class ActionHeld(EventPayload):
+    """A guardrail held back the recovery the ladder chose (observe mode, a tripped breaker, an approval
+    not yet given, no ready standby), with the plan it held (rung, nodes to evict, rollback) and why."""
+
+    incident_id: str
+    action: Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
+    guardrail: Literal["observe_only", "eviction_breaker", "restart_budget", "approval", "no_standby"]
+    reason: str
+    rung: int = Field(default=0, ge=0, le=6)
+    evict: list[str] = Field(default_factory=list)
+    rollback: bool = False
+
+
+@event_type("ApprovalRequested", version=1, aggregate="job")
+class ApprovalRequested(EventPayload):
+    """An action of a kind configured to need a human's approval waits for ``keel approve`` / ``keel deny``."""
+
+    incident_id: str
+    action: Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
+    reason: str
+    expires_at: AwareDatetime
+
+
+@event_type("ApprovalGiven", version=1, aggregate="job")
+class ApprovalGiven(EventPayload):
+    """A human's answer to an ``ApprovalRequested`` (by its event id)."""
+
+    request_id: str
+    approved: bool
+    by: str
+    comment: str = ""
+
+
+@event_type("NodeCordoned", version=1, aggregate="node")
+class NodeCordoned(EventPayload):
+    """A human took a node out of service (or put it back, ``cordoned=False``). The controller never
+    undoes a human's cordon: it neither promotes nor restarts onto a cordoned node."""
+
+    node_id: str
+    cordoned: bool = True
+    by: str
+    reason: str = ""

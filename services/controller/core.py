@@ -1,53 +1,250 @@
-"""Controller core: a pure Decider over the event log.
+"""Controller core: the escalation ladder as a pure Decider over the event log (no I/O, no clock).
 
-So far it implements rung 1 of the escalation ladder (ARCHITECTURE.md): a high-confidence, fatal
-hardware signal evicts the node at once. The other rungs arrive with the controller issue. Every
-decision carries a reason and the ids of the events that caused it; every eviction is a command with
-an expiry, so a cold start never executes a stale one.
+The rungs (ARCHITECTURE.md, "The escalation ladder"), cheapest first:
+
+1. A high-confidence fatal hardware signal (GPU lost, fatal XID, NIC down, disk fault, kernel error),
+   or a node whose agent went silent: evict the node now, promote a ready warm standby into its slice
+   of ranks, and restart every other node in place as the next generation (restore from memory and
+   the peers' copies).
+2. A crash or a hang with no culprit: stop the ranks and run stop-time diagnostics on every node; evict
+   what fails or does not answer in time, else restart in place. A crash whose traceback the exit
+   classifier pins on the user's code needs no diagnostics: it restarts in place at once.
+3. (analyzer issue) stack aggregation names the smallest parallel group to evict.
+4. The same failure again after a restart, with no progress in between: roll back to the last stable
+   code version and restart (``RollbackDecided``; hot-update carries it out - until it exists the
+   restart runs the same code, and a third failure trips rung 6).
+5. (analyzer issue) dual-phase replay for silent data corruption.
+6. A crash loop (the same fingerprint ``max_same_failure`` times in a row) or a spent restart budget:
+   stop the job and page a human (``JobStopDecided``).
+
+Guardrails: observe mode (decide and record, execute nothing: ``ActionHeld``), an eviction circuit
+breaker (count and fraction of the job's nodes per window: past it, stop and page), never undoing a
+human's cordon (a cordoned node is neither diagnosed, restarted onto nor promoted), optional approval
+per action kind (``ApprovalRequested`` -> ``ApprovalGiven``), and an expiry on every command, so a cold
+start never executes a stale one (the runner never re-decides history; agents and actuators check
+``expires_at``).
+
+Incidents: the first signal opens one (``IncidentOpened``); its id is the correlation id of every
+decision about it and of the agents' answers. Signals that arrive while it is open join it.
+``IncidentResolved`` closes it once a node of the restarted generation steps past the restore point.
+Every piece of incident state is folded from the controller's own decision events, so a cold start
+rebuilds it from the log. Time-dependent rules (a silent node, a diagnostic that timed out) fire on
+``TimerTicked`` from the controller's clock (recorded, so a replay sees the same time).
 """
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Literal
 
-from keel.core.decider import Decision, Proposal
-from keel.core.event_types import NodeEvicted, NodeEvictionDecided, NodeHealthChanged, NodeRegistered
-from keel.core.events import Event
+from keel.controller.guardrails import CrashLoopBreaker, EvictionBreaker, failure_fingerprint
+from keel.controller.standby import failure_probability, plan_standby_pool
+from keel.core.decider import Decision, Proposal, materialise
+from keel.core.event_types import (
+    ActionHeld,
+    ApprovalGiven,
+    ApprovalRequested,
+    CheckpointRestorePlanned,
+    DiagnosticsCompleted,
+    DiagnosticsRequested,
+    IncidentOpened,
+    IncidentResolved,
+    JobRegistered,
+    JobStopDecided,
+    NodeCordoned,
+    NodeEvicted,
+    NodeEvictionDecided,
+    NodeHealthChanged,
+    NodeHeartbeat,
+    NodeRegistered,
+    Promotion,
+    RankExited,
+    RanksRestartRequested,
+    RankStarted,
+    RestartDecided,
+    RollbackDecided,
+    StandbyChecked,
+    StandbyPoolSized,
+    StandbyPromoted,
+    StandbyPromotionRequested,
+    StandbyRefillRequested,
+    TimerTicked,
+)
+from keel.core.events import Event, EventPayload
 
+NAME = "controller"
 HARDWARE_COMPONENTS = frozenset({"gpu", "nic", "disk", "kernel", "host"})
+FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
+HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost"})
+ALL_CHECKS: tuple[str, ...] = ("gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather")
+ACTIONS = frozenset({"evict", "restart", "diagnose", "promote", "rollback", "stop"})
+Action = Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
+Stage = Literal["observing", "diagnosing", "recovering", "waiting_standby", "awaiting_approval"]
 
 
-@dataclass(frozen=True)
-class NodeView:
-    node_id: str
-    standby: bool = False
-    eviction_pending: str | None = None
-    """Id of an eviction decision not yet carried out."""
-    evicted: bool = False
-
-
-@dataclass(frozen=True)
-class ControllerState:
-    nodes: dict[str, NodeView] = field(default_factory=dict)
-
-    def node(self, node_id: str) -> NodeView:
-        return self.nodes.get(node_id, NodeView(node_id))
-
-    def with_node(self, view: NodeView) -> ControllerState:
-        return ControllerState(nodes={**self.nodes, view.node_id: view})
+# -- policy ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ControllerPolicy:
     command_ttl: timedelta = timedelta(minutes=5)
     observe_only: bool = False
+    diagnostics_timeout: timedelta = timedelta(seconds=60)
+    diagnostics_checks: tuple[str, ...] = ALL_CHECKS
+    node_silence_timeout: timedelta = timedelta(seconds=30)
+    """A node of the job whose heartbeats stopped this long ago is lost (rung 1)."""
+    eviction_window: timedelta = timedelta(hours=1)
+    max_evictions: int = 8
+    max_eviction_fraction: float = 0.1
+    restart_window: timedelta = timedelta(hours=1)
+    restart_budget: int = 10
+    max_same_failure: int = 3
+    approval_required: frozenset[str] = frozenset()
+    """Action kinds (evict, restart, diagnose, rollback) that wait for a human's ``keel approve``."""
+    approval_ttl: timedelta = timedelta(minutes=30)
+    standby_quantile: float = 0.99
+    standby_replacement_window: timedelta = timedelta(hours=1)
+    """How long a failed machine takes to come back: the binomial model's window."""
+    standby_prior_rate_per_node_hour: float = 0.0012
+    """Per-node failure rate assumed while the log is young (the paper's pools: 4 spares for 1,024)."""
+    standby_prior_node_hours: float = 1000.0
+    standby_min: int = 0
+    """At least this many standbys, whatever the model says."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.approval_required) - ACTIONS
+        if unknown:
+            raise ValueError(f"approval_required: unknown action kind(s) {sorted(unknown)}; known: {sorted(ACTIONS)}")
+
+
+# -- state -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node_id: str
+    standby: bool = False
+    ranks: frozenset[int] = frozenset()
+    """The ranks it runs in ``generation``, its newest."""
+    generation: int = -1
+    evicted: bool = False
+    eviction_pending: str | None = None
+    """Id of an eviction decision not yet carried out."""
+    cordoned: bool = False
+    cordoned_by: str = ""
+    checked: bool | None = None
+    """A standby's self-check outcome (None: not reported yet; only a passing standby counts)."""
+    promoting: bool = False
+    last_heartbeat_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class HeldPlan:
+    """A recovery held back (waiting for an approval or a standby): what it does once it may."""
+
+    rung: int
+    evict: frozenset[str]
+    reason: str
+    rollback: bool = False
+
+
+@dataclass(frozen=True)
+class OpenIncident:
+    id: str
+    kind: str
+    opened_at: datetime
+    generation: int
+    last_step: int
+    fingerprint: str
+    stage: Stage = "observing"
+    rung: int = 0
+    evidence: tuple[str, ...] = ()
+    diag_round: int | None = None
+    diag_deadline: datetime | None = None
+    diag_nodes: frozenset[str] = frozenset()
+    diag_results: Mapping[str, DiagnosticsCompleted] = field(default_factory=dict)
+    target_generation: int | None = None
+    restore_step: int = -1
+    started: frozenset[str] = frozenset()
+    """Nodes that started ranks of ``target_generation``: only their heartbeats say it is stepping."""
+    held: HeldPlan | None = None
+    approval_id: str = ""
+
+
+@dataclass(frozen=True)
+class JobView:
+    nodes: Mapping[str, NodeView] = field(default_factory=dict)
+    world_size: int = 0
+    generation: int = 0
+    """The newest generation started or commanded."""
+    last_step: int = -1
+    """The newest step any node reported outside an incident (what recovery must get back to)."""
+    failed_at_step: int = -1
+    """``last_step`` when the latest incident opened: stepping past it is progress (crash-loop reset)."""
+    incident: OpenIncident | None = None
+    diag_rounds: int = 0
+    evictions: EvictionBreaker = EvictionBreaker()
+    crash_loop: CrashLoopBreaker = CrashLoopBreaker()
+    stopped: bool = False
+    first_seen_at: datetime | None = None
+    node_failures: int = 0
+    pool_target: int | None = None
+
+    def node(self, node_id: str) -> NodeView:
+        return self.nodes.get(node_id, NodeView(node_id))
+
+    def with_node(self, view: NodeView) -> JobView:
+        return replace(self, nodes={**self.nodes, view.node_id: view})
+
+    @property
+    def size(self) -> int:
+        """The job's node count for the eviction breaker's fraction: every node that ever ran ranks or
+        registered as a worker (a 10 % limit is of the job, not of what is left of it)."""
+        return max(1, sum(1 for n in self.nodes.values() if not n.standby or n.ranks))
+
+    @property
+    def active(self) -> list[NodeView]:
+        """Nodes running ranks of the job (not evicted, not standbys), by id."""
+        return sorted((n for n in self.nodes.values() if n.ranks and not n.evicted and not n.standby),
+                      key=lambda n: n.node_id)
+
+    @property
+    def ready_standbys(self) -> list[NodeView]:
+        """Standbys that passed their self-check and are free to take over a node's ranks."""
+        return sorted((n for n in self.nodes.values() if n.standby and n.checked and not n.evicted
+                       and not n.eviction_pending and not n.cordoned and not n.promoting), key=lambda n: n.node_id)
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    jobs: Mapping[str, JobView] = field(default_factory=dict)
+
+    def job(self, job_id: str) -> JobView:
+        return self.jobs.get(job_id, _EMPTY)
+
+    def with_job(self, job_id: str, job: JobView) -> ControllerState:
+        return ControllerState(jobs={**self.jobs, job_id: job})
+
+
+_EMPTY = JobView()
+
+_DECIDES_ON = frozenset({
+    NodeHealthChanged.event_name, NodeHeartbeat.event_name, RankExited.event_name, DiagnosticsCompleted.event_name,
+    StandbyChecked.event_name, StandbyPromoted.event_name, NodeRegistered.event_name, NodeCordoned.event_name,
+    ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name,
+})
+
+
+# -- the decider -------------------------------------------------------------------------------------
 
 
 class ControllerDecider:
-    """Rung 1: evict a node on a high-confidence fatal hardware signal."""
+    """The escalation ladder, per job. Every decision's reason names the rung and the evidence."""
 
-    name = "controller"
+    name = NAME
 
     def __init__(self, policy: ControllerPolicy | None = None) -> None:
         self.policy = policy or ControllerPolicy()
@@ -56,47 +253,547 @@ class ControllerDecider:
         return ControllerState()
 
     def interested_in(self, event: Event) -> bool:
-        return event.type == NodeHealthChanged.event_name
+        return event.type in _DECIDES_ON
 
     def evolve(self, state: ControllerState, event: Event) -> ControllerState:
-        # Health reports are the bulk of the log; rung 1 decides on the report itself, so they do not
-        # change this state (copying the node map for each would cap replay speed).
-        payload = event.payload
-        if isinstance(payload, NodeRegistered):
-            return state.with_node(replace(state.node(payload.node_id), standby=payload.standby))
-        if isinstance(payload, NodeEvictionDecided):
-            return state.with_node(replace(state.node(payload.node_id), eviction_pending=str(event.id)))
-        if isinstance(payload, NodeEvicted):
-            view = state.node(payload.node_id)
-            done = payload.outcome == "evicted"
-            return state.with_node(replace(view, eviction_pending=None, evicted=view.evicted or done))
-        return state
+        job = state.jobs.get(event.job_id) or self.new_job()
+        updated = self.evolve_job(job, event)
+        return state if updated is job else state.with_job(event.job_id, updated)
+
+    def new_job(self) -> JobView:
+        """A job seen for the first time, with the policy's guardrail limits."""
+        policy = self.policy
+        return JobView(evictions=EvictionBreaker(policy.eviction_window, policy.max_evictions, policy.max_eviction_fraction),
+                       crash_loop=CrashLoopBreaker(policy.restart_window, policy.restart_budget, policy.max_same_failure))
 
     def decide(self, state: ControllerState, event: Event) -> Decision:
-        payload = event.payload
-        assert isinstance(payload, NodeHealthChanged)
-        if payload.status != "failed":
-            return Decision.nothing(f"{payload.node_id} is {payload.status}: nothing to do")
-        node = state.node(payload.node_id)
+        plan = _Plan(self, state.jobs.get(event.job_id) or self.new_job(), event)
+        p = event.payload
+        if isinstance(p, NodeHealthChanged):
+            self._on_health(plan, p)
+        elif isinstance(p, RankExited):
+            self._on_exit(plan, p)
+        elif isinstance(p, DiagnosticsCompleted):
+            self._on_diagnostics(plan, p)
+        elif isinstance(p, TimerTicked):
+            self._on_tick(plan, p.now)
+        elif isinstance(p, NodeHeartbeat):
+            self._on_heartbeat(plan, p)
+        elif isinstance(p, ApprovalGiven):
+            self._on_approval(plan, p)
+        elif isinstance(p, NodeCordoned):
+            plan.note(f"{p.node_id} {'cordoned' if p.cordoned else 'uncordoned'} by {p.by}"
+                      + (f" ({p.reason})" if p.reason else "")
+                      + (": never diagnosed, restarted onto or promoted until a human lifts it" if p.cordoned else ""))
+        else:  # a change of the standby pool: registrations, self-checks, promotions, evictions done
+            self._on_pool_change(plan)
+        return plan.decision(f"{event.type}: nothing to decide")
+
+    # -- evolve ----------------------------------------------------------------------------------
+
+    def evolve_job(self, job: JobView, event: Event) -> JobView:  # noqa: C901 - one branch per event type
+        p, at = event.payload, event.occurred_at
+        if job.first_seen_at is None and isinstance(p, (RankStarted, NodeRegistered, JobRegistered)):
+            job = replace(job, first_seen_at=at)
+        if isinstance(p, JobRegistered):
+            return replace(job, world_size=job.world_size or p.world_size)
+        if isinstance(p, NodeRegistered):
+            view = job.node(p.node_id)
+            # A node registering (again) is a new agent: a repaired or replacement machine, or a restarted
+            # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it.
+            return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
+                                         promoting=False, checked=None if p.standby else view.checked,
+                                         ranks=frozenset() if p.standby else view.ranks, last_heartbeat_at=at))
+        if isinstance(p, RankStarted):
+            view = job.node(p.node_id)
+            if p.generation < view.generation:
+                return job
+            ranks = view.ranks | {p.rank} if p.generation == view.generation else frozenset({p.rank})
+            job = job.with_node(replace(view, ranks=frozenset(ranks), generation=p.generation, standby=False,
+                                        promoting=False, last_heartbeat_at=at))
+            for other in list(job.nodes.values()):  # a rank moved here (a promotion) left its old node
+                if other.node_id != p.node_id and p.rank in other.ranks and other.generation < p.generation:
+                    job = job.with_node(replace(other, ranks=other.ranks - {p.rank}))
+            job = replace(job, generation=max(job.generation, p.generation), world_size=max(job.world_size, p.world_size))
+            incident = job.incident
+            if incident is not None and incident.stage == "observing" and incident.target_generation is None \
+                    and p.generation > incident.generation:
+                # Restarted by someone else (observe mode, a human): watch that generation recover.
+                incident = replace(incident, target_generation=p.generation)
+            if incident is not None and incident.target_generation == p.generation:
+                job = replace(job, incident=replace(incident, started=incident.started | {p.node_id}))
+            return job
+        if isinstance(p, NodeHeartbeat):
+            job = job.with_node(replace(job.node(p.node_id), last_heartbeat_at=at))
+            if p.standby or job.incident is not None:
+                return job
+            if p.last_step > job.failed_at_step >= 0 and job.crash_loop.fingerprints:
+                job = replace(job, crash_loop=job.crash_loop.progressed())  # past where it failed: no loop
+            return replace(job, last_step=max(job.last_step, p.last_step))
+        if isinstance(p, StandbyChecked):
+            return job.with_node(replace(job.node(p.node_id), checked=p.passed))
+        if isinstance(p, NodeCordoned):
+            return job.with_node(replace(job.node(p.node_id), cordoned=p.cordoned, cordoned_by=p.by if p.cordoned else ""))
+        if isinstance(p, NodeEvictionDecided):
+            if p.observe_only:
+                return job
+            return replace(job.with_node(replace(job.node(p.node_id), eviction_pending=str(event.id))),
+                           evictions=job.evictions.record(at), node_failures=job.node_failures + 1)
+        if isinstance(p, NodeEvicted):
+            view = job.node(p.node_id)
+            # ``ranks`` stays: what the node ran is what a standby must take over (``active`` skips it).
+            return job.with_node(replace(view, eviction_pending=None, evicted=view.evicted or p.outcome == "evicted"))
+        if isinstance(p, StandbyPromotionRequested):
+            return job.with_node(replace(job.node(p.node_id), promoting=True))
+        if isinstance(p, StandbyPromoted):
+            if p.outcome == "promoted":
+                return job
+            return job.with_node(replace(job.node(p.node_id), promoting=False, checked=False))
+        if isinstance(p, RanksRestartRequested):
+            return replace(job, generation=max(job.generation, p.generation))
+        if isinstance(p, CheckpointRestorePlanned):
+            incident = job.incident
+            if incident is not None and incident.target_generation == p.generation:
+                return replace(job, incident=replace(incident, restore_step=p.step))
+            return job
+        return self._evolve_incident(job, event)
+
+    def _evolve_incident(self, job: JobView, event: Event) -> JobView:
+        """The controller's own decisions about an incident (folded live and on a cold start alike)."""
+        p, at = event.payload, event.occurred_at
+        incident = job.incident
+        if isinstance(p, IncidentOpened):
+            return replace(job, failed_at_step=p.last_step, incident=OpenIncident(
+                id=str(event.id), kind=p.kind, opened_at=at, generation=p.generation, last_step=p.last_step,
+                fingerprint=p.fingerprint, evidence=tuple(p.evidence)))
+        if isinstance(p, IncidentResolved):
+            return replace(job, incident=None if incident is None or incident.id == p.incident_id else incident,
+                           stopped=job.stopped or p.outcome == "stopped")
+        if isinstance(p, JobStopDecided):
+            return replace(job, stopped=True)
+        if isinstance(p, StandbyPoolSized):
+            return replace(job, pool_target=p.target)
+        if isinstance(p, DiagnosticsRequested):
+            job = replace(job, diag_rounds=max(job.diag_rounds, p.round + 1))
+            if incident is None:
+                return job
+            return replace(job, incident=replace(
+                incident, stage="diagnosing", rung=max(incident.rung, 2), diag_round=p.round,
+                diag_deadline=at + timedelta(seconds=p.timeout_s), diag_nodes=frozenset(p.nodes), diag_results={}))
+        if incident is None:
+            return job
+        if isinstance(p, DiagnosticsCompleted):
+            if incident.stage != "diagnosing" or p.round != incident.diag_round:
+                return job
+            return replace(job, incident=replace(incident, diag_results={**incident.diag_results, p.node_id: p}))
+        if isinstance(p, RestartDecided):
+            fingerprint = p.fingerprint or f"{incident.kind}@{','.join(p.evict) or 'none'}"
+            return replace(job, generation=max(job.generation, p.generation),
+                           crash_loop=job.crash_loop.record(at, fingerprint),
+                           incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
+                                            target_generation=p.generation, started=frozenset(), restore_step=-1,
+                                            held=None))
+        if isinstance(p, ActionHeld):
+            held = HeldPlan(p.rung, frozenset(p.evict), p.reason, p.rollback)
+            stage: Stage = {"approval": "awaiting_approval", "no_standby": "waiting_standby"}.get(  # type: ignore[assignment]
+                p.guardrail, "observing")
+            return replace(job, incident=replace(incident, stage=stage, held=held, rung=max(incident.rung, p.rung)))
+        if isinstance(p, ApprovalRequested):
+            return replace(job, incident=replace(incident, approval_id=str(event.id)))
+        return job
+
+    # -- rung 1 and hangs ------------------------------------------------------------------------
+
+    def _on_health(self, plan: _Plan, p: NodeHealthChanged) -> None:
+        job = plan.job
+        if p.status != "failed":
+            plan.note(f"{p.node_id} is {p.status} ({p.component}/{p.check}): nothing to do")
+            return
+        if p.node_id not in job.nodes:
+            plan.note(f"health event for unknown node {p.node_id} ({p.component}/{p.check}): it never registered "
+                      f"with job {plan.event.job_id}; recorded, nothing done")
+            return
+        node = job.node(p.node_id)
         if node.evicted:
-            return Decision.nothing(f"{payload.node_id} is already evicted")
+            plan.note(f"{p.node_id} is already evicted")
+            return
         if node.eviction_pending:
-            return Decision.nothing(f"{payload.node_id} already has eviction {node.eviction_pending} pending")
-        if not (payload.is_fatal and payload.confidence == "high" and payload.component in HARDWARE_COMPONENTS):
-            return Decision.nothing(
-                f"{payload.node_id}: {payload.component}/{payload.check} failed with {payload.confidence} confidence, "
-                f"fatal={payload.is_fatal}; not a rung-1 signal, left to the higher rungs"
-            )
-        reason = (
-            f"rung 1: high-confidence fatal {payload.component} fault on {payload.node_id} "
-            f"({payload.check}: {payload.detail or 'no detail'}); evict now rather than diagnose"
-        )
-        eviction = NodeEvictionDecided(
-            node_id=payload.node_id,
-            rung=1,
-            reason=reason,
-            evidence=[str(event.id)],
-            expires_at=event.occurred_at + self.policy.command_ttl,
-            observe_only=self.policy.observe_only,
-        )
-        return Decision(reason=reason, proposals=(Proposal(eviction, subject=f"node/{payload.node_id}"),))
+            plan.note(f"{p.node_id} already has eviction {node.eviction_pending} pending")
+            return
+        rung1 = p.is_fatal and p.confidence == "high" and p.component in HARDWARE_COMPONENTS
+        if rung1:
+            why = (f"rung 1: high-confidence fatal {p.component} fault on {p.node_id} ({p.check}: "
+                   f"{p.detail or 'no detail'}); evict now rather than diagnose")
+            if not node.ranks or node.standby or job.stopped:
+                plan.evict_idle(p.node_id, why + (" (an idle standby: nothing to restart)" if node.standby else ""))
+                return
+            plan.open_incident("hardware", p.node_id, "", why)
+            plan.recover(1, frozenset({p.node_id}), why)
+            return
+        if p.component == "rank" and p.check in HANG_CHECKS and node.ranks and not job.stopped:
+            if job.incident is not None:
+                plan.note(f"{p.node_id}: rank {p.check} during incident {job.incident.id[:8]} ({job.incident.stage}): "
+                          f"part of it")
+                return
+            why = (f"rung 2: {p.node_id} reports {p.check} ({p.detail or 'no detail'}) and nothing names a culprit: "
+                   f"stop the ranks and run stop-time diagnostics on every node")
+            plan.open_incident("hang", p.node_id, f"hang/{p.check}", why)
+            plan.diagnose(why)
+            return
+        plan.note(f"{p.node_id}: {p.component}/{p.check} failed with {p.confidence} confidence, fatal={p.is_fatal}; "
+                  f"not a rung-1 signal, left to the higher rungs")
+
+    # -- crashes: rungs 2, 4 and 6 ---------------------------------------------------------------
+
+    def _on_exit(self, plan: _Plan, p: RankExited) -> None:
+        job = plan.job
+        if p.classification not in FAILURE_CLASSES:
+            plan.note(f"rank {p.rank} on {p.node_id} exited ({p.classification}): not a failure")
+            return
+        if job.stopped:
+            plan.note(f"the job is stopped: the exit of rank {p.rank} is recorded, nothing restarted")
+            return
+        if p.generation < job.generation:
+            plan.note(f"rank {p.rank} of generation {p.generation} exited; the job is at generation {job.generation}: "
+                      f"an old generation ending")
+            return
+        if job.incident is not None:
+            plan.note(f"rank {p.rank} on {p.node_id} exited ({p.classification}) during incident "
+                      f"{job.incident.id[:8]} ({job.incident.stage}): part of it")
+            return
+        fingerprint = failure_fingerprint(p.classification, p.error_type, p.stderr_tail)
+        streak = _streak(job.crash_loop.fingerprints, fingerprint)
+        what = (f"rank {p.rank} on {p.node_id} exited ({p.classification}{': ' + p.error_type if p.error_type else ''}"
+                f"{'; ' + p.reason if p.reason else ''})")
+        kind = "user_code" if p.classification == "user_code" else "crash"
+        if 2 <= streak < self.policy.max_same_failure:
+            why = (f"rung 4: {what}; the same failure ({fingerprint}) {streak} times in a row with no progress "
+                   f"in between: roll back to the last stable code version and restart")
+            plan.open_incident(kind, p.node_id, fingerprint, why, ranks=[p.rank])
+            plan.recover(4, frozenset(), why, rollback=True)
+        elif p.classification == "user_code":
+            why = f"rung 2: {what}; the traceback names the user's code, not a machine: restart in place, no diagnostics"
+            plan.open_incident(kind, p.node_id, fingerprint, why, ranks=[p.rank])
+            plan.recover(2, frozenset(), why)
+        else:
+            why = f"rung 2: {what}; nothing names a culprit: stop the ranks and run stop-time diagnostics on every node"
+            plan.open_incident(kind, p.node_id, fingerprint, why, ranks=[p.rank])
+            if streak >= self.policy.max_same_failure:
+                plan.recover(2, frozenset(), why)  # the crash-loop breaker stops it, with its reason
+            else:
+                plan.diagnose(why)
+
+    def _on_diagnostics(self, plan: _Plan, p: DiagnosticsCompleted) -> None:
+        incident = plan.job.incident
+        if incident is None or incident.stage != "diagnosing" or p.round != incident.diag_round:
+            plan.note(f"diagnostics of {p.node_id} (round {p.round}) outside a diagnosing incident: recorded")
+            return
+        missing = sorted(incident.diag_nodes - set(incident.diag_results))
+        if missing:
+            plan.note(f"diagnostics round {p.round}: {p.node_id} {'passed' if p.passed else 'failed'}; waiting for "
+                      f"{', '.join(missing)}")
+            return
+        plan.conclude_diagnostics(timed_out=())
+
+    def _on_tick(self, plan: _Plan, now: datetime) -> None:
+        job, policy = plan.job, self.policy
+        incident = job.incident
+        if incident is not None and incident.stage == "diagnosing":
+            if incident.diag_deadline is not None and now >= incident.diag_deadline:
+                plan.conclude_diagnostics(timed_out=tuple(sorted(incident.diag_nodes - set(incident.diag_results))))
+            return
+        if job.stopped or (incident is not None and incident.stage not in ("recovering", "observing")):
+            return
+        lost = [n for n in job.active if not n.eviction_pending and n.last_heartbeat_at is not None
+                and now - n.last_heartbeat_at > policy.node_silence_timeout]
+        if not lost:
+            return
+        silence = max((now - n.last_heartbeat_at).total_seconds() for n in lost if n.last_heartbeat_at)
+        names = ", ".join(n.node_id for n in lost)
+        why = (f"rung 1: no heartbeat from {names} for {silence:.0f} s (timeout "
+               f"{policy.node_silence_timeout.total_seconds():g} s): the node's agent is gone; evict it")
+        plan.open_incident("lost_node", lost[0].node_id, "", why)
+        plan.recover(1, frozenset(n.node_id for n in lost), why)
+
+    def _on_heartbeat(self, plan: _Plan, p: NodeHeartbeat) -> None:
+        incident = plan.job.incident
+        if incident is None or incident.stage not in ("recovering", "observing") or p.node_id not in incident.started:
+            return
+        if p.last_step > incident.restore_step:
+            by = "" if incident.stage == "recovering" else " without the controller acting"
+            plan.resolve("recovered", f"generation {incident.target_generation} is stepping again{by} ({p.node_id} at "
+                                      f"step {p.last_step}, restored after step {incident.restore_step})")
+
+    def _on_pool_change(self, plan: _Plan) -> None:
+        incident = plan.job.incident
+        if incident is not None and incident.stage == "waiting_standby" and incident.held is not None:
+            held = incident.held
+            if len(plan.job.ready_standbys) >= sum(1 for n in held.evict if plan.job.node(n).ranks):
+                plan.recover(held.rung, held.evict, f"{held.reason}; a ready standby joined the pool",
+                             rollback=held.rollback, approved=True)
+                return
+        plan.size_pool()
+
+    def _on_approval(self, plan: _Plan, p: ApprovalGiven) -> None:
+        incident = plan.job.incident
+        if incident is None or incident.stage != "awaiting_approval" or incident.approval_id != p.request_id:
+            plan.note(f"answer to {p.request_id[:8]} by {p.by} matches no waiting action: recorded, nothing done")
+            return
+        held = incident.held
+        assert held is not None
+        if not p.approved:
+            plan.resolve("stopped", f"{p.by} denied the recovery ({p.comment or 'no comment'}): the job is stopped and "
+                                    f"left to a human", stop=True)
+            return
+        plan.recover(held.rung, held.evict, f"{held.reason}; approved by {p.by}", rollback=held.rollback, approved=True)
+
+
+def _streak(history: Iterable[str], fingerprint: str) -> int:
+    """How many times in a row ``fingerprint`` will have been seen, counting this time."""
+    streak = 1
+    for previous in reversed(tuple(history)):
+        if previous != fingerprint:
+            break
+        streak += 1
+    return streak
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    return ", ".join(map(str, sorted(ranks)))
+
+
+# -- one decision in the making ----------------------------------------------------------------------
+
+
+class _Plan:
+    """Builds one decision. Every proposal is folded into ``job`` at once (with the same evolve as the log
+    gets), so later steps of the same decision see what earlier ones changed."""
+
+    def __init__(self, decider: ControllerDecider, job: JobView, event: Event) -> None:
+        self.decider, self.policy, self.job, self.event = decider, decider.policy, job, event
+        self.proposals: list[Proposal] = []
+        self.reasons: list[str] = []
+        self.subject = f"job/{event.job_id}"
+
+    def note(self, reason: str) -> None:
+        if reason and reason not in self.reasons:
+            self.reasons.append(reason)
+
+    def emit(self, payload: EventPayload, subject: str | None = None, key: str = "") -> Event:
+        incident = self.job.incident
+        proposal = Proposal(payload, subject=subject or self.subject, key=key,
+                            correlation_id=uuid.UUID(incident.id) if incident is not None else None)
+        [event] = materialise(NAME, self.event, Decision("", (proposal,)))
+        self.proposals.append(proposal)
+        self.job = self.decider.evolve_job(self.job, event)
+        return event
+
+    def decision(self, default: str) -> Decision:
+        return Decision(reason="; ".join(self.reasons) or default, proposals=tuple(self.proposals))
+
+    @property
+    def now(self) -> datetime:
+        p = self.event.payload
+        return p.now if isinstance(p, TimerTicked) else self.event.occurred_at
+
+    @property
+    def expires_at(self) -> datetime:
+        return self.now + self.policy.command_ttl
+
+    # incidents
+
+    def open_incident(self, kind: str, node_id: str, fingerprint: str, reason: str, *,
+                      ranks: list[int] | None = None) -> None:
+        if self.job.incident is not None:
+            return
+        self.emit(IncidentOpened(kind=kind, node_id=node_id, ranks=ranks or sorted(self.job.node(node_id).ranks),  # type: ignore[arg-type]
+                                 generation=self.job.generation, last_step=self.job.last_step,
+                                 fingerprint=fingerprint, reason=reason, evidence=[str(self.event.id)]),
+                  key="incident")
+        # The incident's own id is its correlation: emit() read it before the incident existed.
+        opened = self.proposals[-1]
+        self.proposals[-1] = replace(opened, correlation_id=uuid.UUID(self.job.incident.id))  # type: ignore[union-attr]
+
+    def resolve(self, outcome: str, reason: str, *, stop: bool = False, rung: int | None = None) -> None:
+        incident = self.job.incident
+        assert incident is not None
+        self.note(reason)
+        final_rung = rung if rung is not None else incident.rung
+        if stop:
+            self.emit(JobStopDecided(incident_id=incident.id, rung=max(1, final_rung), reason=reason, page=True,
+                                     evidence=list(incident.evidence)), key="stop")
+        self.emit(IncidentResolved(incident_id=incident.id, outcome=outcome, rung=final_rung,  # type: ignore[arg-type]
+                                   generation=self.job.generation, reason=reason), key="resolved")
+
+    # guardrails
+
+    def hold(self, action: Action, guardrail: str, reason: str, plan: HeldPlan) -> None:
+        incident = self.job.incident
+        assert incident is not None
+        self.note(reason)
+        self.emit(ActionHeld(incident_id=incident.id, action=action, guardrail=guardrail, reason=reason,  # type: ignore[arg-type]
+                             rung=plan.rung, evict=sorted(plan.evict), rollback=plan.rollback), key=f"held/{guardrail}")
+
+    def approval_needed(self, action: Action, plan: HeldPlan) -> bool:
+        if action not in self.policy.approval_required:
+            return False
+        incident = self.job.incident
+        assert incident is not None
+        self.hold(action, "approval", f"{action} needs a human's approval: `keel approve` or `keel deny`", plan)
+        self.emit(ApprovalRequested(incident_id=incident.id, action=action, reason=plan.reason,
+                                    expires_at=self.now + self.policy.approval_ttl), key=f"approval/{action}")
+        return True
+
+    # rungs
+
+    def evict_idle(self, node_id: str, reason: str) -> None:
+        """Evict a node that runs none of the job's ranks (an idle standby): nothing to restart."""
+        verdict = self.job.evictions.check(self.now, self.job.size)
+        if not verdict.allowed:
+            self.note(f"{reason}; held: {verdict.reason}")
+            return
+        self.note(reason)
+        self.emit(NodeEvictionDecided(node_id=node_id, rung=1, reason=reason, evidence=[str(self.event.id)],
+                                      expires_at=self.expires_at, observe_only=self.policy.observe_only),
+                  subject=f"node/{node_id}")
+
+    def diagnose(self, reason: str) -> None:
+        nodes = [n.node_id for n in self.job.active if not n.cordoned]
+        plan = HeldPlan(2, frozenset(), reason)
+        if self.policy.observe_only:
+            self.hold("diagnose", "observe_only", "observe mode: diagnostics decided, not run", plan)
+            return
+        if self.approval_needed("diagnose", plan):
+            return
+        round_ = self.job.diag_rounds
+        self.note(reason)
+        self.emit(DiagnosticsRequested(round=round_, nodes=nodes, checks=list(self.policy.diagnostics_checks),  # type: ignore[arg-type]
+                                       timeout_s=self.policy.diagnostics_timeout.total_seconds(),
+                                       expires_at=self.expires_at, reason=reason), key=f"diagnostics/{round_}")
+
+    def conclude_diagnostics(self, timed_out: tuple[str, ...]) -> None:
+        incident = self.job.incident
+        assert incident is not None
+        results = incident.diag_results
+        failed = sorted(n for n, r in results.items() if not r.passed)
+        blamed = sorted({s for r in results.values() for s in r.suspects} & set(timed_out))
+        parts = []
+        for node_id in failed:
+            bad = [f"{c.check}: {c.detail}" for c in results[node_id].results if not c.passed and not c.skipped]
+            parts.append(f"{node_id} failed ({'; '.join(bad) or results[node_id].detail or 'no detail'})")
+        if timed_out:
+            parts.append(f"{', '.join(timed_out)} did not report within "
+                         f"{self.policy.diagnostics_timeout.total_seconds():g} s (the diagnostic timed out"
+                         + (f"; peers name {', '.join(blamed)}" if blamed else "") + "): treated as failed")
+        round_ = incident.diag_round
+        if failed or timed_out:
+            self.recover(2, frozenset(failed) | frozenset(timed_out),
+                         f"rung 2: stop-time diagnostics round {round_}: {'; '.join(parts)}: evict")
+        else:
+            self.recover(2, frozenset(), f"rung 2: stop-time diagnostics round {round_} passed on every node "
+                                         f"({', '.join(sorted(results))}): restart in place")
+
+    def recover(self, rung: int, evict: frozenset[str], reason: str, *, rollback: bool = False,
+                approved: bool = False) -> None:
+        """Evict ``evict`` (ready standbys take over their ranks), roll back if asked, and restart every
+        other node of the job in place as the next generation - within the guardrails."""
+        job, policy = self.job, self.policy
+        incident = job.incident
+        assert incident is not None
+        plan = HeldPlan(rung, evict, reason, rollback)
+        to_evict = sorted(n for n in evict if not job.node(n).evicted and not job.node(n).eviction_pending)
+        # The eviction circuit breaker: a flood of "bad node" verdicts is likelier a broken probe or switch.
+        breaker = job.evictions
+        for node_id in to_evict:
+            verdict = breaker.check(self.now, job.size)
+            if not verdict.allowed:
+                self.hold("evict", "eviction_breaker", verdict.reason, plan)
+                self.resolve("stopped", verdict.reason, stop=True, rung=rung)
+                return
+            breaker = breaker.record(self.now)
+        # The crash-loop breaker and the job-wide restart budget (rung 6).
+        fingerprint = incident.fingerprint or f"{incident.kind}@{','.join(sorted(evict)) or 'none'}"
+        verdict = job.crash_loop.check(self.now, fingerprint)
+        if not verdict.allowed:
+            self.hold("restart", "restart_budget", verdict.reason, plan)
+            self.resolve("stopped", f"rung 6: {verdict.reason}", stop=True, rung=6)
+            return
+        if policy.observe_only:
+            for node_id in to_evict:
+                self.emit(NodeEvictionDecided(node_id=node_id, rung=rung, reason=reason, evidence=list(incident.evidence),
+                                              expires_at=self.expires_at, observe_only=True), subject=f"node/{node_id}")
+            self.hold("rollback" if rollback else "restart", "observe_only", f"{reason}; observe mode: decided, "
+                      f"not executed", plan)
+            return
+        action: Action = "rollback" if rollback else ("evict" if to_evict else "restart")
+        if not approved and self.approval_needed(action, plan):
+            return
+        # Standbys for the ranks of the nodes that leave.
+        leaving = [job.node(n) for n in sorted(evict) if job.node(n).ranks]
+        standbys = job.ready_standbys
+        for node_id in to_evict:
+            self.emit(NodeEvictionDecided(node_id=node_id, rung=rung, reason=reason, evidence=list(incident.evidence),
+                                          expires_at=self.expires_at), subject=f"node/{node_id}")
+        if len(standbys) < len(leaving):
+            need = len(leaving) - len(standbys)
+            self.hold("promote", "no_standby", f"{reason}; no ready standby for {need} evicted node(s): the job "
+                      f"waits for the pool to refill", plan)
+            self.emit(StandbyRefillRequested(count=need, target=max(need, job.pool_target or 0),
+                                             reason=f"incident {incident.id[:8]} needs {need} ready standby(s) now",
+                                             expires_at=self.expires_at), key="refill")
+            return
+        generation = self.job.generation + 1
+        promotions = [Promotion(standby_node_id=s.node_id, replaces_node_id=n.node_id, ranks=sorted(n.ranks))
+                      for n, s in zip(leaving, standbys, strict=False)]
+        staying = [n.node_id for n in self.job.active if n.node_id not in evict]
+        self.note(reason)
+        text = (f"restart as generation {generation} on {len(staying) + len(promotions)} node(s)"
+                + "".join(f"; {p.standby_node_id} takes over ranks {_ranks_text(p.ranks)} of {p.replaces_node_id}"
+                          for p in promotions)
+                + ("; roll back the code first" if rollback else "") + "; restore from memory and peers")
+        self.note(text)
+        self.emit(RestartDecided(incident_id=incident.id, rung=rung, generation=generation, evict=to_evict,
+                                 promotions=promotions, restart_nodes=staying, rollback=rollback,
+                                 fingerprint=fingerprint, reason=f"{reason}; {text}"), key=f"restart/{generation}")
+        if rollback:
+            self.emit(RollbackDecided(incident_id=incident.id, reason=reason, fingerprint=incident.fingerprint,
+                                      evidence=list(incident.evidence), expires_at=self.expires_at), key="rollback")
+        for promotion in promotions:
+            node_rank = promotion.ranks[0] // max(1, len(promotion.ranks))
+            self.emit(StandbyPromotionRequested(
+                node_id=promotion.standby_node_id, replaces_node_id=promotion.replaces_node_id, node_rank=node_rank,
+                ranks=promotion.ranks, generation=generation, expires_at=self.expires_at,
+                reason=f"incident {incident.id[:8]}: take over ranks {_ranks_text(promotion.ranks)} of "
+                       f"{promotion.replaces_node_id}"), subject=f"node/{promotion.standby_node_id}")
+        for node_id in staying:
+            self.emit(RanksRestartRequested(node_id=node_id, generation=generation, expires_at=self.expires_at,
+                                            reason=f"incident {incident.id[:8]}, rung {rung}: restart in place as "
+                                                   f"generation {generation}"), subject=f"node/{node_id}")
+        if promotions:
+            self.size_pool()
+
+    def size_pool(self) -> None:
+        """The standby pool's target from the binomial model; a refill when fewer are ready."""
+        job, policy = self.job, self.policy
+        nodes = len(job.active)
+        if nodes == 0:
+            return
+        hours = (self.now - job.first_seen_at).total_seconds() / 3600.0 if job.first_seen_at else 0.0
+        p = failure_probability(job.node_failures, nodes * hours, policy.standby_replacement_window,
+                                prior_rate_per_node_hour=policy.standby_prior_rate_per_node_hour,
+                                prior_node_hours=policy.standby_prior_node_hours)
+        model = plan_standby_pool(nodes, p, quantile=policy.standby_quantile)
+        target = max(policy.standby_min, model.size)
+        ready = len(job.ready_standbys) + sum(1 for n in job.nodes.values() if n.standby and n.checked is None
+                                             and not n.evicted)
+        if target != job.pool_target:
+            reason = model.reason + (f"; raised to the configured minimum {policy.standby_min}"
+                                     if policy.standby_min > model.size else "")
+            self.note(f"standby pool: {reason}")
+            self.emit(StandbyPoolSized(target=target, ready=ready, job_nodes=nodes, failure_probability=p,
+                                       reason=reason), key="pool")
+        waiting = self.job.incident is not None and self.job.incident.stage == "waiting_standby"  # asked already
+        if ready < target and not waiting:
+            self.emit(StandbyRefillRequested(count=target - ready, target=target,
+                                             reason=f"{ready} standby(s) ready or checking, target {target}",
+                                             expires_at=self.expires_at), key="refill/pool")

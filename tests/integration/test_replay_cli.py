@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 
 from keel.controller.core import ControllerDecider, ControllerPolicy
-from keel.core.event_types import NodeEvictionDecided
+from keel.core.event_types import NodeEvictionDecided, NodeRegistered
+from keel.core.events import Event
 from keel.core.runner import DeciderRunner
 
 from tests.factories import T0, health_event
@@ -32,6 +33,13 @@ async def run_controller_live(keel_env, policy: ControllerPolicy) -> DeciderRunn
     return runner
 
 
+def registrations(count: int = 20) -> list:
+    """The job's nodes announce themselves (the controller ignores health events of nodes it never saw);
+    20 of them, so the eviction breaker's 10 % allows the two evictions below."""
+    return [Event.create(NodeRegistered(node_id=f"n{i}", host=f"h{i}"), job_id="job1", subject=f"node/n{i}",
+                         producer="node-agent", occurred_at=T0 - timedelta(minutes=1)) for i in range(1, count + 1)]
+
+
 def fault_sequence() -> list:
     return [
         health_event("n1", status="degraded", at=T0),
@@ -47,13 +55,13 @@ def fault_sequence() -> list:
 async def test_live_decisions_are_recorded_and_replay_verifies_clean_then_flags_a_policy_change(keel_env) -> None:
     runner = await run_controller_live(keel_env, ControllerPolicy(command_ttl=timedelta(minutes=5)))
     await keel_env.start_recorder()
-    inputs = fault_sequence()
+    inputs = registrations() + fault_sequence()
     for event in inputs:
         await keel_env.bus.publish(event)
-    # 5 inputs + 2 evictions (n2 once, n4 once).
-    assert await keel_env.wait_for_count(7) == 7
+    # 20 registrations + 5 inputs + 2 evictions (n2 once, n4 once).
+    assert await keel_env.wait_for_count(27) == 27
     await asyncio.sleep(0.3)
-    assert await keel_env.store.count() == 7
+    assert await keel_env.store.count() == 27
     assert runner.stats.emitted == 2
     decisions = [r.event async for r in keel_env.store.read(types=["NodeEvictionDecided"])]
     assert sorted(d.payload.node_id for d in decisions) == ["n2", "n4"]
@@ -65,7 +73,7 @@ async def test_live_decisions_are_recorded_and_replay_verifies_clean_then_flags_
     env = service_env(keel_env.settings)
     clean = keel(env, "replay", "--verify")
     assert clean.returncode == 0, clean.stderr
-    assert "controller: folded 7 events, 2 recorded decisions, 2 replayed: clean" in clean.stdout
+    assert "controller: folded 27 events, 2 recorded decisions, 2 replayed: clean" in clean.stdout
 
     changed = keel({**env, "KEEL_CONTROLLER__COMMAND_TTL": "10m"}, "replay", "--verify", "--service", "controller")
     assert changed.returncode == 1
@@ -83,8 +91,10 @@ async def test_live_decisions_are_recorded_and_replay_verifies_clean_then_flags_
 async def test_controller_cold_start_rebuilds_from_the_log_and_does_not_decide_twice(keel_env) -> None:
     first = await run_controller_live(keel_env, ControllerPolicy())
     await keel_env.start_recorder()
+    for event in registrations():
+        await keel_env.bus.publish(event)
     await keel_env.bus.publish(fault_sequence()[1])
-    assert await keel_env.wait_for_count(2) == 2
+    assert await keel_env.wait_for_count(22) == 22
     assert first.stats.emitted == 1
     await keel_env.shutdown()
     keel_env.tasks.clear()
@@ -94,10 +104,10 @@ async def test_controller_cold_start_rebuilds_from_the_log_and_does_not_decide_t
     await keel_env.bus.js.delete_consumer(keel_env.settings.bus.stream, "controller")  # force full redelivery
     second = await run_controller_live(keel_env, ControllerPolicy())
     await keel_env.start_recorder()
-    assert second.session.state.node("n2").eviction_pending is not None
+    assert second.session.state.job("job1").node("n2").eviction_pending is not None
     await keel_env.bus.publish(fault_sequence()[3])  # n2 again: an eviction is already pending
     await keel_env.bus.publish(fault_sequence()[4])  # n4: new
-    assert await keel_env.wait_for_count(5) == 5
+    assert await keel_env.wait_for_count(25) == 25
     await asyncio.sleep(0.3)
     assert second.stats.emitted == 1 and second.stats.skipped_redelivered >= 2
     assert [r.event.payload.node_id async for r in keel_env.store.read(types=["NodeEvictionDecided"])] == ["n2", "n4"]

@@ -1,4 +1,5 @@
-"""The decider kernel's determinism and the controller's rung-1 rule, without any I/O."""
+"""The decider kernel's determinism and the controller's rung-1 rule on an idle node, without any I/O
+(the whole ladder on a running job: tests/unit/test_controller.py)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,23 @@ def health(node: str, *, status="failed", component="gpu", confidence="high", fa
     )
 
 
+def registered(*nodes: str) -> list[Event]:
+    return [Event.create(NodeRegistered(node_id=node, host=node), job_id="job1", subject=f"node/{node}",
+                         producer="agent", occurred_at=T0 - timedelta(minutes=1)) for node in nodes]
+
+
+def session_with(decider: ControllerDecider, *nodes: str) -> DeciderSession:
+    """A controller that has seen ``nodes`` register (a health event for a node it never saw is ignored)."""
+    session = DeciderSession(decider)
+    for event in registered(*nodes):
+        session.observe(event)
+    return session
+
+
 def test_fatal_high_confidence_hardware_fault_evicts_with_reason_evidence_and_expiry() -> None:
     decider = ControllerDecider(ControllerPolicy(command_ttl=timedelta(minutes=3)))
     cause = health("n7")
-    result = DeciderSession(decider).observe(cause)
+    result = session_with(decider, "n7").observe(cause)
     assert result.decision is not None and "rung 1" in result.decision.reason
     [eviction] = result.emitted
     assert isinstance(eviction.payload, NodeEvictionDecided)
@@ -37,14 +51,14 @@ def test_fatal_high_confidence_hardware_fault_evicts_with_reason_evidence_and_ex
 
 def test_same_input_gives_the_same_decision_id_every_time() -> None:
     cause = health("n7")
-    first = DeciderSession(ControllerDecider()).observe(cause).emitted
-    second = DeciderSession(ControllerDecider()).observe(cause).emitted
+    first = session_with(ControllerDecider(), "n7").observe(cause).emitted
+    second = session_with(ControllerDecider(), "n7").observe(cause).emitted
     assert [e.id for e in first] == [e.id for e in second]
     assert first == second
 
 
 def test_signals_below_rung_one_do_not_evict() -> None:
-    session = DeciderSession(ControllerDecider())
+    session = session_with(ControllerDecider(), "n1", "n2", "n3", "n4", "n5")
     for event in (
         health("n1", confidence="medium"),
         health("n2", fatal=False),
@@ -57,7 +71,7 @@ def test_signals_below_rung_one_do_not_evict() -> None:
 
 
 def test_no_second_eviction_while_one_is_pending_or_done() -> None:
-    session = DeciderSession(ControllerDecider())
+    session = session_with(ControllerDecider(), "n7")
     first = session.observe(health("n7"))
     assert len(first.emitted) == 1
     again = session.observe(health("n7", at=T0 + timedelta(seconds=5), check="ecc"))
@@ -73,7 +87,7 @@ def test_no_second_eviction_while_one_is_pending_or_done() -> None:
 
 def test_own_decisions_coming_back_are_not_evolved_twice_or_decided_on() -> None:
     decider = ControllerDecider()
-    session = DeciderSession(decider)
+    session = session_with(decider, "n7")
     [eviction] = session.observe(health("n7")).emitted
     state_before = session.state
     echo = session.observe(eviction)
@@ -81,7 +95,7 @@ def test_own_decisions_coming_back_are_not_evolved_twice_or_decided_on() -> None
 
 
 def test_observe_mode_marks_the_command() -> None:
-    [eviction] = DeciderSession(ControllerDecider(ControllerPolicy(observe_only=True))).observe(health("n7")).emitted
+    [eviction] = session_with(ControllerDecider(ControllerPolicy(observe_only=True)), "n7").observe(health("n7")).emitted
     assert eviction.payload.observe_only is True
 
 
@@ -89,6 +103,11 @@ def test_registration_is_only_evolved() -> None:
     session = DeciderSession(ControllerDecider())
     event = Event.create(NodeRegistered(node_id="s1", host="h", standby=True), job_id="job1",
                          subject="node/s1", producer="agent", occurred_at=T0)
-    assert session.observe(event).decision is None
-    assert session.state.node("s1").standby is True
-    assert isinstance(uuid.uuid4(), uuid.UUID)
+    result = session.observe(event)
+    assert result.emitted == [], result.decision
+    assert session.state.job("job1").node("s1").standby is True
+
+
+def test_a_health_event_for_a_node_never_seen_is_recorded_not_acted_on() -> None:
+    result = DeciderSession(ControllerDecider()).observe(health("ghost"))
+    assert result.emitted == [] and "unknown node ghost" in result.decision.reason

@@ -8,7 +8,7 @@ from keel.controller.core import ControllerDecider, ControllerPolicy
 from keel.core.decider import DeciderSession
 from keel.core.replay import verify
 
-from tests.unit.test_decider_and_controller import T0, health
+from tests.unit.test_decider_and_controller import T0, health, registered
 
 
 def recorded_log(policy: ControllerPolicy) -> list:
@@ -16,7 +16,8 @@ def recorded_log(policy: ControllerPolicy) -> list:
     session = DeciderSession(ControllerDecider(policy))
     log = []
     for index, event in enumerate(
-        [health("n1"), health("n2", confidence="low"), health("n3", at=T0 + timedelta(seconds=3)), health("n1")]
+        [*registered(*(f"n{i}" for i in range(20))), health("n1"), health("n2", confidence="low"),
+         health("n3", at=T0 + timedelta(seconds=3)), health("n1")]
     ):
         log.append(event)
         log.extend(session.observe(event).emitted)

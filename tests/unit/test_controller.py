@@ -1,0 +1,437 @@
+"""The controller's escalation ladder and guardrails, pure: every rule, with the events a live run sees.
+
+A ``Job`` drives a ``DeciderSession`` with the inputs agents would publish (registrations, rank starts,
+heartbeats, exits, health changes, diagnostic results) and keeps every event - inputs and decisions - as
+the log, so each test can also check correlation ids, expiries and a cold start from that log.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from keel.controller.core import ControllerDecider, ControllerPolicy
+from keel.controller.standby import failure_probability, plan_standby_pool
+from keel.core.decider import DeciderSession
+from keel.core.event_types import (
+    ApprovalGiven,
+    CheckpointRestorePlanned,
+    CheckResult,
+    DiagnosticsCompleted,
+    NodeCordoned,
+    NodeEvicted,
+    NodeHealthChanged,
+    NodeHeartbeat,
+    NodeRegistered,
+    RankExited,
+    RankStarted,
+    StandbyChecked,
+    TimerTicked,
+)
+from keel.core.events import Event, EventPayload
+from keel.core.replay import verify
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+TRACEBACK = 'Traceback (most recent call last):\n  File "/job/train.py", line 42, in step\n    y = model(x)\n{err}\n'
+
+
+class Job:
+    """A job of ``nodes`` x ``per_node`` ranks (plus standbys) and a controller watching it."""
+
+    def __init__(self, nodes: int = 4, per_node: int = 2, standbys: int = 1, policy: ControllerPolicy | None = None,
+                 checked: bool = True) -> None:
+        self.decider = ControllerDecider(policy or ControllerPolicy())
+        self.session = DeciderSession(self.decider)
+        self.log: list[Event] = []
+        self.count = 0
+        self.now = T0
+        self.nodes = [f"n{i}" for i in range(nodes)]
+        self.per_node = per_node
+        self.generation = 0
+        for i, node in enumerate(self.nodes):
+            self.feed(NodeRegistered(node_id=node, host=node), f"node/{node}")
+            for local in range(per_node):
+                self.feed(RankStarted(node_id=node, rank=i * per_node + local, local_rank=local,
+                                      world_size=nodes * per_node, pid=100 + i, generation=0), f"rank/{i}")
+        for s in range(standbys):
+            self.add_standby(f"s{s}", checked=checked)
+        self.heartbeats(step=20)
+
+    def feed(self, payload: EventPayload, subject: str, *, producer: str = "node-agent", dt: float = 0.1,
+             correlation: uuid.UUID | None = None) -> list[Event]:
+        self.now += timedelta(seconds=dt)
+        self.count += 1  # deterministic input ids: two runs of one test give the same log
+        event = Event.create(payload, job_id="job1", subject=subject, producer=producer, occurred_at=self.now,
+                             correlation_id=correlation, event_id=uuid.uuid5(uuid.NAMESPACE_OID, f"input-{self.count}"))
+        self.log.append(event)
+        result = self.session.observe(event)
+        self.log.extend(result.emitted)
+        self.last_reason = result.decision.reason if result.decision else ""
+        return result.emitted
+
+    def add_standby(self, node: str, checked: bool = True) -> list[Event]:
+        out = self.feed(NodeRegistered(node_id=node, host=node, standby=True), f"node/{node}")
+        return out + self.feed(StandbyChecked(node_id=node, passed=checked), f"node/{node}")
+
+    def heartbeats(self, step: int, nodes: list[str] | None = None) -> list[Event]:
+        out: list[Event] = []
+        for node in nodes or self.nodes:
+            out += self.feed(NodeHeartbeat(node_id=node, ranks_alive=self.per_node, ranks_expected=self.per_node,
+                                           last_step=step), f"node/{node}")
+        return out
+
+    def crash(self, node: str, rank: int, classification: str = "infrastructure", err: str = "RuntimeError: gloo",
+              generation: int | None = None) -> list[Event]:
+        return self.feed(RankExited(node_id=node, rank=rank, pid=1, generation=self.generation if generation is None
+                                    else generation, exit_code=1, classification=classification,  # type: ignore[arg-type]
+                                    error_type=err.split(":")[0], stderr_tail=TRACEBACK.format(err=err)), f"rank/{rank}")
+
+    def health(self, node: str, component: str = "gpu", check: str = "xid", confidence: str = "high",
+               fatal: bool = True) -> list[Event]:
+        return self.feed(NodeHealthChanged(node_id=node, status="failed", component=component, check=check,  # type: ignore[arg-type]
+                                           confidence=confidence, is_fatal=fatal, detail=f"{check} on {node}"),  # type: ignore[arg-type]
+                         f"node/{node}", producer="inspector")
+
+    def diagnostics(self, node: str, request: Event, passed: bool = True, detail: str = "") -> list[Event]:
+        results = [CheckResult(check="inter_node_all_gather", passed=passed, detail=detail or "ok")]
+        return self.feed(DiagnosticsCompleted(node_id=node, request_id=str(request.id), round=request.payload.round,
+                                              passed=passed, results=results), f"node/{node}",
+                         correlation=request.correlation_id)
+
+    def restart(self, decided: list[Event], restore_step: int = 18, step: int = 19) -> list[Event]:
+        """The agents carry out a restart: ranks start, the broker plans, a node steps past the plan."""
+        [restart] = of(decided, "RestartDecided")
+        self.generation = restart.payload.generation
+        incident = restart.correlation_id
+        takeover = {p.standby_node_id: p.replaces_node_id for p in restart.payload.promotions}
+        running = [n for n in restart.payload.restart_nodes] + list(takeover)
+        for node in running:
+            slot = self.nodes.index(takeover.get(node, node))
+            for local in range(self.per_node):
+                self.feed(RankStarted(node_id=node, rank=slot * self.per_node + local, local_rank=local,
+                                      world_size=len(self.nodes) * self.per_node, pid=200, generation=self.generation),
+                          f"rank/{slot}", correlation=incident)
+        self.nodes = [next((s for s, r in takeover.items() if r == n), n) for n in self.nodes]
+        self.feed(CheckpointRestorePlanned(generation=self.generation, step=restore_step, reason="plan"), "job/job1",
+                  producer="checkpoint-broker")
+        return self.heartbeats(step=step, nodes=[running[0]])
+
+    def tick(self, after_s: float) -> list[Event]:
+        self.now += timedelta(seconds=after_s)
+        return self.feed(TimerTicked(now=self.now), "clock/controller", producer="controller-clock", dt=0)
+
+
+def of(events: list[Event], kind: str) -> list[Event]:
+    return [e for e in events if e.type == kind]
+
+
+def types(events: list[Event]) -> list[str]:
+    return [e.type for e in events]
+
+
+# -- rung 1 ---------------------------------------------------------------------------------------
+
+
+def test_rung1_evicts_promotes_a_ready_standby_and_restarts_the_rest_in_place() -> None:
+    job = Job(policy=ControllerPolicy(command_ttl=timedelta(minutes=3)))
+    out = job.health("n2")
+    assert types(out) == ["IncidentOpened", "NodeEvictionDecided", "RestartDecided", "StandbyPromotionRequested",
+                          "RanksRestartRequested", "RanksRestartRequested", "RanksRestartRequested"]
+    [opened] = of(out, "IncidentOpened")
+    cause = job.log[-len(out) - 1]
+    assert opened.payload.kind == "hardware" and opened.payload.node_id == "n2" and opened.payload.ranks == [4, 5]
+    assert opened.payload.evidence == [str(cause.id)] and opened.payload.last_step == 20
+    assert all(e.correlation_id == opened.id for e in out), "every decision carries the incident id"
+    [eviction] = of(out, "NodeEvictionDecided")
+    assert eviction.payload.rung == 1 and "rung 1" in eviction.payload.reason
+    assert eviction.payload.expires_at == cause.occurred_at + timedelta(minutes=3)
+    [promotion] = of(out, "StandbyPromotionRequested")
+    assert (promotion.payload.node_id, promotion.payload.replaces_node_id, promotion.payload.ranks,
+            promotion.payload.node_rank, promotion.payload.generation) == ("s0", "n2", [4, 5], 2, 1)
+    assert sorted(e.payload.node_id for e in of(out, "RanksRestartRequested")) == ["n0", "n1", "n3"]
+    assert {e.payload.generation for e in of(out, "RanksRestartRequested")} == {1}
+    # Back at work: the incident closes once the new generation steps past the restore point.
+    resolved = job.restart(out, restore_step=18, step=19)
+    [done] = of(resolved, "IncidentResolved")
+    assert done.payload.outcome == "recovered" and done.payload.rung == 1 and done.correlation_id == opened.id
+    assert job.session.state.job("job1").incident is None
+    assert job.nodes == ["n0", "n1", "s0", "n3"]
+
+
+def test_a_heartbeat_before_the_new_generation_starts_does_not_close_the_incident() -> None:
+    job = Job()
+    job.health("n2")
+    assert of(job.heartbeats(step=25, nodes=["n0"]), "IncidentResolved") == []
+
+
+def test_rung1_without_a_ready_standby_evicts_asks_for_a_refill_and_waits() -> None:
+    job = Job(standbys=1, checked=False)  # the only standby failed its self-check
+    out = job.health("n1")
+    assert types(out)[:2] == ["IncidentOpened", "NodeEvictionDecided"]
+    [held] = of(out, "ActionHeld")
+    assert held.payload.guardrail == "no_standby" and held.payload.evict == ["n1"] and held.payload.rung == 1
+    assert of(out, "StandbyRefillRequested") and not of(out, "RanksRestartRequested")
+    # The actuator evicts it; a fresh standby joins and passes its self-check: the held recovery goes on.
+    job.feed(NodeEvicted(node_id="n1", decision_id=str(of(out, "NodeEvictionDecided")[0].id), actuator="local",
+                         outcome="evicted"), "node/n1", producer="actuator")
+    assert of(job.feed(NodeRegistered(node_id="s1", host="s1", standby=True), "node/s1"), "RestartDecided") == []
+    out = job.feed(StandbyChecked(node_id="s1", passed=True), "node/s1")
+    [restart] = of(out, "RestartDecided")
+    assert [(p.standby_node_id, p.replaces_node_id, p.ranks) for p in restart.payload.promotions] == [("s1", "n1", [2, 3])]
+    assert restart.payload.evict == [] and "ready standby joined" in restart.payload.reason
+    assert sorted(restart.payload.restart_nodes) == ["n0", "n2", "n3"]
+
+
+def test_an_idle_standby_with_a_fatal_fault_is_evicted_without_a_restart() -> None:
+    job = Job()
+    out = job.health("s0", component="disk", check="smart")
+    assert types(out) == ["NodeEvictionDecided"] and out[0].payload.node_id == "s0"
+
+
+def test_signals_below_rung1_change_nothing_and_unknown_nodes_are_recorded_only() -> None:
+    job = Job()
+    for component, check, confidence, fatal in [("gpu", "xid", "medium", True), ("nic", "link_flap", "high", False),
+                                                ("host", "psi_memory", "low", False)]:
+        assert job.health("n1", component, check, confidence, fatal) == []
+        assert "not a rung-1 signal" in job.last_reason
+    assert job.health("ghost") == [] and "unknown node ghost" in job.last_reason
+
+
+def test_a_lost_node_is_evicted_on_the_clock() -> None:
+    job = Job(policy=ControllerPolicy(node_silence_timeout=timedelta(seconds=30)))
+    assert job.tick(10) == []
+    job.heartbeats(step=21, nodes=["n0", "n1", "n3"])  # n2 went silent
+    assert job.tick(15) == []
+    out = job.tick(10)  # n2's last heartbeat is now 35 s old
+    [opened] = of(out, "IncidentOpened")
+    assert opened.payload.kind == "lost_node" and "no heartbeat from n2" in opened.payload.reason
+    assert [e.payload.node_id for e in of(out, "NodeEvictionDecided")] == ["n2"]
+    # The command expires relative to the tick's time (time is an input), not the wall clock.
+    assert of(out, "NodeEvictionDecided")[0].payload.expires_at == job.now + timedelta(minutes=5)
+
+
+# -- rung 2 ---------------------------------------------------------------------------------------
+
+
+def test_rung2_crash_runs_diagnostics_then_restarts_in_place_when_all_pass() -> None:
+    job = Job()
+    out = job.crash("n1", 3)
+    assert types(out) == ["IncidentOpened", "DiagnosticsRequested"]
+    [request] = of(out, "DiagnosticsRequested")
+    assert request.payload.nodes == ["n0", "n1", "n2", "n3"] and request.payload.round == 0
+    assert set(request.payload.checks) == {"gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"}
+    # More exits of the same failure join the incident.
+    assert job.crash("n0", 0) == [] and "part of it" in job.last_reason
+    for node in ["n0", "n1", "n2"]:
+        assert job.diagnostics(node, request) == []
+    assert "waiting for n3" in job.last_reason
+    out = job.diagnostics("n3", request)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.rung == 2 and restart.payload.evict == [] and "passed on every node" in restart.payload.reason
+    assert sorted(e.payload.node_id for e in of(out, "RanksRestartRequested")) == ["n0", "n1", "n2", "n3"]
+    assert of(job.restart(out), "IncidentResolved")
+
+
+def test_rung2_evicts_the_node_that_fails_diagnostics_and_promotes_a_standby() -> None:
+    job = Job()
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    for node in ["n0", "n1", "n3"]:
+        job.diagnostics(node, request)
+    out = job.diagnostics("n2", request, passed=False, detail="n2 sent corrupted data")
+    assert [e.payload.node_id for e in of(out, "NodeEvictionDecided")] == ["n2"]
+    [restart] = of(out, "RestartDecided")
+    assert "n2 failed (inter_node_all_gather: n2 sent corrupted data)" in restart.payload.reason
+    assert [(p.standby_node_id, p.replaces_node_id) for p in restart.payload.promotions] == [("s0", "n2")]
+
+
+def test_a_diagnostic_that_times_out_names_the_silent_node_and_evicts_it() -> None:
+    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=20)))
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    for node in ["n0", "n1", "n2"]:
+        job.diagnostics(node, request)
+    assert job.tick(10) == []
+    out = job.tick(15)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == ["n3"] and "n3 did not report within 20 s" in restart.payload.reason
+    # A late answer of that round changes nothing.
+    assert job.diagnostics("n3", request) == []
+
+
+def test_a_hang_runs_diagnostics() -> None:
+    job = Job()
+    out = job.health("n2", component="rank", check="no_progress", confidence="medium", fatal=False)
+    assert types(out) == ["IncidentOpened", "DiagnosticsRequested"] and out[0].payload.kind == "hang"
+    # Every node's ranks hang in the same collective: their reports join the incident.
+    assert job.health("n0", component="rank", check="no_progress", confidence="medium", fatal=False) == []
+
+
+def test_a_cordoned_node_is_neither_diagnosed_nor_promoted() -> None:
+    job = Job(standbys=2)
+    job.feed(NodeCordoned(node_id="s0", by="alice", reason="PSU ticket"), "node/s0", producer="keel-cli")
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    for node in ["n0", "n1", "n2"]:
+        job.diagnostics(node, request)
+    out = job.diagnostics("n3", request, passed=False)
+    [restart] = of(out, "RestartDecided")
+    assert [p.standby_node_id for p in restart.payload.promotions] == ["s1"]
+
+
+# -- rungs 4 and 6, and progress ---------------------------------------------------------------------
+
+
+def test_user_code_restarts_at_once_then_rolls_back_then_stops_and_pages() -> None:
+    job = Job()
+    err = "KeyError: 'lm_head'"
+    first = job.crash("n0", 1, classification="user_code", err=err)
+    assert types(first)[:2] == ["IncidentOpened", "RestartDecided"] and not of(first, "DiagnosticsRequested")
+    assert "names the user's code" in of(first, "RestartDecided")[0].payload.reason
+    job.restart(first, restore_step=18, step=19)  # resumes, but fails again before passing step 20
+    second = job.crash("n0", 1, classification="user_code", err=err)
+    [rollback] = of(second, "RollbackDecided")
+    [restart] = of(second, "RestartDecided")
+    assert restart.payload.rung == 4 and restart.payload.rollback and "2 times in a row" in rollback.payload.reason
+    job.restart(second, restore_step=18, step=19)
+    third = job.crash("n0", 1, classification="user_code", err=err)
+    [stop] = of(third, "JobStopDecided")
+    [resolved] = of(third, "IncidentResolved")
+    assert stop.payload.rung == 6 and stop.payload.page and "crash loop" in stop.payload.reason
+    assert resolved.payload.outcome == "stopped" and not of(third, "RanksRestartRequested")
+    # Nothing restarts a stopped job by itself.
+    assert job.crash("n1", 2, generation=job.generation) == [] and "stopped" in job.last_reason
+
+
+def test_progress_past_the_failure_resets_the_crash_loop() -> None:
+    job = Job()
+    err = "ValueError: bad batch"
+    job.restart(job.crash("n0", 1, classification="user_code", err=err), restore_step=18, step=19)
+    job.heartbeats(step=40)  # past step 20, where it failed
+    again = job.crash("n0", 1, classification="user_code", err=err)
+    assert not of(again, "RollbackDecided") and of(again, "RestartDecided")[0].payload.rung == 2
+
+
+def test_exits_of_an_older_generation_are_not_a_new_incident() -> None:
+    job = Job()
+    job.restart(job.crash("n0", 1, classification="user_code"), restore_step=18, step=19)
+    assert job.crash("n2", 4, generation=0) == [] and "old generation" in job.last_reason
+
+
+# -- guardrails ------------------------------------------------------------------------------------
+
+
+def test_observe_mode_decides_and_records_but_executes_nothing() -> None:
+    job = Job(policy=ControllerPolicy(observe_only=True))
+    out = job.health("n2")
+    [eviction] = of(out, "NodeEvictionDecided")
+    [held] = of(out, "ActionHeld")
+    assert eviction.payload.observe_only and held.payload.guardrail == "observe_only"
+    assert not of(out, "RanksRestartRequested") and not of(out, "StandbyPromotionRequested")
+    diag = Job(policy=ControllerPolicy(observe_only=True)).crash("n1", 3)
+    assert not of(diag, "DiagnosticsRequested") and of(diag, "ActionHeld")[0].payload.action == "diagnose"
+
+
+def test_eviction_breaker_stops_evicting_and_pages() -> None:
+    job = Job(nodes=4, standbys=3, policy=ControllerPolicy(max_evictions=1))
+    job.restart(job.health("n1"))
+    out = job.health("n2")
+    [held] = of(out, "ActionHeld")
+    assert held.payload.guardrail == "eviction_breaker" and "circuit breaker open" in held.payload.reason
+    assert of(out, "JobStopDecided") and not of(out, "NodeEvictionDecided")
+
+
+def test_restart_budget_spent_stops_the_job() -> None:
+    job = Job(policy=ControllerPolicy(restart_budget=2))
+    for err in ["A: one", "B: two"]:
+        job.restart(job.crash("n0", 1, classification="user_code", err=err))
+        job.heartbeats(step=40)
+    out = job.crash("n0", 1, classification="user_code", err="C: three")
+    assert of(out, "JobStopDecided") and "restart budget spent" in of(out, "JobStopDecided")[0].payload.reason
+
+
+def test_approval_required_waits_for_a_human_and_carries_out_on_approve() -> None:
+    job = Job(policy=ControllerPolicy(approval_required=frozenset({"evict"})))
+    out = job.health("n2")
+    [request] = of(out, "ApprovalRequested")
+    assert of(out, "ActionHeld")[0].payload.guardrail == "approval" and not of(out, "NodeEvictionDecided")
+    assert job.feed(ApprovalGiven(request_id=str(uuid.uuid4()), approved=True, by="bob"), "job/job1") == []
+    out = job.feed(ApprovalGiven(request_id=str(request.id), approved=True, by="alice"), "job/job1", producer="keel-cli")
+    assert [e.payload.node_id for e in of(out, "NodeEvictionDecided")] == ["n2"]
+    assert "approved by alice" in of(out, "RestartDecided")[0].payload.reason
+
+
+def test_a_denied_approval_stops_the_job_for_a_human() -> None:
+    job = Job(policy=ControllerPolicy(approval_required=frozenset({"restart"})))
+    out = job.crash("n0", 1, classification="user_code")
+    [request] = of(out, "ApprovalRequested")
+    out = job.feed(ApprovalGiven(request_id=str(request.id), approved=False, by="alice", comment="investigating"),
+                   "job/job1")
+    assert of(out, "JobStopDecided") and of(out, "IncidentResolved")[0].payload.outcome == "stopped"
+
+
+def test_an_unknown_approval_kind_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown action kind"):
+        ControllerPolicy(approval_required=frozenset({"reboot"}))
+
+
+# -- the pool --------------------------------------------------------------------------------------
+
+
+def test_the_pool_target_is_the_binomial_99th_percentile_of_the_measured_rate() -> None:
+    # 0.05 failures per node-hour, a 1 h window: p = 1 - e^-0.05 = 0.04877. For 4 nodes,
+    # P(X <= 1) = 0.9512^4 + 4 x 0.04877 x 0.9512^3 = 0.8187 + 0.1679 = 0.9866 < 0.99, P(X <= 2) = 0.9995: 2 standbys.
+    policy = ControllerPolicy(standby_prior_rate_per_node_hour=0.05, standby_prior_node_hours=1e9)
+    job = Job(nodes=4, standbys=0, policy=policy)
+    job.add_standby("s0")
+    sized = of(job.log, "StandbyPoolSized")[-1]
+    assert sized.payload.failure_probability == pytest.approx(0.04877, abs=1e-5)
+    assert sized.payload.target == 2 and sized.payload.job_nodes == 4
+    assert sized.payload.failure_probability == pytest.approx(failure_probability(
+        0, 4 * (job.now - T0).total_seconds() / 3600, timedelta(hours=1), prior_rate_per_node_hour=0.05,
+        prior_node_hours=1e9))
+    assert plan_standby_pool(4, sized.payload.failure_probability).size == 2
+    # One standby ready or checking of two: the actuator is asked for the other.
+    refill = of(job.log, "StandbyRefillRequested")[-1]
+    assert (refill.payload.count, refill.payload.target) == (1, 2)
+    # With the default prior a 4-node job needs none ((1 - 0.0012)^4 = 0.9952 >= 0.99); a configured
+    # minimum still holds.
+    job = Job(nodes=4, standbys=0, policy=ControllerPolicy(standby_min=1))
+    assert of(job.log, "StandbyPoolSized")[-1].payload.target == 1
+
+
+# -- determinism, replay and cold start ----------------------------------------------------------------
+
+
+def test_the_same_inputs_give_the_same_decisions_and_ids() -> None:
+    def run() -> list[Event]:
+        job = Job()
+        job.restart(job.health("n2"))
+        [request] = of(job.crash("n0", 1), "DiagnosticsRequested")
+        return [e for e in job.log if e.producer == "controller"]
+
+    first, second = run(), run()
+    assert [e.id for e in first] == [e.id for e in second] and first == second
+
+
+def test_replay_of_the_log_is_clean_and_a_cold_start_rebuilds_the_open_incident() -> None:
+    job = Job()
+    job.restart(job.health("n2"))
+    out = job.crash("n0", 1)
+    [request] = of(out, "DiagnosticsRequested")
+    job.diagnostics("n0", request)
+    report = verify(ControllerDecider(), job.log)
+    assert report.clean, [d.describe() for d in report.divergences]
+    # A controller restarted now folds the log and decides nothing about history...
+    cold = DeciderSession(ControllerDecider())
+    cold.rebuild(job.log)
+    live = job.session.state.job("job1")
+    rebuilt = cold.state.job("job1")
+    assert rebuilt.incident == live.incident and rebuilt.incident.stage == "diagnosing"
+    assert rebuilt.nodes == live.nodes and rebuilt.generation == live.generation == 1
+    # ...and goes on where the live one was: the remaining results conclude the same round.
+    remaining = [n for n in ["n1", "s0", "n3"]]
+    for node in remaining:
+        event = Event.create(DiagnosticsCompleted(node_id=node, request_id=str(request.id), round=0, passed=True),
+                             job_id="job1", subject=f"node/{node}", producer="node-agent", occurred_at=job.now)
+        result = cold.observe(event)
+    assert of(result.emitted, "RestartDecided")[0].payload.generation == 2
