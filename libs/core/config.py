@@ -92,6 +92,28 @@ class ControllerSettings(_Section):
     """Observe mode: decide and record, execute nothing."""
     command_ttl: Duration = parse_duration("5m")
     """Every command expires; a cold start never executes a stale one."""
+    diagnostics_timeout: Duration = parse_duration("60s")
+    """Stop-time diagnostics: a node that has not reported within this is treated as failed."""
+    node_silence_timeout: Duration = parse_duration("30s")
+    """A node of a running job whose heartbeats stopped this long ago is lost (rung 1)."""
+    clock_interval: Duration = parse_duration("1s")
+    """How often the controller records a ``TimerTicked`` for a running job (its time-based rules)."""
+    eviction_window: Duration = parse_duration("1h")
+    max_evictions: int = Field(8, ge=1)
+    """The eviction circuit breaker: at most this many evictions per window..."""
+    max_eviction_fraction: float = Field(0.1, gt=0, le=1)
+    """...and at most this fraction of the job's nodes (at least one is always allowed)."""
+    restart_window: Duration = parse_duration("1h")
+    restart_budget: int = Field(10, ge=1)
+    """Job-wide restarts per window before the job is stopped and a human paged."""
+    max_same_failure: int = Field(3, ge=2)
+    """The same failure fingerprint this many times in a row (no progress between) is a crash loop."""
+    approval_required: list[str] = Field(default_factory=list)
+    """Action kinds that wait for `keel approve`: evict, restart, diagnose, rollback."""
+    standby_min: int = Field(0, ge=0)
+    """Keep at least this many warm standbys, whatever the binomial model says."""
+    standby_replacement_window: Duration = parse_duration("1h")
+    """How long a failed machine takes to come back: the window of the standby pool's binomial model."""
 
 
 class CheckpointSettings(_Section):

@@ -189,6 +189,8 @@ class JobView:
     evictions: EvictionBreaker = EvictionBreaker()
     crash_loop: CrashLoopBreaker = CrashLoopBreaker()
     stopped: bool = False
+    finished: bool = False
+    """A rank exited successfully: the job is ending, silent nodes are done, not lost."""
     first_seen_at: datetime | None = None
     node_failures: int = 0
     pool_target: int | None = None
@@ -259,6 +261,13 @@ class ControllerDecider:
         job = state.jobs.get(event.job_id) or self.new_job()
         updated = self.evolve_job(job, event)
         return state if updated is job else state.with_job(event.job_id, updated)
+
+    def needs_clock(self, state: ControllerState) -> list[str]:
+        """Jobs whose rules depend on time now (a running job's silent nodes, a diagnostics deadline):
+        the adapter records a ``TimerTicked`` for each, once per clock interval."""
+        return sorted(job_id for job_id, job in state.jobs.items()
+                      if (job.active and not job.stopped and not job.finished)
+                      or (job.incident is not None and job.incident.stage == "diagnosing"))
 
     def new_job(self) -> JobView:
         """A job seen for the first time, with the policy's guardrail limits."""
@@ -351,6 +360,10 @@ class ControllerDecider:
             return job.with_node(replace(job.node(p.node_id), promoting=False, checked=False))
         if isinstance(p, RanksRestartRequested):
             return replace(job, generation=max(job.generation, p.generation))
+        if isinstance(p, RankExited):
+            if p.classification == "success" and p.generation >= job.generation:
+                return replace(job, finished=True)
+            return job
         if isinstance(p, CheckpointRestorePlanned):
             incident = job.incident
             if incident is not None and incident.target_generation == p.generation:
@@ -502,7 +515,7 @@ class ControllerDecider:
             if incident.diag_deadline is not None and now >= incident.diag_deadline:
                 plan.conclude_diagnostics(timed_out=tuple(sorted(incident.diag_nodes - set(incident.diag_results))))
             return
-        if job.stopped or (incident is not None and incident.stage not in ("recovering", "observing")):
+        if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
             return
         lost = [n for n in job.active if not n.eviction_pending and n.last_heartbeat_at is not None
                 and now - n.last_heartbeat_at > policy.node_silence_timeout]

@@ -6,20 +6,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from keel.controller.core import ControllerDecider, ControllerPolicy
+from keel.controller.adapter import Controller, decider_from_settings
 from keel.core.bus import Bus
 from keel.core.config import Settings
-from keel.core.runner import DeciderRunner
 from keel.core.store import EventStore, create_engine, run_migrations
 
+__all__ = ["serve", "decider_from_settings"]
+
 log = logging.getLogger(__name__)
-
-
-def decider_from_settings(settings: Settings) -> ControllerDecider:
-    policy = ControllerPolicy(
-        command_ttl=settings.controller.command_ttl, observe_only=settings.controller.observe_only
-    )
-    return ControllerDecider(policy)
 
 
 async def serve(
@@ -29,12 +23,12 @@ async def serve(
     await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
     bus = await Bus.connect(nats_url, settings.bus, name="keel-controller")
     engine = create_engine(database_url, settings.db_schema)
-    runner = DeciderRunner(decider_from_settings(settings), bus, EventStore(engine))
+    controller = Controller(bus, EventStore(engine), settings)
     try:
-        await runner.start()
+        await controller.start()
         log.info("controller: state rebuilt from the log; consuming live")
         on_ready()
-        await runner.run(stop)
+        await controller.run(stop)
     finally:
         await bus.close()
         await engine.dispose()
