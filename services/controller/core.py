@@ -502,11 +502,14 @@ class ControllerDecider:
             plan.note(f"diagnostics of {p.node_id} (round {p.round}) outside a diagnosing incident: recorded")
             return
         missing = sorted(incident.diag_nodes - set(incident.diag_results))
-        if missing:
+        named = {s for r in incident.diag_results.values() for s in r.suspects}
+        if missing and not set(missing) <= named:
             plan.note(f"diagnostics round {p.round}: {p.node_id} {'passed' if p.passed else 'failed'}; waiting for "
                       f"{', '.join(missing)}")
             return
-        plan.conclude_diagnostics(timed_out=())
+        # Everyone who can answer did, and they name every silent node as the peer that never joined:
+        # no need to sit out the timeout.
+        plan.conclude_diagnostics(timed_out=tuple(missing))
 
     def _on_tick(self, plan: _Plan, now: datetime) -> None:
         job, policy = plan.job, self.policy
@@ -573,6 +576,69 @@ def _streak(history: Iterable[str], fingerprint: str) -> int:
 
 def _ranks_text(ranks: Iterable[int]) -> str:
     return ", ".join(map(str, sorted(ranks)))
+
+
+@dataclass(frozen=True)
+class DiagnosticsVerdict:
+    evict: frozenset[str]
+    reason: str
+    stop: bool = False
+
+
+_LOCAL_CHECKS = frozenset({"gpu_matmul", "intra_node_all_to_all"})
+
+
+def diagnostics_verdict(results: Mapping[str, DiagnosticsCompleted], nodes: Iterable[str], timed_out: Iterable[str],
+                        timeout: timedelta) -> DiagnosticsVerdict:
+    """Which nodes one round of stop-time diagnostics convicts, and why (pure).
+
+    - A node failing a check of its own (the GPU self-test, the intra-node all-to-all) is bad.
+    - The inter-node all-gather fails on *every* node when one is bad; the reports' ``suspects`` (a peer
+      that never joined or sent wrong data) say which. A node named by another is bad; a node whose
+      only failure is the collective and whom nobody names is a bystander.
+    - A node that did not report (``timed_out``) is bad: its agent or its network is gone.
+    - The collective failing on at least half the nodes with nobody named is no bad machine (a switch,
+      the fabric, a bad driver push): evicting would empty the job, so the verdict is to stop and page.
+    """
+    nodes, timed_out = sorted(set(nodes)), sorted(set(timed_out))
+    named: dict[str, set[str]] = {}
+    for reporter, result in results.items():
+        for suspect in result.suspects:
+            if suspect != reporter:
+                named.setdefault(suspect, set()).add(reporter)
+    local_bad = {n for n, r in results.items() if any(not c.passed and not c.skipped and c.check in _LOCAL_CHECKS
+                                                      for c in r.results)}
+    collective_only = {n for n, r in results.items() if not r.passed and n not in local_bad}
+    bad = local_bad | set(timed_out) | {s for s in named if s in set(nodes)}
+    unexplained = collective_only - bad
+    parts = []
+    for node_id in sorted(local_bad):
+        checks = [f"{c.check}: {c.detail}" for c in results[node_id].results
+                  if not c.passed and not c.skipped and c.check in _LOCAL_CHECKS]
+        parts.append(f"{node_id} failed its own checks ({'; '.join(checks)})")
+    for suspect in sorted(set(named) & bad - local_bad):
+        parts.append(f"{suspect} named by {', '.join(sorted(named[suspect]))} "
+                     f"({'never joined or sent wrong data' if suspect in timed_out or suspect not in results else 'sent wrong data'})")
+    silent = [n for n in timed_out if n not in named]
+    if silent:
+        parts.append(f"{', '.join(silent)} did not report within {timeout.total_seconds():g} s (the diagnostic timed "
+                     f"out): treated as failed")
+    if not bad and unexplained:
+        if len(unexplained) * 2 >= max(1, len(nodes)):
+            return DiagnosticsVerdict(frozenset(), f"the inter-node check failed on {', '.join(sorted(unexplained))} "
+                                                   f"and no report names a culprit: a fabric-wide fault, not a machine; "
+                                                   f"stopping instead of evicting half the job", stop=True)
+        bad = set(unexplained)
+        for node_id in sorted(unexplained):
+            checks = [f"{c.check}: {c.detail}" for c in results[node_id].results if not c.passed and not c.skipped]
+            parts.append(f"{node_id} failed ({'; '.join(checks) or results[node_id].detail or 'no detail'})")
+        parts.append("nobody else is named: evicting the minority that failed")
+    if not bad:
+        return DiagnosticsVerdict(frozenset(), f"passed on every node ({', '.join(sorted(results))})")
+    bystanders = sorted(collective_only - bad)
+    if bystanders:
+        parts.append(f"{', '.join(bystanders)} failed only the collective check because of them: kept")
+    return DiagnosticsVerdict(frozenset(bad), "; ".join(parts))
 
 
 # -- one decision in the making ----------------------------------------------------------------------
@@ -687,24 +753,16 @@ class _Plan:
     def conclude_diagnostics(self, timed_out: tuple[str, ...]) -> None:
         incident = self.job.incident
         assert incident is not None
-        results = incident.diag_results
-        failed = sorted(n for n, r in results.items() if not r.passed)
-        blamed = sorted({s for r in results.values() for s in r.suspects} & set(timed_out))
-        parts = []
-        for node_id in failed:
-            bad = [f"{c.check}: {c.detail}" for c in results[node_id].results if not c.passed and not c.skipped]
-            parts.append(f"{node_id} failed ({'; '.join(bad) or results[node_id].detail or 'no detail'})")
-        if timed_out:
-            parts.append(f"{', '.join(timed_out)} did not report within "
-                         f"{self.policy.diagnostics_timeout.total_seconds():g} s (the diagnostic timed out"
-                         + (f"; peers name {', '.join(blamed)}" if blamed else "") + "): treated as failed")
+        verdict = diagnostics_verdict(incident.diag_results, incident.diag_nodes, timed_out,
+                                      self.policy.diagnostics_timeout)
         round_ = incident.diag_round
-        if failed or timed_out:
-            self.recover(2, frozenset(failed) | frozenset(timed_out),
-                         f"rung 2: stop-time diagnostics round {round_}: {'; '.join(parts)}: evict")
+        if verdict.stop:
+            self.resolve("stopped", f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}", stop=True, rung=2)
+        elif verdict.evict:
+            self.recover(2, verdict.evict, f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}: evict")
         else:
-            self.recover(2, frozenset(), f"rung 2: stop-time diagnostics round {round_} passed on every node "
-                                         f"({', '.join(sorted(results))}): restart in place")
+            self.recover(2, frozenset(), f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}: "
+                                         f"restart in place")
 
     def recover(self, rung: int, evict: frozenset[str], reason: str, *, rollback: bool = False,
                 approved: bool = False) -> None:

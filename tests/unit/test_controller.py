@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keel.controller.core import ControllerDecider, ControllerPolicy
+from keel.controller.core import ControllerDecider, ControllerPolicy, diagnostics_verdict
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.core.decider import DeciderSession
 from keel.core.event_types import (
@@ -257,6 +257,51 @@ def test_a_diagnostic_that_times_out_names_the_silent_node_and_evicts_it() -> No
     assert restart.payload.evict == ["n3"] and "n3 did not report within 20 s" in restart.payload.reason
     # A late answer of that round changes nothing.
     assert job.diagnostics("n3", request) == []
+
+
+def test_diagnostics_conclude_early_when_every_peer_names_the_silent_node() -> None:
+    job = Job()
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    for node in ["n0", "n1"]:
+        job.feed(DiagnosticsCompleted(node_id=node, request_id=str(request.id), round=0, passed=False,
+                                      suspects=["n3"], detail="n3 never joined"), f"node/{node}")
+    assert "waiting for n2, n3" in job.last_reason  # n2 is silent but nobody names it: wait
+    out = job.feed(DiagnosticsCompleted(node_id="n2", request_id=str(request.id), round=0, passed=False,
+                                        suspects=["n3"]), "node/n2")
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == ["n3"] and "n3 named by n0, n1, n2" in restart.payload.reason
+    assert "n0, n1, n2 failed only the collective check because of them: kept" in restart.payload.reason
+    assert [(p.standby_node_id, p.replaces_node_id) for p in restart.payload.promotions] == [("s0", "n3")]
+
+
+def test_diagnostics_verdicts() -> None:
+    def report(node: str, *, ok: bool = True, local: bool = False, suspects: list[str] | None = None):
+        check = "gpu_matmul" if local else "inter_node_all_gather"
+        return DiagnosticsCompleted(node_id=node, request_id="r", round=0, passed=ok, suspects=suspects or [],
+                                    results=[CheckResult(check=check, passed=ok, detail="bad" if not ok else "")])
+
+    nodes = ["a", "b", "c", "d"]
+    t = timedelta(seconds=30)
+    ok = diagnostics_verdict({n: report(n) for n in nodes}, nodes, [], t)
+    assert ok.evict == frozenset() and not ok.stop and "passed on every node" in ok.reason
+    gpu = diagnostics_verdict({**{n: report(n) for n in nodes}, "b": report("b", ok=False, local=True)}, nodes, [], t)
+    assert gpu.evict == {"b"} and "b failed its own checks (gpu_matmul: bad)" in gpu.reason
+    silent = diagnostics_verdict({n: report(n) for n in "abc"}, nodes, ["d"], t)
+    assert silent.evict == {"d"} and "did not report within 30 s" in silent.reason
+    fabric = diagnostics_verdict({n: report(n, ok=False) for n in nodes}, nodes, [], t)
+    assert fabric.stop and fabric.evict == frozenset() and "fabric-wide" in fabric.reason
+    minority = diagnostics_verdict({**{n: report(n) for n in nodes}, "c": report("c", ok=False)}, nodes, [], t)
+    assert minority.evict == {"c"} and not minority.stop
+
+
+def test_the_clock_runs_for_running_jobs_only() -> None:
+    job = Job()
+    decider = job.decider
+    assert decider.needs_clock(job.session.state) == ["job1"]
+    job.feed(RankExited(node_id="n0", rank=0, pid=1, generation=0, exit_code=0, classification="success"), "rank/0")
+    assert decider.needs_clock(job.session.state) == []
+    # A finished job's silent nodes are done, not lost.
+    assert job.tick(120) == []
 
 
 def test_a_hang_runs_diagnostics() -> None:
