@@ -2,14 +2,23 @@
 
     keel up | down | status          the embedded runtime (NATS + PostgreSQL) and the services
     keel migrate                     bring the event store schema up to date
-    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker)
+    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker, actuator)
     keel replay [--job J] [--service S] --verify
     keel events tail [--job J] [-n N] [--follow] | show ID | schema [--write | --check]
     keel checkpoints ls [--root PATH] [--job J] [--json]   the persistent checkpoint tier
+    keel ettr [--job J] [--window 1h] [--json]   cumulative and sliding-window ETTR, lost time by incident and phase
+    keel incidents [--job J] [--json]            the controller's incidents, one line each
+    keel timeline INCIDENT [--job J] [--json]    every event of one incident (id or a 6+ character prefix)
+    keel approve | deny REQUEST_ID [--comment C] [--by NAME]   answer an ApprovalRequested
+    keel cordon NODE --reason R [--by NAME] [--job J] | uncordon NODE   a human takes a node out (or back)
     keel demo                        the end-to-end demonstration behind `make demo`
 
 Global flags (``--config``, ``--home``, ``--nats-url``, ``--database-url``) are the top layer of the
 settings (defaults < YAML < KEEL_* environment < flags).
+
+Exit status: 0 done; 1 a check or a lookup failed (``replay --verify`` diverged; an incident or an
+approval request that is unknown, ambiguous, already answered or expired); 2 a usage, configuration or
+runtime error.
 """
 
 from __future__ import annotations
@@ -26,16 +35,21 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from keel.core.config import ConfigError, Settings, load_settings
 
-SERVICES = ("recorder", "controller", "checkpoint-broker")
+SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator")
 
 
 class CliError(RuntimeError):
-    """A user-facing failure: printed without a traceback, exit status 2."""
+    """A user-facing failure: printed without a traceback, exit status ``exit_code`` (2 by default)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 # -- settings and endpoints ----------------------------------------------------------------------
@@ -210,6 +224,14 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.controller.main import serve
     elif args.name == "checkpoint-broker":
         from keel.checkpoint_broker.main import serve
+    elif args.name == "actuator":
+        from keel.actuator.main import serve as serve_actuator
+        from keel.cli.cluster import cluster_dir
+
+        directory = cluster_dir(settings, getattr(args, "cluster_dir", None))
+
+        def serve(settings, nats_url, database_url, stop, on_ready):  # type: ignore[no-untyped-def]
+            return serve_actuator(settings, nats_url, directory, stop, on_ready)
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")
     ready_file = os.environ.get("KEEL_SERVICE_READY_FILE")
@@ -432,6 +454,150 @@ def cmd_checkpoints(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+# -- reporting and human input (keel.cli.incidents) ----------------------------------------------
+
+
+def _on_store(settings: Settings, use: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``use(store)`` against the event store; lookup and usage errors become ``CliError``."""
+    from keel.cli.incidents import BadInput, LookupFailed
+    from keel.core.store import EventStore, create_engine
+
+    _, database_url = endpoints(settings)
+
+    async def main() -> Any:
+        engine = create_engine(database_url, settings.db_schema)
+        try:
+            return await use(EventStore(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(main())
+    except LookupFailed as exc:
+        raise CliError(str(exc), exit_code=1) from None
+    except BadInput as exc:
+        raise CliError(str(exc)) from None
+
+
+def _publish(settings: Settings, event: Any) -> None:
+    from keel.core.bus import Bus
+
+    nats_url, _ = endpoints(settings)
+
+    async def main() -> None:
+        bus = await asyncio.wait_for(Bus.connect(nats_url, settings.bus, name="keel-cli"), timeout=10)
+        try:
+            await bus.publish(event)
+        finally:
+            await bus.close()
+
+    try:
+        asyncio.run(main())
+    except TimeoutError:
+        raise CliError(f"NATS at {nats_url} did not answer within 10 s; nothing was published") from None
+
+
+def _login_name() -> str:
+    import getpass
+
+    try:
+        return os.environ.get("USER") or getpass.getuser()
+    except (OSError, KeyError):
+        raise CliError("cannot tell who you are: pass --by NAME") from None
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, default=str))
+
+
+def cmd_ettr(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.incidents import ettr_json, format_ettr, load_ettr
+    from keel.core.units import parse_duration
+
+    try:
+        window = parse_duration(args.window)
+    except ValueError as exc:
+        raise CliError(f"--window: {exc}") from None
+    if window <= timedelta(0):
+        raise CliError(f"--window must be longer than 0 s, got {args.window!r}")
+    jobs = _on_store(settings, lambda store: load_ettr(store, args.job, window))
+    if args.json:
+        _print_json({"jobs": [ettr_json(job) if job else {"job_id": name, "cumulative": None, "window": None}
+                              for name, job in jobs]})
+        return 0
+    if not jobs:
+        print("keel: no events in the log")
+        return 0
+    blocks = [format_ettr(job) if job else f"job {name}: no rank has started yet: no ETTR" for name, job in jobs]
+    print("\n\n".join(blocks))
+    return 0
+
+
+def cmd_incidents(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.incidents import format_incidents, incidents_json, load_incidents
+
+    incidents = _on_store(settings, lambda store: load_incidents(store, args.job))
+    if args.json:
+        _print_json(incidents_json(incidents))
+    else:
+        print(format_incidents(incidents))
+    return 0
+
+
+def cmd_timeline(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.incidents import format_timeline, load_timeline, timeline_json
+
+    timeline = _on_store(settings, lambda store: load_timeline(store, args.incident, args.job))
+    if args.json:
+        _print_json(timeline_json(timeline))
+    else:
+        print(format_timeline(timeline))
+    return 0
+
+
+def cmd_answer(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.incidents import BadInput, approval_answer, load_open_request, short_id
+    from keel.core.events import now_utc
+
+    approved = args.command == "approve"
+    by = args.by or _login_name()
+    request = _on_store(settings, lambda store: load_open_request(store, args.request_id, now_utc(), args.job))
+    try:
+        answer = approval_answer(request, approved=approved, by=by, comment=args.comment, now=now_utc())
+    except BadInput as exc:
+        raise CliError(str(exc)) from None
+    _publish(settings, answer)
+    incident = short_id(request.correlation_id) if request.correlation_id else request.payload.incident_id[:8]
+    print(f"keel: {'approved' if approved else 'denied'} request {short_id(request.id)} "
+          f"({request.payload.action} for incident {incident}, job {request.job_id}) as {by}; event {answer.id}")
+    return 0
+
+
+def cmd_cordon(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.incidents import BadInput, choose_job, cordon_event, load_node_jobs
+    from keel.core.events import now_utc
+
+    cordoned = args.command == "cordon"
+    by = args.by or _login_name()
+
+    async def job_of(store: Any) -> str:
+        jobs = await load_node_jobs(store.engine, args.node)
+        if args.job is None:
+            return choose_job(args.node, jobs)
+        if args.job not in jobs:
+            print(f"keel: warning: node {args.node} has no events in job {args.job} yet", file=sys.stderr)
+        return str(args.job)
+
+    job = _on_store(settings, job_of)
+    try:
+        event = cordon_event(job, args.node, cordoned=cordoned, by=by, reason=args.reason or "", now=now_utc())
+    except BadInput as exc:
+        raise CliError(str(exc)) from None
+    _publish(settings, event)
+    print(f"keel: {'cordoned' if cordoned else 'uncordoned'} {args.node} of job {job} as {by}; event {event.id}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from keel.cli.demo import run_demo
 
@@ -459,6 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     service = sub.add_parser("service", help="run one service in the foreground")
     service.add_argument("name", choices=SERVICES)
+    service.add_argument("--cluster-dir", default=None, help="actuator: the local cluster it acts on (default <home>/cluster)")
     service.set_defaults(func=cmd_service)
 
     replay = sub.add_parser("replay", help="fold the log through the current deciders and diff the decisions")
@@ -521,6 +688,41 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints_ls.add_argument("--json", action="store_true")
     checkpoints_ls.set_defaults(func=cmd_checkpoints)
 
+    ettr = sub.add_parser("ettr", help="ETTR, cumulative and over a sliding window, lost time by incident and phase")
+    ettr.add_argument("--job", help="one job (default: every job in the log)")
+    ettr.add_argument("--window", default="1h", help="the sliding window: the last DURATION of the log (default 1h)")
+    ettr.add_argument("--json", action="store_true")
+    ettr.set_defaults(func=cmd_ettr)
+
+    incidents = sub.add_parser("incidents", help="the controller's incidents, one line each")
+    incidents.add_argument("--job")
+    incidents.add_argument("--json", action="store_true")
+    incidents.set_defaults(func=cmd_incidents)
+
+    timeline = sub.add_parser("timeline", help="every event of one incident, in log order")
+    timeline.add_argument("incident", help="the incident id (the IncidentOpened event's) or a prefix of 6+ characters")
+    timeline.add_argument("--job")
+    timeline.add_argument("--json", action="store_true")
+    timeline.set_defaults(func=cmd_timeline)
+
+    for name, text in (("approve", "approve a held action (an ApprovalRequested)"),
+                       ("deny", "deny a held action (an ApprovalRequested)")):
+        answer = sub.add_parser(name, help=text)
+        answer.add_argument("request_id", help="the ApprovalRequested event id or a prefix of 6+ characters")
+        answer.add_argument("--comment", default="")
+        answer.add_argument("--by", help="who answers (default: your login name)")
+        answer.add_argument("--job", help="look the request up in this job only")
+        answer.set_defaults(func=cmd_answer)
+
+    for name, text in (("cordon", "take a node out of service: the controller never undoes it"),
+                       ("uncordon", "put a cordoned node back into service")):
+        cordon = sub.add_parser(name, help=text)
+        cordon.add_argument("node")
+        cordon.add_argument("--reason", required=name == "cordon", default="")
+        cordon.add_argument("--by", help="who cordons (default: your login name)")
+        cordon.add_argument("--job", help="the node's job (default: the one job the log has the node in)")
+        cordon.set_defaults(func=cmd_cordon)
+
     demo = sub.add_parser("demo", help="run the end-to-end demonstration")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
     demo.set_defaults(func=cmd_demo)
@@ -564,7 +766,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         return int(args.func(args, settings))
-    except (ConfigError, CliError) as exc:
+    except CliError as exc:
+        print(f"keel: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ConfigError as exc:
         print(f"keel: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:

@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from keel.actuator.core import ActuatorError
-from keel.cli.cluster import _alive, _atomic_write, _ranks_of, _spawn_agent, load_cluster, seed_overlay_root
+from keel.cli.cluster import (
+    ClusterError,
+    _alive,
+    _atomic_write,
+    _ranks_of,
+    _spawn_agent,
+    load_cluster,
+    seed_overlay_root,
+)
 
 _FLAGS_WITH_NODE_VALUES = ("--keel-node-id", "--keel-agent-dir", "--keel-root", "--keel-ckpt-dir", "--keel-fault-domain")
 
@@ -32,7 +40,10 @@ class LocalActuator:
         self.grace_s = grace_s
 
     def _state(self) -> dict[str, Any]:
-        return load_cluster(self.directory)
+        try:
+            return load_cluster(self.directory)
+        except (ClusterError, OSError, ValueError) as exc:
+            raise ActuatorError(str(exc)) from exc
 
     def _save(self, state: dict[str, Any]) -> None:
         _atomic_write(self.directory / "cluster.json", json.dumps(state, indent=2))

@@ -7,15 +7,22 @@ Its lost time is split into phases, each from one event to the next:
 
 - detection:    fault -> first failure signal (``RankExited`` with a failure classification, or a failed
                 fatal ``NodeHealthChanged``);
-- localisation: signal -> the controller's first command (``RanksRestartRequested``, ``NodeEvictionDecided``);
+- localisation: signal -> the controller's first decision or command (``DiagnosticsRequested``,
+                ``RestartDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``,
+                ``NodeEvictionDecided``; an observe-only eviction does not count);
 - failover:     command -> the first rank of the new generation started (``RankStarted``);
 - restore:      started -> the new generation stepping past its restore point (``NodeHeartbeat.last_step``
                 above the ``CheckpointRestorePlanned`` step, or above -1 with no plan);
 - recompute:    stepping -> back at the step reached when the fault hit.
 
 A phase whose closing event never came is charged up to the end of the log (the job is still down).
-ETTR = 1 - sum(lost) / (end - start of the job). Everything comes from events' ``occurred_at``: the
-same log always gives the same report.
+A later mark implies the earlier ones (the controller cannot decide before it detected; ranks that
+step again were restarted), so a missing or late mark takes the time of the next one that came: the
+phases never overlap and always add up to the incident's lost time.
+
+ETTR = 1 - sum(lost) / (end - start of the job). ``EttrReport.window(length)`` gives the same figures
+over the last ``length`` of the log (``EttrWindow``: lost time clipped to the window). Everything
+comes from events' ``occurred_at``: the same log always gives the same report.
 """
 
 from __future__ import annotations
@@ -27,11 +34,18 @@ from typing import Any
 
 from keel.core.events import Event
 
-__all__ = ["EttrReport", "Incident", "PHASES", "compute_ettr"]
+__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "PHASES", "compute_ettr"]
 
 PHASES = ("detection", "localisation", "failover", "restore", "recompute")
+_MARKS = ("detected", "decided", "restarted", "resumed", "recovered")
+"""The mark that closes each phase, in the order of ``PHASES``."""
 _FAILURE_CLASSES = {"user_code", "infrastructure", "unknown"}
-_COMMANDS = {"RanksRestartRequested", "NodeEvictionDecided"}
+_COMMANDS = {"RanksRestartRequested", "NodeEvictionDecided", "RestartDecided", "DiagnosticsRequested",
+             "StandbyPromotionRequested"}
+INPUT_TYPES = frozenset({"RankStarted", "FaultInjected", "RankExited", "NodeHealthChanged",
+                         "CheckpointRestorePlanned", "NodeHeartbeat", *_COMMANDS})
+"""The event types ``compute_ettr`` reads; every other event only moves the end of the log (a reader
+may fetch only these and pass the time of the job's last event as ``until``: the same report)."""
 
 
 @dataclass
@@ -48,16 +62,27 @@ class Incident:
     def recovered_at(self) -> datetime | None:
         return self.marks.get("recovered")
 
+    def phase_intervals(self, end: datetime) -> dict[str, tuple[datetime, datetime]]:
+        """Each phase as ``(from, to)``, contiguous from ``started_at`` to the recovery (or ``end``).
+
+        A missing mark, or one later than a mark after it (a command before a late detection event),
+        takes the time of the next mark that came: each bound is the earliest of its own and every
+        later mark, and never before the start. An unfinished phase runs to ``end``.
+        """
+        bounds: list[datetime] = []
+        upper = end
+        for mark in reversed(_MARKS):
+            at = self.marks.get(mark)
+            if at is not None and at < upper:
+                upper = at
+            bounds.append(max(upper, self.started_at))
+        bounds.append(self.started_at)
+        bounds.reverse()
+        return {name: pair for name, pair in zip(PHASES, zip(bounds, bounds[1:]), strict=True)}
+
     def phases(self, end: datetime) -> dict[str, timedelta]:
-        """Each phase's duration; an unfinished one runs to ``end``."""
-        bounds = [self.started_at]
-        for mark in ("detected", "decided", "restarted", "resumed", "recovered"):
-            bounds.append(self.marks.get(mark, end))
-        # A mark can come before the previous one (a command before a late detection event): clamp.
-        out: dict[str, timedelta] = {}
-        for name, (a, b) in zip(PHASES, zip(bounds, bounds[1:]), strict=True):
-            out[name] = max(timedelta(0), min(b, end) - min(a, end))
-        return out
+        """Each phase's duration (they add up to ``lost(end)``); an unfinished one runs to ``end``."""
+        return {name: b - a for name, (a, b) in self.phase_intervals(end).items()}
 
     def lost(self, end: datetime) -> timedelta:
         return (self.recovered_at or end) - self.started_at
@@ -74,6 +99,10 @@ class EttrReport:
     started_at: datetime
     ended_at: datetime
     incidents: tuple[Incident, ...]
+    generations: tuple[tuple[datetime, int], ...] = ()
+    """Each generation change: when the first rank of a newer generation started, and the generation."""
+    restart_requests: tuple[tuple[datetime, int], ...] = ()
+    """Each ``RanksRestartRequested`` generation: when the first command for it came, and the generation."""
 
     @property
     def wall(self) -> timedelta:
@@ -95,14 +124,93 @@ class EttrReport:
                 totals[phase] += spent
         return totals
 
+    @property
+    def generation(self) -> int:
+        """The newest generation started (0 when the job never restarted)."""
+        return self.generations[-1][1] if self.generations else 0
+
+    def window(self, length: timedelta) -> EttrWindow:
+        """The figures over the last ``length`` of the log (``[ended_at - length, ended_at]``, never
+        before the job started): each incident's and each phase's lost time clipped to the window."""
+        if length <= timedelta(0):
+            raise ValueError(f"an ETTR window must be longer than 0 s, got {length}")
+        start = max(self.started_at, self.ended_at - length)
+        end = self.ended_at
+        lost: list[tuple[int, timedelta]] = []
+        by_phase = {p: timedelta(0) for p in PHASES}
+        for index, incident in enumerate(self.incidents):
+            spent = _overlap(incident.started_at, incident.recovered_at or end, start, end)
+            if spent <= timedelta(0) and not start <= incident.started_at <= end:
+                continue
+            lost.append((index, spent))
+            for phase, (a, b) in incident.phase_intervals(end).items():
+                by_phase[phase] += _overlap(a, b, start, end)
+        return EttrWindow(
+            length=length, started_at=start, ended_at=end, lost_by_incident=tuple(lost), lost_by_phase=by_phase,
+            generation_changes=sum(1 for at, _ in self.generations if start <= at <= end),
+            restart_requests=sum(1 for at, _ in self.restart_requests if start <= at <= end),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"started_at": self.started_at.isoformat(), "ended_at": self.ended_at.isoformat(),
+                "wall_s": self.wall.total_seconds(), "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
+                "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase().items()},
+                "generation": self.generation, "generation_changes": len(self.generations),
+                "restart_requests": len(self.restart_requests),
+                "incidents": [i.to_json(self.ended_at) for i in self.incidents]}
+
+
+@dataclass(frozen=True)
+class EttrWindow:
+    """ETTR over ``[started_at, ended_at]``, the last ``length`` of a report (shorter when the job is)."""
+
+    length: timedelta
+    started_at: datetime
+    ended_at: datetime
+    lost_by_incident: tuple[tuple[int, timedelta], ...]
+    """(index into ``EttrReport.incidents``, lost time inside the window) for each incident the window
+    touches, in the report's order."""
+    lost_by_phase: dict[str, timedelta]
+    generation_changes: int
+    restart_requests: int
+
+    @property
+    def wall(self) -> timedelta:
+        return self.ended_at - self.started_at
+
+    @property
+    def lost(self) -> timedelta:
+        return sum((spent for _, spent in self.lost_by_incident), timedelta(0))
+
+    @property
+    def ettr(self) -> float:
+        wall = self.wall.total_seconds()
+        return 1.0 if wall <= 0 else max(0.0, 1.0 - self.lost.total_seconds() / wall)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"length_s": self.length.total_seconds(), "started_at": self.started_at.isoformat(),
+                "ended_at": self.ended_at.isoformat(), "wall_s": self.wall.total_seconds(),
+                "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
+                "lost_by_incident_s": [{"incident": i, "lost_s": t.total_seconds()} for i, t in self.lost_by_incident],
+                "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase.items()},
+                "generation_changes": self.generation_changes, "restart_requests": self.restart_requests}
+
+
+def _overlap(a: datetime, b: datetime, start: datetime, end: datetime) -> timedelta:
+    return max(timedelta(0), min(b, end) - max(a, start))
+
 
 def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> EttrReport | None:
-    """The report for one job's events (in log order); None before the job's first rank started."""
+    """The report for one job's events (in log order); None before the job's first rank started.
+
+    ``until`` moves the end of the log later (an incident still open is charged up to it)."""
     started_at: datetime | None = None
     last_at: datetime | None = None
     max_step = -1
     generation = 0
     incidents: list[Incident] = []
+    generations: list[tuple[datetime, int]] = []
+    requested: dict[int, datetime] = {}
     open_: Incident | None = None
     for event in events:
         p, kind, at = event.payload, event.type, event.occurred_at
@@ -112,8 +220,12 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
                 started_at = at
             if open_ is not None and p.generation > open_.generation_at_fault:
                 open_.marks.setdefault("restarted", at)
+            if p.generation > generation:
+                generations.append((at, p.generation))
             generation = max(generation, p.generation)
             continue
+        if kind == "RanksRestartRequested":
+            requested.setdefault(p.generation, at)
         if started_at is None:
             continue
         if kind == "FaultInjected" and open_ is None:
@@ -141,7 +253,8 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     if started_at is None or last_at is None:
         return None
     end = max(until, last_at) if until is not None else last_at
-    return EttrReport(started_at, end, tuple(incidents))
+    return EttrReport(started_at, end, tuple(incidents), tuple(generations),
+                      tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])))
 
 
 def _is_failure_signal(kind: str, p: Any) -> bool:

@@ -15,6 +15,8 @@ import pytest
 
 from keel.core.bus import Bus
 from keel.core.config import BusSettings
+from keel.core.event_types import NodeRegistered
+from keel.core.events import Event, now_utc
 from keel.core.runtime import free_port
 from keel.core.store import EventStore, create_engine
 
@@ -52,7 +54,7 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
     try:
         assert up.returncode == 0, up.stderr
         state = json.loads(up.stdout)
-        pids = [state["services"][s]["pid"] for s in ("recorder", "controller")]
+        pids = [state["services"][s]["pid"] for s in ("recorder", "controller", "checkpoint-broker", "actuator")]
         pids += [state["runtime"]["nats"]["pid"], state["runtime"]["postgres"]["pid"]]
         assert all(pids) and all(pid_alive(pid) for pid in pids)
 
@@ -62,18 +64,26 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
 
         async def publish_and_read() -> int:
             bus = await Bus.connect(state["nats_url"], BusSettings())
-            await bus.publish(health_event("n1", status="failed", fatal=True, confidence="high", component="gpu"))
+            await bus.publish(Event.create(NodeRegistered(node_id="n1", host="h1"), job_id="job1", subject="node/n1",
+                                           producer="node-agent", occurred_at=now_utc()))
+            await bus.publish(health_event("n1", status="failed", fatal=True, confidence="high", component="gpu",
+                                           at=now_utc()))
             await bus.close()
             engine = create_engine(state["database_url"])
             store = EventStore(engine)
             deadline = time.monotonic() + 30
-            while await store.count() < 2 and time.monotonic() < deadline:  # the event and the eviction
+            # The registration, the fault, the controller's eviction and the actuator's report of it.
+            while await store.count() < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             count = await store.count()
+            reports = [r.event.payload async for r in store.read(types=["NodeEvicted"])]
             await engine.dispose()
-            return count
+            return count, reports
 
-        assert asyncio.run(publish_and_read()) == 2
+        count, reports = asyncio.run(publish_and_read())
+        assert count == 4
+        # No local cluster runs under this home: the actuator says so instead of pretending.
+        assert [(r.outcome, "no local cluster" in r.detail) for r in reports] == [("failed", True)], reports
         status = json.loads(keel(env, "status").stdout)
         assert status["services"]["recorder"]["running"] and status["runtime"]["nats"]["running"]
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -9,11 +10,13 @@ import pytest
 from keel.controller.ettr import PHASES, compute_ettr
 from keel.core.event_types import (
     CheckpointRestorePlanned,
+    DiagnosticsRequested,
     FaultInjected,
     NodeHeartbeat,
     RankExited,
     RanksRestartRequested,
     RankStarted,
+    RestartDecided,
 )
 from keel.core.events import Event, EventPayload
 
@@ -93,3 +96,103 @@ def test_no_rank_no_report_and_a_clean_run_is_fully_productive() -> None:
     assert compute_ettr([beat(1, 0)]) is None
     report = compute_ettr([started(0, 0), beat(10, 5), beat(20, 10)])
     assert report is not None and report.incidents == () and report.ettr == 1.0
+
+
+# -- the sliding window, partitioned phases, the controller's decisions, generations -------------
+
+
+def test_a_window_covering_the_whole_job_equals_the_cumulative_figures() -> None:
+    report = compute_ettr(crash_log())
+    assert report is not None
+    window = report.window(timedelta(hours=1))
+    assert window.started_at == at(0) and window.ended_at == at(200)  # clipped to the job's start
+    assert window.wall == report.wall and window.lost == report.lost == timedelta(seconds=14)
+    assert window.ettr == report.ettr
+    assert window.lost_by_phase == report.lost_by_phase()
+    assert window.lost_by_incident == ((0, timedelta(seconds=14)),)
+    assert (window.generation_changes, window.restart_requests) == (1, 1)
+
+
+def test_a_window_clips_the_incident_and_its_phases() -> None:
+    report = compute_ettr(crash_log())
+    assert report is not None
+    # The last 95 s: [105, 200]. The incident ran 100..114, restore 103..110, recompute 110..114.
+    window = report.window(timedelta(seconds=95))
+    assert window.started_at == at(105) and window.wall == timedelta(seconds=95)
+    assert window.lost == timedelta(seconds=9)
+    assert {k: v.total_seconds() for k, v in window.lost_by_phase.items()} == {
+        "detection": 0.0, "localisation": 0.0, "failover": 0.0, "restore": 5.0, "recompute": 4.0}
+    assert window.ettr == pytest.approx(1 - 9 / 95)
+    # The new generation started at 103 and the restart was requested at 102: before the window.
+    assert (window.generation_changes, window.restart_requests) == (0, 0)
+    # The last 100 s start exactly at the fault: everything counts.
+    whole = report.window(timedelta(seconds=100))
+    assert whole.lost == timedelta(seconds=14) and whole.ettr == pytest.approx(1 - 14 / 100)
+    assert (whole.generation_changes, whole.restart_requests) == (1, 1)
+
+
+def test_a_window_after_the_recovery_is_fully_productive() -> None:
+    report = compute_ettr(crash_log())
+    assert report is not None
+    window = report.window(timedelta(seconds=80))  # [120, 200]
+    assert window.lost_by_incident == () and window.lost == timedelta(0) and window.ettr == 1.0
+    assert all(v == timedelta(0) for v in window.lost_by_phase.values())
+    with pytest.raises(ValueError, match="longer than 0 s"):
+        report.window(timedelta(0))
+
+
+def test_a_window_over_an_open_incident_charges_it_to_the_end() -> None:
+    report = compute_ettr(crash_log()[:7], until=at(130))  # ranks restarted at 103, no progress since
+    assert report is not None
+    window = report.window(timedelta(seconds=20))  # [110, 130]
+    assert window.lost == timedelta(seconds=20) and window.ettr == 0.0
+    assert window.lost_by_phase["restore"] == timedelta(seconds=20)
+
+
+def test_the_controllers_first_decision_ends_localisation() -> None:
+    incident_id = uuid.uuid4()
+    diagnose = ev(DiagnosticsRequested(round=0, nodes=["n0"], checks=["intra_node_all_to_all"], timeout_s=30,
+                                       expires_at=at(400), reason="rung 2"), 101, "job/j", "controller")
+    restart = ev(RestartDecided(incident_id=str(incident_id), rung=2, generation=1, restart_nodes=["n0"],
+                                reason="passed"), 101.5, "job/j", "controller")
+    log = crash_log()
+    log[5:5] = [diagnose, restart]  # before the RanksRestartRequested at 102
+    report = compute_ettr(log)
+    assert report is not None
+    phases = {k: v.total_seconds() for k, v in report.incidents[0].phases(report.ended_at).items()}
+    assert phases == {"detection": 0.5, "localisation": 0.5, "failover": 2.0, "restore": 7.0, "recompute": 4.0}
+
+
+def test_phases_stay_contiguous_when_a_mark_is_missing_or_late() -> None:
+    # No failure signal at all (the ranks were stopped by the agent), and the restart decided at 101.
+    log = [e for e in crash_log() if e.type != "RankExited"]
+    log.insert(4, ev(RestartDecided(incident_id=str(uuid.uuid4()), rung=2, generation=1, restart_nodes=["n0"],
+                                    reason="hang"), 101, "job/j", "controller"))
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    phases = incident.phases(report.ended_at)
+    assert {k: v.total_seconds() for k, v in phases.items()} == {
+        "detection": 1.0, "localisation": 0.0, "failover": 2.0, "restore": 7.0, "recompute": 4.0}
+    assert sum(phases.values(), timedelta(0)) == incident.lost(report.ended_at)
+    # A failure signal that arrives after the decision: detection ends at the decision.
+    late = crash_log()
+    late[4] = ev(late[4].payload, 102.5, "rank/0")  # the RankExited now after the command at 102
+    late[4], late[5] = late[5], late[4]
+    report = compute_ettr(late)
+    assert report is not None
+    phases = report.incidents[0].phases(report.ended_at)
+    assert phases["detection"] == timedelta(seconds=2) and phases["localisation"] == timedelta(0)
+    assert sum(phases.values(), timedelta(0)) == timedelta(seconds=14)
+
+
+def test_generation_changes_and_restart_requests_are_counted_once_each() -> None:
+    second = RanksRestartRequested(node_id="n1", generation=1, reason="test", expires_at=at(400))
+    log = crash_log()
+    log.insert(6, ev(second, 102.2, "node/n1", "controller"))  # the same restart, another node: one request
+    log.append(started(201, 1))  # another rank of generation 1: not a change
+    report = compute_ettr(log)
+    assert report is not None
+    assert report.generations == ((at(103), 1),) and report.generation == 1
+    assert report.restart_requests == ((at(102), 1),)
+    assert report.to_json()["generation_changes"] == 1 and report.to_json()["restart_requests"] == 1
