@@ -96,6 +96,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None,
                    help="slot folder for every-step checkpoints (default: $KEEL_CKPT_DIR; unset: off)")
     p.add_argument("--ckpt-slots", type=int, default=2, help="ring slots per rank")
+    p.add_argument("--min-step-time", type=parse_duration, default=timedelta(0),
+                   help="pace: sleep so that a step takes at least this long (a unit is required, e.g. 100ms); "
+                        "numerics are unchanged")
+    p.add_argument("--bug-at-step", type=int, default=None, metavar="STEP",
+                   help="simulate a bug in this training code: rank --bug-rank raises KeyError at STEP")
+    p.add_argument("--bug-rank", type=int, default=0)
+    p.add_argument("--bug-file", default=None, metavar="PATH",
+                   help="the bug is present only while PATH exists (removing it stands in for rolling the "
+                        "code back to the last stable version; default: always present)")
     p.add_argument("--save-final", default=None, metavar="PATH",
                    help="after the last step, each rank writes its whole state to PATH.rank<R>")
     args = p.parse_args(argv)
@@ -296,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     with session.phase("step"):
         for step in range(restored + 1, args.steps):
             t0 = time.monotonic()
+            if step == args.bug_at_step and ctx.rank == args.bug_rank and (
+                    args.bug_file is None or os.path.exists(args.bug_file)):
+                _lookup_head(step)
             inputs, targets = collate(dataset, sampler.next_indices())
             optimizer.zero_grad(set_to_none=True)
             local_loss = _train_step(stage, ctx, inputs, targets, args.micro_batches, cfg.d_model, session.nan_factor())
@@ -306,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             ckpt.snapshot(step)  # a no-op without a slot folder
             last_step = step
+            paced = args.min_step_time.total_seconds() - (time.monotonic() - t0)
+            if paced > 0:
+                time.sleep(paced)
             step_s = time.monotonic() - t0
             if ctx.rank == 0:
                 print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.6f} lr {lr:.3e} "
@@ -332,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _lookup_head(step: int) -> None:
+    """The simulated bug (``--bug-at-step``): an exception raised in this file, as a bad code push would."""
+    heads: dict[str, int] = {}
+    raise KeyError(f"lm_head_v2 (step {step}): {sorted(heads)}")
 
 
 def _clip(stage: PipelineStage, grad_norm: float) -> None:

@@ -43,11 +43,11 @@ def start_recorder_process(settings: Settings, log_path: Path) -> subprocess.Pop
 
 
 def start_service_process(name: str, settings: Settings, log_path: Path,
-                          extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``keel service NAME`` as a child process bound to the test's servers, prefix and schema."""
+                          extra_env: dict[str, str] | None = None, args: list[str] | None = None) -> subprocess.Popen:
+    """``keel service NAME [ARGS]`` as a child process bound to the test's servers, prefix and schema."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "keel.cli.main", "service", name],
+            [sys.executable, "-m", "keel.cli.main", "service", name, *(args or [])],
             env={**service_env(settings), **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
