@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,7 +154,9 @@ class Session:
                 return
             with self._lock:
                 self._phase = pb.PHASE_FAILED
-                self._error = f"{exc_type.__name__}: {exc}"[:1000]
+                # The traceback's tail, not just its last line: the agent classifies the exit from it when
+                # the stderr it captured was cut short or muddled by output after the traceback.
+                self._error = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
             self._send_report()
 
         sys.excepthook = report_failure

@@ -470,10 +470,19 @@ class ControllerDecider:
             plan.note(f"rank {p.rank} of generation {p.generation} exited; the job is at generation {job.generation}: "
                       f"an old generation ending")
             return
-        if job.incident is not None:
-            plan.note(f"rank {p.rank} on {p.node_id} exited ({p.classification}) during incident "
-                      f"{job.incident.id[:8]} ({job.incident.stage}): part of it")
-            return
+        incident = job.incident
+        if incident is not None:
+            restarted = incident.target_generation
+            if not (incident.stage == "recovering" and restarted is not None and p.generation >= restarted):
+                plan.note(f"rank {p.rank} on {p.node_id} exited ({p.classification}) during incident "
+                          f"{incident.id[:8]} ({incident.stage}): part of it")
+                return
+            # The restarted generation itself failed before stepping past its restore point: the
+            # recovery did not work. Close that incident and take this failure on as a new one (a
+            # repeated fingerprint then climbs to rung 4, and on to rung 6).
+            plan.resolve("superseded", f"generation {p.generation} failed again before stepping past its restore "
+                                       f"point (step {incident.restore_step}): rank {p.rank} on {p.node_id} exited "
+                                       f"({p.classification})")
         fingerprint = failure_fingerprint(p.classification, p.error_type, p.stderr_tail)
         streak = _streak(job.crash_loop.fingerprints, fingerprint)
         what = (f"rank {p.rank} on {p.node_id} exited ({p.classification}{': ' + p.error_type if p.error_type else ''}"
@@ -698,11 +707,13 @@ class _Plan:
         assert incident is not None
         self.note(reason)
         final_rung = rung if rung is not None else incident.rung
+        # Keys name the incident: one decision may close one incident and open (and close) the next, and
+        # two events of one type and key from one cause would share an id (the second deduplicated away).
         if stop:
             self.emit(JobStopDecided(incident_id=incident.id, rung=max(1, final_rung), reason=reason, page=True,
-                                     evidence=list(incident.evidence)), key="stop")
+                                     evidence=list(incident.evidence)), key=f"stop/{incident.id}")
         self.emit(IncidentResolved(incident_id=incident.id, outcome=outcome, rung=final_rung,  # type: ignore[arg-type]
-                                   generation=self.job.generation, reason=reason), key="resolved")
+                                   generation=self.job.generation, reason=reason), key=f"resolved/{incident.id}")
 
     # guardrails
 
@@ -711,7 +722,8 @@ class _Plan:
         assert incident is not None
         self.note(reason)
         self.emit(ActionHeld(incident_id=incident.id, action=action, guardrail=guardrail, reason=reason,  # type: ignore[arg-type]
-                             rung=plan.rung, evict=sorted(plan.evict), rollback=plan.rollback), key=f"held/{guardrail}")
+                             rung=plan.rung, evict=sorted(plan.evict), rollback=plan.rollback),
+                  key=f"held/{guardrail}/{incident.id}")
 
     def approval_needed(self, action: Action, plan: HeldPlan) -> bool:
         if action not in self.policy.approval_required:
@@ -849,7 +861,8 @@ class _Plan:
         nodes = len(job.active)
         if nodes == 0:
             return
-        hours = (self.now - job.first_seen_at).total_seconds() / 3600.0 if job.first_seen_at else 0.0
+        # Producers stamp their own events: one arriving out of order can predate the first one seen.
+        hours = max(0.0, (self.now - job.first_seen_at).total_seconds() / 3600.0) if job.first_seen_at else 0.0
         p = failure_probability(job.node_failures, nodes * hours, policy.standby_replacement_window,
                                 prior_rate_per_node_hour=policy.standby_prior_rate_per_node_hour,
                                 prior_node_hours=policy.standby_prior_node_hours)

@@ -347,6 +347,22 @@ def test_user_code_restarts_at_once_then_rolls_back_then_stops_and_pages() -> No
     assert job.crash("n1", 2, generation=job.generation) == [] and "stopped" in job.last_reason
 
 
+def test_a_restarted_generation_failing_at_once_supersedes_its_incident_and_escalates() -> None:
+    job = Job()
+    err = "KeyError: 'lm_head'"
+    first = job.crash("n0", 1, classification="user_code", err=err)
+    [restart] = of(first, "RestartDecided")
+    job.generation = restart.payload.generation
+    # The new generation starts and restores step 18, then fails at step 19 before any heartbeat says it
+    # stepped past 18: the first incident never resolved by itself.
+    out = job.crash("n0", 1, classification="user_code", err=err)
+    [superseded] = of(out, "IncidentResolved")
+    assert superseded.payload.outcome == "superseded" and superseded.correlation_id == of(first, "IncidentOpened")[0].id
+    [opened] = of(out, "IncidentOpened")
+    assert opened.id != superseded.correlation_id and of(out, "RollbackDecided")
+    assert all(e.correlation_id == opened.id for e in out if e.type != "IncidentResolved")
+
+
 def test_progress_past_the_failure_resets_the_crash_loop() -> None:
     job = Job()
     err = "ValueError: bad batch"
@@ -414,6 +430,13 @@ def test_a_denied_approval_stops_the_job_for_a_human() -> None:
     assert of(out, "JobStopDecided") and of(out, "IncidentResolved")[0].payload.outcome == "stopped"
 
 
+def test_an_event_stamped_before_the_job_was_first_seen_does_not_break_the_pool_model() -> None:
+    job = Job(standbys=0)
+    job.now = T0 - timedelta(minutes=10)  # another producer's clock, or a late event
+    out = job.add_standby("s9")
+    assert job.last_reason and all(e.type in ("StandbyPoolSized", "StandbyRefillRequested") for e in out)
+
+
 def test_an_unknown_approval_kind_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown action kind"):
         ControllerPolicy(approval_required=frozenset({"reboot"}))
@@ -445,6 +468,20 @@ def test_the_pool_target_is_the_binomial_99th_percentile_of_the_measured_rate() 
 
 
 # -- determinism, replay and cold start ----------------------------------------------------------------
+
+
+def test_no_decision_emits_two_events_with_one_id() -> None:
+    """One cause can close an incident and open, then stop, the next: every event keeps its own id."""
+    job = Job()
+    err = "KeyError: 'lm_head'"
+    for _ in range(3):
+        out = job.crash("n0", 1, classification="user_code", err=err)
+        assert len({e.id for e in out}) == len(out), types(out)
+        if of(out, "RestartDecided"):
+            job.generation = of(out, "RestartDecided")[0].payload.generation
+    assert [e.payload.outcome for e in of(out, "IncidentResolved")] == ["superseded", "stopped"]
+    decisions = [e for e in job.log if e.producer == "controller"]
+    assert len({e.id for e in decisions}) == len(decisions)
 
 
 def test_the_same_inputs_give_the_same_decisions_and_ids() -> None:

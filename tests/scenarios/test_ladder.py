@@ -1,0 +1,207 @@
+"""The escalation ladder end to end, with real processes: a local cluster training the example GPT, the
+controller, checkpoint broker and local actuator as services, faults injected with `keel inject`.
+
+Each rung: injected fault -> detected -> the expected rung's decisions -> training resumes from memory
+(or a peer copy) -> the incident resolved, its timeline complete (every decision and every agent's
+answer carries the incident id) -> `keel replay --verify` clean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from keel.cli.cluster import FaultSpec, cluster_down, cluster_up, inject, load_cluster
+from keel.core.events import Event
+
+from tests.integration.test_crashes import service_env, start_service_process
+from tests.scenarios.test_cluster_faults import stop_process
+
+pytestmark = pytest.mark.integration
+
+TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--pp", "2", "--steps", "100000", "--min-step-time", "50ms"]
+
+
+class Stack:
+    """The control plane (controller, broker, actuator as processes; the session's recorder) and one cluster."""
+
+    def __init__(self, keel_env, scratch: Path, job: str) -> None:  # type: ignore[no-untyped-def]
+        self.env, self.scratch, self.job = keel_env, scratch, job
+        self.settings = keel_env.settings
+        self.directory = scratch / "cluster"
+        self.services: list[subprocess.Popen] = []
+        self.knobs: dict[str, str] = {}
+
+    def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None) -> None:
+        self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "40s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
+                 "KEEL_CONTROLLER__STANDBY_MIN": "1", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
+                 "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"), **(extra or {})}
+        ready = []
+        for name, args in (("controller", []), ("checkpoint-broker", []),
+                           ("actuator", ["--cluster-dir", str(self.directory)])):
+            ready.append(self.scratch / f"{name}.ready")
+            self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
+                                                       {**knobs, "KEEL_SERVICE_READY_FILE": str(ready[-1])}, args))
+        # As `keel up` does: the job starts once every service consumes live (an input arriving during a
+        # decider's cold start is decided on the state at the end of its fold: see the README's limits).
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in ready):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.services):
+                raise AssertionError(f"services not ready: {[p.name for p in ready if not p.exists()]}")
+            time.sleep(0.1)
+        env = {k: v for k, v in service_env(self.settings).items() if k.startswith("KEEL_")} | knobs
+        cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=1, job_id=self.job,
+                   command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s",
+                   persist_root=self.scratch / "checkpoints")
+
+    def stop(self) -> None:
+        cluster_down(self.directory)
+        for process in self.services:
+            stop_process(process)
+
+    async def events(self, types: list[str] | None = None) -> list[Event]:
+        return [r.event async for r in self.env.store.read(job_id=self.job, types=types)]
+
+    async def wait_for(self, types: list[str], predicate: Callable[[Event], bool], timeout_s: float, what: str) -> Event:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in await self.events(types):
+                if predicate(event):
+                    return event
+            await asyncio.sleep(0.3)
+        tail = [(e.type, getattr(e.payload, "reason", "")[:160]) for e in await self.events()][-12:]
+        raise AssertionError(f"no {what} within {timeout_s}s; the log ends with {tail}; see {self.scratch}/*.log")
+
+    async def stepping(self, step: int, timeout_s: float = 150) -> None:
+        await self.wait_for(["NodeHeartbeat"], lambda e: e.payload.last_step >= step and not e.payload.standby,
+                            timeout_s, f"a heartbeat past step {step}")
+
+    def node_of_rank(self, rank: int) -> str:
+        newest: dict[str, int] = {}
+        for node in load_cluster(self.directory)["nodes"]:
+            generations = [int(p.name.split(".g")[1].split(".")[0])
+                           for p in Path(node["agent_dir"]).glob(f"logs/rank{rank}.g*.stdout")]
+            if generations and not node.get("evicted"):
+                newest[node["node_id"]] = max(generations)
+        return max(newest, key=lambda n: newest[n])
+
+    async def incident(self, faults: list[FaultSpec], timeout_s: float = 180) -> tuple[Event, Event, list[Event]]:
+        """Inject ``faults``; the incident the controller opens, its resolution, and its events."""
+        seen = {e.id for e in await self.events(["IncidentOpened"])}
+        await asyncio.to_thread(inject, self.settings, self.directory, faults, self.settings.nats_url)
+        opened = await self.wait_for(["IncidentOpened"], lambda e: e.id not in seen, 90, "an incident")
+        resolved = await self.wait_for(["IncidentResolved"], lambda e: e.payload.incident_id == str(opened.id),
+                                       timeout_s, f"the resolution of {opened.payload.reason[:80]}")
+        await asyncio.sleep(1.0)  # the agents' last answers (RanksRestarted...) land
+        correlated = [e for e in await self.events() if e.correlation_id == opened.id]
+        return opened, resolved, correlated
+
+    async def log_order_is_stream_order(self) -> list[tuple[int, int, str]]:
+        """Rows whose store position order disagrees with their JetStream sequence order (should be none:
+        the deciders consumed the stream in sequence order, and replay folds the store in position order)."""
+        rows = [(r.position, r.js_seq, r.event.type) async for r in self.env.store.read(job_id=self.job)]
+        return [(a, b, t) for (a, b, t), (_, b2, _) in zip(rows, rows[1:]) if b and b2 and b2 < b]
+
+    def replay_verify(self) -> subprocess.CompletedProcess:
+        # With the services' settings: a replay under another policy shows what that policy would change.
+        return subprocess.run([sys.executable, "-m", "keel.cli.main", "replay", "--job", self.job, "--verify"],
+                              env={**service_env(self.settings), **self.knobs}, capture_output=True, text=True,
+                              timeout=300)
+
+
+@pytest.fixture
+async def stack(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
+    await keel_env.start_recorder()
+    running = Stack(keel_env, scratch_dir, "ladder")
+    try:
+        yield running
+    finally:
+        await asyncio.to_thread(running.stop)
+
+
+def types_of(events: list[Event]) -> list[str]:
+    return [e.type for e in events]
+
+
+async def test_rung1_promotes_the_standby_and_rung2_diagnoses_then_restarts_in_place(stack: Stack) -> None:
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN)
+    await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
+    await stack.stepping(10)
+
+    # Rung 1: a fatal XID on the node of rank 1.
+    victim = stack.node_of_rank(1)
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="xid", node=victim, params={"xid": 79})])
+    assert opened.payload.kind == "hardware" and opened.payload.node_id == victim
+    assert resolved.payload.outcome == "recovered" and resolved.payload.rung == 1
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    [promotion] = restart.payload.promotions
+    assert promotion.replaces_node_id == victim and promotion.ranks == [1]
+    kinds = types_of(timeline)
+    for expected in ("IncidentOpened", "NodeEvictionDecided", "RestartDecided", "StandbyPromotionRequested",
+                     "RanksRestartRequested", "StandbyPromoted", "RanksRestarted", "NodeEvicted", "IncidentResolved"):
+        assert expected in kinds, (expected, kinds)
+    assert kinds.count("RanksRestarted") == 3
+    plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == restart.payload.generation,
+                                30, "the restore plan")
+    assert {s.tier for s in plan.payload.sources} <= {"memory", "peer"} and plan.payload.step >= 5, plan.payload
+    assert {s.tier for s in plan.payload.sources if s.rank == 1} == {"peer"}  # the promoted rank: its peer copy
+    assert load_cluster(stack.directory)["nodes"][1]["evicted"] is True
+
+    # Rung 2: a crash that names no culprit: diagnostics on every node pass; restart in place.
+    await stack.stepping(plan.payload.step + 5)
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="crash", node=stack.node_of_rank(2), rank=2)])
+    assert opened.payload.kind == "crash" and resolved.payload.rung == 2 and resolved.payload.outcome == "recovered"
+    [request] = [e for e in timeline if e.type == "DiagnosticsRequested"]
+    results = [e for e in timeline if e.type == "DiagnosticsCompleted"]
+    assert sorted(e.payload.node_id for e in results) == sorted(request.payload.nodes) and len(results) == 4
+    assert all(e.payload.passed for e in results), [e.payload for e in results]
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    assert restart.payload.evict == [] and "passed on every node" in restart.payload.reason
+
+    verified = await asyncio.to_thread(stack.replay_verify)
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+
+
+async def test_rung2_evicts_the_node_whose_diagnostics_fail(stack: Stack) -> None:
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN)
+    await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
+    await stack.stepping(10)
+    flaky = stack.node_of_rank(3)
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="nic-down", node=flaky, params={"flaps": 2}),
+                                                       FaultSpec(kind="crash", node=stack.node_of_rank(0), rank=0)])
+    assert resolved.payload.rung == 2 and resolved.payload.outcome == "recovered"
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    assert restart.payload.evict == [flaky], restart.payload.reason
+    assert [p.replaces_node_id for p in restart.payload.promotions] == [flaky]
+    failed = [e.payload for e in timeline if e.type == "DiagnosticsCompleted" and not e.payload.passed]
+    assert any(p.node_id == flaky for p in failed), failed
+
+
+async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_loop(stack: Stack) -> None:
+    bug = stack.scratch / "bug"
+    bug.write_text("present\n")
+    command = ["-m", "keel.workload.train", "--size", "tiny", "--steps", "100000", "--min-step-time", "50ms",
+               "--bug-at-step", "12", "--bug-file", str(bug)]
+    await asyncio.to_thread(stack.start, nodes=2, standby=0, command=command)
+    first = await stack.wait_for(["IncidentResolved"], lambda e: True, 180, "the first crash's recovery")
+    assert first.payload.rung == 2
+    opened = await stack.wait_for(["IncidentOpened"], lambda e: "rung 2" in e.payload.reason
+                                  and "names the user's code" in e.payload.reason, 10, "the first incident")
+    assert opened.payload.kind == "user_code" and "KeyError" in opened.payload.reason
+    rollback = await stack.wait_for(["RollbackDecided"], lambda e: True, 180, "the rollback after the second crash")
+    assert "2 times in a row" in rollback.payload.reason
+    # No hot-update yet: the code stays as it is, the bug comes back, and the third time is a crash loop.
+    stop = await stack.wait_for(["JobStopDecided"], lambda e: True, 180, "the crash-loop stop")
+    assert stop.payload.rung == 6 and stop.payload.page and "crash loop" in stop.payload.reason
+    restarts = len(await stack.events(["RestartDecided"]))
+    await asyncio.sleep(3)
+    assert len(await stack.events(["RestartDecided"])) == restarts == 2  # nothing restarts a stopped job
+    assert await stack.log_order_is_stream_order() == []
+    verified = await asyncio.to_thread(stack.replay_verify)
+    assert verified.returncode == 0, verified.stdout[-3000:]
