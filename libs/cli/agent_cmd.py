@@ -33,11 +33,20 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     except (TypeError, ValueError) as exc:
         print(f"keel run: inspector settings: {exc}", file=sys.stderr)
         return 2
+    from keel.agent.diagnostics import DiagnosticsPolicy
+    from pydantic import ValidationError
+
+    try:
+        diagnostics_policy = DiagnosticsPolicy.model_validate(settings.diagnostics)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        print(f"keel run: diagnostics settings: {problems}", file=sys.stderr)
+        return 2
     checkpointing = None
     if spec.ckpt_dir is not None:
         checkpointing = build_checkpointing(spec, settings, supervised=supervised)
     agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
-                      checkpointing=checkpointing)
+                      checkpointing=checkpointing, diagnostics_policy=diagnostics_policy)
     if checkpointing is not None:
         checkpointing.emit = agent.emit
 

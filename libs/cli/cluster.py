@@ -6,7 +6,12 @@ domain, agent directory and *overlay root*: the files its health probes read (``
 machine has none). Hardware faults are injected by changing those files, exactly as the kernel or the
 driver would change the real ones; workload faults are written to the node's fault file, which the
 training processes' SDK reads. Every injection is also published as a ``FaultInjected`` event, so
-detection latency is measured from the log.
+detection latency is measured from the log. ``nic-down`` takes ``interface`` (default ``eth0``) and
+``flaps``: with ``flaps=N`` the link is not left down but went down and up N times (``carrier_changes``
++= 2N), a soft signal the inspector tolerates and stop-time diagnostics catch.
+
+Standbys run idle with the job's training command (``--keel-standby``): a ``StandbyPromotionRequested``
+gives one any node's slice of ranks (``keel.agent.agent``).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,7 +154,7 @@ def cluster_up(
         raise ClusterError("no training command: keel cluster up --nodes N -- [-m module | script.py] [args]")
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    master_port = free_port()
+    master_port = rendezvous_base_port()
     shm_root = Path("/dev/shm") / f"keel-cluster-{uuid.uuid4().hex[:10]}"
     persist_root = persist_root or directory / "checkpoints"
     env = dict(os.environ, **(extra_env or {}))
@@ -170,7 +177,8 @@ def cluster_up(
             "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
             "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
         ]
-        argv += ["--keel-standby"] if is_standby else list(command)
+        # A standby carries the training command too: promoted, it runs the ranks of the slice it takes.
+        argv += ["--keel-standby", *command] if is_standby else list(command)
         process = _spawn_agent(argv, env, agent_dir)
         node_states.append({"node_id": node_id, "standby": is_standby, "agent_dir": str(agent_dir),
                             "root": str(root), "pid": process.pid, "ckpt_dir": str(shm_root / node_id),
@@ -180,6 +188,39 @@ def cluster_up(
              "persist_root": str(persist_root), "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
     _atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return state
+
+
+def rendezvous_base_port(offsets: tuple[int, ...] = (0, 1, 2, 3, 500, 501, 502)) -> int:
+    """A free base port for a cluster's rendezvous, below the kernel's ephemeral port range.
+
+    Restart generation g rendezvous on ``base + g`` and diagnostics round r on ``base + 500 + r``. A base
+    inside the ephemeral range (what binding port 0 gives) leaves those ports free for the kernel to
+    hand out as the source port of any outgoing connection (gloo pairs, gRPC, NATS, PostgreSQL clients);
+    a restart then fails with EADDRINUSE. Below the range, only another listener can take them.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = low - max(offsets) - 100
+    if top <= 10_000:
+        return free_port()
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10_000, top)
+        if all(_can_listen(base + offset) for offset in offsets):
+            return base
+    return free_port()
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _spawn_agent(argv: list[str], env: dict[str, str], agent_dir: Path) -> subprocess.Popen:
@@ -214,7 +255,8 @@ def kill_node(directory: Path, node_id: str) -> None:
 
 def start_node(directory: Path, node_id: str) -> int:
     """Start a fresh agent for ``node_id`` (a replacement machine with empty shared memory). It joins as
-    an idle standby with the node's rank slice and starts ranks on the next restart command. Returns its pid."""
+    an idle standby with the node's rank slice and starts ranks on the next restart command (or on a
+    promotion, which may give it any slice). Returns its pid."""
     state = load_cluster(directory)
     node = _node_entry(state, node_id)
     if _alive(node["pid"]):
@@ -360,6 +402,15 @@ def apply_fault(node: NodeInfo, fault: FaultSpec, fault_id: str) -> str:
         if not nic.is_dir():
             raise ClusterError(f"{node.node_id} has no interface {nic.name}")
         changes = int((nic / "carrier_changes").read_text().strip() or 0)
+        flaps = int(fault.params.get("flaps", 0))
+        if flaps < 0:
+            raise ClusterError(f"nic-down flaps must be >= 0, got {flaps}")
+        if flaps:
+            # A flap: the link went down and came back up, `flaps` times; it is up again now. The
+            # inspector reports it as a soft, low-confidence signal (no rung-1 eviction); stop-time
+            # diagnostics on this node fail the inter-node check (keel.agent.diagnostics).
+            (nic / "carrier_changes").write_text(f"{changes + 2 * flaps}\n")
+            return f"{nic.name} of {node.node_id} flapped {flaps}x"
         (nic / "operstate").write_text("down\n")
         (nic / "carrier").write_text("0\n")
         (nic / "carrier_changes").write_text(f"{changes + 1}\n")

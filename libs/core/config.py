@@ -169,6 +169,9 @@ class Settings(_Section):
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""
+    diagnostics: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the node agent's stop-time ``DiagnosticsPolicy`` (``keel.agent.diagnostics``; e.g.
+    ``min_bandwidth_gbps: 100``, ``matmul_rtol: 1e-4``), checked by the agent at start like ``inspector``."""
 
     @field_validator("db_schema")
     @classmethod

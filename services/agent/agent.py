@@ -2,8 +2,19 @@
 
 Once per probe interval: fold the rank reports that arrived; report rank exits (classified); run the
 health probes through the pure inspector core and publish its state changes; every heartbeat
-interval publish a ``NodeHeartbeat``. Commands addressed to this node (``RanksRestartRequested``)
-are executed only if they have not expired and are for a newer generation.
+interval publish a ``NodeHeartbeat``. Commands addressed to this node are executed only if they have
+not expired:
+
+- ``RanksRestartRequested``: restart the ranks in place as a newer generation.
+- ``DiagnosticsRequested`` (rung 2), when this node is one of its ``nodes`` and not a standby: stop the
+  ranks (their exits are reported, ``stopped_by_agent``), run the round in the background
+  (``keel.agent.diagnostics``; the loop keeps beating and obeying), and emit ``DiagnosticsCompleted``
+  when it ends or overruns ``timeout_s``. The node then waits, ranks stopped, for the next command.
+- ``StandbyPromotionRequested`` to this standby: take ``node_rank``'s slice and start it as
+  ``generation``, restoring from the peer copies (``StandbyPromoted``).
+
+A standby runs the local checks (GPU matmul, intra-node all-to-all) once when it starts and reports
+``StandbyChecked``: only a passing standby counts for the pool.
 
 Failure handling without a controller (``supervised=False``, plain ``keel run``): like torchrun,
 a failed rank stops the node's other ranks, then the agent restarts them locally while
@@ -14,6 +25,7 @@ the agent reports and waits: the controller decides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -26,16 +38,31 @@ from typing import Protocol
 
 from keel.agent.channel import RankChannel
 from keel.agent.checkpointing import BROKER_EVENT_TYPES, NodeCheckpointing
+from keel.agent.diagnostics import (
+    LOCAL_CHECKS,
+    DiagnosticsPolicy,
+    NodeReport,
+    RoundProcess,
+    RoundRequest,
+    failed_report,
+    nic_baseline,
+    round_port,
+)
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.supervisor import RankExit, RankSupervisor
 from keel.core.bus import fetch_batch
 from keel.core.event_types import (
+    DiagnosticsCompleted,
+    DiagnosticsRequested,
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
     RanksRestarted,
     RanksRestartRequested,
     RankStarted,
+    StandbyChecked,
+    StandbyPromoted,
+    StandbyPromotionRequested,
 )
 from keel.core.events import Event, EventPayload, InvalidEvent, decode_event, now_utc
 from keel.core.outbox import Outbox
@@ -43,6 +70,36 @@ from keel.core.outbox import Outbox
 log = logging.getLogger(__name__)
 
 PRODUCER = "agent"
+
+COMMAND_SUBJECTS = (("node", "RanksRestartRequested"), ("job", "DiagnosticsRequested"),
+                    ("node", "StandbyPromotionRequested"))
+"""The commands an agent consumes (aggregate kind, type): subjects ``<prefix>.<job>.<kind>.<type>``."""
+
+
+class PromotionError(ValueError):
+    """A promotion command this node cannot carry out as given; the message says why."""
+
+
+def promoted_spec(spec: LaunchSpec, node_rank: int, ranks: list[int]) -> LaunchSpec:
+    """The launch spec of a standby taking over ``node_rank``'s slice (pure). The command's ``ranks``
+    must be exactly that slice for this job's ``nproc_per_node``; raises ``PromotionError`` otherwise."""
+    if not 0 <= node_rank < spec.nnodes:
+        raise PromotionError(f"node rank {node_rank} is outside 0..{spec.nnodes - 1}")
+    promoted = dataclasses.replace(spec, node_rank=node_rank, standby=False)
+    expected = [promoted.global_rank(i) for i in range(spec.nproc_per_node)]
+    if sorted(ranks) != expected:
+        raise PromotionError(f"ranks {sorted(ranks)} are not node rank {node_rank}'s slice {expected} "
+                             f"({spec.nproc_per_node} per node)")
+    return promoted
+
+
+@dataclass
+class ActiveRound:
+    """A diagnostics round (or a standby's self-check) running in the background."""
+
+    process: RoundProcess
+    command: Event | None
+    """The ``DiagnosticsRequested`` it answers; None for a standby's self-check."""
 
 
 class HealthWatcher(Protocol):
@@ -68,6 +125,7 @@ class NodeAgent:
         supervised: bool,
         checkpointing: NodeCheckpointing | None = None,
         clock: Callable[[], datetime] = now_utc,
+        diagnostics_policy: DiagnosticsPolicy | None = None,
     ) -> None:
         self.spec = spec
         self.outbox = outbox
@@ -83,6 +141,13 @@ class NodeAgent:
         self.restarts_left = spec.max_restarts
         self.failed = False
         self.last_heartbeat_at: datetime | None = None
+        self.diagnostics_policy = diagnostics_policy or DiagnosticsPolicy()
+        self.active_round: ActiveRound | None = None
+        self.rounds_seen: set[int] = set()
+        self.held = False
+        """The ranks were stopped on command (diagnostics) and wait for the next one: not "finished"."""
+        self.nic_baseline = nic_baseline(spec.root)
+        """Link change counters when this node was last vetted (simulated nodes only; judges flaps)."""
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -108,6 +173,7 @@ class NodeAgent:
             # process must not apply it again.
             self.supervisor.fault_file.unlink(missing_ok=True)
         self.generation = generation
+        self.held = False
         self.channel.forget_generation_before(generation)
         if self.checkpointing is not None:
             self.supervisor.extra_env = self.checkpointing.rank_env(generation)
@@ -130,15 +196,26 @@ class NodeAgent:
             # The exception the rank named itself: if that alone says infrastructure (MemoryError,
             # an NCCL/gloo error...), trust it over a stderr tail that later output may have muddled.
             reported = self.classify(1, None, exit_.reported_failure)
-            if classification != "infrastructure" and reported[0] == "infrastructure":
+            if (classification != "infrastructure" and reported[0] == "infrastructure") or (
+                    classification == "unknown" and reported[0] == "user_code"):
+                # The rank's own traceback (the SDK sends its tail) over a stderr tail that was cut short
+                # or muddled by output after the traceback: an infrastructure error it names wins, and so
+                # does a frame in the user's code when the captured stderr told nothing.
                 classification, error_type, reason = reported
-            reason = f"{reason} (the rank reported {exit_.reported_failure!r}; the agent ended its shutdown)"
+            named = (exit_.reported_failure.strip().splitlines() or ["?"])[-1][:300]
+            reason = f"{reason} (the rank reported {named!r}; the agent ended its shutdown)"
         else:
             classification, error_type, reason = self.classify(exit_.exit_code, exit_.signal, exit_.stderr_tail)
+        tail = exit_.stderr_tail
+        if "Traceback (most recent call last)" in exit_.reported_failure:
+            # The rank's own traceback goes last: whoever reads the tail (the controller's failure
+            # fingerprint: the innermost frame) sees the exception it died of, whatever stderr held.
+            reported = exit_.reported_failure[-3000:]
+            tail = f"{tail[-(3900 - len(reported)):]}\n[the traceback the rank reported]\n{reported}"
         self.emit(
             RankExited(node_id=self.spec.node_id, rank=exit_.rank, pid=exit_.pid, generation=exit_.generation,
                        exit_code=exit_.exit_code, signal=exit_.signal, classification=classification,  # type: ignore[arg-type]
-                       error_type=error_type, stderr_tail=exit_.stderr_tail[-4000:], reason=reason),
+                       error_type=error_type, stderr_tail=tail[-4000:], reason=reason),
             subject=f"rank/{exit_.rank}",
         )
         log.info("%s: rank %d exited (%s, code %s, signal %s): %s", self.spec.node_id, exit_.rank, classification,
@@ -148,18 +225,40 @@ class NodeAgent:
     # -- commands ----------------------------------------------------------------------------------
 
     def handle_command(self, command: Event) -> None:
+        """Carry out a command addressed to this node (others are ignored). Called from the loop."""
         payload = command.payload
-        if not isinstance(payload, RanksRestartRequested) or payload.node_id != self.spec.node_id:
-            return
+        if isinstance(payload, DiagnosticsRequested):
+            self.handle_diagnostics(command)
+        elif isinstance(payload, StandbyPromotionRequested):
+            self.handle_promotion(command)
+        elif isinstance(payload, RanksRestartRequested) and payload.node_id == self.spec.node_id:
+            self.handle_restart(command)
+
+    def stop_ranks(self) -> None:
+        self.supervisor.stop_all()
+        for exit_ in self.supervisor.poll():
+            self.report_exit(exit_)
+
+    def handle_restart(self, command: Event) -> None:
+        payload = command.payload
+        assert isinstance(payload, RanksRestartRequested)
         now = self.clock()
         if now > payload.expires_at:
             outcome, detail = "expired", f"command expired at {payload.expires_at.isoformat()}; not executed"
         elif payload.generation <= self.generation:
             outcome, detail = "stale_generation", f"already at generation {self.generation}"
         else:
-            self.supervisor.stop_all()
-            for exit_ in self.supervisor.poll():
-                self.report_exit(exit_)
+            if self.active_round is not None:
+                log.warning("%s: a restart command arrived while diagnostics ran; ending the round unreported",
+                            self.spec.node_id)
+                self.cancel_round()
+            self.stop_ranks()
+            if self.spec.standby:
+                # A standby told to run its slice (a replacement started with `keel cluster`'s start_node)
+                # is a worker from now on: it takes part in diagnostics and exits when its ranks finish.
+                self.spec = dataclasses.replace(self.spec, standby=False)
+                self.supervisor.spec = self.spec
+                self.cancel_round()
             # Start the new processes first: the inventory (hashing every slot) overlaps their start-up,
             # and they wait for the restore plan it leads to.
             self.start_ranks(payload.generation)
@@ -173,13 +272,136 @@ class NodeAgent:
             causation=command,
         )
 
+    # -- diagnostics and standbys ---------------------------------------------------------------
+
+    def handle_diagnostics(self, command: Event) -> None:
+        """Rung 2: stop the ranks and run this node's side of the round in the background."""
+        payload = command.payload
+        assert isinstance(payload, DiagnosticsRequested)
+        node = self.spec.node_id
+        if self.spec.standby or node not in payload.nodes:
+            log.debug("%s: diagnostics round %d is not for this node", node, payload.round)
+            return
+        if self.clock() > payload.expires_at:
+            log.warning("%s: diagnostics round %d expired at %s; not run (the ranks keep running)", node,
+                        payload.round, payload.expires_at.isoformat())
+            return
+        if payload.round in self.rounds_seen:
+            log.info("%s: diagnostics round %d was run already (a redelivered command); ignored", node, payload.round)
+            return
+        if self.active_round is not None:
+            log.warning("%s: diagnostics round %d supersedes the round still running; ending that one unreported",
+                        node, payload.round)
+            self.cancel_round()
+        self.rounds_seen.add(payload.round)
+        deadline = time.time() + payload.timeout_s  # receipt + timeout: stopping the ranks counts against it
+        self.stop_ranks()
+        self.held = True
+        request = RoundRequest(
+            round=payload.round, node_id=node, nodes=payload.nodes, checks=payload.checks,
+            nproc_per_node=self.spec.nproc_per_node, master_addr=self.spec.master_addr,
+            master_port=round_port(self.spec.master_port, payload.round), deadline_unix_s=deadline,
+            root=str(self.spec.root), nic_baseline=self.nic_baseline, policy=self.diagnostics_policy)
+        self.launch_round(request, f"round-{payload.round}", command)
+        log.info("%s: diagnostics round %d started (%s; %.0fs): %s", node, payload.round, ", ".join(payload.checks),
+                 payload.timeout_s, payload.reason)
+
+    def start_self_check(self) -> None:
+        """A standby's local checks, once at start (reported as ``StandbyChecked``)."""
+        policy = self.diagnostics_policy
+        request = RoundRequest(round=0, node_id=self.spec.node_id, nodes=[self.spec.node_id], checks=list(LOCAL_CHECKS),
+                               nproc_per_node=self.spec.nproc_per_node, deadline_unix_s=time.time()
+                               + policy.standby_check_timeout_s, root=str(self.spec.root), policy=policy)
+        self.launch_round(request, "self-check", None)
+
+    def launch_round(self, request: RoundRequest, name: str, command: Event | None) -> None:
+        directory = self.spec.agent_dir / "diagnostics" / name
+        try:
+            process = RoundProcess(request, directory)
+        except OSError as exc:
+            log.error("%s: cannot start diagnostics %s: %s", self.spec.node_id, name, exc)
+            self.finish_round(failed_report(request, f"the diagnostics could not start: {exc}"), command)
+            return
+        self.active_round = ActiveRound(process, command)
+
+    def cancel_round(self) -> None:
+        if self.active_round is not None:
+            self.active_round.process.kill()
+            self.active_round = None
+
+    def poll_round(self) -> None:
+        """Report the background round once it ended (or overran: then it is killed)."""
+        active = self.active_round
+        if active is None:
+            return
+        report = active.process.poll()
+        if report is None:
+            return
+        self.active_round = None
+        self.finish_round(report, active.command)
+
+    def finish_round(self, report: NodeReport, command: Event | None) -> None:
+        node = self.spec.node_id
+        if command is None:
+            self.emit(StandbyChecked(node_id=node, passed=report.passed, results=report.results, detail=report.detail))
+            log.info("%s: standby self-check %s: %s", node, "passed" if report.passed else "FAILED", report.detail)
+            return
+        payload = command.payload
+        assert isinstance(payload, DiagnosticsRequested)
+        self.emit(DiagnosticsCompleted(node_id=node, request_id=str(command.id), round=payload.round,
+                                       passed=report.passed, results=report.results, suspects=report.suspects,
+                                       detail=report.detail), causation=command)
+        # The next round judges flaps from here: a link that flapped before this round was reported now.
+        self.nic_baseline = nic_baseline(self.spec.root)
+        log.info("%s: diagnostics round %d %s in %.1fs: %s", node, payload.round,
+                 "passed" if report.passed else "FAILED", report.duration_s, report.detail)
+
+    def handle_promotion(self, command: Event) -> None:
+        """Take over a slice of ranks as a promoted standby (``StandbyPromoted`` says how it went)."""
+        payload = command.payload
+        assert isinstance(payload, StandbyPromotionRequested)
+        if payload.node_id != self.spec.node_id:
+            return
+        if self.clock() > payload.expires_at:
+            outcome, detail = "expired", f"command expired at {payload.expires_at.isoformat()}; not executed"
+        elif not self.spec.standby:
+            outcome, detail = "not_standby", f"{self.spec.node_id} is not a standby (it runs node rank {self.spec.node_rank})"
+        else:
+            try:
+                spec = promoted_spec(self.spec, payload.node_rank, payload.ranks)
+            except PromotionError as exc:
+                outcome, detail = "failed", str(exc)
+            else:
+                if self.active_round is not None:
+                    log.info("%s: promoted while its self-check ran; ending the check unreported", spec.node_id)
+                    self.cancel_round()
+                self.spec = spec
+                self.supervisor.spec = spec
+                if self.checkpointing is not None:
+                    self.checkpointing.take_over([spec.global_rank(i) for i in range(spec.nproc_per_node)])
+                self.start_ranks(payload.generation)
+                if self.checkpointing is not None:
+                    # The inventory names the ranks taken over: the broker plans their restore from peers.
+                    self.checkpointing.prepare_restart(payload.generation)
+                self.failed = False
+                outcome = "promoted"
+                detail = (f"took over node rank {spec.node_rank} (ranks {payload.ranks}) of {payload.replaces_node_id} "
+                          f"as generation {payload.generation}: {payload.reason}")
+        self.emit(StandbyPromoted(node_id=self.spec.node_id, command_id=str(command.id),
+                                  replaces_node_id=payload.replaces_node_id, generation=self.generation,
+                                  outcome=outcome, detail=detail),  # type: ignore[arg-type]
+                  causation=command)
+        log.info("%s: promotion %s: %s", self.spec.node_id, outcome, detail)
+
+    # -- the command consumer ------------------------------------------------------------------------
+
     async def consume_commands(self, stop: asyncio.Event) -> None:
         assert self.outbox is not None
         await self.outbox.connected.wait()
         bus = self.outbox.bus
         assert bus is not None
         prefix = f"{bus.settings.subject_prefix}.{self.spec.job_id}"
-        subjects = [f"{prefix}.node.RanksRestartRequested"]
+        subjects = [f"{prefix}.{kind}.{name}" for kind, name in COMMAND_SUBJECTS]
         if self.checkpointing is not None:
             subjects += [f"{prefix}.job.{name}" for name in BROKER_EVENT_TYPES]
         sub = await bus.pull_consumer(f"agent-{self.spec.job_id}-{self.spec.node_id}-{len(subjects)}",
@@ -192,7 +414,7 @@ class NodeAgent:
                     log.warning("ignoring malformed command: %s", exc.reason)
                     await msg.term()
                     continue
-                if command.type == "RanksRestartRequested":
+                if any(command.type == name for _, name in COMMAND_SUBJECTS):
                     self.handle_command(command)
                 elif self.checkpointing is not None:
                     self.checkpointing.handle_event(command)
@@ -221,9 +443,11 @@ class NodeAgent:
         self.channel.drain(now, self.generation)
         for rank, state in self.channel.ranks.items():
             if state.phase == "failed" and self.supervisor.kill_failed(rank, state.error):
-                log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank, state.error)
+                log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank,
+                         (state.error.strip().splitlines() or ["?"])[-1])
         exits = self.supervisor.poll()
         failures = [e for e in exits if self.report_exit(e)]
+        self.poll_round()
         if failures and not self.failed:
             self.failed = True
             if not self.supervised:
@@ -248,7 +472,7 @@ class NodeAgent:
                                     {r: s.checkpoint_step for r, s in ranks.items()})
         if self.last_heartbeat_at is None or now - self.last_heartbeat_at >= self.spec.heartbeat_interval:
             self.heartbeat(now)
-        if not self.spec.standby and not self.supervisor.ranks and not self.failed:
+        if not self.spec.standby and not self.supervisor.ranks and not self.failed and not self.held:
             return AgentResult(0, "every rank finished successfully")
         return None
 
@@ -259,6 +483,8 @@ class NodeAgent:
             if self.checkpointing is not None:
                 self.checkpointing.start_fresh()
             self.start_ranks(0)
+        else:
+            self.start_self_check()
         commands = asyncio.create_task(self.consume_commands(stop)) if self.outbox is not None else None
         result = AgentResult(143, "stopped")
         # Wake at once when a rank reports or a child exits, not only once per probe interval: a
@@ -289,6 +515,7 @@ class NodeAgent:
         finally:
             loop.remove_reader(self.channel.sock.fileno())
             loop.remove_signal_handler(signal.SIGCHLD)
+            self.cancel_round()
             self.supervisor.stop_all()
             for exit_ in self.supervisor.poll():
                 self.report_exit(exit_)

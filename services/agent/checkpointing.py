@@ -342,6 +342,22 @@ class NodeCheckpointing:
         if job_finished:
             shutil.rmtree(self.node_dir, ignore_errors=True)
 
+    def take_over(self, local_ranks: list[int]) -> None:
+        """The node now runs ``local_ranks`` (a promoted standby, or a node given another slice): the
+        per-rank state is rebuilt for them, keeping the shard store (its address and the backups it holds
+        for peers). Call before ``prepare_restart`` of the generation that starts them; the broker's
+        assignments for the new ranks follow their registration."""
+        self.local_ranks = list(local_ranks)
+        self.progress = {r: _RankProgress() for r in self.local_ranks}
+        self.assignments = {}
+        # Work in flight for ranks no longer here is dropped (its result would be folded for the wrong rank).
+        self.sending = {r: f for r, f in self.sending.items() if r in self.progress}
+        self.persisting = {r: f for r, f in self.persisting.items() if r in self.progress}
+        self.persisted.clear()
+        self.verified = {}
+        self.last_reported = {}
+        self.registered_generation = None
+
     # -- before a restart ---------------------------------------------------------------------------
 
     def prepare_restart(self, generation: int) -> None:

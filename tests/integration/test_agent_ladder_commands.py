@@ -1,0 +1,154 @@
+"""The node agent's handling of the ladder's commands, one agent at a time: real rank processes, real
+diagnostics rounds (single-node, so no peer is needed), no NATS. The agent's outbox is a real ``Outbox``
+that never connects: what the agent emitted waits in ``outbox.pending``, in order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from keel.agent.agent import NodeAgent
+from keel.agent.inspector_adapter import classify
+from keel.agent.launch_spec import LaunchSpec
+from keel.cli.cluster import FaultSpec, NodeInfo, apply_fault, rendezvous_base_port, seed_overlay_root
+from keel.core.config import BusSettings
+from keel.core.event_types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
+from keel.core.events import Event, EventPayload, now_utc
+from keel.core.outbox import Outbox
+
+pytestmark = pytest.mark.integration
+
+SLEEPER = ("-c", "import time; time.sleep(120)")
+ALL = ["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
+
+
+def make_agent(directory: Path, *, node_id: str = "n00", standby: bool = False, nnodes: int = 1,
+               node_rank: int = 0, nproc: int = 1, gpus: int = 1) -> NodeAgent:
+    root = directory / node_id / "root"
+    seed_overlay_root(root, gpus=gpus)
+    spec = LaunchSpec(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, master_addr="127.0.0.1",
+                      master_port=rendezvous_base_port(), command=SLEEPER, job_id="job", node_id=node_id,
+                      standby=standby, agent_dir=directory / node_id, root=root,
+                      heartbeat_interval=timedelta(hours=1), ckpt_dir=None)
+    return NodeAgent(spec, outbox=Outbox("nats://127.0.0.1:1", BusSettings(), name="test"), watcher=None,
+                     classify=classify(spec), supervised=True)
+
+
+@pytest.fixture
+def agents(scratch_dir: Path) -> Iterator[list[NodeAgent]]:
+    made: list[NodeAgent] = []
+    yield made
+    for agent in made:
+        agent.cancel_round()
+        agent.supervisor.stop_all(grace_s=1)
+        agent.channel.close()
+
+
+def command(payload: EventPayload, subject: str) -> Event:
+    return Event.create(payload, job_id="job", subject=subject, producer="controller", occurred_at=now_utc())
+
+
+def emitted(agent: NodeAgent, type_: str) -> list[Event]:
+    assert agent.outbox is not None
+    return [e for e in agent.outbox.pending if e.type == type_]
+
+
+def tick_until(agent: NodeAgent, type_: str, timeout_s: float) -> Event:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert agent.tick(probe=False) is None, "the agent wanted to stop"
+        if found := emitted(agent, type_):
+            return found[-1]
+        time.sleep(0.05)
+    raise AssertionError(f"no {type_} within {timeout_s}s")
+
+
+def diagnostics(nodes: list[str], *, round_: int = 0, expires_in_s: float = 60, timeout_s: float = 30) -> Event:
+    return command(DiagnosticsRequested(round=round_, nodes=nodes, checks=ALL, timeout_s=timeout_s,
+                                        expires_at=now_utc() + timedelta(seconds=expires_in_s), reason="test"),
+                   "job/job")
+
+
+def test_a_round_stops_the_ranks_reports_in_the_background_and_a_restart_follows(agents, scratch_dir: Path) -> None:
+    agent = make_agent(scratch_dir, nproc=2, gpus=2)
+    agents.append(agent)
+    agent.start_ranks(0)
+    pids = [p.pid for p in agent.supervisor.alive()]
+    assert len(pids) == 2
+
+    for ignored in (diagnostics(["n01", "n02"]), diagnostics(["n00"], round_=1, expires_in_s=-1)):
+        agent.handle_command(ignored)  # not this node / expired: nothing stops
+        assert agent.active_round is None and [p.pid for p in agent.supervisor.alive()] == pids
+
+    request = diagnostics(["n00"], round_=2)
+    agent.handle_command(request)
+    assert agent.active_round is not None and not agent.supervisor.ranks  # stopped at once, round in the background
+    stopped = emitted(agent, "RankExited")
+    assert sorted(e.payload.rank for e in stopped) == [0, 1]
+    assert {e.payload.classification for e in stopped} == {"stopped_by_agent"}
+    done = tick_until(agent, "DiagnosticsCompleted", 30)  # the loop keeps ticking (and would beat) meanwhile
+    assert (done.causation_id, done.correlation_id) == (request.id, request.id)
+    p = done.payload
+    assert (p.node_id, p.request_id, p.round, p.passed) == ("n00", str(request.id), 2, True), p
+    assert [r.check for r in p.results] == ALL
+    # A redelivered command does not run the round again; the agent waits (ranks stopped) for the next one.
+    agent.handle_command(request)
+    assert agent.active_round is None
+    for _ in range(5):
+        assert agent.tick(probe=False) is None
+
+    agent.handle_command(command(RanksRestartRequested(node_id="n00", generation=1, reason="test",
+                                                       expires_at=now_utc() + timedelta(minutes=1)), "node/n00"))
+    assert emitted(agent, "RanksRestarted")[-1].payload.outcome == "restarted"
+    assert len(agent.supervisor.alive()) == 2 and agent.generation == 1
+
+
+def test_a_standby_self_checks_ignores_rounds_and_fails_the_check_on_a_lost_gpu(agents, scratch_dir: Path) -> None:
+    healthy = make_agent(scratch_dir, node_id="s00", standby=True, nproc=2, gpus=2)
+    broken = make_agent(scratch_dir, node_id="s01", standby=True, nproc=2, gpus=2)
+    agents += [healthy, broken]
+    apply_fault(NodeInfo("s01", True, broken.spec.agent_dir, broken.spec.root, 0),
+                FaultSpec(kind="gpu-lost", node="s01", params={"gpu": 1}), "f1")
+    healthy.start_self_check()
+    broken.start_self_check()
+    good = tick_until(healthy, "StandbyChecked", 40)
+    bad = tick_until(broken, "StandbyChecked", 40)
+    assert good.payload.passed and good.causation_id is None, good.payload
+    assert [r.check for r in good.payload.results] == ["gpu_matmul", "intra_node_all_to_all"]
+    assert not bad.payload.passed and "gpu1 is lost" in bad.payload.detail, bad.payload
+
+    healthy.handle_command(diagnostics(["s00", "n00"]))
+    assert healthy.active_round is None and not emitted(healthy, "RankExited")
+
+
+def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch_dir: Path) -> None:
+    standby = make_agent(scratch_dir, node_id="s00", standby=True, nnodes=3, node_rank=2, nproc=2, gpus=2)
+    agents.append(standby)
+
+    def promote(node_rank: int, ranks: list[int], expires_in_s: float = 60, generation: int = 3) -> Event:
+        cmd = command(StandbyPromotionRequested(node_id="s00", replaces_node_id="n01", node_rank=node_rank,
+                                                ranks=ranks, generation=generation, reason="test",
+                                                expires_at=now_utc() + timedelta(seconds=expires_in_s)), "node/s00")
+        standby.handle_command(cmd)
+        result = emitted(standby, "StandbyPromoted")[-1]
+        assert result.causation_id == cmd.id and result.payload.command_id == str(cmd.id)
+        return result
+
+    assert promote(1, [2, 3], expires_in_s=-1).payload.outcome == "expired"
+    failed = promote(1, [2])
+    assert failed.payload.outcome == "failed" and "not node rank 1's slice [2, 3]" in failed.payload.detail
+    assert standby.spec.standby and not standby.supervisor.ranks
+
+    promoted = promote(1, [2, 3])
+    assert (promoted.payload.outcome, promoted.payload.generation, promoted.payload.replaces_node_id) == (
+        "promoted", 3, "n01")
+    assert not standby.spec.standby and standby.spec.node_rank == 1 and standby.generation == 3
+    started = emitted(standby, "RankStarted")
+    assert sorted(e.payload.rank for e in started) == [2, 3] and {e.payload.generation for e in started} == {3}
+    env = (Path("/proc") / str(standby.supervisor.ranks[2].pid) / "environ").read_bytes().split(b"\0")
+    assert b"RANK=2" in env and b"NODE_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
+    assert promote(1, [2, 3], generation=4).payload.outcome == "not_standby"
