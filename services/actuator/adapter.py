@@ -16,7 +16,7 @@ from datetime import datetime
 from keel.actuator.core import Actuator, ActuatorError, eviction_outcome, refill_count
 from keel.core.bus import Bus, fetch_batch
 from keel.core.decider import decision_id
-from keel.core.event_types import NodeEvicted, NodeEvictionDecided, StandbyRefillRequested
+from keel.core.event_types import NodeEvicted, NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested
 from keel.core.events import Event, InvalidEvent, decode_event, now_utc
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class ActuatorService:
         prefix, job = self.bus.settings.subject_prefix, self.job_id or "*"
         self._sub = await self.bus.pull_consumer(
             self.producer, filter_subjects=[f"{prefix}.{job}.node.NodeEvictionDecided",
+                                            f"{prefix}.{job}.node.StandbyPromotionRequested",
                                             f"{prefix}.{job}.job.StandbyRefillRequested"])
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -57,6 +58,14 @@ class ActuatorService:
                 await self._evict(command, command.payload)
             elif isinstance(command.payload, StandbyRefillRequested):
                 await self._refill(command, command.payload)
+            elif isinstance(command.payload, StandbyPromotionRequested):
+                # Bookkeeping, not an action (the standby's agent carries the promotion out): the node no
+                # longer counts as a standby, so the refill in the same decision starts a new one.
+                try:
+                    await asyncio.to_thread(self.actuator.mark_promoted, command.payload.node_id)
+                except (ActuatorError, OSError) as exc:
+                    log.warning("%s: could not record the promotion of %s: %s", self.producer,
+                                command.payload.node_id, exc)
             await msg.ack()
         return len(msgs)
 

@@ -38,6 +38,10 @@ class Actuator(Protocol):
         """The warm standbys this actuator runs for the job now (not yet promoted, not evicted)."""
         ...
 
+    def mark_promoted(self, node_id: str) -> None:
+        """Record that a standby was promoted into the job (it no longer counts towards the pool)."""
+        ...
+
     def provision_standbys(self, count: int) -> list[str]:
         """Start ``count`` new warm standbys (asynchronously ready: each registers and self-checks
         itself); returns their node ids."""

@@ -81,6 +81,14 @@ class LocalActuator:
         return [n["node_id"] for n in self._state()["nodes"]
                 if n["standby"] and not n.get("evicted") and not n.get("promoted") and _alive(n["pid"])]
 
+    def mark_promoted(self, node_id: str) -> None:
+        state = self._state()
+        node = next((n for n in state["nodes"] if n["node_id"] == node_id), None)
+        if node is None:
+            raise ActuatorError(f"no node {node_id!r} in the local cluster at {self.directory}")
+        node["standby"], node["promoted"] = False, True
+        self._save(state)
+
     def provision_standbys(self, count: int) -> list[str]:
         state = self._state()
         # A worker's command line: it carries the training command a promoted standby will run.

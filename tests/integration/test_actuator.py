@@ -14,7 +14,7 @@ from keel.actuator.adapter import ActuatorService
 from keel.actuator.core import eviction_outcome, refill_count
 from keel.actuator.local import LocalActuator, _standby_argv
 from keel.cli.cluster import _alive, cluster_down, cluster_up, load_cluster
-from keel.core.event_types import NodeEvictionDecided, StandbyRefillRequested
+from keel.core.event_types import NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested
 from keel.core.events import Event, now_utc
 
 from tests.integration.test_crashes import service_env
@@ -92,6 +92,17 @@ async def test_local_actuator_evicts_refuses_stale_commands_and_refills_the_pool
         registered = [r.event async for r in keel_env.store.read(job_id="act", types=["NodeRegistered"])]
         assert [e.payload.node_id for e in registered if e.payload.standby] == ["s00"]
         assert [n["node_id"] for n in load_cluster(directory)["nodes"] if n["standby"]] == ["s00"]
+        # s00 is promoted into n01's slice: it leaves the pool, and the refill that follows in the same
+        # decision starts another standby.
+        promote = StandbyPromotionRequested(node_id="s00", replaces_node_id="n01", node_rank=1, ranks=[1],
+                                            generation=1, reason="test", expires_at=now_utc() + timedelta(minutes=5))
+        refill = StandbyRefillRequested(count=1, target=1, reason="test", expires_at=now_utc() + timedelta(minutes=5))
+        for payload, subject in ((promote, "node/s00"), (refill, "job/act")):
+            await keel_env.bus.publish(Event.create(payload, job_id="act", subject=subject, producer="controller",
+                                                    occurred_at=now_utc()))
+        await wait_events(keel_env, "act", ["NodeRegistered"], 2, 60, lambda e: e.payload.standby)
+        nodes = {n["node_id"]: n for n in load_cluster(directory)["nodes"]}
+        assert nodes["s00"]["promoted"] and not nodes["s00"]["standby"] and nodes["s01"]["standby"]
     finally:
         await asyncio.to_thread(cluster_down, directory)
 
