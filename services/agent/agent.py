@@ -294,7 +294,10 @@ class NodeAgent:
                         node, payload.round)
             self.cancel_round()
         self.rounds_seen.add(payload.round)
-        deadline = time.time() + payload.timeout_s  # receipt + timeout: stopping the ranks counts against it
+        # The controller concludes the round at its decision time + timeout_s. Answer by three quarters of
+        # that (stopping the ranks counts against it): peers that name a node which never joined must be
+        # heard before the controller's own deadline; the last quarter covers transport and clock skew.
+        deadline = max(time.time() + 5.0, command.occurred_at.timestamp() + 0.75 * payload.timeout_s)
         self.stop_ranks()
         self.held = True
         request = RoundRequest(

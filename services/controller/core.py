@@ -749,7 +749,8 @@ class _Plan:
                   subject=f"node/{node_id}")
 
     def diagnose(self, reason: str) -> None:
-        nodes = [n.node_id for n in self.job.active if not n.cordoned]
+        # By rank, rank 0's node first: it hosts the round's rendezvous, at the job's master address.
+        nodes = [n.node_id for n in sorted(self.job.active, key=lambda n: min(n.ranks)) if not n.cordoned]
         plan = HeldPlan(2, frozenset(), reason)
         if self.policy.observe_only:
             self.hold("diagnose", "observe_only", "observe mode: diagnostics decided, not run", plan)
