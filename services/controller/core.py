@@ -194,6 +194,9 @@ class JobView:
     first_seen_at: datetime | None = None
     node_failures: int = 0
     pool_target: int | None = None
+    refills_pending: int = 0
+    """Standbys asked of the actuator and not yet registered: not asked for again (until the request expires)."""
+    refill_asked_at: datetime | None = None
 
     def node(self, node_id: str) -> NodeView:
         return self.nodes.get(node_id, NodeView(node_id))
@@ -310,6 +313,8 @@ class ControllerDecider:
             view = job.node(p.node_id)
             # A node registering (again) is a new agent: a repaired or replacement machine, or a restarted
             # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it.
+            if p.standby and job.refills_pending:
+                job = replace(job, refills_pending=job.refills_pending - 1)  # one of those asked for
             return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
                                          promoting=False, checked=None if p.standby else view.checked,
                                          ranks=frozenset() if p.standby else view.ranks, last_heartbeat_at=at))
@@ -386,6 +391,8 @@ class ControllerDecider:
             return replace(job, stopped=True)
         if isinstance(p, StandbyPoolSized):
             return replace(job, pool_target=p.target)
+        if isinstance(p, StandbyRefillRequested):
+            return replace(job, refills_pending=job.refills_pending + p.count, refill_asked_at=p.expires_at)
         if isinstance(p, DiagnosticsRequested):
             job = replace(job, diag_rounds=max(job.diag_rounds, p.round + 1))
             if incident is None:
@@ -877,8 +884,11 @@ class _Plan:
             self.note(f"standby pool: {reason}")
             self.emit(StandbyPoolSized(target=target, ready=ready, job_nodes=nodes, failure_probability=p,
                                        reason=reason), key="pool")
-        waiting = self.job.incident is not None and self.job.incident.stage == "waiting_standby"  # asked already
-        if ready < target and not waiting:
-            self.emit(StandbyRefillRequested(count=target - ready, target=target,
-                                             reason=f"{ready} standby(s) ready or checking, target {target}",
+        expired = self.job.refill_asked_at is not None and self.now > self.job.refill_asked_at
+        pending = 0 if expired else self.job.refills_pending  # an actuator that never delivered is asked again
+        missing = target - ready - pending
+        if missing > 0:
+            self.emit(StandbyRefillRequested(count=missing, target=target,
+                                             reason=f"{ready} standby(s) ready or checking and {pending} on their "
+                                                    f"way, target {target}",
                                              expires_at=self.expires_at), key="refill/pool")

@@ -57,6 +57,8 @@ class Incident:
     marks: dict[str, datetime] = field(default_factory=dict)
     """detected, decided, restarted, resumed, recovered: when each happened."""
     restore_step: int | None = None
+    restarted_nodes: set[str] = field(default_factory=set)
+    """Nodes that started ranks of a generation newer than the fault's."""
 
     @property
     def recovered_at(self) -> datetime | None:
@@ -220,6 +222,7 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
                 started_at = at
             if open_ is not None and p.generation > open_.generation_at_fault:
                 open_.marks.setdefault("restarted", at)
+                open_.restarted_nodes.add(p.node_id)
             if p.generation > generation:
                 generations.append((at, p.generation))
             generation = max(generation, p.generation)
@@ -242,7 +245,9 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             open_.restore_step = p.step
         elif kind == "NodeHeartbeat" and not p.standby:
             step = p.last_step
-            if open_ is not None and "restarted" in open_.marks:
+            # Only a node that started the new generation speaks for it: another's heartbeat may still
+            # carry the step its old ranks reached before they were stopped.
+            if open_ is not None and "restarted" in open_.marks and p.node_id in open_.restarted_nodes:
                 floor = open_.restore_step if open_.restore_step is not None else -1
                 if step > floor:
                     open_.marks.setdefault("resumed", at)

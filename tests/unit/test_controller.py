@@ -461,6 +461,15 @@ def test_the_pool_target_is_the_binomial_99th_percentile_of_the_measured_rate() 
     # One standby ready or checking of two: the actuator is asked for the other.
     refill = of(job.log, "StandbyRefillRequested")[-1]
     assert (refill.payload.count, refill.payload.target) == (1, 2)
+    # Asked once: more pool changes before the new standby registers ask for nothing more...
+    asked = len(of(job.log, "StandbyRefillRequested"))
+    job.feed(StandbyChecked(node_id="s0", passed=True), "node/s0")
+    job.feed(StandbyChecked(node_id="s0", passed=True), "node/s0")
+    assert len(of(job.log, "StandbyRefillRequested")) == asked
+    # ...until that request expired unanswered.
+    job.now += timedelta(minutes=10)
+    job.feed(StandbyChecked(node_id="s0", passed=True), "node/s0")
+    assert len(of(job.log, "StandbyRefillRequested")) == asked + 1
     # With the default prior a 4-node job needs none ((1 - 0.0012)^4 = 0.9952 >= 0.99); a configured
     # minimum still holds.
     job = Job(nodes=4, standbys=0, policy=ControllerPolicy(standby_min=1))
