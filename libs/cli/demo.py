@@ -181,7 +181,7 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         reference = asyncio.create_task(asyncio.to_thread(_reference_run, scratch / "reference"))
         _banner("local cluster: 4 nodes x 1 rank (DP 2 x PP 2) + 1 warm standby, job 'demo'")
         cluster_up(settings, directory, nodes=4, standby=1, nproc_per_node=1, job_id=JOB,
-                   command=[*TRAIN, "--bug-at-step", str(BUG_STEP), "--bug-file", str(bug_file)], nats_url=nats_url,
+                   command=[*TRAIN, "--bug-at-step", str(BUG_STEP), "--bug-rank", "-1", "--bug-file", str(bug_file)], nats_url=nats_url,
                    extra_env=env, heartbeat_interval="2s", persist_root=scratch / "checkpoints")
         await demo.wait_for(JOB, ["StandbyChecked"], lambda e: e.payload.passed, 120, "a standby's passing self-check")
         await demo.wait_step(15)
@@ -237,7 +237,7 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         loop_bug.write_text("never fixed\n")
         cluster_up(settings, loop_dir, nodes=2, standby=0, nproc_per_node=1, job_id=LOOP_JOB,
                    command=["-m", "keel.workload.train", "--size", "tiny", "--steps", "60", "--min-step-time", "100ms",
-                            "--bug-at-step", "8", "--bug-file", str(loop_bug)],
+                            "--bug-at-step", "8", "--bug-rank", "-1", "--bug-file", str(loop_bug)],
                    nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "loop-checkpoints")
         stop = await demo.wait_for(LOOP_JOB, ["JobStopDecided"], lambda e: True, 300, "the crash-loop stop")
         _say(f"rung {stop.payload.rung}: {stop.payload.reason}")

@@ -197,10 +197,11 @@ class NodeAgent:
             # an NCCL/gloo error...), trust it over a stderr tail that later output may have muddled.
             reported = self.classify(1, None, exit_.reported_failure)
             if (classification != "infrastructure" and reported[0] == "infrastructure") or (
-                    classification == "unknown" and reported[0] == "user_code"):
+                    classification == "unknown" and (reported[0] == "user_code" or (not error_type and reported[1]))):
                 # The rank's own traceback (the SDK sends its tail) over a stderr tail that was cut short
                 # or muddled by output after the traceback: an infrastructure error it names wins, and so
-                # does a frame in the user's code when the captured stderr told nothing.
+                # does a frame in the user's code, or any named exception, when the captured stderr told
+                # nothing.
                 classification, error_type, reason = reported
             named = (exit_.reported_failure.strip().splitlines() or ["?"])[-1][:300]
             reason = f"{reason} (the rank reported {named!r}; the agent ended its shutdown)"

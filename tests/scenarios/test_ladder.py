@@ -39,7 +39,7 @@ class Stack:
         self.knobs: dict[str, str] = {}
 
     def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None) -> None:
-        self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "40s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
+        self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "60s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
                  "KEEL_CONTROLLER__STANDBY_MIN": "1", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
                  "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"), **(extra or {})}
         ready = []
@@ -61,9 +61,11 @@ class Stack:
                    persist_root=self.scratch / "checkpoints")
 
     def stop(self) -> None:
+        """Idempotent: the cluster down, then every service."""
         cluster_down(self.directory)
         for process in self.services:
-            stop_process(process)
+            if process.poll() is None:
+                stop_process(process)
 
     async def events(self, types: list[str] | None = None) -> list[Event]:
         return [r.event async for r in self.env.store.read(job_id=self.job, types=types)]
@@ -164,6 +166,8 @@ async def test_rung1_promotes_the_standby_and_rung2_diagnoses_then_restarts_in_p
     [restart] = [e for e in timeline if e.type == "RestartDecided"]
     assert restart.payload.evict == [] and "passed on every node" in restart.payload.reason
 
+    await asyncio.to_thread(stack.stop)  # nothing decides any more: the log is complete
+    await asyncio.sleep(1.0)
     verified = await asyncio.to_thread(stack.replay_verify)
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
 
@@ -187,7 +191,7 @@ async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_
     bug = stack.scratch / "bug"
     bug.write_text("present\n")
     command = ["-m", "keel.workload.train", "--size", "tiny", "--steps", "100000", "--min-step-time", "50ms",
-               "--bug-at-step", "12", "--bug-file", str(bug)]
+               "--bug-at-step", "12", "--bug-rank", "-1", "--bug-file", str(bug)]
     await asyncio.to_thread(stack.start, nodes=2, standby=0, command=command)
     first = await stack.wait_for(["IncidentResolved"], lambda e: True, 180, "the first crash's recovery")
     assert first.payload.rung == 2
@@ -203,5 +207,7 @@ async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_
     await asyncio.sleep(3)
     assert len(await stack.events(["RestartDecided"])) == restarts == 2  # nothing restarts a stopped job
     assert await stack.log_order_is_stream_order() == []
+    await asyncio.to_thread(stack.stop)
+    await asyncio.sleep(1.0)
     verified = await asyncio.to_thread(stack.replay_verify)
     assert verified.returncode == 0, verified.stdout[-3000:]
