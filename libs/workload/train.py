@@ -27,6 +27,16 @@ agent's restore plan, else the newest step every rank holds in the slot folder) 
 next step, with the LR schedule, the sampler and every RNG where they were: its losses and final state
 are bitwise those of an uninterrupted run. ``--save-final PATH`` writes each rank's final state to
 ``PATH.rank<R>`` (a shard file, ``keel.sdk.shard``).
+
+Periodic persistent checkpoint, as a plain torchrun job does it (``--persist-every N --persist-dir D``,
+used by ``bench/recovery.py``'s baselines): after every N-th step each rank writes its whole state
+synchronously with ``Checkpointer.save_file`` to ``D/step-<s:09d>/rank-<r:05d>.shard`` (atomic, fsynced),
+then the ranks meet in one all-reduce of their save times (the step is saved once every rank is done;
+rank 0 prints ``persist step S save_s C`` with the slowest rank's time). A run started with ``--persist-dir``
+that restored nothing from memory resumes from the newest step every rank has there (agreed by an
+all-reduce) and continues bitwise as the uninterrupted run would. Each rank keeps its two newest files.
+Every step line ends with ``t_unix`` (wall clock when the step was done), for measuring recovery; rank 0's
+setup line gives ``setup_s`` (since ``main`` began), ``restore_s`` (of which restoring) and ``t_unix``.
 """
 
 from __future__ import annotations
@@ -101,18 +111,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "numerics are unchanged")
     p.add_argument("--bug-at-step", type=int, default=None, metavar="STEP",
                    help="simulate a bug in this training code: rank --bug-rank raises KeyError at STEP")
-    p.add_argument("--bug-rank", type=int, default=0)
+    p.add_argument("--bug-rank", type=int, default=0, help="the rank that hits the bug; -1: every rank (shared code)")
     p.add_argument("--bug-file", default=None, metavar="PATH",
                    help="the bug is present only while PATH exists (removing it stands in for rolling the "
                         "code back to the last stable version; default: always present)")
     p.add_argument("--save-final", default=None, metavar="PATH",
                    help="after the last step, each rank writes its whole state to PATH.rank<R>")
+    p.add_argument("--persist-every", type=int, default=0, metavar="N",
+                   help="every N steps each rank saves its whole state synchronously to --persist-dir "
+                        "(a torchrun-style periodic checkpoint; 0: never)")
+    p.add_argument("--persist-dir", default=None, metavar="DIR",
+                   help="folder of --persist-every's checkpoints (DIR/step-<s>/rank-<r>.shard); a run that restored "
+                        "nothing from memory resumes from the newest step every rank saved there")
     args = p.parse_args(argv)
     if args.batch % args.micro_batches:
         p.error(f"--batch {args.batch} is not divisible by --micro-batches {args.micro_batches}")
     for name in ("steps", "pp", "micro_batches", "batch", "eval_steps", "ckpt_slots"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.persist_every < 0:
+        p.error("--persist-every must be >= 0")
+    if args.persist_every and not args.persist_dir:
+        p.error("--persist-every needs --persist-dir")
     return args
 
 
@@ -292,10 +312,15 @@ def main(argv: list[str] | None = None) -> int:
                             groups={"dp": me["dp_group"], "pp": me["pp_group"], "tp": [ctx.rank]},
                             rank=ctx.rank, world_size=ctx.world_size, slots=args.ckpt_slots,
                             ckpt_dir=args.ckpt_dir or os.environ.get("KEEL_CKPT_DIR") or None)
+        restore_t0 = time.monotonic()
         restored = ckpt.restore()  # -1: fresh; a collective when resuming from the slot folder
+        if restored < 0 and args.persist_dir:
+            restored = _restore_persisted(ckpt, ctx, args.persist_dir)
+        restore_s = time.monotonic() - restore_t0
     if ctx.rank == 0:
         print(f"keel.workload: size {args.size} world {ctx.world_size} dp {ctx.dp} pp {ctx.pp} "
-              f"stage0_params {n_params} setup_s {time.monotonic() - start_s:.2f}", flush=True)
+              f"stage0_params {n_params} setup_s {time.monotonic() - start_s:.2f} restore_s {restore_s:.3f} "
+              f"t_unix {time.time():.3f}", flush=True)
         if restored >= 0:
             print(f"keel.workload: restored step {restored} from {ckpt.restored_from}", flush=True)
 
@@ -305,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     with session.phase("step"):
         for step in range(restored + 1, args.steps):
             t0 = time.monotonic()
-            if step == args.bug_at_step and ctx.rank == args.bug_rank and (
+            if step == args.bug_at_step and args.bug_rank in (ctx.rank, -1) and (
                     args.bug_file is None or os.path.exists(args.bug_file)):
                 _lookup_head(step)
             inputs, targets = collate(dataset, sampler.next_indices())
@@ -324,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             step_s = time.monotonic() - t0
             if ctx.rank == 0:
                 print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.6f} lr {lr:.3e} "
-                      f"step_time_s {step_s:.3f} tokens_per_s {tokens / step_s:.0f} loss_hex {loss.hex()}", flush=True)
+                      f"step_time_s {step_s:.3f} tokens_per_s {tokens / step_s:.0f} loss_hex {loss.hex()} "
+                      f"t_unix {time.time():.3f}", flush=True)
+            if args.persist_every and (step + 1) % args.persist_every == 0:
+                _persist(ckpt, ctx, args.persist_dir, step)
             session.step_done(step, loss=loss, grad_norm=grad_norm, tokens=tokens)
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 with session.phase("eval"):
@@ -347,6 +375,60 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def _persist_path(root: str, step: int, rank: int) -> str:
+    return os.path.join(root, f"step-{step:09d}", f"rank-{rank:05d}.shard")
+
+
+def _persist(ckpt: Checkpointer, ctx: _Ctx, root: str, step: int) -> None:
+    """``--persist-every``: this rank's whole state to ``root`` (synchronous, fsynced), then one all-reduce
+    of the save times, so the step counts as saved only once every rank is done (rank 0 prints the
+    slowest rank's time). Keeps this rank's two newest files."""
+    t0 = time.monotonic()
+    ckpt.save_file(_persist_path(root, step, ctx.rank), step=step)
+    took = torch.tensor([time.monotonic() - t0])
+    if ctx.distributed:
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    if ctx.rank == 0:
+        print(f"persist step {step} save_s {float(took[0]):.4f} t_unix {time.time():.3f}", flush=True)
+    for old in sorted(_persisted_steps(root, ctx.rank))[:-2]:
+        try:
+            os.unlink(_persist_path(root, old, ctx.rank))
+        except OSError:
+            pass
+
+
+def _persisted_steps(root: str, rank: int) -> set[int]:
+    """The steps under ``root`` that hold a shard file of ``rank``."""
+    steps: set[int] = set()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return steps
+    for name in names:
+        if name.startswith("step-") and name[5:].isdigit() and os.path.exists(_persist_path(root, int(name[5:]), rank)):
+            steps.add(int(name[5:]))
+    return steps
+
+
+def _restore_persisted(ckpt: Checkpointer, ctx: _Ctx, root: str) -> int:
+    """Load the newest step of ``root`` that every rank saved (-1: none); the ranks agree with an
+    all-reduce (a collective when distributed)."""
+    common: set[int] | None = None
+    for rank in range(ctx.world_size):
+        held = _persisted_steps(root, rank)
+        common = held if common is None else common & held
+    newest = torch.tensor([max(common) if common else -1], dtype=torch.int64)
+    if ctx.distributed:
+        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
+    step = int(newest[0])
+    if step < 0:
+        return -1
+    loaded = ckpt.load_file(_persist_path(root, step, ctx.rank))
+    if loaded != step:
+        raise RuntimeError(f"{_persist_path(root, step, ctx.rank)} holds step {loaded}, expected {step}")
+    return loaded
 
 
 def _lookup_head(step: int) -> None:

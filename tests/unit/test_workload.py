@@ -123,6 +123,15 @@ def test_parse_args_rejects_indivisible_micro_batches() -> None:
     assert parse_args(["--pg-timeout", "30s"]).pg_timeout.total_seconds() == 30
 
 
+def test_parse_args_persist_every_needs_a_folder() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--persist-every", "5"])
+    with pytest.raises(SystemExit):
+        parse_args(["--persist-every", "-1", "--persist-dir", "/tmp/x"])
+    args = parse_args(["--persist-every", "5", "--persist-dir", "/tmp/x"])
+    assert (args.persist_every, args.persist_dir) == (5, "/tmp/x")
+
+
 def test_single_process_training_runs_and_learns(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from keel.workload import train
 
