@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test unit integration demo bench bench-quick bench-detection bench-checkpoint schema proto clean
+.PHONY: install test unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery schema proto clean
 
 install: $(STAMP)
 
@@ -39,6 +39,7 @@ bench-quick: install
 	$(BIN)/python bench/bus.py --quick
 	$(BIN)/python -m bench.detection --quick
 	$(BIN)/python -m bench.checkpoint --quick --variants none,torch_save,dcp_async,keel_nobackup,keel
+	$(BIN)/python -m bench.recovery --quick
 
 # The ft_launcher peer is a benchmark-only dependency; it drags in the deprecated pynvml shim, which
 # would print a warning in every rank, so the shim goes again (nvidia-ml-py provides pynvml).
@@ -51,6 +52,11 @@ bench-detection: install
 bench-checkpoint: install
 	$(BIN)/python -m pip install -q 'dlrover[torch]==0.6.1' grpcio torch==2.13.0 && $(BIN)/python -m pip uninstall -y -q pynvml || true
 	$(BIN)/python -m bench.checkpoint --json bench/results/checkpoint.json
+
+# Keel's recovery against torchrun restarts and a full requeue (torchrun comes with torch: no extra
+# dependency). About 20 minutes on a 2-core machine; `python -m bench.recovery --quick` in under 5.
+bench-recovery: install
+	$(BIN)/python -m bench.recovery --json bench/results/recovery.json
 
 schema: install
 	$(BIN)/keel events schema --write
