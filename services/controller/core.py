@@ -531,8 +531,18 @@ class ControllerDecider:
         job, policy = plan.job, self.policy
         incident = job.incident
         if incident is not None and incident.stage == "diagnosing":
+            missing = sorted(incident.diag_nodes - set(incident.diag_results))
             if incident.diag_deadline is not None and now >= incident.diag_deadline:
-                plan.conclude_diagnostics(timed_out=tuple(sorted(incident.diag_nodes - set(incident.diag_results))))
+                plan.conclude_diagnostics(timed_out=tuple(missing))
+                return
+            # Every node still owing a result has gone silent too (no heartbeat for the silence
+            # timeout): its agent is gone, and waiting for the deadline only loses time.
+            silent = [n for n in missing if (seen := job.node(n).last_heartbeat_at) is not None
+                      and now - seen > policy.node_silence_timeout]
+            if missing and len(silent) == len(missing) and len(missing) < len(incident.diag_nodes):
+                plan.note(f"diagnostics round {incident.diag_round}: {', '.join(silent)} sent no heartbeat for "
+                          f"over {policy.node_silence_timeout.total_seconds():g} s: not waiting for the deadline")
+                plan.conclude_diagnostics(timed_out=tuple(missing))
             return
         if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
             return

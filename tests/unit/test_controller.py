@@ -259,6 +259,19 @@ def test_a_diagnostic_that_times_out_names_the_silent_node_and_evicts_it() -> No
     assert job.diagnostics("n3", request) == []
 
 
+def test_diagnostics_conclude_before_the_deadline_once_the_missing_node_is_silent() -> None:
+    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=60),
+                                      node_silence_timeout=timedelta(seconds=10)))
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    for node in ["n0", "n1", "n2"]:
+        job.diagnostics(node, request)
+        job.heartbeats(step=20, nodes=[node])
+    assert job.tick(5) == []  # n3's last heartbeat is 5.x s old: it may still answer
+    out = job.tick(6)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == ["n3"] and "sent no heartbeat for over 10 s" in job.last_reason
+
+
 def test_diagnostics_conclude_early_when_every_peer_names_the_silent_node() -> None:
     job = Job()
     [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
