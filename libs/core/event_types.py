@@ -595,3 +595,97 @@ class NodeCordoned(EventPayload):
     cordoned: bool = True
     by: str
     reason: str = ""
+
+
+# -- the analyzer: stack aggregation (rung 3) -------------------------------------------------------
+
+
+@event_type("StacksRequested", version=1, aggregate="job")
+class StacksRequested(EventPayload):
+    """A command (rung 3): the listed nodes capture the stacks of every training process (each rank and its
+    children: dataloader workers, checkpoint helpers) with py-spy, without stopping them, and answer with
+    ``StacksCaptured``. ``round`` numbers the job's capture rounds."""
+
+    round: int = Field(ge=0)
+    nodes: list[str] = Field(min_length=1)
+    native: bool = False
+    """Also native frames (py-spy ``--native``: slower, pauses the process)."""
+    timeout_s: float = Field(gt=0)
+    """Nodes answer within this; the analyzer judges without those that do not (missing evidence)."""
+    expires_at: AwareDatetime
+    reason: str
+
+
+class CapturedThread(EventPayload):
+    name: str = ""
+    os_thread_id: int | None = None
+    """The OS thread id (the process id for the main thread)."""
+    active: bool = False
+    frames: list[str] = Field(default_factory=list)
+    """Normalised frames (``function (file:line)``), outermost first."""
+
+
+class CapturedProcess(EventPayload):
+    pid: int
+    parent_pid: int | None = None
+    rank: int | None = None
+    """The rank this process belongs to (itself or its parent rank)."""
+    role: Literal["rank", "dataloader", "checkpoint", "other"] = "rank"
+    threads: list[CapturedThread] = Field(default_factory=list)
+
+
+class MissingProcess(EventPayload):
+    """A process of a rank that could not be seen, and why (py-spy failed, it vanished, none running)."""
+
+    rank: int = Field(ge=0)
+    pid: int | None = None
+    role: Literal["rank", "dataloader", "checkpoint", "other"] = "rank"
+    """``rank``: the rank's own process (then the rank is not seen at all); else a child of it."""
+    reason: str
+
+
+class RankTopology(EventPayload):
+    rank: int = Field(ge=0)
+    tp: list[int] = Field(default_factory=list)
+    pp: list[int] = Field(default_factory=list)
+    dp: list[int] = Field(default_factory=list)
+
+
+@event_type("StacksCaptured", version=1, aggregate="node")
+class StacksCaptured(EventPayload):
+    """One node's answer to a ``StacksRequested`` (possibly in ``parts``, to stay within the event size):
+    the stacks of its training processes, the parallel groups of its ranks, and what it could not see
+    (``missing``: a py-spy failure, a process that vanished, a rank with no process) - never silently
+    left out."""
+
+    node_id: str
+    request_id: str
+    round: int = Field(ge=0)
+    processes: list[CapturedProcess] = Field(default_factory=list)
+    ranks: list[RankTopology] = Field(default_factory=list)
+    missing: list[MissingProcess] = Field(default_factory=list)
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1)
+    duration_s: float = Field(default=0.0, ge=0)
+
+
+@event_type("StacksAnalyzed", version=1, aggregate="job")
+class StacksAnalyzed(EventPayload):
+    """The analyzer's verdict on one capture round: the outlier ranks, the smallest parallel group covering
+    them (what rung 3 evicts, deliberately over-evicting), and the evidence: the dominant stack, each
+    outlier's stack, and what could not be seen. ``conclusive`` false: no group is named (the reason says
+    why: every rank alike, a tie, too much missing evidence); the controller falls back to rung 2."""
+
+    request_id: str
+    round: int = Field(ge=0)
+    conclusive: bool
+    outlier_ranks: list[int] = Field(default_factory=list)
+    outlier_nodes: list[str] = Field(default_factory=list)
+    group_kind: Literal["tp", "pp", "dp", "node", "groups", "job", "none"] = "none"
+    group_ranks: list[int] = Field(default_factory=list)
+    group_nodes: list[str] = Field(default_factory=list)
+    dominant_stack: list[str] = Field(default_factory=list)
+    outlier_stacks: dict[str, list[str]] = Field(default_factory=dict)
+    """Rank (as a string) -> the frames that set it apart."""
+    missing: list[str] = Field(default_factory=list)
+    reason: str

@@ -1,0 +1,38 @@
+"""The analyzer's I/O: the shared decider loop (cold start from the store, then live events).
+
+Time comes from the controller's recorded ``TimerTicked`` events (it ticks every running job), so the
+analyzer keeps no clock of its own and a replay sees the same deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from keel.analyzer.core import AnalyzerDecider, AnalyzerState
+from keel.core.bus import Bus
+from keel.core.config import Settings
+from keel.core.runner import DeciderRunner
+from keel.core.store import EventStore
+
+
+def decider_from_settings(settings: Settings) -> AnalyzerDecider:  # noqa: ARG001 - no settings yet
+    return AnalyzerDecider()
+
+
+class Analyzer:
+    """The running service: ``start()`` (cold start), then ``run(stop)``."""
+
+    def __init__(self, bus: Bus, store: EventStore | None, settings: Settings, *, fetch_timeout_s: float = 0.2) -> None:
+        self.decider = decider_from_settings(settings)
+        self.runner: DeciderRunner[AnalyzerState] = DeciderRunner(self.decider, bus, store,
+                                                                  fetch_timeout_s=fetch_timeout_s)
+
+    @property
+    def state(self) -> AnalyzerState:
+        return self.runner.session.state
+
+    async def start(self) -> None:
+        await self.runner.start()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.runner.run(stop)

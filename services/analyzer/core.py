@@ -1,0 +1,128 @@
+"""The analyzer's decider (pure): collect a capture round's stacks and judge it once (rung 3).
+
+- ``StacksRequested`` (the controller's) opens a round: its nodes, and a deadline ``timeout_s`` after it.
+- ``StacksCaptured`` (agents', possibly in parts) fills the round. When every node's every part is in,
+  the round is judged; so it is on the first ``TimerTicked`` (the controller's recorded clock) past the
+  deadline, with the nodes that did not answer listed as missing evidence.
+- ``RankStarted`` events tell where each rank runs (and the world size): the ranks of a node that sent
+  nothing are then known, and reported as missing evidence.
+- The verdict is one ``StacksAnalyzed``: ``judge`` (``keel.analyzer.rung3``) turns the captures into the
+  aggregation's inputs and its verdict into the event. A round is judged once: the verdict is folded
+  back (it is this decider's own event) and closes the round.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+
+from keel.analyzer.rung3 import judge
+from keel.core.decider import Decision, Proposal
+from keel.core.event_types import RankStarted, StacksAnalyzed, StacksCaptured, StacksRequested, TimerTicked
+from keel.core.events import Event
+
+NAME = "analyzer"
+
+
+@dataclass(frozen=True)
+class CaptureRound:
+    request_id: str
+    round: int
+    nodes: frozenset[str]
+    deadline: datetime
+    correlation_id: uuid.UUID | None = None
+    """The incident the request belongs to: the verdict carries it too."""
+    parts: Mapping[str, Mapping[int, StacksCaptured]] = field(default_factory=dict)
+    """node -> part index -> the part."""
+
+    def complete(self) -> bool:
+        return all(node in self.parts and len(self.parts[node]) >= next(iter(self.parts[node].values())).parts
+                   for node in self.nodes)
+
+    def captures(self) -> list[StacksCaptured]:
+        return [part for node in sorted(self.parts) for _, part in sorted(self.parts[node].items())]
+
+    def silent(self) -> list[str]:
+        return sorted(n for n in self.nodes if n not in self.parts)
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where each rank of a job runs now (its newest ``RankStarted``), and the job's world size."""
+
+    world_size: int = 0
+    rank_nodes: Mapping[int, tuple[int, str]] = field(default_factory=dict)
+    """rank -> (generation, node)."""
+
+
+@dataclass(frozen=True)
+class AnalyzerState:
+    rounds: Mapping[tuple[str, int], CaptureRound] = field(default_factory=dict)
+    """(job, round) -> an open round (judged rounds are dropped)."""
+    layouts: Mapping[str, JobLayout] = field(default_factory=dict)
+
+
+class AnalyzerDecider:
+    name = NAME
+
+    def initial_state(self) -> AnalyzerState:
+        return AnalyzerState()
+
+    def interested_in(self, event: Event) -> bool:
+        return event.type in (StacksCaptured.event_name, TimerTicked.event_name)
+
+    def evolve(self, state: AnalyzerState, event: Event) -> AnalyzerState:
+        p = event.payload
+        if isinstance(p, RankStarted):
+            layout = state.layouts.get(event.job_id, JobLayout())
+            if layout.rank_nodes.get(p.rank, (-1, ""))[0] > p.generation:
+                return state
+            layout = JobLayout(max(layout.world_size, p.world_size), {**layout.rank_nodes, p.rank: (p.generation, p.node_id)})
+            return replace(state, layouts={**state.layouts, event.job_id: layout})
+        if isinstance(p, StacksRequested):
+            opened = CaptureRound(str(event.id), p.round, frozenset(p.nodes),
+                                  event.occurred_at + timedelta(seconds=p.timeout_s),
+                                  correlation_id=event.correlation_id or event.id)
+            return replace(state, rounds={**state.rounds, (event.job_id, p.round): opened})
+        if isinstance(p, StacksCaptured):
+            key = (event.job_id, p.round)
+            current = state.rounds.get(key)
+            if current is None or p.request_id != current.request_id or p.node_id not in current.nodes:
+                return state
+            parts = {**current.parts, p.node_id: {**current.parts.get(p.node_id, {}), p.part: p}}
+            return replace(state, rounds={**state.rounds, key: replace(current, parts=parts)})
+        if isinstance(p, StacksAnalyzed):
+            return replace(state, rounds={k: v for k, v in state.rounds.items() if k != (event.job_id, p.round)})
+        return state
+
+    def needs_clock(self, state: AnalyzerState) -> list[str]:
+        return sorted({job for job, _ in state.rounds})
+
+    def decide(self, state: AnalyzerState, event: Event) -> Decision:
+        p = event.payload
+        if isinstance(p, StacksCaptured):
+            current = state.rounds.get((event.job_id, p.round))
+            if current is None or p.request_id != current.request_id:
+                return Decision.nothing(f"stacks of {p.node_id} for round {p.round}, which is not open: recorded")
+            if not current.complete():
+                waiting = sorted(n for n in current.nodes if n not in current.parts)
+                return Decision.nothing(f"round {p.round}: stacks of {p.node_id} in; waiting for {', '.join(waiting) or 'parts'}")
+            return self._judge(state, event.job_id, current, late=())
+        if isinstance(p, TimerTicked):
+            due = [r for (job, _), r in sorted(state.rounds.items(), key=lambda kv: kv[0][1])
+                   if job == event.job_id and p.now >= r.deadline]
+            if not due:
+                return Decision.nothing("no capture round past its deadline")
+            return self._judge(state, event.job_id, due[0], late=tuple(due[0].silent()))
+        return Decision.nothing(f"{event.type}: nothing to decide")
+
+    def _judge(self, state: AnalyzerState, job_id: str, current: CaptureRound, late: tuple[str, ...]) -> Decision:
+        layout = state.layouts.get(job_id, JobLayout())
+        fields = judge(current.captures(), silent_nodes=late, world_size=layout.world_size,
+                       rank_nodes={rank: node for rank, (_, node) in layout.rank_nodes.items()})
+        verdict = StacksAnalyzed(request_id=current.request_id, round=current.round, **fields)
+        return Decision(reason=f"round {current.round}: {verdict.reason}",
+                        proposals=(Proposal(verdict, subject=f"job/{job_id}", key=f"stacks/{current.round}",
+                                            correlation_id=current.correlation_id),))
