@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery schema proto clean
+.PHONY: install test unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer schema proto clean
 
 install: $(STAMP)
 
@@ -40,6 +40,7 @@ bench-quick: install
 	$(BIN)/python -m bench.detection --quick
 	$(BIN)/python -m bench.checkpoint --quick --variants none,torch_save,dcp_async,keel_nobackup,keel
 	$(BIN)/python -m bench.recovery --quick
+	$(BIN)/python -m bench.analyzer --quick
 
 # The ft_launcher peer is a benchmark-only dependency; it drags in the deprecated pynvml shim, which
 # would print a warning in every rank, so the shim goes again (nvidia-ml-py provides pynvml).
@@ -57,6 +58,10 @@ bench-checkpoint: install
 # dependency). About 20 minutes on a 2-core machine; `python -m bench.recovery --quick` in under 5.
 bench-recovery: install
 	$(BIN)/python -m bench.recovery --json bench/results/recovery.json
+
+# Stack capture with py-spy, aggregation from 1k to 64k ranks, and SDC localisation (under a minute).
+bench-analyzer: install
+	$(BIN)/python -m bench.analyzer --json bench/results/analyzer.json
 
 schema: install
 	$(BIN)/keel events schema --write

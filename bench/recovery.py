@@ -26,19 +26,22 @@ step began; rank 0's own restore time is ``restore_s``), recompute.
 
 Systems, one after the other on the same machine (Keel first, then the baselines):
 
-- **Keel**: ``keel up``'s services as processes (controller, checkpoint broker, local actuator; the
-  recorder in this process) against embedded NATS + PostgreSQL, and a local cluster (``cluster_up``) of
-  4 nodes + 1 warm standby. The controller decides (a crash: rung 2, stop-time diagnostics, restart in
-  place; a lost node: the other ranks' exits, diagnostics naming the silent node, eviction and standby
-  promotion; a hang: the inspector's step timeout, then rung 2); the ranks restore from memory (the
-  promoted node from its peer copies). Production settings (``ControllerSettings`` defaults: 60 s
+- **Keel**: ``keel up``'s services as processes (controller, checkpoint broker, analyzer, local
+  actuator; the recorder in this process) against embedded NATS + PostgreSQL, and a local cluster
+  (``cluster_up``) of 4 nodes + 1 warm standby, every agent forking ranks and rounds from its warm zygote.
+  The controller decides (a crash: rung 2, stop-time diagnostics, restart in place; a lost node: the
+  other ranks' exits, diagnostics naming the node that does not acknowledge, eviction and standby
+  promotion; a hang: the inspector's step timeout, then rung 3: the analyzer aggregates every process's
+  py-spy stack and names the hung rank's pipeline group, which is evicted for the standby); the ranks
+  restore from memory (the promoted node from its peer copies). Production settings (``ControllerSettings`` defaults: 60 s
   diagnostics timeout, 30 s heartbeat silence; heartbeats every 5 s; the inspector's 25 s step-timeout
   floor), the same in every trial, except ``KEEL_CONTROLLER__STANDBY_MIN=1`` (the binomial model sizes
   the pool of a 4-node job to 0: keep one warm standby), ``KEEL_CONTROLLER__MAX_EVICTION_FRACTION=1.0``
   (the default 10 % allows a 4-node job one eviction an hour: the second lost node of the run would trip
   the breaker) and, in ``--quick`` only, a 5 s step-timeout floor. Before each fault the bench waits
   until the previous incident is resolved and a heartbeat shows the job past it (else the controller
-  would see the same failure twice in a row: rung 4), and, for a lost node, until a standby is ready.
+  would see the same failure twice in a row: rung 4), every node's zygote is ready, and, for a lost node
+  or a hang, until a standby is ready.
   Keel keeps every step in memory, so where a fault falls does not matter to it: its faults fire 3
   steps after the bench sees a steady step. ``keel ettr``'s own split (``compute_ettr`` on the job's
   events; heartbeat-grained) is reported beside.
@@ -280,7 +283,7 @@ class KeelStack:
 
         (self.work / "home").mkdir(parents=True, exist_ok=True)
         await self.log.start()
-        for name, args in (("controller", []), ("checkpoint-broker", []),
+        for name, args in (("controller", []), ("checkpoint-broker", []), ("analyzer", []),
                            ("actuator", ["--cluster-dir", str(self.directory)])):
             ready = self.work / f"{name}.ready"
             with open(self.work / f"{name}.log", "ab") as out:
@@ -367,20 +370,32 @@ class KeelStack:
         evicted = {n["node_id"] for n in load_cluster(self.directory)["nodes"] if n.get("evicted")}
         return passed - promoted - evicted
 
+    def warm_nodes(self) -> tuple[int, int]:
+        """(nodes whose zygote is ready, nodes in service): each agent forks ranks and rounds from one
+        zygote that imported torch once (a replacement node's agent starts its own)."""
+        from keel.cli.cluster import load_cluster
+
+        nodes = [n["node_id"] for n in load_cluster(self.directory)["nodes"] if not n.get("evicted")]
+        ready = sum(1 for n in nodes if (self.directory / "nodes" / n / "warm" / "zygote.ready").exists())
+        return ready, len(nodes)
+
     async def steady(self, min_steps: int = 5, timeout_s: float = 240.0, standby: bool = False) -> tuple[int, int]:
         """Until no incident is open, rank 0 of the newest generation has done ``min_steps`` steps and is
-        stepping now (and, with ``standby``, a standby is ready). Returns (generation, last step)."""
+        stepping now, every node's zygote is ready (and, with ``standby``, a standby is
+        ready). Returns (generation, last step)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             gen = self.generation()
             steps = step_lines(self.rank0_lines(gen)) if gen >= 0 else []
+            warm, nodes = self.warm_nodes()
             if (len(steps) >= min_steps and time.time() - steps[-1][2] < 1.0 and not self.open_incidents()
-                    and self.progressed() and (not standby or self.ready_standbys())):
+                    and self.progressed() and (not standby or self.ready_standbys()) and warm == nodes):
                 return gen, steps[-1][0]
             await asyncio.sleep(0.05)
         raise TrialFailed(f"Keel: no steady training within {timeout_s:.0f}s (open incidents: "
                           f"{[e.payload.reason[:120] for e in self.open_incidents()]}; ready standbys: "
-                          f"{sorted(self.ready_standbys())}); {self.where()}")
+                          f"{sorted(self.ready_standbys())}; nodes with a ready zygote: "
+                          f"{self.warm_nodes()}); {self.where()}")
 
     async def inject(self, spec: Any) -> None:
         """``keel inject``'s two steps, done here as ``bench.detection`` does: write the node's fault file
@@ -422,7 +437,7 @@ class KeelStack:
 async def keel_trial(stack: KeelStack, kind: str, i: int, timeout_s: float) -> dict[str, Any]:
     from keel.cli.cluster import FaultSpec, kill_node
 
-    gen, current = await stack.steady(standby=kind == "node-lost")
+    gen, current = await stack.steady(standby=kind in ("node-lost", "hang"))
     rank = rank_for(i)
     node = stack.node_of_rank(rank, gen)
     target = current + AHEAD

@@ -240,7 +240,7 @@ def kill_node(directory: Path, node_id: str) -> None:
     """Lose a node as a machine is lost: SIGKILL its agent and ranks, and wipe its shared memory."""
     state = load_cluster(directory)
     node = _node_entry(state, node_id)
-    for pid in _ranks_of(Path(node["agent_dir"])):
+    for pid in _ranks_of(Path(node["agent_dir"]), zygotes=True):
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -293,8 +293,8 @@ def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
     for node in nodes:
         if _alive(node["pid"]):
             os.killpg(node["pid"], signal.SIGKILL)
-    for node in nodes:  # ranks live in their own process groups: make sure none is left behind
-        for pid in _ranks_of(Path(node["agent_dir"])):
+    for node in nodes:  # ranks (and zygotes) live in their own process groups: make sure none is left behind
+        for pid in _ranks_of(Path(node["agent_dir"]), zygotes=True):
             try:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -305,15 +305,22 @@ def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
     return [n["node_id"] for n in nodes]
 
 
-def _ranks_of(agent_dir: Path) -> list[int]:
+def _ranks_of(agent_dir: Path, *, zygotes: bool = False) -> list[int]:
+    """The node's rank processes (found by the agent socket in their environment); with ``zygotes``, its
+    warm zygote too (named ``keel-zygote``; its forked ranks inherit its environment but not its name)."""
+    from keel.agent.warm import ZYGOTE_NAME
+
     pids = []
     marker = f"KEEL_AGENT_SOCKET={agent_dir / 'agent.sock'}".encode()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if marker in (proc / "environ").read_bytes():
-                pids.append(int(proc.name))
+            if marker not in (proc / "environ").read_bytes():
+                continue
+            if not zygotes and (proc / "comm").read_text().strip() == ZYGOTE_NAME:
+                continue
+            pids.append(int(proc.name))
         except OSError:
             continue
     return pids

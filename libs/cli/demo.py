@@ -1,7 +1,7 @@
 """`keel demo` (behind `make demo`): a real training job on a local cluster, faults injected, recovered.
 
 1. `keel up`: the embedded NATS (JetStream, sync_interval always) and PostgreSQL, migrations, and the
-   recorder, controller, checkpoint broker and local actuator as background services.
+   recorder, controller, checkpoint broker, analyzer and local actuator as background services.
 2. A fault-free reference run of the same job (the same 4 ranks under one `keel run`, no checkpoints).
 3. A local cluster: 4 nodes x 1 rank of the example GPT (DP 2 x PP 2) plus a warm standby, every-step
    in-memory checkpoints with peer backups and the persistent tier on the broker's schedule.
@@ -11,6 +11,9 @@
    - rung 2: a crash with no culprit: stop-time diagnostics on every node pass: restart in place;
    - rung 2: a NIC that flapped on one node, then a crash: diagnostics convict that node: evicted, the
      refilled standby promoted;
+   - rung 3: a rank hangs inside its pipeline stage: every process's stack is captured with py-spy while
+     it hangs, the analyzer finds the outliers and names their pipeline group (two nodes), which is
+     evicted for standbys (the actuator provisions the second);
    - rung 4: a bug in the training code (`--bug-at-step`) crashes it, again after the restart: the
      controller decides a rollback; the demo plays hot-update's part (not built yet) and removes the bug;
    - rung 6: a second small job whose bug survives every restart: a crash loop, stopped and paged.
@@ -45,9 +48,11 @@ TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--pp", "2", "--steps", 
 STACK_ENV = {
     # Demo-sized knobs: a standby always kept ready, quick heartbeats, short diagnostics.
     "KEEL_CONTROLLER__STANDBY_MIN": "1",
-    # Two evictions in an hour are 50 % of this 4-node job: the breaker's default 10 % would (rightly,
-    # for a real fleet) stop the second one and page.
-    "KEEL_CONTROLLER__MAX_EVICTION_FRACTION": "0.5",
+    # Four evictions in an hour (an XID, a flapped NIC, a hung pipeline of two nodes) are all of this
+    # 4-node job: the breaker's default 10 % would (rightly, for a real fleet) stop the second and page.
+    "KEEL_CONTROLLER__MAX_EVICTION_FRACTION": "1.0",
+    # A hang is noticed after 10 s without a step (the inspector's production floor is 25 s).
+    "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "10s",
     "KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "45s",
     "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
     "KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "20",
@@ -205,6 +210,14 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         results["incidents"].append(await demo.fault(JOB, "rung 2", [
             FaultSpec(kind="nic-down", node=flaky, params={"flaps": 2}),
             FaultSpec(kind="crash", node=demo.node_of_rank(0), rank=0)]))
+        await demo.wait_step(95)
+
+        _banner("rung 3: rank 1 hangs in its pipeline stage: stacks name its pipeline group")
+        results["incidents"].append(await demo.fault(JOB, "rung 3", [FaultSpec(kind="hang", node=demo.node_of_rank(1),
+                                                                               rank=1)]))
+        verdict = (await demo.events(JOB, ["StacksAnalyzed"]))[-1].payload
+        _say(f"the analyzer: outliers rank(s) {verdict.outlier_ranks}, evict the {verdict.group_kind} group "
+             f"{verdict.group_ranks} on {', '.join(verdict.group_nodes)}")
         await demo.wait_step(BUG_STEP - 5)
 
         _banner("rung 4: a code bug at step 120 crashes the job, and again after the restart")
@@ -253,7 +266,7 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
     from keel.cli.main import endpoints
 
     env = {**os.environ, **STACK_ENV, "KEEL_HOME": str(settings.home)}  # the children use this one's home
-    _banner("keel up: embedded NATS JetStream + PostgreSQL; recorder, controller, checkpoint broker, actuator")
+    _banner("keel up: embedded NATS JetStream + PostgreSQL; recorder, controller, checkpoint broker, analyzer, actuator")
     up = _keel(config, "up", env=env, check=False)
     if up.returncode != 0:
         print(up.stderr, file=sys.stderr)
@@ -294,7 +307,7 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
               f"fault-free run's: {same} ({len(losses)} steps)")
         print(f"rungs exercised in the main job: {rungs}; rung 6 in '{LOOP_JOB}'; "
               f"replay: {'clean' if replay.returncode == 0 else 'DIVERGED'}")
-        ok = same and covered and replay.returncode == 0 and {1, 2, 4} <= set(rungs)
+        ok = same and covered and replay.returncode == 0 and {1, 2, 3, 4} <= set(rungs)
         print("DEMO PASSED" if ok else "DEMO FAILED")
         return 0 if ok else 1
     finally:

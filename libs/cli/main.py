@@ -2,7 +2,7 @@
 
     keel up | down | status          the embedded runtime (NATS + PostgreSQL) and the services
     keel migrate                     bring the event store schema up to date
-    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker, actuator)
+    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker, actuator, analyzer)
     keel replay [--job J] [--service S] --verify
     keel events tail [--job J] [-n N] [--follow] | show ID | schema [--write | --check]
     keel checkpoints ls [--root PATH] [--job J] [--json]   the persistent checkpoint tier
@@ -41,7 +41,7 @@ from typing import Any
 
 from keel.core.config import ConfigError, Settings, load_settings
 
-SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator")
+SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer")
 
 
 class CliError(RuntimeError):
@@ -224,6 +224,8 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.controller.main import serve
     elif args.name == "checkpoint-broker":
         from keel.checkpoint_broker.main import serve
+    elif args.name == "analyzer":
+        from keel.analyzer.main import serve
     elif args.name == "actuator":
         from keel.actuator.main import serve as serve_actuator
         from keel.cli.cluster import cluster_dir
@@ -257,10 +259,12 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def deciders_for(settings: Settings) -> dict[str, Any]:
+    from keel.analyzer.main import decider_from_settings as analyzer_from_settings
     from keel.checkpoint_broker.main import decider_from_settings as broker_from_settings
     from keel.controller.main import decider_from_settings
 
-    return {"controller": decider_from_settings(settings), "checkpoint-broker": broker_from_settings(settings)}
+    return {"controller": decider_from_settings(settings), "checkpoint-broker": broker_from_settings(settings),
+            "analyzer": analyzer_from_settings(settings)}
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:

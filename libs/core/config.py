@@ -94,6 +94,15 @@ class ControllerSettings(_Section):
     """Every command expires; a cold start never executes a stale one."""
     diagnostics_timeout: Duration = parse_duration("60s")
     """Stop-time diagnostics: a node that has not reported within this is treated as failed."""
+    stack_analysis: bool = True
+    """Rung 3: a hang first gets every training process's stack captured and judged by the analyzer."""
+    stacks_timeout: Duration = parse_duration("10s")
+    """Agents answer a stack capture within this; the analyzer judges without the rest."""
+    stacks_verdict_timeout: Duration = parse_duration("20s")
+    """No verdict from the analyzer this long after a capture was asked for: go on to rung 2."""
+    diagnostics_ack_timeout: Duration = parse_duration("2s")
+    """A node of a diagnostics round whose agent sent nothing since the request for this long is lost: the
+    round ends without waiting for it (agents answer a request with a heartbeat at once)."""
     node_silence_timeout: Duration = parse_duration("30s")
     """A node of a running job whose heartbeats stopped this long ago is lost (rung 1)."""
     clock_interval: Duration = parse_duration("1s")

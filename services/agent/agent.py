@@ -25,8 +25,11 @@ the agent reports and waits: the controller decides.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import os
+import shutil
 import signal
 import socket
 import statistics
@@ -49,6 +52,7 @@ from keel.agent.diagnostics import (
     round_port,
 )
 from keel.agent.launch_spec import LaunchSpec
+from keel.agent.stack_capture import NodeCapture, capture_ranks, split_parts
 from keel.agent.supervisor import RankExit, RankSupervisor
 from keel.core.bus import fetch_batch
 from keel.core.event_types import (
@@ -60,6 +64,10 @@ from keel.core.event_types import (
     RanksRestarted,
     RanksRestartRequested,
     RankStarted,
+    MissingProcess,
+    RankTopology,
+    StacksCaptured,
+    StacksRequested,
     StandbyChecked,
     StandbyPromoted,
     StandbyPromotionRequested,
@@ -72,8 +80,33 @@ log = logging.getLogger(__name__)
 PRODUCER = "agent"
 
 COMMAND_SUBJECTS = (("node", "RanksRestartRequested"), ("job", "DiagnosticsRequested"),
-                    ("node", "StandbyPromotionRequested"))
+                    ("node", "StandbyPromotionRequested"), ("job", "StacksRequested"))
 """The commands an agent consumes (aggregate kind, type): subjects ``<prefix>.<job>.<kind>.<type>``."""
+
+
+STEPPING_PHASES = frozenset({"step", "checkpoint", "eval", "done"})
+"""Rank phases past setup (restore included)."""
+ZYGOTE_RESTART_AFTER_S = 60.0
+"""Replace a dead zygote this long after a start even if the ranks never said they step (a program
+without the SDK sends no reports)."""
+ZYGOTE_READY_WAIT_S = 60.0
+"""At agent start, how long the first ranks wait for the zygote before starting as fresh processes."""
+
+
+def zygote_restart_due(*, standby: bool, held: bool, failed: bool, round_running: bool, ranks_running: int,
+                       ranks_stepping: bool, since_generation_start_s: float) -> bool:
+    """Whether replacing a dead zygote now is harmless (pure). Its import takes seconds of CPU, so never
+    while a round runs or ranks are held for one, nor after a failure while the controller decides (a
+    round or a restart comes next), nor while the ranks of a start are still setting up and restoring
+    (that is the recovery being timed), nor on a node whose ranks all ended (the job finishes): on an
+    idle standby, once every rank steps, or ``ZYGOTE_RESTART_AFTER_S`` after the start."""
+    if round_running or held or failed:
+        return False
+    if standby:
+        return True
+    if ranks_running == 0:
+        return False
+    return ranks_stepping or since_generation_start_s >= ZYGOTE_RESTART_AFTER_S
 
 
 class PromotionError(ValueError):
@@ -136,7 +169,10 @@ class NodeAgent:
         self.checkpointing = checkpointing
         spec.agent_dir.mkdir(parents=True, exist_ok=True)
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
-        self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json")
+        self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json", warm=spec.warm_ranks)
+        # Ready files of a previous agent in this folder (killed with its node) name nothing alive.
+        shutil.rmtree(spec.agent_dir / "warm", ignore_errors=True)
+        self.generation_started_s = time.monotonic()
         self.generation = 0
         self.restarts_left = spec.max_restarts
         self.failed = False
@@ -146,6 +182,12 @@ class NodeAgent:
         self.rounds_seen: set[int] = set()
         self.held = False
         """The ranks were stopped on command (diagnostics) and wait for the next one: not "finished"."""
+        self.stack_rounds_seen: set[int] = set()
+        self.stack_captures: list[tuple[Event, concurrent.futures.Future[NodeCapture]]] = []
+        """Captures running in the background (py-spy takes ~0.1-0.5 s a process), with their request."""
+        self._capture_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._wake: Callable[[], None] = lambda: None
+        """Wakes the loop from another thread (set by ``run``)."""
         self.nic_baseline = nic_baseline(spec.root)
         """Link change counters when this node was last vetted (simulated nodes only; judges flaps)."""
 
@@ -173,6 +215,7 @@ class NodeAgent:
             # process must not apply it again.
             self.supervisor.fault_file.unlink(missing_ok=True)
         self.generation = generation
+        self.generation_started_s = time.monotonic()
         self.held = False
         self.channel.forget_generation_before(generation)
         if self.checkpointing is not None:
@@ -234,6 +277,8 @@ class NodeAgent:
             self.handle_promotion(command)
         elif isinstance(payload, RanksRestartRequested) and payload.node_id == self.spec.node_id:
             self.handle_restart(command)
+        elif isinstance(payload, StacksRequested):
+            self.handle_stacks(command)
 
     def stop_ranks(self) -> None:
         self.supervisor.stop_all()
@@ -321,7 +366,7 @@ class NodeAgent:
     def launch_round(self, request: RoundRequest, name: str, command: Event | None) -> None:
         directory = self.spec.agent_dir / "diagnostics" / name
         try:
-            process = RoundProcess(request, directory)
+            process = RoundProcess(request, directory, zygote=self.supervisor.zygote)
         except OSError as exc:
             log.error("%s: cannot start diagnostics %s: %s", self.spec.node_id, name, exc)
             self.finish_round(failed_report(request, f"the diagnostics could not start: {exc}"), command)
@@ -397,6 +442,85 @@ class NodeAgent:
                   causation=command)
         log.info("%s: promotion %s: %s", self.spec.node_id, outcome, detail)
 
+    # -- stacks (rung 3) ---------------------------------------------------------------------------
+
+    def handle_stacks(self, command: Event) -> None:
+        """Capture the stacks of every process of this node's ranks in the background; never stops them."""
+        payload = command.payload
+        assert isinstance(payload, StacksRequested)
+        node = self.spec.node_id
+        if node not in payload.nodes or self.spec.standby:
+            return
+        if self.clock() > payload.expires_at:
+            log.warning("%s: stack capture round %d expired at %s; not run", node, payload.round,
+                        payload.expires_at.isoformat())
+            return
+        if payload.round in self.stack_rounds_seen:
+            log.info("%s: stack capture round %d was run already (a redelivered command); ignored", node, payload.round)
+            return
+        self.stack_rounds_seen.add(payload.round)
+        rank_pids: dict[int, int | None] = {self.spec.global_rank(i): None for i in range(self.spec.nproc_per_node)}
+        for process in self.supervisor.alive():
+            rank_pids[process.rank] = process.pid
+        if self._capture_pool is None:
+            self._capture_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="stacks")
+        future = self._capture_pool.submit(capture_ranks, rank_pids, native=payload.native,
+                                           timeout_s=max(1.0, 0.8 * payload.timeout_s))
+        self.stack_captures.append((command, future))
+        future.add_done_callback(lambda _: self._wake())
+        log.info("%s: capturing the stacks of ranks %s (round %d): %s", node, sorted(rank_pids), payload.round,
+                 payload.reason)
+
+    def poll_stacks(self) -> None:
+        for command, future in [c for c in self.stack_captures if c[1].done()]:
+            self.stack_captures.remove((command, future))
+            payload = command.payload
+            assert isinstance(payload, StacksRequested)
+            try:
+                capture = future.result()
+            except Exception as exc:  # noqa: BLE001 - reported as missing evidence, never as healthy
+                capture = NodeCapture([], [MissingProcess(rank=self.spec.global_rank(i), reason=f"the capture failed: "
+                                                          f"{exc!r}") for i in range(self.spec.nproc_per_node)], 0.0)
+            ranks = []
+            for rank, state in sorted(self.channel.ranks.items()):
+                if state.generation == self.generation and state.groups:
+                    ranks.append(RankTopology(rank=rank, tp=state.groups.get("tp", [rank]),
+                                              pp=state.groups.get("pp", [rank]), dp=state.groups.get("dp", [rank])))
+            budget = (self.outbox.bus.settings.max_event_bytes if self.outbox is not None and self.outbox.bus
+                      else 256 * 1024) // 2
+            parts = split_parts(capture.processes, budget)
+            for index, processes in enumerate(parts):
+                self.emit(StacksCaptured(node_id=self.spec.node_id, request_id=str(command.id), round=payload.round,
+                                         processes=processes, ranks=ranks if index == 0 else [],
+                                         missing=capture.missing if index == 0 else [], part=index, parts=len(parts),
+                                         duration_s=round(capture.duration_s, 3)), causation=command)
+            log.info("%s: stacks of round %d: %d processes in %.2fs, %d missing", self.spec.node_id, payload.round,
+                     len(capture.processes), capture.duration_s, len(capture.missing))
+
+    # -- the zygote ----------------------------------------------------------------------------------
+
+    def keep_zygote(self) -> None:
+        """Replace a dead zygote when that no longer competes with a start (``zygote_restart_due``)."""
+        if not self.supervisor.zygote_needed():
+            return
+        ours = [s for s in self.channel.ranks.values() if s.generation == self.generation]
+        stepping = len(ours) >= len(self.supervisor.ranks) and all(s.phase in STEPPING_PHASES for s in ours)
+        if zygote_restart_due(standby=self.spec.standby, held=self.held, failed=self.failed,
+                              round_running=self.active_round is not None, ranks_running=len(self.supervisor.alive()),
+                              ranks_stepping=stepping,
+                              since_generation_start_s=time.monotonic() - self.generation_started_s):
+            log.warning("%s: the zygote is gone; starting a new one", self.spec.node_id)
+            self.supervisor.start_zygote()
+
+    async def wait_zygote_ready(self, timeout_s: float = ZYGOTE_READY_WAIT_S) -> None:
+        zygote = self.supervisor.zygote
+        deadline = time.monotonic() + timeout_s
+        while zygote is not None and zygote.alive() and not zygote.ready() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if zygote is not None and not zygote.ready():
+            log.warning("%s: the zygote is not ready after %.0f s; starting fresh processes", self.spec.node_id,
+                        timeout_s)
+
     # -- the command consumer ------------------------------------------------------------------------
 
     async def consume_commands(self, stop: asyncio.Event) -> None:
@@ -419,6 +543,12 @@ class NodeAgent:
                     await msg.term()
                     continue
                 if any(command.type == name for _, name in COMMAND_SUBJECTS):
+                    if (isinstance(command.payload, DiagnosticsRequested) and not self.spec.standby
+                            and self.spec.node_id in command.payload.nodes):
+                        # Acknowledge at once, before stopping the ranks (which may take their grace
+                        # time): the controller takes a node that sends nothing after a request as lost.
+                        self.heartbeat(self.clock())
+                        await self.outbox.flush(1.0)
                     self.handle_command(command)
                 elif self.checkpointing is not None:
                     self.checkpointing.handle_event(command)
@@ -444,6 +574,8 @@ class NodeAgent:
         """One pass of the loop; an ``AgentResult`` when the agent should stop. ``probe``: also sample
         the health probes (once per probe interval; exits and reports are handled on every wake-up)."""
         now = self.clock()
+        if self.supervisor.zygote is not None:
+            self.supervisor.zygote.drain()  # what woke the loop (a child started or exited)
         self.channel.drain(now, self.generation)
         for rank, state in self.channel.ranks.items():
             if state.phase == "failed" and self.supervisor.kill_failed(rank, state.error):
@@ -452,6 +584,7 @@ class NodeAgent:
         exits = self.supervisor.poll()
         failures = [e for e in exits if self.report_exit(e)]
         self.poll_round()
+        self.poll_stacks()
         if failures and not self.failed:
             self.failed = True
             if not self.supervised:
@@ -476,6 +609,8 @@ class NodeAgent:
                                     {r: s.checkpoint_step for r, s in ranks.items()})
         if self.last_heartbeat_at is None or now - self.last_heartbeat_at >= self.spec.heartbeat_interval:
             self.heartbeat(now)
+        if probe:
+            self.keep_zygote()
         if not self.spec.standby and not self.supervisor.ranks and not self.failed and not self.held:
             return AgentResult(0, "every rank finished successfully")
         return None
@@ -483,6 +618,10 @@ class NodeAgent:
     async def run(self, stop: asyncio.Event) -> AgentResult:
         self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(), standby=self.spec.standby,
                                  fault_domain=self.spec.fault_domain))
+        if self.spec.warm_ranks:
+            # One import for the node's ranks, rounds and promotions from now on (forks take ms).
+            self.supervisor.start_zygote()
+            await self.wait_zygote_ready()
         if not self.spec.standby:
             if self.checkpointing is not None:
                 self.checkpointing.start_fresh()
@@ -497,12 +636,22 @@ class NodeAgent:
         wake = asyncio.Event()
         loop.add_reader(self.channel.sock.fileno(), wake.set)
         loop.add_signal_handler(signal.SIGCHLD, wake.set)
+        self._wake = lambda: loop.call_soon_threadsafe(wake.set)
         if self.checkpointing is not None:
-            self.checkpointing.wake = lambda: loop.call_soon_threadsafe(wake.set)
+            self.checkpointing.wake = self._wake
         interval_s = self.spec.probe_interval.total_seconds()
         next_probe_at = loop.time()
+        zygote_fd: int | None = None  # forked ranks are the zygote's children: it reports their exits
         try:
             while not stop.is_set():
+                zygote = self.supervisor.zygote
+                fd = zygote.fileno() if zygote is not None and zygote.alive() else None
+                if fd != zygote_fd:
+                    if zygote_fd is not None:
+                        loop.remove_reader(zygote_fd)
+                    if fd is not None:
+                        loop.add_reader(fd, wake.set)
+                    zygote_fd = fd
                 probe = loop.time() >= next_probe_at
                 if probe:
                     next_probe_at = loop.time() + interval_s
@@ -518,9 +667,14 @@ class NodeAgent:
                     waiter.cancel()
         finally:
             loop.remove_reader(self.channel.sock.fileno())
+            if zygote_fd is not None:
+                loop.remove_reader(zygote_fd)
             loop.remove_signal_handler(signal.SIGCHLD)
             self.cancel_round()
             self.supervisor.stop_all()
+            self.supervisor.close_zygote()
+            if self._capture_pool is not None:
+                self._capture_pool.shutdown(wait=False, cancel_futures=True)
             for exit_ in self.supervisor.poll():
                 self.report_exit(exit_)
             self.heartbeat(self.clock())

@@ -17,7 +17,8 @@ are stopped. Every node of the round runs it at once, with ``nproc_per_node`` lo
   therefore be reachable at ``master_addr``: list the master node first). Each rank sends a
   deterministic tensor (``expected_chunk``); every received chunk is compared exactly (all_gather does
   no arithmetic). Bandwidth is bus bandwidth in gigabits per second: bytes each rank received / the
-  fastest of ``all_gather_iterations`` timed calls; ``min_bandwidth_gbps`` (default: none) fails a slow
+  fastest of ``all_gather_iterations`` timed calls (one when no ``min_bandwidth_gbps`` floor judges them:
+  the figure is then informational, and every call costs the whole world's bytes); the floor fails a slow
   world. Before the process group, every rank writes ``joined/<rank>`` to the store and waits for all:
   a peer that never joins makes the check fail at the deadline naming its node (``suspects``), instead
   of hanging; a rendezvous host that never answers is named the same way. The process group's timeout is
@@ -63,6 +64,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -77,6 +79,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from keel.agent.inspector.gpu import NvmlReadError, NvmlSnapshot, NvmlUnavailable, OverlayNvmlSource, classify_xid, xid_name
 from keel.agent.inspector.policy import InspectorPolicy
+from keel.agent.warm import Zygote, ZygoteError
 from keel.core.event_types import CheckResult, DiagnosticCheck
 
 log = logging.getLogger(__name__)
@@ -105,8 +108,10 @@ class DiagnosticsPolicy(BaseModel):
     """Largest normalised element error ``|C - R| / (|A| @ |B|)`` of the float32 matmul (float32 with K=1024
     stays near 1e-7; the worst-case rounding bound is K x 2^-24 = 6e-5)."""
     matmul_size: int = Field(default=1024, ge=16)
-    all_gather_elements: int = Field(default=1 << 20, ge=1)
-    """float32 elements each rank contributes (4 MiB), at most ``all_gather_max_bytes`` / world size."""
+    all_gather_elements: int = Field(default=1 << 18, ge=1)
+    """float32 elements each rank contributes (1 MiB), at most ``all_gather_max_bytes`` / world size. Gloo
+    moves host memory, so this tests the host path and its figure is no fabric benchmark: 1 MiB a rank
+    verifies every byte path in under a second on 2 cores (4 MiB took a second longer)."""
     all_gather_max_bytes: int = Field(default=256 << 20, ge=4)
     """Bound on each rank's gathered output (world size x its chunk), so a large world stays in memory."""
     all_gather_iterations: int = Field(default=3, ge=1)
@@ -347,6 +352,11 @@ def gpu_faults(snapshot: NvmlSnapshot, policy: InspectorPolicy | None = None) ->
         elif dev.remapped_rows and dev.remapped_rows.get("failure"):
             faults[dev.index] = f"{key}: row remapping failed"
     return faults
+
+
+def timed_iterations(policy: DiagnosticsPolicy) -> int:
+    """Timed all-gathers a round runs: the best of several only matters when a bandwidth floor judges it."""
+    return policy.all_gather_iterations if policy.min_bandwidth_gbps is not None else 1
 
 
 def all_gather_elements(policy: DiagnosticsPolicy, world_size: int) -> int:
@@ -657,6 +667,14 @@ def _connect_store(dist: Any, request: RoundRequest, world: int, rank: int, dead
     if rank == 0:
         return dist.TCPStore(request.master_addr, request.master_port, world, is_master=True,
                              timeout=_timeout(deadline_s), wait_for_workers=False)
+    # Wait for the host to listen with plain connects every 20 ms: a c10d client refused once backs off
+    # for up to a second before it tries again, and every node starts its round at about the same time.
+    while deadline_s - time.monotonic() > 1.5:
+        try:
+            socket.create_connection((request.master_addr, request.master_port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.02)
     while True:
         attempt_s = min(5.0, max(0.5, (deadline_s - time.monotonic()) / 2.5))
         try:
@@ -685,16 +703,17 @@ def _all_gather(torch: Any, dist: Any, store: Any, request: RoundRequest, rank: 
         warm = [torch.empty(1, dtype=torch.float32) for _ in range(world)]
         dist.all_gather(warm, expected_chunk(torch, rank, 1))  # warm-up: connections, buffers
         received = [torch.empty(n, dtype=torch.float32) for _ in range(world)]
+        expected = [mine if source == rank else expected_chunk(torch, source, n) for source in range(world)]
         best = math.inf
         mismatches: dict[int, Mismatch] = {}
-        for _ in range(request.policy.all_gather_iterations):
+        for _ in range(timed_iterations(request.policy)):
             for tensor in received:
                 tensor.fill_(-1.0)
             began = time.perf_counter()
             dist.all_gather(received, mine)
             best = min(best, time.perf_counter() - began)
             for source in range(world):
-                mismatch = compare_chunk(torch, received[source], expected_chunk(torch, source, n))
+                mismatch = compare_chunk(torch, received[source], expected[source])
                 if mismatch is not None:
                     mismatches[source] = mismatch
         dist.destroy_process_group()
@@ -803,7 +822,10 @@ class RoundProcess:
     """
 
     def __init__(self, request: RoundRequest, directory: Path, *, python: str = sys.executable,
-                 env: Mapping[str, str] | None = None, kill_grace_s: float = 1.0) -> None:
+                 env: Mapping[str, str] | None = None, kill_grace_s: float = 1.0,
+                 zygote: Zygote | None = None) -> None:
+        """``zygote``: the node's warm zygote to fork the round from (torch imported: saves the interpreter
+        start and the import); None or one not ready: a fresh process."""
         self.request = request
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -815,12 +837,21 @@ class RoundProcess:
         _write_json_atomic(self.request_path, request.model_dump_json(indent=1))
         environment = dict(os.environ if env is None else env)
         environment.setdefault("OMP_NUM_THREADS", "1")
-        with open(self.directory / "diagnostics.log", "ab") as log_file:
-            self.popen = subprocess.Popen(
-                [python, "-m", "keel.agent.diagnostics", "--request", str(self.request_path),
-                 "--result", str(self.result_path)],
-                env=environment, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+        argv = ["-m", "keel.agent.diagnostics", "--request", str(self.request_path), "--result", str(self.result_path)]
+        log_path = self.directory / "diagnostics.log"
+        self.warm = False
+        if zygote is not None and zygote.ready():
+            try:
+                self.popen = zygote.launch(f"round-{request.round}-{self.directory.name}", argv, environment,
+                                           stdout=log_path, stderr=log_path)
+                self.warm = True
+            except ZygoteError as exc:
+                log.warning("the zygote could not run the round (%s); starting a fresh process", exc)
+        if not self.warm:
+            with open(log_path, "ab") as log_file:
+                self.popen = subprocess.Popen(
+                    [python, *argv], env=environment, stdout=log_file, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True)
         self.report: NodeReport | None = None
 
     @property
@@ -892,4 +923,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The result is written: skip the interpreter's teardown (torch's takes up to a second), so the agent
+    # sees the exit, and reads the result, at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,7 +1,10 @@
 """Start, watch, stop and restart one node's rank processes (adapter: processes and pipes only).
 
 Every rank runs in its own process group, so stopping a rank also stops its dataloader workers and
-other children. A rank's stderr is kept as a bounded tail (for exit classification) and written in
+other children. With ``warm`` on, the supervisor keeps the node's zygote (``keel.agent.warm``: torch
+imported once) and forks ranks from it, so a restart skips the interpreter start and ``import torch``;
+a forked rank's stderr goes straight to its log file, whose end is the exit's tail. Without a ready
+zygote, ranks start as fresh interpreters. A rank's stderr is kept as a bounded tail (for exit classification) and written in
 full to ``<agent_dir>/logs/``. Restarts in place use a new *generation*: a new rendezvous port, so no
 stale store keys survive (see ``LaunchSpec.master_port_for``).
 """
@@ -21,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from keel.agent.launch_spec import LaunchSpec
+from keel.agent.warm import ForkedProcess, Zygote, ZygoteError
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ class RankProcess:
     rank: int
     local_rank: int
     generation: int
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     started_at_s: float
     started_at_utc: datetime
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
@@ -41,13 +45,29 @@ class RankProcess:
     reported_failure: str = ""
     """The uncaught exception the rank reported before the agent killed it (see ``kill_failed``)."""
     reader: threading.Thread | None = None
+    stderr_path: Path | None = None
+    """Where a forked rank's stderr goes (no pipe): the tail is read from the end of that file."""
 
     @property
     def pid(self) -> int:
         return self.popen.pid
 
     def tail_text(self) -> str:
+        if self.reader is None and self.stderr_path is not None:
+            return _file_tail(self.stderr_path, STDERR_TAIL_LINES)
         return "".join(self.stderr_tail)
+
+
+def _file_tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return ""
+    return "".join(data.decode(errors="replace").splitlines(keepends=True)[-lines:])
 
 
 @dataclass(frozen=True)
@@ -75,8 +95,13 @@ def _pump_stderr(stream, tail: collections.deque, log_path: Path) -> None:  # ty
 class RankSupervisor:
     """Owns the rank processes of one node. Not thread-safe: call from the agent's loop only."""
 
-    def __init__(self, spec: LaunchSpec, socket_path: Path, fault_file: Path, python: str = sys.executable) -> None:
+    def __init__(self, spec: LaunchSpec, socket_path: Path, fault_file: Path, python: str = sys.executable,
+                 *, warm: bool = False) -> None:
         self.spec = spec
+        self.warm = warm
+        self.zygote: Zygote | None = None
+        self.cold_starts = 0
+        """Ranks started as fresh interpreters (no ready zygote), counted for the tests and the logs."""
         self.socket_path = socket_path
         self.fault_file = fault_file
         self.python = python
@@ -123,10 +148,17 @@ class RankSupervisor:
             rank = self.spec.global_rank(local_rank)
             stdout_path = self.logs_dir / f"rank{rank}.g{generation}.stdout"
             stderr_path = self.logs_dir / f"rank{rank}.g{generation}.stderr"
+            env = self.rank_env(local_rank, generation)
+            forked = self._fork(f"rank{rank}.g{generation}", env, stdout_path, stderr_path)
+            if forked is not None:
+                self.ranks[rank] = RankProcess(rank, local_rank, generation, forked, time.monotonic(),
+                                               datetime.now(UTC), stderr_path=stderr_path)
+                continue
+            self.cold_starts += 1
             with open(stdout_path, "ab") as stdout:
                 popen = subprocess.Popen(
                     [self.python, *self.spec.command],
-                    env=self.rank_env(local_rank, generation),
+                    env=env,
                     stdout=stdout,
                     stderr=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,
@@ -141,6 +173,38 @@ class RankSupervisor:
             process.reader.start()
             self.ranks[rank] = process
         return list(self.ranks.values())
+
+    # -- the zygote -------------------------------------------------------------------------------
+
+    def _fork(self, identity: str, env: dict[str, str], stdout: Path, stderr: Path) -> ForkedProcess | None:
+        if self.zygote is None or not self.zygote.ready():
+            return None
+        try:
+            return self.zygote.launch(identity, self.spec.command, env, stdout, stderr)
+        except ZygoteError as exc:
+            log.warning("%s: %s; starting a fresh interpreter", identity, exc)
+            return None
+
+    def zygote_needed(self) -> bool:
+        """Warm starts are on and there is no live zygote."""
+        return self.warm and (self.zygote is None or not self.zygote.alive())
+
+    def start_zygote(self, extra_env: dict[str, str] | None = None) -> None:
+        """Start (or replace a dead) zygote with the node's rank environment. Errors are logged."""
+        if self.zygote is not None:
+            self.zygote.close()
+        env = {**self.rank_env(0, self.generation + 1), **(extra_env or {})}
+        try:
+            self.zygote = Zygote.start(env, self.spec.agent_dir / "warm" / "zygote.ready",
+                                       stderr_log=self.logs_dir / "zygote.stderr", python=self.python)
+        except OSError as exc:
+            log.error("cannot start the zygote: %s", exc)
+            self.zygote = None
+
+    def close_zygote(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
     def poll(self) -> list[RankExit]:
         """Ranks that exited since the last call (each reported once)."""

@@ -70,6 +70,8 @@ from keel.core.event_types import (
     StandbyPoolSized,
     StandbyPromoted,
     StandbyPromotionRequested,
+    StacksAnalyzed,
+    StacksRequested,
     StandbyRefillRequested,
     TimerTicked,
 )
@@ -82,7 +84,7 @@ HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost"})
 ALL_CHECKS: tuple[str, ...] = ("gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather")
 ACTIONS = frozenset({"evict", "restart", "diagnose", "promote", "rollback", "stop"})
 Action = Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
-Stage = Literal["observing", "diagnosing", "recovering", "waiting_standby", "awaiting_approval"]
+Stage = Literal["observing", "capturing", "diagnosing", "recovering", "waiting_standby", "awaiting_approval"]
 
 
 # -- policy ------------------------------------------------------------------------------------------
@@ -93,6 +95,16 @@ class ControllerPolicy:
     command_ttl: timedelta = timedelta(minutes=5)
     observe_only: bool = False
     diagnostics_timeout: timedelta = timedelta(seconds=60)
+    stack_analysis: bool = True
+    """Rung 3: a hang first gets its stacks captured and aggregated by the analyzer (while the ranks are
+    still hung); only an inconclusive verdict goes on to rung 2's diagnostics."""
+    stacks_timeout: timedelta = timedelta(seconds=10)
+    """Agents answer a stack capture within this; the analyzer judges without the rest."""
+    stacks_verdict_timeout: timedelta = timedelta(seconds=20)
+    """No verdict from the analyzer this long after the capture was asked for: go on to rung 2."""
+    diagnostics_ack_timeout: timedelta = timedelta(seconds=2)
+    """A round's node whose agent sent no heartbeat since the request for this long is lost (its agent
+    answers a request with a heartbeat at once): the round concludes without it."""
     diagnostics_checks: tuple[str, ...] = ALL_CHECKS
     node_silence_timeout: timedelta = timedelta(seconds=30)
     """A node of the job whose heartbeats stopped this long ago is lost (rung 1)."""
@@ -164,6 +176,9 @@ class OpenIncident:
     evidence: tuple[str, ...] = ()
     diag_round: int | None = None
     diag_deadline: datetime | None = None
+    diag_requested_at: datetime | None = None
+    stacks_round: int | None = None
+    stacks_requested_at: datetime | None = None
     diag_nodes: frozenset[str] = frozenset()
     diag_results: Mapping[str, DiagnosticsCompleted] = field(default_factory=dict)
     target_generation: int | None = None
@@ -186,6 +201,7 @@ class JobView:
     """``last_step`` when the latest incident opened: stepping past it is progress (crash-loop reset)."""
     incident: OpenIncident | None = None
     diag_rounds: int = 0
+    stack_rounds: int = 0
     evictions: EvictionBreaker = EvictionBreaker()
     crash_loop: CrashLoopBreaker = CrashLoopBreaker()
     stopped: bool = False
@@ -239,7 +255,7 @@ _EMPTY = JobView()
 _DECIDES_ON = frozenset({
     NodeHealthChanged.event_name, NodeHeartbeat.event_name, RankExited.event_name, DiagnosticsCompleted.event_name,
     StandbyChecked.event_name, StandbyPromoted.event_name, NodeRegistered.event_name, NodeCordoned.event_name,
-    ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name,
+    ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name, StacksAnalyzed.event_name,
 })
 
 
@@ -270,7 +286,7 @@ class ControllerDecider:
         the adapter records a ``TimerTicked`` for each, once per clock interval."""
         return sorted(job_id for job_id, job in state.jobs.items()
                       if (job.active and not job.stopped and not job.finished)
-                      or (job.incident is not None and job.incident.stage == "diagnosing"))
+                      or (job.incident is not None and job.incident.stage in ("diagnosing", "capturing")))
 
     def new_job(self) -> JobView:
         """A job seen for the first time, with the policy's guardrail limits."""
@@ -287,6 +303,8 @@ class ControllerDecider:
             self._on_exit(plan, p)
         elif isinstance(p, DiagnosticsCompleted):
             self._on_diagnostics(plan, p)
+        elif isinstance(p, StacksAnalyzed):
+            self._on_stacks(plan, p)
         elif isinstance(p, TimerTicked):
             self._on_tick(plan, p.now)
         elif isinstance(p, NodeHeartbeat):
@@ -393,13 +411,20 @@ class ControllerDecider:
             return replace(job, pool_target=p.target)
         if isinstance(p, StandbyRefillRequested):
             return replace(job, refills_pending=job.refills_pending + p.count, refill_asked_at=p.expires_at)
+        if isinstance(p, StacksRequested):
+            job = replace(job, stack_rounds=max(job.stack_rounds, p.round + 1))
+            if incident is None:
+                return job
+            return replace(job, incident=replace(incident, stage="capturing", rung=max(incident.rung, 3),
+                                                 stacks_round=p.round, stacks_requested_at=at))
         if isinstance(p, DiagnosticsRequested):
             job = replace(job, diag_rounds=max(job.diag_rounds, p.round + 1))
             if incident is None:
                 return job
             return replace(job, incident=replace(
                 incident, stage="diagnosing", rung=max(incident.rung, 2), diag_round=p.round,
-                diag_deadline=at + timedelta(seconds=p.timeout_s), diag_nodes=frozenset(p.nodes), diag_results={}))
+                diag_deadline=at + timedelta(seconds=p.timeout_s), diag_requested_at=at, diag_nodes=frozenset(p.nodes),
+                diag_results={}))
         if incident is None:
             return job
         if isinstance(p, DiagnosticsCompleted):
@@ -454,6 +479,12 @@ class ControllerDecider:
             if job.incident is not None:
                 plan.note(f"{p.node_id}: rank {p.check} during incident {job.incident.id[:8]} ({job.incident.stage}): "
                           f"part of it")
+                return
+            if self.policy.stack_analysis:
+                why = (f"rung 3: {p.node_id} reports {p.check} ({p.detail or 'no detail'}): capture the stacks of every "
+                       f"training process while they hang and let the analyzer find the outliers")
+                plan.open_incident("hang", p.node_id, f"hang/{p.check}", why)
+                plan.capture_stacks(why)
                 return
             why = (f"rung 2: {p.node_id} reports {p.check} ({p.detail or 'no detail'}) and nothing names a culprit: "
                    f"stop the ranks and run stop-time diagnostics on every node")
@@ -527,9 +558,31 @@ class ControllerDecider:
         # no need to sit out the timeout.
         plan.conclude_diagnostics(timed_out=tuple(missing))
 
+    def _on_stacks(self, plan: _Plan, p: StacksAnalyzed) -> None:
+        incident = plan.job.incident
+        if incident is None or incident.stage != "capturing" or p.round != incident.stacks_round:
+            plan.note(f"stack verdict of round {p.round} outside a capturing incident: recorded")
+            return
+        seen = f" (could not see: {'; '.join(p.missing)})" if p.missing else ""
+        if not p.conclusive or not p.group_nodes:
+            plan.diagnose(f"rung 3 inconclusive: {p.reason}{seen}; rung 2: stop the ranks and run stop-time "
+                          f"diagnostics on every node")
+            return
+        group = f"{p.group_kind.upper()} group" if p.group_kind in ("tp", "pp", "dp") else p.group_kind
+        plan.recover(3, frozenset(p.group_nodes),
+                     f"rung 3: the analyzer names rank(s) {_ranks_text(p.outlier_ranks)} as outliers ({p.reason}); "
+                     f"evict the smallest group covering them, the {group} of rank(s) {_ranks_text(p.group_ranks)} on "
+                     f"{', '.join(p.group_nodes)} (over-evicting on purpose){seen}")
+
     def _on_tick(self, plan: _Plan, now: datetime) -> None:
         job, policy = plan.job, self.policy
         incident = job.incident
+        if (incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None
+                and now - incident.stacks_requested_at >= policy.stacks_verdict_timeout):
+            plan.diagnose(f"rung 3: no verdict from the analyzer {policy.stacks_verdict_timeout.total_seconds():g} s "
+                          f"after the capture of round {incident.stacks_round} was asked for (is it running?); rung 2: "
+                          f"stop the ranks and run stop-time diagnostics on every node")
+            return
         if incident is not None and incident.stage == "diagnosing":
             missing = sorted(incident.diag_nodes - set(incident.diag_results))
             if incident.diag_deadline is not None and now >= incident.diag_deadline:
@@ -543,6 +596,17 @@ class ControllerDecider:
                 plan.note(f"diagnostics round {incident.diag_round}: {', '.join(silent)} sent no heartbeat for "
                           f"over {policy.node_silence_timeout.total_seconds():g} s: not waiting for the deadline")
                 plan.conclude_diagnostics(timed_out=tuple(missing))
+                return
+            # A node whose agent has not answered the request at all (agents send a heartbeat on receipt)
+            # is gone: its peers would only wait for it in the all-gather until the deadline.
+            requested_at = incident.diag_requested_at
+            if requested_at is not None and now - requested_at >= policy.diagnostics_ack_timeout:
+                unacked = [n for n in missing if (seen := job.node(n).last_heartbeat_at) is None or seen < requested_at]
+                if unacked and len(unacked) < len(incident.diag_nodes):
+                    plan.note(f"diagnostics round {incident.diag_round}: {', '.join(unacked)} sent nothing in the "
+                              f"{policy.diagnostics_ack_timeout.total_seconds():g} s since the request: not waiting "
+                              f"for the deadline")
+                    plan.conclude_diagnostics(timed_out=(), unacknowledged=tuple(unacked))
             return
         if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
             return
@@ -615,18 +679,22 @@ _LOCAL_CHECKS = frozenset({"gpu_matmul", "intra_node_all_to_all"})
 
 
 def diagnostics_verdict(results: Mapping[str, DiagnosticsCompleted], nodes: Iterable[str], timed_out: Iterable[str],
-                        timeout: timedelta) -> DiagnosticsVerdict:
+                        timeout: timedelta, *, unacknowledged: Iterable[str] = (),
+                        ack_timeout: timedelta | None = None) -> DiagnosticsVerdict:
     """Which nodes one round of stop-time diagnostics convicts, and why (pure).
 
     - A node failing a check of its own (the GPU self-test, the intra-node all-to-all) is bad.
     - The inter-node all-gather fails on *every* node when one is bad; the reports' ``suspects`` (a peer
       that never joined or sent wrong data) say which. A node named by another is bad; a node whose
       only failure is the collective and whom nobody names is a bystander.
-    - A node that did not report (``timed_out``) is bad: its agent or its network is gone.
+    - A node that did not report (``timed_out``) is bad: its agent or its network is gone. So is one
+      whose agent did not even acknowledge the request (``unacknowledged``, within ``ack_timeout``); a
+      node that acknowledged and has not reported yet when the round ends that early is not judged.
     - The collective failing on at least half the nodes with nobody named is no bad machine (a switch,
       the fabric, a bad driver push): evicting would empty the job, so the verdict is to stop and page.
     """
     nodes, timed_out = sorted(set(nodes)), sorted(set(timed_out))
+    unacknowledged = sorted(set(unacknowledged) - set(timed_out))
     named: dict[str, set[str]] = {}
     for reporter, result in results.items():
         for suspect in result.suspects:
@@ -635,7 +703,7 @@ def diagnostics_verdict(results: Mapping[str, DiagnosticsCompleted], nodes: Iter
     local_bad = {n for n, r in results.items() if any(not c.passed and not c.skipped and c.check in _LOCAL_CHECKS
                                                       for c in r.results)}
     collective_only = {n for n, r in results.items() if not r.passed and n not in local_bad}
-    bad = local_bad | set(timed_out) | {s for s in named if s in set(nodes)}
+    bad = local_bad | set(timed_out) | set(unacknowledged) | {s for s in named if s in set(nodes)}
     unexplained = collective_only - bad
     parts = []
     for node_id in sorted(local_bad):
@@ -649,6 +717,10 @@ def diagnostics_verdict(results: Mapping[str, DiagnosticsCompleted], nodes: Iter
     if silent:
         parts.append(f"{', '.join(silent)} did not report within {timeout.total_seconds():g} s (the diagnostic timed "
                      f"out): treated as failed")
+    gone = [n for n in unacknowledged if n not in named]
+    if gone:
+        within = f" within {ack_timeout.total_seconds():g} s" if ack_timeout is not None else ""
+        parts.append(f"{', '.join(gone)} did not acknowledge the request{within} (its agent sent nothing): lost")
     if not bad and unexplained:
         if len(unexplained) * 2 >= max(1, len(nodes)):
             return DiagnosticsVerdict(frozenset(), f"the inter-node check failed on {', '.join(sorted(unexplained))} "
@@ -765,6 +837,14 @@ class _Plan:
                                       expires_at=self.expires_at, observe_only=self.policy.observe_only),
                   subject=f"node/{node_id}")
 
+    def capture_stacks(self, reason: str) -> None:
+        """Rung 3: every active node captures its training processes' stacks; the analyzer judges."""
+        nodes = [n.node_id for n in sorted(self.job.active, key=lambda n: min(n.ranks)) if not n.cordoned]
+        round_ = self.job.stack_rounds
+        self.note(reason)
+        self.emit(StacksRequested(round=round_, nodes=nodes, timeout_s=self.policy.stacks_timeout.total_seconds(),
+                                  expires_at=self.expires_at, reason=reason), key=f"stacks/{round_}")
+
     def diagnose(self, reason: str) -> None:
         # By rank, rank 0's node first: it hosts the round's rendezvous, at the job's master address.
         nodes = [n.node_id for n in sorted(self.job.active, key=lambda n: min(n.ranks)) if not n.cordoned]
@@ -780,11 +860,12 @@ class _Plan:
                                        timeout_s=self.policy.diagnostics_timeout.total_seconds(),
                                        expires_at=self.expires_at, reason=reason), key=f"diagnostics/{round_}")
 
-    def conclude_diagnostics(self, timed_out: tuple[str, ...]) -> None:
+    def conclude_diagnostics(self, timed_out: tuple[str, ...], unacknowledged: tuple[str, ...] = ()) -> None:
         incident = self.job.incident
         assert incident is not None
         verdict = diagnostics_verdict(incident.diag_results, incident.diag_nodes, timed_out,
-                                      self.policy.diagnostics_timeout)
+                                      self.policy.diagnostics_timeout, unacknowledged=unacknowledged,
+                                      ack_timeout=self.policy.diagnostics_ack_timeout)
         round_ = incident.diag_round
         if verdict.stop:
             self.resolve("stopped", f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}", stop=True, rung=2)

@@ -1,5 +1,5 @@
 """The escalation ladder end to end, with real processes: a local cluster training the example GPT, the
-controller, checkpoint broker and local actuator as services, faults injected with `keel inject`.
+controller, checkpoint broker, analyzer and local actuator as services, faults injected with `keel inject`.
 
 Each rung: injected fault -> detected -> the expected rung's decisions -> training resumes from memory
 (or a peer copy) -> the incident resolved, its timeline complete (every decision and every agent's
@@ -38,12 +38,13 @@ class Stack:
         self.services: list[subprocess.Popen] = []
         self.knobs: dict[str, str] = {}
 
-    def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None) -> None:
+    def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None,
+              nproc_per_node: int = 1) -> None:
         self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "60s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
                  "KEEL_CONTROLLER__STANDBY_MIN": "1", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
                  "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"), **(extra or {})}
         ready = []
-        for name, args in (("controller", []), ("checkpoint-broker", []),
+        for name, args in (("controller", []), ("checkpoint-broker", []), ("analyzer", []),
                            ("actuator", ["--cluster-dir", str(self.directory)])):
             ready.append(self.scratch / f"{name}.ready")
             self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
@@ -56,7 +57,8 @@ class Stack:
                 raise AssertionError(f"services not ready: {[p.name for p in ready if not p.exists()]}")
             time.sleep(0.1)
         env = {k: v for k, v in service_env(self.settings).items() if k.startswith("KEEL_")} | knobs
-        cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=1, job_id=self.job,
+        cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=nproc_per_node,
+                   job_id=self.job,
                    command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s",
                    persist_root=self.scratch / "checkpoints")
 
@@ -185,6 +187,36 @@ async def test_rung2_evicts_the_node_whose_diagnostics_fail(stack: Stack) -> Non
     assert [p.replaces_node_id for p in restart.payload.promotions] == [flaky]
     failed = [e.payload for e in timeline if e.type == "DiagnosticsCompleted" and not e.payload.passed]
     assert any(p.node_id == flaky for p in failed), failed
+
+
+async def test_rung3_a_rank_hung_in_a_pipeline_stage_evicts_its_pipeline_group(stack: Stack) -> None:
+    # 4 nodes x 2 ranks, DP 4 x PP 2: each node holds one pipeline (ranks 2n, 2n+1).
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN, nproc_per_node=2,
+                            extra={"KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "5s"})
+    await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
+    await stack.stepping(10)
+    victim = stack.node_of_rank(5)
+    hung_at = time.monotonic()
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="hang", node=victim, rank=5)])
+    assert opened.payload.kind == "hang" and resolved.payload.rung == 3 and resolved.payload.outcome == "recovered"
+    [request] = [e for e in timeline if e.type == "StacksRequested"]
+    captured = [e for e in timeline if e.type == "StacksCaptured"]
+    assert sorted({e.payload.node_id for e in captured}) == sorted(request.payload.nodes)
+    [verdict] = [e for e in timeline if e.type == "StacksAnalyzed"]
+    assert verdict.payload.conclusive and 5 in verdict.payload.outlier_ranks, verdict.payload
+    assert verdict.payload.group_kind == "pp" and verdict.payload.group_ranks == [4, 5], verdict.payload
+    assert verdict.payload.group_nodes == [victim]
+    assert any("sleep" in frame or "_hang" in frame for frame in verdict.payload.outlier_stacks["5"]), verdict.payload
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    assert restart.payload.rung == 3 and restart.payload.evict == [victim]
+    assert "DiagnosticsRequested" not in types_of(timeline)  # the stacks named the culprit: no stop-time checks
+    # Resolved means the restarted generation stepped past its restore point: resumed. (incident() waits
+    # 1 s after the resolution for the agents' last answers.)
+    assert time.monotonic() - hung_at < 60 + 1, "training must resume within 60 s of the hang"
+    await asyncio.to_thread(stack.stop)
+    await asyncio.sleep(1.0)
+    verified = await asyncio.to_thread(stack.replay_verify)
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
 
 
 async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_loop(stack: Stack) -> None:

@@ -26,6 +26,7 @@ from keel.core.event_types import (
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
+    StacksAnalyzed,
     RankStarted,
     StandbyChecked,
     TimerTicked,
@@ -249,6 +250,7 @@ def test_rung2_evicts_the_node_that_fails_diagnostics_and_promotes_a_standby() -
 def test_a_diagnostic_that_times_out_names_the_silent_node_and_evicts_it() -> None:
     job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=20)))
     [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    job.heartbeats(step=20, nodes=["n3"])  # n3's agent acknowledged the round: it is not lost, only late
     for node in ["n0", "n1", "n2"]:
         job.diagnostics(node, request)
     assert job.tick(10) == []
@@ -260,7 +262,7 @@ def test_a_diagnostic_that_times_out_names_the_silent_node_and_evicts_it() -> No
 
 
 def test_diagnostics_conclude_before_the_deadline_once_the_missing_node_is_silent() -> None:
-    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=60),
+    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=60), diagnostics_ack_timeout=timedelta(seconds=60),
                                       node_silence_timeout=timedelta(seconds=10)))
     [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
     for node in ["n0", "n1", "n2"]:
@@ -270,6 +272,33 @@ def test_diagnostics_conclude_before_the_deadline_once_the_missing_node_is_silen
     out = job.tick(6)
     [restart] = of(out, "RestartDecided")
     assert restart.payload.evict == ["n3"] and "sent no heartbeat for over 10 s" in job.last_reason
+
+
+def test_a_node_that_does_not_acknowledge_a_round_is_lost_and_the_round_ends_without_waiting() -> None:
+    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=60)))  # ack timeout: 2 s by default
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    job.heartbeats(step=20, nodes=["n0", "n1", "n2"])  # the agents' answers on receipt; n3's agent is gone
+    job.diagnostics("n1", request)
+    assert job.tick(1) == [] and "waiting for" not in job.last_reason  # within the ack timeout: wait
+    out = job.tick(1.5)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == ["n3"]
+    assert "n3 did not acknowledge the request within 2 s (its agent sent nothing): lost" in restart.payload.reason
+    assert "sent nothing in the 2 s since the request" in job.last_reason
+    # n0 and n2 acknowledged and were still in the all-gather (waiting for n3): not judged, restarted in place.
+    assert sorted(e.payload.node_id for e in of(out, "RanksRestartRequested")) == ["n0", "n1", "n2"]
+    assert [(p.standby_node_id, p.replaces_node_id) for p in restart.payload.promotions] == [("s0", "n3")]
+
+
+def test_a_round_every_node_acknowledged_waits_for_the_results() -> None:
+    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=60)))
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    job.heartbeats(step=20)
+    assert job.tick(5) == [] and job.tick(5) == []
+    for node in ["n0", "n1", "n2", "n3"]:
+        out = job.diagnostics(node, request)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == [] and "passed on every node" in restart.payload.reason
 
 
 def test_diagnostics_conclude_early_when_every_peer_names_the_silent_node() -> None:
@@ -317,12 +346,55 @@ def test_the_clock_runs_for_running_jobs_only() -> None:
     assert job.tick(120) == []
 
 
-def test_a_hang_runs_diagnostics() -> None:
+def hang(job: Job, node: str = "n2") -> list[Event]:
+    return job.health(node, component="rank", check="no_progress", confidence="medium", fatal=False)
+
+
+def verdict(job: Job, request: Event, **fields: object) -> list[Event]:
+    payload = {"request_id": str(request.id), "round": request.payload.round, "conclusive": True,
+               "reason": "rank 5 is stuck elsewhere than the 7 others", **fields}
+    return job.feed(StacksAnalyzed(**payload), "job/job1", producer="analyzer")  # type: ignore[arg-type]
+
+
+def test_a_hang_captures_stacks_and_evicts_the_group_the_analyzer_names() -> None:
     job = Job()
-    out = job.health("n2", component="rank", check="no_progress", confidence="medium", fatal=False)
-    assert types(out) == ["IncidentOpened", "DiagnosticsRequested"] and out[0].payload.kind == "hang"
+    out = hang(job)
+    assert types(out) == ["IncidentOpened", "StacksRequested"] and out[0].payload.kind == "hang"
+    [request] = of(out, "StacksRequested")
+    assert request.payload.nodes == ["n0", "n1", "n2", "n3"] and "rung 3" in request.payload.reason
     # Every node's ranks hang in the same collective: their reports join the incident.
-    assert job.health("n0", component="rank", check="no_progress", confidence="medium", fatal=False) == []
+    assert hang(job, "n0") == []
+    out = verdict(job, request, outlier_ranks=[5], outlier_nodes=["n2"], group_kind="pp", group_ranks=[4, 5],
+                  group_nodes=["n2"], missing=["rank 7 (pid 9): py-spy failed"])
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.rung == 3 and restart.payload.evict == ["n2"]
+    assert "the PP group of rank(s) 4, 5 on n2 (over-evicting on purpose)" in restart.payload.reason
+    assert "could not see: rank 7 (pid 9): py-spy failed" in restart.payload.reason
+    assert [(p.standby_node_id, p.replaces_node_id) for p in restart.payload.promotions] == [("s0", "n2")]
+    # The incident id correlates the capture, the verdict and the decision.
+    assert request.correlation_id == restart.correlation_id == out[0].correlation_id
+
+
+def test_an_inconclusive_or_missing_stack_verdict_goes_on_to_diagnostics() -> None:
+    job = Job()
+    [request] = of(hang(job), "StacksRequested")
+    out = verdict(job, request, conclusive=False, reason="all 8 ranks show the same stack")
+    [diag] = of(out, "DiagnosticsRequested")
+    assert "rung 3 inconclusive: all 8 ranks show the same stack" in diag.payload.reason
+    # No verdict at all (the analyzer is not running): rung 2 after stacks_verdict_timeout.
+    job = Job(policy=ControllerPolicy(stacks_verdict_timeout=timedelta(seconds=20)))
+    hang(job)
+    assert job.tick(10) == []
+    [diag] = of(job.tick(11), "DiagnosticsRequested")
+    assert "no verdict from the analyzer 20 s after" in diag.payload.reason
+    # A verdict for another round changes nothing.
+    assert verdict(job, request, round=7, group_nodes=["n1"]) == []
+
+
+def test_without_stack_analysis_a_hang_runs_diagnostics() -> None:
+    job = Job(policy=ControllerPolicy(stack_analysis=False))
+    out = hang(job)
+    assert types(out) == ["IncidentOpened", "DiagnosticsRequested"] and out[0].payload.kind == "hang"
 
 
 def test_a_cordoned_node_is_neither_diagnosed_nor_promoted() -> None:

@@ -28,6 +28,7 @@ from keel.agent.diagnostics import (
     gpu_faults,
     gpus_of,
     link_faults,
+    timed_iterations,
     load_request,
     matmul_error,
     merge_reports,
@@ -83,9 +84,16 @@ def test_a_request_must_name_this_node_and_a_port(tmp_path: Path) -> None:
 
 def test_the_all_gather_chunk_shrinks_with_the_world_to_bound_memory() -> None:
     policy = DiagnosticsPolicy()
-    assert all_gather_elements(policy, 4) == 1 << 20  # 16 MiB gathered
+    assert all_gather_elements(policy, 4) == 1 << 18  # 4 MiB gathered
     assert all_gather_elements(policy, 1024) == 1 << 16  # 256 MiB / (1024 ranks x 4 bytes)
+    assert all_gather_elements(policy, 4096) == 1 << 14
     assert all_gather_elements(DiagnosticsPolicy(all_gather_max_bytes=4), 10**6) == 1
+
+
+def test_the_all_gather_is_timed_several_times_only_when_a_bandwidth_floor_judges_it() -> None:
+    assert timed_iterations(DiagnosticsPolicy()) == 1
+    assert timed_iterations(DiagnosticsPolicy(min_bandwidth_gbps=10.0)) == 3
+    assert timed_iterations(DiagnosticsPolicy(min_bandwidth_gbps=10.0, all_gather_iterations=5)) == 5
 
 
 def test_every_gpu_of_the_node_is_tested_by_exactly_one_local_process() -> None:
