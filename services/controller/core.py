@@ -359,8 +359,10 @@ class ControllerDecider:
             job = job.with_node(replace(job.node(p.node_id), last_heartbeat_at=at))
             if p.standby or job.incident is not None:
                 return job
-            if p.last_step > job.failed_at_step >= 0 and job.crash_loop.fingerprints:
-                job = replace(job, crash_loop=job.crash_loop.progressed())  # past where it failed: no loop
+            # Past where it failed: no loop. A failure before any reported step (failed_at_step -1) is
+            # passed by the first step reported after it.
+            if p.last_step > job.failed_at_step and job.crash_loop.fingerprints:
+                job = replace(job, crash_loop=job.crash_loop.progressed())
             return replace(job, last_step=max(job.last_step, p.last_step))
         if isinstance(p, StandbyChecked):
             return job.with_node(replace(job.node(p.node_id), checked=p.passed))
@@ -920,7 +922,9 @@ class _Plan:
             need = len(leaving) - len(standbys)
             self.hold("promote", "no_standby", f"{reason}; no ready standby for {need} evicted node(s): the job "
                       f"waits for the pool to refill", plan)
-            self.emit(StandbyRefillRequested(count=need, target=max(need, job.pool_target or 0),
+            # ``target`` is the pool the actuator must bring up: the standbys ready now plus the shortfall
+            # (a group eviction can need more than the pool's usual size).
+            self.emit(StandbyRefillRequested(count=need, target=max(len(standbys) + need, job.pool_target or 0),
                                              reason=f"incident {incident.id[:8]} needs {need} ready standby(s) now",
                                              expires_at=self.expires_at), key="refill")
             return

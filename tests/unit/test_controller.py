@@ -42,7 +42,7 @@ class Job:
     """A job of ``nodes`` x ``per_node`` ranks (plus standbys) and a controller watching it."""
 
     def __init__(self, nodes: int = 4, per_node: int = 2, standbys: int = 1, policy: ControllerPolicy | None = None,
-                 checked: bool = True) -> None:
+                 checked: bool = True, first_step: int = 20) -> None:
         self.decider = ControllerDecider(policy or ControllerPolicy())
         self.session = DeciderSession(self.decider)
         self.log: list[Event] = []
@@ -58,7 +58,7 @@ class Job:
                                       world_size=nodes * per_node, pid=100 + i, generation=0), f"rank/{i}")
         for s in range(standbys):
             self.add_standby(f"s{s}", checked=checked)
-        self.heartbeats(step=20)
+        self.heartbeats(step=first_step)
 
     def feed(self, payload: EventPayload, subject: str, *, producer: str = "node-agent", dt: float = 0.1,
              correlation: uuid.UUID | None = None) -> list[Event]:
@@ -375,6 +375,24 @@ def test_a_hang_captures_stacks_and_evicts_the_group_the_analyzer_names() -> Non
     assert request.correlation_id == restart.correlation_id == out[0].correlation_id
 
 
+def test_a_group_eviction_beyond_the_ready_standbys_asks_for_the_whole_shortfall_and_waits() -> None:
+    job = Job(policy=ControllerPolicy(max_eviction_fraction=1.0))  # one ready standby; the breaker allows two
+    [request] = of(hang(job), "StacksRequested")
+    out = verdict(job, request, outlier_ranks=[2, 5], outlier_nodes=["n1", "n2"], group_kind="groups",
+                  group_ranks=[2, 3, 4, 5], group_nodes=["n1", "n2"])
+    assert sorted(e.payload.node_id for e in of(out, "NodeEvictionDecided")) == ["n1", "n2"]
+    [refill] = of(out, "StandbyRefillRequested")
+    # The actuator brings the pool up to ``target``: the ready standby plus the one missing.
+    assert (refill.payload.count, refill.payload.target) == (1, 2)
+    assert not of(out, "RestartDecided")
+    [held] = of(out, "ActionHeld")
+    assert held.payload.guardrail == "no_standby" and held.payload.evict == ["n1", "n2"]
+    # The second standby passes its self-check: the held plan goes ahead with both.
+    out = job.add_standby("s1")
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.rung == 3 and sorted(p.replaces_node_id for p in restart.payload.promotions) == ["n1", "n2"]
+
+
 def test_an_inconclusive_or_missing_stack_verdict_goes_on_to_diagnostics() -> None:
     job = Job()
     [request] = of(hang(job), "StacksRequested")
@@ -455,6 +473,22 @@ def test_progress_past_the_failure_resets_the_crash_loop() -> None:
     job.heartbeats(step=40)  # past step 20, where it failed
     again = job.crash("n0", 1, classification="user_code", err=err)
     assert not of(again, "RollbackDecided") and of(again, "RestartDecided")[0].payload.rung == 2
+
+
+def test_a_failure_before_any_reported_step_is_reset_by_the_first_steps_after_it() -> None:
+    # The job crashed before a heartbeat had reported a step (right after its start): stepping at all
+    # afterwards is progress, so the same crash later is a new failure (rung 2), not a loop (rung 4).
+    job = Job(first_step=-1)
+    err = "ValueError: bad batch"
+    job.restart(job.crash("n0", 1, classification="user_code", err=err), restore_step=-1, step=0)
+    job.heartbeats(step=30)
+    again = job.crash("n0", 1, classification="user_code", err=err)
+    assert not of(again, "RollbackDecided") and of(again, "RestartDecided")[0].payload.rung == 2
+    # A generation that fails again before any step is a loop, as before.
+    job = Job(first_step=-1)
+    job.restart(job.crash("n0", 1, classification="user_code", err=err), restore_step=-1, step=-1)
+    job.heartbeats(step=-1)
+    assert of(job.crash("n0", 1, classification="user_code", err=err), "RollbackDecided")
 
 
 def test_exits_of_an_older_generation_are_not_a_new_incident() -> None:
