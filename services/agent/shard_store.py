@@ -371,8 +371,19 @@ class ShardStoreServer:
     def backup_dir(self) -> Path:
         return self.node_dir / "backup"
 
-    def _sidecar(self, rank: int) -> Path:
-        return self.backup_dir / f"rank{rank}.json"
+    def _sidecar(self, rank: int, previous: bool = False) -> Path:
+        return (self.previous_dir if previous else self.backup_dir) / f"rank{rank}.json"
+
+    def _backup_file(self, rank: int, previous: bool = False) -> Path:
+        return self.previous_dir / f"rank{rank}.shard" if previous else backup_path(self.node_dir, rank)
+
+    @property
+    def previous_dir(self) -> Path:
+        """The backup each rank's newest one replaced. Kept because a group lost while a backup round is
+        half delivered leaves its peers holding the new round for some ranks and only the old one for
+        others: the previous copy keeps a step that every rank still has (else the restore falls back to
+        the persistent tier)."""
+        return self.backup_dir / "prev"
 
     def _sweep_temp_files(self) -> None:
         """Temp files left by an agent that died mid-stream are garbage: nothing refers to them."""
@@ -381,9 +392,9 @@ class ShardStoreServer:
 
     # what is held
 
-    def _backup_meta(self, rank: int) -> dict[str, Any] | None:
+    def _backup_meta(self, rank: int, previous: bool = False) -> dict[str, Any] | None:
         try:
-            meta = json.loads(self._sidecar(rank).read_text())
+            meta = json.loads(self._sidecar(rank, previous).read_text())
         except FileNotFoundError:
             return None
         if not isinstance(meta, dict):
@@ -391,9 +402,11 @@ class ShardStoreServer:
         return meta
 
     def discard_backup(self, rank: int) -> None:
-        """Drop the backup held for ``rank``: the sidecar first, so a half-removed backup is never served."""
-        self._sidecar(rank).unlink(missing_ok=True)
-        backup_path(self.node_dir, rank).unlink(missing_ok=True)
+        """Drop the backups held for ``rank`` (newest and previous): each sidecar first, so a half-removed
+        backup is never served."""
+        for previous in (False, True):
+            self._sidecar(rank, previous).unlink(missing_ok=True)
+            self._backup_file(rank, previous).unlink(missing_ok=True)
 
     def held_shards(self, *, verify: bool = False) -> tuple[list[HeldShard], list[RejectedHeld]]:
         """Every COMPLETE slot and every backup under the node directory, by rank then step.
@@ -419,35 +432,39 @@ class ShardStoreServer:
                     continue
                 held.append(HeldShard(rank, header.step, header.payload_len, header.digest, "slot", self.node_id,
                                       header.generation, path))
-        for sidecar in sorted(self.backup_dir.glob("rank*.json")):
-            match = re.match(r"^rank(\d+)\.json$", sidecar.name)
-            if not match:
-                continue
-            rank = int(match.group(1))
-            try:
-                shard = self._held_backup(rank, verify=verify)
-            except _BadBackup as exc:
-                rejected.append(RejectedHeld(rank, exc.step, "backup", backup_path(self.node_dir, rank), exc.reason))
-                continue
-            if shard is not None:
-                held.append(shard)
+        for previous in (False, True):
+            directory = self.previous_dir if previous else self.backup_dir
+            for sidecar in sorted(directory.glob("rank*.json")):
+                match = re.match(r"^rank(\d+)\.json$", sidecar.name)
+                if not match:
+                    continue
+                rank = int(match.group(1))
+                try:
+                    shard = self._held_backup(rank, verify=verify, previous=previous)
+                except _BadBackup as exc:
+                    rejected.append(RejectedHeld(rank, exc.step, "backup", self._backup_file(rank, previous), exc.reason))
+                    continue
+                if shard is not None:
+                    held.append(shard)
         held.sort(key=lambda s: (s.rank, s.step, s.kind))
         return held, rejected
 
-    def _held_backup(self, rank: int, *, verify: bool, payload_out: list[bytes] | None = None) -> HeldShard | None:
-        """The backup held for ``rank`` (None: none); ``_BadBackup`` when it does not check out."""
-        path = backup_path(self.node_dir, rank)
+    def _held_backup(self, rank: int, *, verify: bool, payload_out: list[bytes] | None = None,
+                     previous: bool = False) -> HeldShard | None:
+        """The backup held for ``rank`` (``previous``: the one before it; None: none); ``_BadBackup`` when
+        it does not check out."""
+        path = self._backup_file(rank, previous)
         try:
-            meta = self._backup_meta(rank)
+            meta = self._backup_meta(rank, previous)
         except (ValueError, OSError) as exc:
-            raise _BadBackup(-1, f"unreadable sidecar {self._sidecar(rank)}: {exc}") from None
+            raise _BadBackup(-1, f"unreadable sidecar {self._sidecar(rank, previous)}: {exc}") from None
         if meta is None:
             return None
         try:
             shard = HeldShard(rank, int(meta["step"]), int(meta["bytes"]), str(meta["sha256"]), "backup",
                               str(meta["owner_node_id"]), int(meta["generation"]), path)
         except (KeyError, TypeError, ValueError) as exc:
-            raise _BadBackup(-1, f"sidecar {self._sidecar(rank)} lacks a field: {exc}") from None
+            raise _BadBackup(-1, f"sidecar {self._sidecar(rank, previous)} lacks a field: {exc}") from None
         try:
             if verify or payload_out is not None:
                 data = path.read_bytes()
@@ -477,14 +494,16 @@ class ShardStoreServer:
                     candidates.append((header.step, 1, path, "slot"))
         reasons: list[str] = []
         if kind in ("", "backup"):
-            try:
-                meta = self._backup_meta(rank)
-            except (ValueError, OSError) as exc:
-                meta = None
-                reasons.append(f"backup sidecar unreadable: {exc}")
-            if meta is not None and (step < 0 or meta.get("step") == step) \
-                    and owner_node_id in ("", meta.get("owner_node_id")):
-                candidates.append((int(meta.get("step", -1)), 0, backup_path(self.node_dir, rank), "backup"))
+            for previous in (False, True):
+                try:
+                    meta = self._backup_meta(rank, previous)
+                except (ValueError, OSError) as exc:
+                    meta = None
+                    reasons.append(f"{'previous ' if previous else ''}backup sidecar unreadable: {exc}")
+                if meta is not None and (step < 0 or meta.get("step") == step) \
+                        and owner_node_id in ("", meta.get("owner_node_id")):
+                    candidates.append((int(meta.get("step", -1)), -1 if previous else 0,
+                                       self._backup_file(rank, previous), "backup-previous" if previous else "backup"))
         for found_step, _, path, found_kind in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
             if found_kind == "slot":
                 try:
@@ -499,7 +518,7 @@ class ShardStoreServer:
                                  header.generation, path), payload
             out: list[bytes] = []
             try:
-                shard = self._held_backup(rank, verify=True, payload_out=out)
+                shard = self._held_backup(rank, verify=True, payload_out=out, previous=found_kind == "backup-previous")
             except _Abort as exc:
                 reasons.append(exc.reason)
                 continue
@@ -547,12 +566,32 @@ class ShardStoreServer:
         """Rename the verified temp file into place. The sidecar goes first and comes back last, so a
         crash in between leaves an unlabeled file (never served), not a label on the wrong bytes."""
         sidecar = self._sidecar(header.rank)
+        await asyncio.to_thread(self._keep_previous, header.rank, header.generation)
         await asyncio.to_thread(sidecar.unlink, missing_ok=True)
         await receiver.finish(backup_path(self.node_dir, header.rank), self.fsync)
         meta = {"job_id": header.job_id, "owner_node_id": header.owner_node_id, "rank": header.rank,
                 "step": header.step, "generation": header.generation, "bytes": header.total_bytes,
                 "sha256": header.sha256, "stored_at_unix_s": time.time()}
         await asyncio.to_thread(write_file_atomic, sidecar, json.dumps(meta).encode(), fsync=self.fsync)
+
+    def _keep_previous(self, rank: int, generation: int) -> None:
+        """Before a new backup of ``generation`` replaces the one held for ``rank``: keep the held one as
+        the previous (replacing the one there) if it is of the same generation, the same history. One of
+        an older generation is an abandoned history (its steps may carry the same numbers with other
+        contents): no previous is kept then. The previous sidecar goes first and the moved one comes
+        last, so no label ever names the wrong bytes."""
+        current_sidecar, current_file = self._sidecar(rank), self._backup_file(rank)
+        self._sidecar(rank, True).unlink(missing_ok=True)
+        self._backup_file(rank, True).unlink(missing_ok=True)
+        try:
+            meta = self._backup_meta(rank)
+        except (ValueError, OSError):
+            return
+        if meta is None or int(meta.get("generation", -1)) != generation or not current_file.exists():
+            return
+        self.previous_dir.mkdir(parents=True, exist_ok=True)
+        os.replace(current_file, self._backup_file(rank, True))
+        os.replace(current_sidecar, self._sidecar(rank, True))
 
     def rank_lock(self, rank: int) -> asyncio.Lock:
         return self._rank_locks.setdefault(rank, asyncio.Lock())

@@ -396,3 +396,35 @@ async def test_throughput_64mib_over_loopback(nodes: tuple[Path, Path], store_b:
     got = await fetch_shard(store_b.address, JOB, "node-a", 0, 1, tmp_path / "r.shard", put.sha256, TIMEOUT * 3)
     print(f"\n64 MiB put {put.bytes_per_s / 2**20:.0f} MiB/s, get {got.bytes_per_s / 2**20:.0f} MiB/s")
     assert put.bytes == got.bytes == size
+
+
+async def test_the_previous_backup_of_the_same_history_is_kept_and_served(nodes: tuple[Path, Path],
+                                                                         store_b: ShardStoreServer,
+                                                                         tmp_path: Path) -> None:
+    """A group lost while a backup round is half delivered leaves some ranks' peers with the new round
+    and others' with the old one: the previous backup keeps a step every rank still has."""
+    _, node_b = nodes
+    old, new, other = make_payload(CHUNK_BYTES + 3, seed=50), make_payload(CHUNK_BYTES + 9, seed=51), \
+        make_payload(100, seed=52)
+    await put_raw(store_b.address, chunks_for(old, step=4, rank=1))
+    await put_raw(store_b.address, chunks_for(new, step=6, rank=1))
+    held, rejected = store_b.held_shards(verify=True)
+    assert not rejected and [(h.rank, h.step, h.kind) for h in held] == [(1, 4, "backup"), (1, 6, "backup")]
+    dest = tmp_path / "restore" / "rank1.shard"
+    await fetch_shard(store_b.address, JOB, "node-a", 1, 4, dest, sha256_hex(old), TIMEOUT)
+    assert dest.read_bytes() == old
+    await fetch_shard(store_b.address, JOB, "node-a", 1, -1, dest, "", TIMEOUT)
+    assert dest.read_bytes() == new  # the newest when no step is asked for
+    # A backup of a newer generation starts another history: the old one's steps are not kept (their
+    # numbers may come back with other contents).
+    await put_raw(store_b.address, chunks_for(other, step=5, rank=1, generation=1))
+    held, _ = store_b.held_shards(verify=True)
+    assert [(h.rank, h.step, h.generation) for h in held] == [(1, 5, 1)]
+    with pytest.raises(TransferRejected) as caught:
+        await fetch_shard(store_b.address, JOB, "node-a", 1, 6, dest, "", TIMEOUT)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    # Discarding a rank's backups removes both.
+    await put_raw(store_b.address, chunks_for(other, step=7, rank=1, generation=1))
+    assert len(store_b.held_shards()[0]) == 2
+    store_b.discard_backup(1)
+    assert store_b.held_shards()[0] == [] and not list(node_b.glob("backup/**/rank1.*"))
