@@ -4,8 +4,8 @@ Every rank runs in its own process group, so stopping a rank also stops its data
 other children. With ``warm`` on, the supervisor keeps the node's zygote (``keel.agent.warm``: torch
 imported once) and forks ranks from it, so a restart skips the interpreter start and ``import torch``;
 a forked rank's stderr goes straight to its log file, whose end is the exit's tail. Without a ready
-zygote, ranks start as fresh interpreters. A rank's stderr is kept as a bounded tail (for exit classification) and written in
-full to ``<agent_dir>/logs/``. Restarts in place use a new *generation*: a new rendezvous port, so no
+zygote, ranks start as fresh interpreters. A rank's stderr is kept as a bounded tail (for exit
+classification) and written in full to ``<agent_dir>/logs/``. Restarts in place use a new *generation*: a new rendezvous port, so no
 stale store keys survive (see ``LaunchSpec.master_port_for``).
 """
 
