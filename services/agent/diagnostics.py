@@ -79,7 +79,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from keel.agent.inspector.gpu import NvmlReadError, NvmlSnapshot, NvmlUnavailable, OverlayNvmlSource, classify_xid, xid_name
 from keel.agent.inspector.policy import InspectorPolicy
-from keel.agent.warm import Zygote, ZygoteError
+from keel.agent.warm import Zygote, ZygoteError, kill_group
 from keel.core.event_types import CheckResult, DiagnosticCheck
 
 log = logging.getLogger(__name__)
@@ -880,15 +880,7 @@ class RoundProcess:
 
     def kill(self) -> None:
         """End the round's processes (its whole process group); idempotent."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                log.error("diagnostics process %d did not die after SIGKILL", self.popen.pid)
+        kill_group(self.popen, "diagnostics process")
 
 
 def _tail(path: Path, chars: int = 600) -> str:

@@ -251,6 +251,19 @@ def main() -> None:
 # -- the agent's side -------------------------------------------------------------------------------------
 
 
+def kill_group(process: subprocess.Popen | ForkedProcess, what: str) -> None:
+    """SIGKILL ``process``'s process group (it leads its own session) and reap it; idempotent."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            log.error("%s %d did not die after SIGKILL", what, process.pid)
+
+
 class ZygoteError(RuntimeError):
     """The zygote could not launch (gone, not ready in time, or it rejected the launch)."""
 
@@ -394,15 +407,7 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote (not its children: ranks outlive it as they outlive their agent); idempotent."""
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                log.error("zygote %d did not die after SIGKILL", self.popen.pid)
+        kill_group(self.popen, "zygote")
         self.drain()
         for stream in (self.popen.stdin, self.popen.stdout):
             if stream is not None and not stream.closed:

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 
 from keel.checkpoint_broker.adapter import CheckpointBroker, decider_from_settings
-from keel.core.bus import Bus
 from keel.core.config import Settings
-from keel.core.store import EventStore, create_engine, run_migrations
+from keel.core.service import serve_decider
 
 __all__ = ["serve", "decider_from_settings"]
-
-log = logging.getLogger(__name__)
 
 
 async def serve(
@@ -24,16 +20,6 @@ async def serve(
     on_ready: Callable[[], None] = lambda: None,
 ) -> None:
     """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
-    await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
-    bus = await Bus.connect(nats_url, settings.bus, name="keel-checkpoint-broker")
-    engine = create_engine(database_url, settings.db_schema)
-    broker = CheckpointBroker(bus, EventStore(engine), settings)
-    try:
-        await broker.start()
-        log.info("checkpoint-broker: state rebuilt from the log; persistent tier at %s; consuming live",
-                 broker.persist_root)
-        on_ready()
-        await broker.run(stop)
-    finally:
-        await bus.close()
-        await engine.dispose()
+    await serve_decider("checkpoint-broker", lambda bus, store: CheckpointBroker(bus, store, settings), settings,
+                        nats_url, database_url, stop, on_ready,
+                        describe=lambda broker: f"persistent tier at {broker.persist_root}")

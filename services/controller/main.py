@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 
 from keel.controller.adapter import Controller, decider_from_settings
-from keel.core.bus import Bus
 from keel.core.config import Settings
-from keel.core.store import EventStore, create_engine, run_migrations
+from keel.core.service import serve_decider
 
 __all__ = ["serve", "decider_from_settings"]
-
-log = logging.getLogger(__name__)
 
 
 async def serve(
     settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None
 ) -> None:
     """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
-    await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
-    bus = await Bus.connect(nats_url, settings.bus, name="keel-controller")
-    engine = create_engine(database_url, settings.db_schema)
-    controller = Controller(bus, EventStore(engine), settings)
-    try:
-        await controller.start()
-        log.info("controller: state rebuilt from the log; consuming live")
-        on_ready()
-        await controller.run(stop)
-    finally:
-        await bus.close()
-        await engine.dispose()
+    await serve_decider("controller", lambda bus, store: Controller(bus, store, settings), settings, nats_url,
+                        database_url, stop, on_ready)
