@@ -109,8 +109,8 @@ def _redirect(fd: int, path: str) -> None:
 
 
 def _become(message: dict) -> None:
-    """In a forked child: turn this process into the launch's program and run it."""
-    os.setsid()
+    """In a forked child (already leading its own session): turn this process into the launch's program
+    and run it."""
     set_process_name(Path(sys.executable).name)
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
@@ -238,12 +238,22 @@ def main() -> None:
                 print(f"keel zygote: {reason}", file=sys.stderr, flush=True)
                 _say({"event": "rejected", "id": identity, "reason": reason})
                 continue
+            # "started" is said only once the child leads its own session: the agent may signal its
+            # process group (pgid = pid) at once, and before setsid() there is no such group.
+            in_session_read, in_session_write = os.pipe()
             pid = os.fork()
             if pid == 0:
                 os.close(wake_read)
                 os.close(wake_write)
+                os.close(in_session_read)
                 signal.set_wakeup_fd(-1)
+                os.setsid()
+                os.write(in_session_write, b"1")
+                os.close(in_session_write)
                 _child(message)
+            os.close(in_session_write)
+            select.select([in_session_read], [], [], 5.0)
+            os.close(in_session_read)
             _say({"event": "started", "id": identity, "pid": pid})
     _reap()
 
