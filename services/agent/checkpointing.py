@@ -39,6 +39,7 @@ from keel.core.event_types import (
     CheckpointRestorePlanned,
     CheckpointScheduleSet,
     CheckpointShardsStored,
+    CheckpointStepCommitted,
     CheckpointTierFallback,
     InventoryEntry,
     RankGroups,
@@ -55,7 +56,8 @@ _SEND_FAILURES_REPORTED = 3
 _SEND_RETRY_INTERVAL_S = 10.0
 
 # Broker events every agent of the job consumes (besides its own commands).
-BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned")
+BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned",
+                      "CheckpointStepCommitted")
 
 
 class PeerTransport(Protocol):
@@ -205,9 +207,11 @@ def local_slot_files(node_dir: Path, rank: int) -> list[Path]:
     return [*ckpt_slots.list_slots(node_dir).get(rank, []), *ckpt_slots.list_slots(Path(node_dir) / SENT_DIR).get(rank, [])]
 
 
-def keep_sent_copy(node_dir: Path, rank: int, step: int) -> Path:
-    """Copy the rank's slot of ``step`` into its sent ring (replacing the older of two); ``SlotError``
-    when the ring has already overwritten that step."""
+def keep_sent_copy(node_dir: Path, rank: int, step: int, pinned: int = -1) -> Path:
+    """Copy the rank's slot of ``step`` into its sent ring (replacing the older of two, but never the copy
+    of ``pinned``, the newest step committed on the peer tier: with it every rank can still restore
+    that step if a group is lost while the next round is half delivered); ``SlotError`` when the ring
+    has already overwritten that step."""
     source = next((p for p, h in complete_slots(node_dir, rank, sent=False) if h.step == step), None)
     if source is None:
         raise ckpt_slots.SlotError(f"rank {rank}: no complete slot holds step {step} any more")
@@ -228,7 +232,15 @@ def keep_sent_copy(node_dir: Path, rank: int, step: int) -> Path:
             return path  # copied already (a retried send)
     # A copy of the same step from a failed generation goes first (the sender must not find two copies
     # of one step), then an empty or torn slot, then the older copy.
-    target = min(ring, key=lambda path: -1 if (h := held(path)) is None else (-2 if h.step == step else h.step))
+    def rank_of(path: Path) -> float:
+        h = held(path)
+        if h is None:
+            return -1
+        if h.step == step:
+            return -2
+        return float("inf") if h.step == pinned else h.step
+
+    target = min(ring, key=rank_of)
     writer = ckpt_slots.SlotWriter(target, len(payload))
     try:
         writer.begin(step, header.generation)
@@ -305,6 +317,8 @@ class NodeCheckpointing:
         self.assignments: dict[int, BackupAssignment] = {}
         self.every_k_steps: int | None = None
         self.backup_every = 1
+        self.peer_committed_step = -1
+        """The newest step committed on the peer tier (this generation): its sent copies are kept."""
         self.progress: dict[int, _RankProgress] = {r: _RankProgress() for r in self.local_ranks}
         self.sending: dict[int, Future] = {}
         self.persisting: dict[int, tuple[int, Future]] = {}
@@ -368,6 +382,7 @@ class NodeCheckpointing:
         the plan) and ``tick`` publishes it. Sends still running keep their futures (tagged with the old
         generation): no second writer touches a rank's sent ring, and their results are ignored.
         """
+        self.peer_committed_step = -1  # commits of the history this restart leaves say nothing of the next
         self.generation = generation
         self.registered_generation = None
         self.plan = None
@@ -480,6 +495,9 @@ class NodeCheckpointing:
                             assignment.backup_node_id, assignment.backup_address):
                         self.progress[assignment.rank].last_sent_step = -1
                         self.progress[assignment.rank].send_failures = 0
+        elif isinstance(payload, CheckpointStepCommitted):
+            if payload.tier == "peer":
+                self.peer_committed_step = max(self.peer_committed_step, payload.step)
         elif isinstance(payload, CheckpointScheduleSet):
             self.every_k_steps = payload.every_k_steps
             self.backup_every = payload.backup_every_k_steps
@@ -656,7 +674,7 @@ class NodeCheckpointing:
         try:
             assert self.transport is not None
             # The transport sends from the sent ring: the peer's copy and the local one are the same bytes.
-            keep_sent_copy(self.node_dir, assignment.rank, step)
+            keep_sent_copy(self.node_dir, assignment.rank, step, pinned=self.peer_committed_step)
             self.transport.send(assignment.backup_address, rank=assignment.rank, step=step)
             self.progress[assignment.rank].last_send_s = time.monotonic() - started
             return step
