@@ -225,14 +225,24 @@ class BackupAssignment(EventPayload):
     node and the backup node, so evicting any one group leaves a copy of the shard)."""
 
 
-@event_type("CheckpointBackupAssigned", version=1, aggregate="job")
+@event_type("CheckpointBackupAssigned", version=2, aggregate="job")
 class CheckpointBackupAssigned(EventPayload):
     """The broker chose (or re-chose) each rank's backup peer: a node outside the rank's DP, PP and TP
     groups and not its own node; ``fallback`` explains any assignment that could not meet that."""
 
     assignments: list[BackupAssignment] = Field(min_length=1)
     reason: str
+    every_k_steps: int | None = Field(default=None, ge=1)
+    backup_every_k_steps: int | None = Field(default=None, ge=1)
+    """The schedule in force (``CheckpointScheduleSet``), when one was set: an agent that started after it
+    (a replacement node) learns which steps the others back up and persist from its assignments."""
 
+
+
+@upcaster("CheckpointBackupAssigned", from_version=1)
+def _backup_assigned_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 did not carry the schedule: an old placement says nothing about it.
+    return {**payload, "every_k_steps": None, "backup_every_k_steps": None}
 
 class ShardRecord(EventPayload):
     rank: int = Field(ge=0)

@@ -67,8 +67,9 @@ class PeerTransport(Protocol):
     address: str
     """Where this node's own shard store listens (peers send it backups)."""
 
-    def send(self, address: str, *, rank: int, step: int) -> None:
-        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``."""
+    def send(self, address: str, *, rank: int, step: int, keep_step: int = -1) -> None:
+        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``; ``keep_step``
+        (>= 0): the newest peer-committed step, whose copy that store keeps over an uncommitted one."""
         ...
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
@@ -80,8 +81,9 @@ class PeerTransport(Protocol):
         "path"}`` each, and (with ``verify``) the ones that failed verification, ``{"rank", "step", "reason"}``."""
         ...
 
-    def discard_backup(self, rank: int) -> None:
-        """Drop the backup held for ``rank`` (its sidecar first, so it is never served half-removed)."""
+    def discard_backup(self, rank: int, newer_than: int = -1) -> None:
+        """Drop the backups held for ``rank`` with a step above ``newer_than`` (-1: all; sidecars first, so
+        none is ever served half-removed)."""
         ...
 
     def backups_received(self) -> int:
@@ -133,8 +135,8 @@ class GrpcTransport:
 
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def send(self, address: str, *, rank: int, step: int) -> None:
-        self._call(self._sender.send(address, rank, step))
+    def send(self, address: str, *, rank: int, step: int, keep_step: int = -1) -> None:
+        self._call(self._sender.send(address, rank, step, keep_step))
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
         self._call(self._shard_store.fetch_shard(address, self.job_id, owner_node_id, rank, step, dest, sha256,
@@ -147,8 +149,8 @@ class GrpcTransport:
                  for h in held if h.kind == "backup"],
                 [{"rank": r.rank, "step": r.step, "reason": r.reason} for r in rejected if r.kind == "backup"])
 
-    def discard_backup(self, rank: int) -> None:
-        self.server.discard_backup(rank)
+    def discard_backup(self, rank: int, newer_than: int = -1) -> None:
+        self.server.discard_backup(rank, newer_than)
 
     def backups_received(self) -> int:
         return self.server.backups_received
@@ -173,6 +175,8 @@ class GrpcTransport:
 @dataclass
 class _RankProgress:
     last_sent_step: int = -1
+    last_sent_at_s: float = 0.0
+    """When the last backup landed (monotonic): the next round waits for its commit until ``commit_wait``."""
     send_failures: int = 0
     retry_at_s: float = 0.0
     """After ``_SEND_FAILURES_REPORTED`` failures: the next try (monotonic), in case the peer comes back."""
@@ -293,6 +297,7 @@ class NodeCheckpointing:
         transport: PeerTransport | None,
         persist_root: Path | None,
         report_interval: timedelta = timedelta(seconds=1),
+        commit_wait: timedelta = timedelta(seconds=2),
         supervised: bool = True,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
@@ -306,6 +311,7 @@ class NodeCheckpointing:
         self.transport = transport
         self.persist_root = persist_root
         self.report_interval = report_interval
+        self.commit_wait = commit_wait
         self.supervised = supervised
         self.wake = wake
         if transport is not None:
@@ -449,7 +455,9 @@ class NodeCheckpointing:
         if self.transport is not None:
             for held in self.transport.held_backups()[0]:
                 if held["step"] > step and held.get("generation", 0) < generation:
-                    self.transport.discard_backup(held["rank"])
+                    # Only the copies above the step: an older one of the same rank may be what this very
+                    # plan restores the rank from (a lost group's ranks fetch it from here).
+                    self.transport.discard_backup(held["rank"], newer_than=step)
 
     def inventory(self) -> tuple[list[InventoryEntry], list[RejectedShard]]:
         """Every slot and held backup, each verified against its SHA-256."""
@@ -485,6 +493,9 @@ class NodeCheckpointing:
     def handle_event(self, event: Event) -> None:
         payload = event.payload
         if isinstance(payload, CheckpointBackupAssigned):
+            if payload.every_k_steps is not None:  # the schedule in force (news to a replacement node)
+                self.every_k_steps = payload.every_k_steps
+                self.backup_every = payload.backup_every_k_steps or 1
             for assignment in payload.assignments:
                 if assignment.rank in self.progress and assignment.node_id == self.node_id:
                     previous = self.assignments.get(assignment.rank)
@@ -646,13 +657,22 @@ class NodeCheckpointing:
     # backups to peers
 
     def _start_sends(self, checkpoint_steps: dict[int, int]) -> None:
+        """Backups go in rounds: a rank's next backup waits until its last one is committed on the peer
+        tier (every rank's copy of that step landed), or ``commit_wait`` passed. With one uncommitted
+        round at most, the newest and previous copies a store keeps always include the committed step,
+        so a group lost mid-round still leaves every rank a common step in memory and on the peers
+        (without the wait, a fast rank's store could move two rounds past it while a slow one lags)."""
         if self.transport is None:
             return
+        now = time.monotonic()
         for rank, assignment in self.assignments.items():
             step = self._backup_step(rank, checkpoint_steps.get(rank, -1))
             progress = self.progress[rank]
             if step <= progress.last_sent_step or rank in self.sending:
                 continue
+            if (progress.last_sent_step > self.peer_committed_step
+                    and now - progress.last_sent_at_s < self.commit_wait.total_seconds()):
+                continue  # the last round is not committed yet
             if progress.send_failures >= _SEND_FAILURES_REPORTED and time.monotonic() < progress.retry_at_s:
                 continue
             self.sending[rank] = (self.generation, self.pool.submit(self._send, assignment, step))
@@ -674,8 +694,9 @@ class NodeCheckpointing:
         try:
             assert self.transport is not None
             # The transport sends from the sent ring: the peer's copy and the local one are the same bytes.
-            keep_sent_copy(self.node_dir, assignment.rank, step, pinned=self.peer_committed_step)
-            self.transport.send(assignment.backup_address, rank=assignment.rank, step=step)
+            pinned = self.peer_committed_step
+            keep_sent_copy(self.node_dir, assignment.rank, step, pinned=pinned)
+            self.transport.send(assignment.backup_address, rank=assignment.rank, step=step, keep_step=pinned)
             self.progress[assignment.rank].last_send_s = time.monotonic() - started
             return step
         finally:
@@ -692,6 +713,7 @@ class NodeCheckpointing:
             exc = future.exception()
             if exc is None:
                 progress.last_sent_step = future.result()
+                progress.last_sent_at_s = time.monotonic()
                 progress.send_failures = 0
                 self.sent_since_report = True
             elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":

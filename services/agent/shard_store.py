@@ -401,12 +401,25 @@ class ShardStoreServer:
             raise ValueError("sidecar is not a JSON object")
         return meta
 
-    def discard_backup(self, rank: int) -> None:
-        """Drop the backups held for ``rank`` (newest and previous): each sidecar first, so a half-removed
-        backup is never served."""
+    def discard_backup(self, rank: int, newer_than: int = -1) -> None:
+        """Drop the backups held for ``rank`` (newest and previous) whose step is above ``newer_than``
+        (-1: all): each sidecar first, so a half-removed backup is never served. A previous that stays
+        while the newest goes becomes the newest (it is the one a restore to ``newer_than`` fetches)."""
         for previous in (False, True):
+            try:
+                meta = self._backup_meta(rank, previous)
+            except (ValueError, OSError):
+                meta = None  # unreadable: nothing worth keeping
+            if newer_than >= 0 and meta is not None and int(meta.get("step", -1)) <= newer_than:
+                continue
             self._sidecar(rank, previous).unlink(missing_ok=True)
             self._backup_file(rank, previous).unlink(missing_ok=True)
+        kept = self._backup_file(rank, True)
+        if not self._sidecar(rank).exists() and self._sidecar(rank, True).exists() and kept.exists():
+            sidecar = self._sidecar(rank, True).read_bytes()
+            self._sidecar(rank, True).unlink()
+            os.replace(kept, self._backup_file(rank))
+            write_file_atomic(self._sidecar(rank), sidecar, fsync=self.fsync)
 
     def held_shards(self, *, verify: bool = False) -> tuple[list[HeldShard], list[RejectedHeld]]:
         """Every COMPLETE slot and every backup under the node directory, by rank then step.
@@ -566,7 +579,8 @@ class ShardStoreServer:
         """Rename the verified temp file into place. The sidecar goes first and comes back last, so a
         crash in between leaves an unlabeled file (never served), not a label on the wrong bytes."""
         sidecar = self._sidecar(header.rank)
-        await asyncio.to_thread(self._keep_previous, header.rank, header.generation)
+        keep_step = header.keep_step if header.HasField("keep_step") else -1
+        await asyncio.to_thread(self._keep_previous, header.rank, header.generation, keep_step)
         await asyncio.to_thread(sidecar.unlink, missing_ok=True)
         await receiver.finish(backup_path(self.node_dir, header.rank), self.fsync)
         meta = {"job_id": header.job_id, "owner_node_id": header.owner_node_id, "rank": header.rank,
@@ -574,13 +588,28 @@ class ShardStoreServer:
                 "sha256": header.sha256, "stored_at_unix_s": time.time()}
         await asyncio.to_thread(write_file_atomic, sidecar, json.dumps(meta).encode(), fsync=self.fsync)
 
-    def _keep_previous(self, rank: int, generation: int) -> None:
+    def _keep_previous(self, rank: int, generation: int, keep_step: int = -1) -> None:
         """Before a new backup of ``generation`` replaces the one held for ``rank``: keep the held one as
         the previous (replacing the one there) if it is of the same generation, the same history. One of
         an older generation is an abandoned history (its steps may carry the same numbers with other
         contents): no previous is kept then. The previous sidecar goes first and the moved one comes
-        last, so no label ever names the wrong bytes."""
+        last, so no label ever names the wrong bytes.
+
+        ``keep_step`` (>= 0): the newest peer-committed step the sender knows. When the previous holds it
+        and the held one does not (the sender moved on without waiting for a commit), the previous stays
+        and the held one goes: the committed step is what a lost group restores from."""
         current_sidecar, current_file = self._sidecar(rank), self._backup_file(rank)
+        if keep_step >= 0:
+            try:
+                current, previous = self._backup_meta(rank), self._backup_meta(rank, True)
+            except (ValueError, OSError):
+                current = previous = None
+            if (previous is not None and current is not None
+                    and int(previous.get("generation", -1)) == generation == int(current.get("generation", -1))
+                    and int(previous.get("step", -1)) == keep_step != int(current.get("step", -1))
+                    and self._backup_file(rank, True).exists()):
+                current_sidecar.unlink(missing_ok=True)  # the new backup's rename replaces the file
+                return
         self._sidecar(rank, True).unlink(missing_ok=True)
         self._backup_file(rank, True).unlink(missing_ok=True)
         try:
@@ -829,9 +858,10 @@ class ShardSender:
                 return
             await asyncio.gather(*workers, return_exceptions=True)
 
-    async def send(self, address: str, rank: int, step: int) -> TransferResult:
+    async def send(self, address: str, rank: int, step: int, keep_step: int = -1) -> TransferResult:
         """Send ``rank``'s committed slot of ``step`` (or of the newest step after it, when the ring
-        has already overwritten it) to the peer at ``address``; waits for that peer's running transfer."""
+        has already overwritten it) to the peer at ``address``; waits for that peer's running transfer.
+        ``keep_step`` (>= 0): the newest peer-committed step this node knows; the peer keeps its copy of it."""
         peer = self._peer(address)
         async with peer.lock:
             def load() -> tuple[SlotHeader, bytes, list[int]]:
@@ -842,13 +872,16 @@ class ShardSender:
                 header, payload, crcs = await asyncio.to_thread(load)
             except SlotError as exc:
                 raise LocalShardError(address, str(exc)) from None
-            result = await self._put(peer, rank, header, payload, crcs)
+            result = await self._put(peer, rank, header, payload, crcs, keep_step)
             peer.sent[rank] = max(peer.sent.get(rank, -1), result.step)
             return result
 
-    async def _put(self, peer: _Peer, rank: int, slot: SlotHeader, payload: bytes, crcs: list[int]) -> TransferResult:
+    async def _put(self, peer: _Peer, rank: int, slot: SlotHeader, payload: bytes, crcs: list[int],
+                   keep_step: int = -1) -> TransferResult:
         header = pb.ShardHeader(job_id=self.job_id, owner_node_id=self.node_id, rank=rank, step=slot.step,
                                 total_bytes=len(payload), sha256=slot.digest, generation=slot.generation)
+        if keep_step >= 0:
+            header.keep_step = keep_step
         spans = _chunks(len(payload), self.chunk_bytes)
         rate = self.max_bytes_per_s
 

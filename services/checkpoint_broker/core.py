@@ -6,7 +6,9 @@ Four decisions, each with a reason (docs/checkpointing.md):
   with the rank's node, load spread evenly; a documented fallback order when no such node exists.
   Re-placement (a backup peer failed, a node left, a rank moved) moves only the affected ranks.
 - **Commits**: from ``CheckpointShardsStored``, the newest step for which every rank has a shard in a
-  tier -> ``CheckpointStepCommitted`` (once per tier and step, monotonically increasing).
+  tier -> ``CheckpointStepCommitted`` (once per tier and step, monotonically increasing within a
+  history: a restore plan to step P winds the memory and peer tiers' commits back to P, because the
+  resumed generation writes those steps anew; the disk tier's persisted steps stay).
 - **Schedule** (``young_interval``): the persistent tier's interval K from Young's formula ->
   ``CheckpointScheduleSet`` when K changes.
 - **Restore** (``plan_restore``): once every node's inventory for a generation arrived (or the wait
@@ -267,15 +269,18 @@ def mtbf_estimate(elapsed_s: float, failures: int, prior_s: float) -> float:
     return (max(0.0, elapsed_s) + prior_s) / (failures + 1)
 
 
-def backup_interval(send_s: float, step_time_s: float, max_duty: float, ceiling: int) -> int:
+def backup_interval(send_s: float, step_time_s: float, max_duty: float, ceiling: int, min_period_s: float = 0.0) -> int:
     """Steps between backups so that one transfer of ``send_s`` seconds takes at most ``max_duty`` of the
-    wall time: the smallest power of two >= send_s / (max_duty * step_time), at most ``ceiling``.
+    wall time and rounds are at least ``min_period_s`` apart: the smallest power of two >=
+    max(send_s / (max_duty * step_time), min_period_s / step_time), at most ``ceiling``.
 
     Powers of two, so that a change (the step time jitters) moves every node to steps the old and the
-    new interval share; 1 (every step) when no transfer was measured yet."""
-    if send_s <= 0 or step_time_s <= 0:
+    new interval share. The period floor lets a round commit (every copy landed and reported) before
+    any rank reaches the next one: a rank's next backup waits for that commit, so rounds stay on the
+    same steps everywhere. 1 (every step) when no step time was measured yet."""
+    if step_time_s <= 0:
         return 1
-    raw = send_s / (max_duty * step_time_s)
+    raw = max(max(0.0, send_s) / (max_duty * step_time_s), max(0.0, min_period_s) / step_time_s)
     interval = 1
     while interval < raw and interval < ceiling:
         interval *= 2
@@ -584,6 +589,8 @@ class BrokerPolicy:
     """EWMA weight of the newest save-cost measurement."""
     backup_max_duty: float = 0.1
     """The share of wall time one rank's backup transfer may take (sets the backup interval)."""
+    backup_min_period: timedelta = timedelta(seconds=0.5)
+    """The shortest time between two backup rounds (sets the backup interval's floor)."""
     schedule_hysteresis: float = 0.1
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
     the step time jitters every heartbeat, and agents need not hear every rounding flip."""
@@ -598,6 +605,7 @@ class BrokerPolicy:
             restore_plan_timeout=settings.restore_plan_timeout,
             retention=settings.retention,
             backup_max_duty=settings.backup_max_duty,
+            backup_min_period=settings.backup_min_period,
         )
 
 
@@ -708,7 +716,15 @@ class CheckpointBrokerDecider:
             return replace(job, restores={**job.restores, p.generation: wait},
                            generation=max(job.generation, p.generation))
         if isinstance(p, CheckpointRestorePlanned):
-            return replace(job, planned=job.planned | {p.generation},
+            # The resumed generation re-runs the steps after p.step: their memory and peer copies are new,
+            # so those tiers commit again from there (agents wait for a commit before their next backup
+            # round). Shards still pending for them belong to the history the restart left.
+            rewound = {tier: step for tier, step in job.committed.items()}
+            for tier in ("memory", "peer"):
+                if tier in rewound:
+                    rewound[tier] = min(rewound[tier], p.step)
+            shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
+            return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
                            restores={g: w for g, w in job.restores.items() if g > p.generation})
         return job
 
@@ -790,8 +806,8 @@ class CheckpointBrokerDecider:
             # placement (costly on large jobs) and remind the node of its assignments.
             resent = sorted((job.backups[g.rank] for g in p.ranks), key=lambda a: a.rank)
             reason = f"{p.node_id} registered again, unchanged: its {len(resent)} assignment(s) re-sent"
-            return reason, (Proposal(CheckpointBackupAssigned(assignments=resent, reason=reason), subject=subject,
-                                     key="placement"),)
+            return reason, (Proposal(CheckpointBackupAssigned(assignments=resent, reason=reason, **_schedule_of(job)),
+                                     subject=subject, key="placement"),)
         placed = place_backups(list(job.sites.values()), candidates, current=job.backups, avoid=job.avoid)
         changed = [a for a in placed if job.backups.get(a.rank) != a]
         registering = p.node_id if isinstance(p, CheckpointRanksRegistered) else None
@@ -816,7 +832,7 @@ class CheckpointBrokerDecider:
                   + (f", {weaker} with a fallback" if weaker else "")
                   + (f", {len(resent)} re-sent to {registering}" if resent else "") + note)
         assignments = sorted(changed + resent, key=lambda a: a.rank)
-        payload = CheckpointBackupAssigned(assignments=assignments, reason=reason)
+        payload = CheckpointBackupAssigned(assignments=assignments, reason=reason, **_schedule_of(job))
         return reason, (Proposal(payload, subject=subject, key="placement"),)
 
     def _decide_commit(self, job: JobState, p: CheckpointShardsStored, subject: str) -> _Part:
@@ -860,7 +876,8 @@ class CheckpointBrokerDecider:
         k, raw = young_interval(cost, mtbf, step_time, policy.persist_every_floor, policy.persist_every_ceiling)
         current = schedule.every_k
         slowest_send = max(schedule.send_s.values(), default=0.0)
-        backup_every = backup_interval(slowest_send, step_time, policy.backup_max_duty, policy.persist_every_ceiling)
+        backup_every = backup_interval(slowest_send, step_time, policy.backup_max_duty, policy.persist_every_ceiling,
+                                       policy.backup_min_period.total_seconds())
         if (current is not None and abs(k - current) < max(1.0, policy.schedule_hysteresis * current)
                 and backup_every == (schedule.backup_every or 1)):
             return "", ()
@@ -871,7 +888,8 @@ class CheckpointBrokerDecider:
                   f"C: {cost_from}; MTBF = (observed {elapsed:.0f}s + prior {prior:.0f}s) / ({failures} failure(s) + 1)"
                   + (f"; was {current}" if current is not None else "")
                   + f"; backups every {backup_every} step(s): slowest transfer {slowest_send:.3f}s within "
-                    f"{policy.backup_max_duty:.0%} of the step time")
+                    f"{policy.backup_max_duty:.0%} of the step time, rounds at least "
+                    f"{policy.backup_min_period.total_seconds():g}s apart")
         payload = CheckpointScheduleSet(every_k_steps=k, backup_every_k_steps=backup_every, save_cost_s=cost,
                                         mtbf_s=mtbf, step_time_s=step_time, reason=reason)
         return reason, (Proposal(payload, subject=subject, key="schedule"),)
@@ -919,6 +937,14 @@ class CheckpointBrokerDecider:
     def pending_restores(self, state: BrokerState) -> list[str]:
         """Jobs with a restore plan waiting for inventories (the adapter ticks the clock for them)."""
         return sorted(j for j, job in state.jobs.items() if any(g not in job.planned for g in job.restores))
+
+
+def _schedule_of(job: JobState) -> dict[str, int]:
+    """The schedule last announced, as ``CheckpointBackupAssigned`` carries it (nothing before one)."""
+    schedule = job.schedule
+    if schedule.every_k is None:
+        return {}
+    return {"every_k_steps": schedule.every_k, "backup_every_k_steps": schedule.backup_every or 1}
 
 
 def _same_as_before(job: JobState, p: CheckpointRanksRegistered, candidates: Mapping[str, str]) -> bool:

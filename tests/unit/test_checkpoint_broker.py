@@ -368,6 +368,10 @@ def test_backup_interval_keeps_transfers_within_the_duty_in_powers_of_two() -> N
     assert backup_interval(0.37, 0.35, 0.1, 1000) == 16  # 10.6 -> 16
     assert backup_interval(0.37, 0.35, 1.0, 1000) == 2  # back to back: 1.06 -> 2
     assert backup_interval(100.0, 0.1, 0.1, 1000) == 1000  # the ceiling
+    # Rounds at least 0.5 s apart: 0.5 / 0.066 = 7.6 -> 8 steps, however fast the transfer.
+    assert backup_interval(0.001, 0.066, 0.1, 1000, min_period_s=0.5) == 8
+    assert backup_interval(0.37, 0.35, 0.1, 1000, min_period_s=0.5) == 16  # the transfer dominates
+    assert backup_interval(0.0, 0.0, 0.1, 1000, min_period_s=0.5) == 1  # no step time yet
 
 
 def test_schedule_announces_the_backup_interval_from_the_slowest_transfer() -> None:
@@ -383,6 +387,23 @@ def test_schedule_announces_the_backup_interval_from_the_slowest_transfer() -> N
     assert "backups every 8 step(s): slowest transfer 0.300s" in second.reason
     assert emitted_of(session, [heartbeat("n0", 0.5, T0 + timedelta(seconds=2))], CheckpointScheduleSet) == []
 
+
+
+def test_assignments_carry_the_schedule_in_force_for_a_replacement_agent() -> None:
+    """A replacement node's agent starts after the schedule was announced (its consumer resumes where the
+    old agent's stopped): its assignments tell it which steps the others back up and persist."""
+    sites = topology(2, 2, 1, 4)
+    session = registered_session(sites)
+    [before] = emitted_of(session, registrations(sites, generation=1)[1:2], CheckpointBackupAssigned)
+    assert before.every_k_steps is None  # nothing announced yet
+    slow = ev(CheckpointShardsStored(node_id="n0", tier="memory", shards=[
+        ShardRecord(rank=0, step=5, bytes=10, digest="d", send_s=0.3)]), "node/n0", T0 + timedelta(seconds=1))
+    emitted_of(session, [heartbeat("n0", 0.5, T0)], CheckpointScheduleSet)
+    [announced] = emitted_of(session, [slow], CheckpointScheduleSet)
+    assert announced.backup_every_k_steps == 8
+    [again] = emitted_of(session, registrations(sites, generation=1, at=T0 + timedelta(minutes=1))[1:2],
+                         CheckpointBackupAssigned)
+    assert (again.every_k_steps, again.backup_every_k_steps) == (announced.every_k_steps, 8)
 
 # -- restore planning ------------------------------------------------------------------------------------
 
@@ -451,6 +472,29 @@ def test_replaced_node_restores_its_rank_from_the_peer_with_a_fallback_event() -
     assert "shared memory empty" in rank1.reason
     assert (job_level.rank, job_level.to_tier) == (-1, "peer")
     assert "newest step in memory, 41, is held for 3 of 4 ranks" in job_level.reason
+
+
+def test_a_restore_plan_rewinds_the_memory_and_peer_commits_to_its_step() -> None:
+    """The resumed generation writes the steps after the plan's anew: they commit again (agents wait for
+    a commit before their next backup round, so without the rewind backups would stall)."""
+    session, backup = four_nodes()
+    def peer_round(step: int) -> list[Event]:
+        return [shards(b, "peer", [(r, step)], owner=f"n{r}") for r, b in sorted(backup.items())]
+    committed = [e for events in [peer_round(44)] for e in emitted_of(session, events, CheckpointStepCommitted)]
+    assert [(c.tier, c.step) for c in committed] == [("peer", 44)]
+    events = [inventory(f"n{r}", 1, memory={r: [40, 44]},
+                        peer={o: [40, 44] for o, b in backup.items() if b == f"n{r}"}) for r in range(4)]
+    plan, _ = plan_events(session, events)
+    assert plan is not None and plan.step == 44
+    assert session.state.job(JOB).committed["peer"] == 44
+    # A second failure, restored to an older step (say the disk's 40): generation 2 re-runs 41..44.
+    later = [inventory(f"n{r}", 2, memory={r: [40]}, peer={o: [40] for o, b in backup.items() if b == f"n{r}"})
+             for r in range(4)]
+    plan, _ = plan_events(session, later)
+    assert plan is not None and plan.step == 40
+    assert session.state.job(JOB).committed["peer"] == 40
+    [again] = emitted_of(session, peer_round(42), CheckpointStepCommitted)
+    assert (again.tier, again.step) == ("peer", 42)
 
 
 def persist_step(session: DeciderSession, step: int, at: datetime) -> None:
