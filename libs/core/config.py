@@ -168,6 +168,28 @@ class CheckpointSettings(_Section):
         return (self.persist_root or home / "checkpoints").expanduser()
 
 
+class AnalyzerSettings(_Section):
+    """The analyzer's fail-slow rounds (rung 3 without a hang): step-time evidence every ``failslow_interval``,
+    a conviction when one group was flagged most over the last ``failslow_rounds`` rounds."""
+
+    failslow_interval: Duration = parse_duration("10s")
+    """How often a fail-slow round compares the ranks' compute times."""
+    failslow_rounds: int = Field(5, ge=1)
+    """Rounds judged together: a conviction needs this many rounds in."""
+    failslow_min_flags: int = Field(2, ge=1)
+    """The fewest flags (of those rounds) that convict."""
+    failslow_ratio: float = Field(1.15, gt=1)
+    """A rank is flagged when it computes this many times longer per step than the median of its peers
+    (or its modified z-score says so, and it is at least 5 % slower)."""
+
+    @model_validator(mode="after")
+    def _flags_within_rounds(self) -> AnalyzerSettings:
+        if self.failslow_min_flags > self.failslow_rounds:
+            raise ValueError(f"failslow_min_flags ({self.failslow_min_flags}) must not exceed failslow_rounds "
+                             f"({self.failslow_rounds})")
+        return self
+
+
 class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
@@ -182,6 +204,7 @@ class Settings(_Section):
     recorder: RecorderSettings = RecorderSettings()
     controller: ControllerSettings = ControllerSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
+    analyzer: AnalyzerSettings = AnalyzerSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

@@ -110,7 +110,7 @@ ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent"
 FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full"]
 
 
-@event_type("NodeHeartbeat", version=1, aggregate="node")
+@event_type("NodeHeartbeat", version=2, aggregate="node")
 class NodeHeartbeat(EventPayload):
     """Periodic liveness of a node agent and a summary of its ranks (not every sample)."""
 
@@ -122,6 +122,15 @@ class NodeHeartbeat(EventPayload):
     step_time_p50_s: float | None = None
     """Median step time over the last interval, across this node's ranks."""
     health: HealthStatus = "healthy"
+    rank_compute_time_p50_s: dict[int, float] = Field(default_factory=dict)
+    """Per rank: its median time per step outside collectives over the last interval (absent: the
+    loop marks no collective waits). Every rank of a synchronous job steps as slowly as the slowest;
+    only a fail-slow rank also computes longer than the peers doing the same work."""
+
+
+@upcaster("NodeHeartbeat", from_version=1)
+def _node_heartbeat_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "rank_compute_time_p50_s": {}}  # v1 did not measure it
 
 
 @event_type("RankStarted", version=1, aggregate="rank")
@@ -381,7 +390,7 @@ class CheckpointBackupFailed(EventPayload):
 # about it, and every event an agent emits in answer to those commands, carries it as
 # ``correlation_id``, so ``keel timeline INCIDENT`` is one query.
 
-IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics"]
+IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics", "fail_slow"]
 DiagnosticCheck = Literal["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
 
 
@@ -698,4 +707,23 @@ class StacksAnalyzed(EventPayload):
     outlier_stacks: dict[str, list[str]] = Field(default_factory=dict)
     """Rank (as a string) -> the frames that set it apart."""
     missing: list[str] = Field(default_factory=list)
+    reason: str
+
+
+@event_type("FailSlowConvicted", version=1, aggregate="job")
+class FailSlowConvicted(EventPayload):
+    """The analyzer's fail-slow rounds convicted a group: over the last ``rounds`` rounds (one every
+    ``interval_s``) it was flagged most often, at least ``flags`` times. The evidence of each round is in
+    ``round_evidence`` (the per-node compute times it saw, the nodes it flagged). The controller evicts
+    ``group_nodes`` (rung 3: a slow node costs every rank its time, and no crash will ever say so)."""
+
+    group_kind: Literal["tp", "pp", "dp", "node", "groups", "job"]
+    group_ranks: list[int] = Field(default_factory=list)
+    group_nodes: list[str] = Field(min_length=1)
+    outlier_ranks: list[int] = Field(default_factory=list)
+    rounds: int = Field(ge=1)
+    flags: int = Field(ge=1)
+    interval_s: float = Field(gt=0)
+    round_evidence: list[str] = Field(default_factory=list)
+    """One line per judged round, oldest first: the compute times it compared and what it flagged."""
     reason: str

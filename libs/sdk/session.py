@@ -116,6 +116,8 @@ class Session:
         self._phase = pb.PHASE_SETUP
         self._step = -1
         self._step_time_s = 0.0
+        self._compute_time_s = 0.0
+        self._wait_s = 0.0
         self._loss = 0.0
         self._grad_norm = 0.0
         self._tokens_per_s = 0.0
@@ -199,6 +201,7 @@ class Session:
                 phase=self._phase,
                 step=self._step,
                 step_time_s=self._step_time_s,
+                compute_time_s=self._compute_time_s,
                 loss=self._loss,
                 grad_norm=self._grad_norm,
                 tokens_per_s=self._tokens_per_s,
@@ -228,11 +231,24 @@ class Session:
         finally:
             self._set_phase(previous)
 
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Mark a collective (all-reduce, a pipeline send or receive, a barrier): the time inside is
+        waiting for peers, not this rank's own work. Reports then carry ``compute_time_s``, the step's
+        time outside such waits: every rank of a synchronous job takes as long per step as the slowest,
+        but only the slow one computes longer, which is how the analyzer finds a fail-slow node."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._wait_s += time.monotonic() - started
+
     def _set_phase(self, phase: int) -> None:
         with self._lock:
             self._phase = phase
         self._mark_s = time.monotonic()
         self._injected_sleep_s = 0.0
+        self._wait_s = 0.0
         self._send_report()
 
     def attach_checkpointer(self, checkpointer: Checkpointer) -> None:
@@ -267,11 +283,14 @@ class Session:
         # The slowdown itself is based on the step without it, so it does not compound.
         step_time_s = max(now - self._mark_s, 0.0)
         work_time_s = max(step_time_s - self._injected_sleep_s, 0.0)
+        compute_time_s = max(step_time_s - self._wait_s, 0.0) if self._wait_s > 0 else 0.0
         self._mark_s = now
         self._injected_sleep_s = 0.0
+        self._wait_s = 0.0
         with self._lock:
             self._step = step
             self._step_time_s = step_time_s
+            self._compute_time_s = compute_time_s
             if loss is not None:
                 self._loss = float(loss)
             if grad_norm is not None:

@@ -42,6 +42,7 @@ setup line gives ``setup_s`` (since ``main`` began), ``restore_s`` (of which res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -146,6 +147,9 @@ class _Ctx:
     dp_rank: int
     dp_group: Any  # a ProcessGroup, or None for the default group
     distributed: bool
+    waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    """Wraps every collective of a training step (``Session.waiting``): the step's time outside them
+    is what this rank computed, what the analyzer compares to find a fail-slow node."""
 
     @property
     def prev_rank(self) -> int:
@@ -203,14 +207,16 @@ def _pipeline_forward(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, mb_
         received = None
     else:
         received = torch.empty(mb_shape)
-        dist.recv(received, src=ctx.prev_rank)
+        with ctx.waiting():
+            dist.recv(received, src=ctx.prev_rank)
         received.requires_grad_(grad)
         x = received
     out = stage(x)
     if not stage.is_last:
         if scale != 1.0:
             out = out * scale
-        dist.send(out.detach().contiguous(), dst=ctx.next_rank)
+        with ctx.waiting():
+            dist.send(out.detach().contiguous(), dst=ctx.next_rank)
     return received, out
 
 
@@ -236,11 +242,13 @@ def _train_step(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, targets: 
             out.backward()
         else:
             grad_out = torch.empty_like(out)
-            dist.recv(grad_out, src=ctx.next_rank)
+            with ctx.waiting():
+                dist.recv(grad_out, src=ctx.next_rank)
             out.backward(grad_out)
         if not stage.is_first:
             assert received is not None and received.grad is not None
-            dist.send(received.grad.contiguous(), dst=ctx.prev_rank)
+            with ctx.waiting():
+                dist.send(received.grad.contiguous(), dst=ctx.prev_rank)
     return total
 
 
@@ -253,7 +261,8 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor) -
     params = [p for p in stage.parameters() if p.grad is not None]
     if ctx.distributed and ctx.dp > 1:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=ctx.dp_group)
+        with ctx.waiting():
+            dist.all_reduce(flat, group=ctx.dp_group)
         flat /= ctx.dp
         offset = 0
         for p in params:
@@ -266,7 +275,8 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor) -
     # DP replicas now hold identical gradients: each contributes 1/DP of its stage's squared norm.
     stats = torch.stack([local_loss, sq / ctx.dp])
     if ctx.distributed:
-        dist.all_reduce(stats)
+        with ctx.waiting():
+            dist.all_reduce(stats)
     return float(stats[0]) / ctx.dp, math.sqrt(float(stats[1]))
 
 
@@ -299,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         random.seed(args.seed)
         np.random.seed(args.seed)
         ctx = _setup_dist(args.pp, args.pg_timeout)
+        ctx.waiting = session.waiting
         cfg = SIZES[args.size]
         stage = split_stages(build_model(cfg, args.seed), args.pp)[ctx.pp_rank]
         optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))

@@ -558,6 +558,9 @@ class NodeAgent:
 
     def heartbeat(self, now: datetime) -> None:
         step_times = [t for s in self.channel.ranks.values() for t in list(s.step_times_s)[-20:]]
+        # Per rank (one slow GPU among eight must not vanish in a node-wide median), ranks stepping now.
+        compute = {rank: round(statistics.median(list(s.compute_times_s)[-20:]), 6)
+                   for rank, s in self.channel.ranks.items() if s.compute_times_s and s.phase == "step"}
         self.emit(
             NodeHeartbeat(
                 node_id=self.spec.node_id,
@@ -566,6 +569,7 @@ class NodeAgent:
                 ranks_expected=0 if self.spec.standby else self.spec.nproc_per_node,
                 last_step=max((s.step for s in self.channel.ranks.values()), default=-1),
                 step_time_p50_s=statistics.median(step_times) if step_times else None,
+                rank_compute_time_p50_s=compute,
             )
         )
         self.last_heartbeat_at = now

@@ -43,6 +43,8 @@ class RankState:
     last_report_at: datetime | None = None
     last_progress_at: datetime | None = None
     step_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    compute_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    """Per step: the time outside collectives (only when the loop marks its collective waits)."""
     loss: float | None = None
     grad_norm: float | None = None
     tokens_per_s: float | None = None
@@ -111,6 +113,8 @@ class RankChannel:
         if report.step > state.step:
             if state.step >= 0 and report.step_time_s > 0:
                 state.step_times_s.append(report.step_time_s)
+                if report.compute_time_s > 0:
+                    state.compute_times_s.append(report.compute_time_s)
             state.step = report.step
             state.last_progress_at = now
         elif state.last_progress_at is None:

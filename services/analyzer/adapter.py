@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 
 from keel.analyzer.core import AnalyzerDecider, AnalyzerState
+from keel.analyzer.failslow_rounds import FailSlowPolicy
 from keel.core.bus import Bus
 from keel.core.config import Settings
 from keel.core.runner import DeciderRunner
 from keel.core.store import EventStore
 
 
-def decider_from_settings(settings: Settings) -> AnalyzerDecider:  # noqa: ARG001 - no settings yet
-    return AnalyzerDecider()
+def decider_from_settings(settings: Settings) -> AnalyzerDecider:
+    a = settings.analyzer
+    return AnalyzerDecider(FailSlowPolicy(interval=a.failslow_interval, rounds=a.failslow_rounds,
+                                          min_flags=a.failslow_min_flags, ratio=a.failslow_ratio))
 
 
 class Analyzer:

@@ -9,6 +9,9 @@
 - The verdict is one ``StacksAnalyzed``: ``judge`` (``keel.analyzer.rung3``) turns the captures into the
   aggregation's inputs and its verdict into the event. A round is judged once: the verdict is folded
   back (it is this decider's own event) and closes the round.
+- Fail-slow (``keel.analyzer.failslow_rounds``): ``NodeHeartbeat`` compute times and the ranks' DP
+  groups (``CheckpointRanksRegistered``) are folded; every ``interval`` a ``TimerTicked`` takes a round,
+  and the round that convicts a group emits one ``FailSlowConvicted``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
+from keel.analyzer.failslow_rounds import (
+    FailSlowPolicy,
+    JobFailSlow,
+    conviction,
+    observe_groups,
+    observe_heartbeat,
+    take_round,
+)
 from keel.analyzer.rung3 import judge
 from keel.core.decider import Decision, Proposal
-from keel.core.event_types import RankStarted, StacksAnalyzed, StacksCaptured, StacksRequested, TimerTicked
+from keel.core.event_types import (
+    CheckpointRanksRegistered,
+    FailSlowConvicted,
+    NodeHeartbeat,
+    RankStarted,
+    StacksAnalyzed,
+    StacksCaptured,
+    StacksRequested,
+    TimerTicked,
+)
 from keel.core.events import Event
 
 NAME = "analyzer"
@@ -62,10 +82,14 @@ class AnalyzerState:
     rounds: Mapping[tuple[str, int], CaptureRound] = field(default_factory=dict)
     """(job, round) -> an open round (judged rounds are dropped)."""
     layouts: Mapping[str, JobLayout] = field(default_factory=dict)
+    failslow: Mapping[str, JobFailSlow] = field(default_factory=dict)
 
 
 class AnalyzerDecider:
     name = NAME
+
+    def __init__(self, failslow: FailSlowPolicy | None = None) -> None:
+        self.failslow = failslow or FailSlowPolicy()
 
     def initial_state(self) -> AnalyzerState:
         return AnalyzerState()
@@ -95,7 +119,30 @@ class AnalyzerDecider:
             return replace(state, rounds={**state.rounds, key: replace(current, parts=parts)})
         if isinstance(p, StacksAnalyzed):
             return replace(state, rounds={k: v for k, v in state.rounds.items() if k != (event.job_id, p.round)})
+        if isinstance(p, (NodeHeartbeat, CheckpointRanksRegistered, TimerTicked, FailSlowConvicted)):
+            return self._evolve_failslow(state, event)
         return state
+
+    def _evolve_failslow(self, state: AnalyzerState, event: Event) -> AnalyzerState:
+        p = event.payload
+        job = state.failslow.get(event.job_id)
+        if job is None:
+            if isinstance(p, TimerTicked | FailSlowConvicted):
+                return state  # nothing sampled yet
+            job = JobFailSlow(self.failslow.fresh_rounds())
+        if isinstance(p, NodeHeartbeat):
+            if p.standby:
+                return state
+            job = observe_heartbeat(job, p.node_id, p.rank_compute_time_p50_s, event.occurred_at)
+        elif isinstance(p, CheckpointRanksRegistered):
+            job = observe_groups(job, {g.rank: g.dp for g in p.ranks})
+        elif isinstance(p, TimerTicked):
+            job = take_round(job, p.now, self.failslow)
+        elif isinstance(p, FailSlowConvicted):
+            # Convicted: count afresh, without the convicted nodes' old samples.
+            job = JobFailSlow(self.failslow.fresh_rounds(), pools=job.pools,
+                              samples={r: s for r, s in job.samples.items() if s.node_id not in p.group_nodes})
+        return replace(state, failslow={**state.failslow, event.job_id: job})
 
     def needs_clock(self, state: AnalyzerState) -> list[str]:
         return sorted({job for job, _ in state.rounds})
@@ -113,10 +160,25 @@ class AnalyzerDecider:
         if isinstance(p, TimerTicked):
             due = [r for (job, _), r in sorted(state.rounds.items(), key=lambda kv: kv[0][1])
                    if job == event.job_id and p.now >= r.deadline]
-            if not due:
-                return Decision.nothing("no capture round past its deadline")
-            return self._judge(state, event.job_id, due[0], late=tuple(due[0].silent()))
+            stacks = (self._judge(state, event.job_id, due[0], late=tuple(due[0].silent())) if due
+                      else Decision.nothing("no capture round past its deadline"))
+            failslow = self._failslow(state, event.job_id, p.now)
+            if failslow is None:
+                return stacks
+            return Decision(reason=f"{stacks.reason}; {failslow.reason}",
+                            proposals=(*stacks.proposals, *failslow.proposals))
         return Decision.nothing(f"{event.type}: nothing to decide")
+
+    def _failslow(self, state: AnalyzerState, job_id: str, now: datetime) -> Decision | None:
+        job = state.failslow.get(job_id)
+        if job is None:
+            return None
+        convicted = conviction(job, now)
+        if convicted is None:
+            return None
+        return Decision(reason=convicted.reason,
+                        proposals=(Proposal(convicted, subject=f"job/{job_id}",
+                                            key=f"failslow/{now.isoformat()}"),))
 
     def _judge(self, state: AnalyzerState, job_id: str, current: CaptureRound, late: tuple[str, ...]) -> Decision:
         layout = state.layouts.get(job_id, JobLayout())

@@ -50,6 +50,7 @@ from keel.core.event_types import (
     CheckpointRestorePlanned,
     DiagnosticsCompleted,
     DiagnosticsRequested,
+    FailSlowConvicted,
     IncidentOpened,
     IncidentResolved,
     JobRegistered,
@@ -62,16 +63,16 @@ from keel.core.event_types import (
     NodeRegistered,
     Promotion,
     RankExited,
-    RanksRestartRequested,
     RankStarted,
+    RanksRestartRequested,
     RestartDecided,
     RollbackDecided,
+    StacksAnalyzed,
+    StacksRequested,
     StandbyChecked,
     StandbyPoolSized,
     StandbyPromoted,
     StandbyPromotionRequested,
-    StacksAnalyzed,
-    StacksRequested,
     StandbyRefillRequested,
     TimerTicked,
 )
@@ -256,6 +257,7 @@ _DECIDES_ON = frozenset({
     NodeHealthChanged.event_name, NodeHeartbeat.event_name, RankExited.event_name, DiagnosticsCompleted.event_name,
     StandbyChecked.event_name, StandbyPromoted.event_name, NodeRegistered.event_name, NodeCordoned.event_name,
     ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name, StacksAnalyzed.event_name,
+    FailSlowConvicted.event_name,
 })
 
 
@@ -305,6 +307,8 @@ class ControllerDecider:
             self._on_diagnostics(plan, p)
         elif isinstance(p, StacksAnalyzed):
             self._on_stacks(plan, p)
+        elif isinstance(p, FailSlowConvicted):
+            self._on_fail_slow(plan, p)
         elif isinstance(p, TimerTicked):
             self._on_tick(plan, p.now)
         elif isinstance(p, NodeHeartbeat):
@@ -575,6 +579,27 @@ class ControllerDecider:
                      f"rung 3: the analyzer names rank(s) {_ranks_text(p.outlier_ranks)} as outliers ({p.reason}); "
                      f"evict the smallest group covering them, the {group} of rank(s) {_ranks_text(p.group_ranks)} on "
                      f"{', '.join(p.group_nodes)} (over-evicting on purpose){seen}")
+
+    def _on_fail_slow(self, plan: _Plan, p: FailSlowConvicted) -> None:
+        job = plan.job
+        nodes = [n for n in p.group_nodes if n in job.nodes and not job.node(n).evicted]
+        if job.stopped:
+            plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: the job is stopped; recorded")
+            return
+        if job.incident is not None:
+            plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)} during incident {job.incident.id[:8]} "
+                      f"({job.incident.stage}): recorded; the analyzer convicts again if it persists")
+            return
+        if not nodes:
+            plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: no such live node of this job; recorded")
+            return
+        group = f"{p.group_kind.upper()} group" if p.group_kind in ("tp", "pp", "dp") else p.group_kind
+        why = (f"rung 3: fail-slow: the analyzer convicts the {group} of rank(s) {_ranks_text(p.group_ranks)} on "
+               f"{', '.join(nodes)} ({p.flags} of {p.rounds} rounds, every {p.interval_s:g} s: {p.reason}); "
+               f"every rank waits for it each step: evict it")
+        plan.open_incident("fail_slow", nodes[0], f"fail_slow/{','.join(nodes)}", why,
+                           ranks=sorted({r for n in nodes for r in job.node(n).ranks}))
+        plan.recover(3, frozenset(nodes), why)
 
     def _on_tick(self, plan: _Plan, now: datetime) -> None:
         job, policy = plan.job, self.policy

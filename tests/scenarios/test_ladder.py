@@ -237,6 +237,32 @@ async def test_rung3_a_rank_hung_in_a_pipeline_stage_evicts_its_pipeline_group(s
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
 
 
+async def test_rung3_a_node_30_percent_slower_is_convicted_within_five_rounds_and_evicted(stack: Stack) -> None:
+    # 4 nodes x 1 rank, DP 4: every rank does the same work. One node's rank sleeps 30 % of each step.
+    command = ["-m", "keel.workload.train", "--size", "tiny", "--steps", "100000", "--min-step-time", "50ms"]
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=command,
+                            extra={"KEEL_ANALYZER__FAILSLOW_INTERVAL": "4s"})
+    await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
+    await stack.stepping(10)
+    victim = stack.node_of_rank(2)
+    before = {e.id for e in await stack.events(["FailSlowConvicted"])}
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="slow", node=victim, params={"fraction": 0.3})])
+    assert opened.payload.kind == "fail_slow" and opened.payload.node_id == victim, opened.payload
+    assert resolved.payload.rung == 3 and resolved.payload.outcome == "recovered", resolved.payload
+    [verdict] = [e for e in await stack.events(["FailSlowConvicted"]) if e.id not in before]
+    assert verdict.payload.group_nodes == [victim] and verdict.payload.group_ranks == [2], verdict.payload
+    assert verdict.payload.rounds == 5 and verdict.payload.flags >= 2, verdict.payload
+    # The evidence names the slow rank in the rounds that flagged it.
+    assert sum("rank(s) 2 flagged" in line for line in verdict.payload.round_evidence) == verdict.payload.flags
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    assert restart.payload.rung == 3 and restart.payload.evict == [victim]
+    assert [p.replaces_node_id for p in restart.payload.promotions] == [victim]
+    await asyncio.to_thread(stack.stop)
+    await asyncio.sleep(1.0)
+    verified = await asyncio.to_thread(stack.replay_verify)
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+
+
 async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_loop(stack: Stack) -> None:
     bug = stack.scratch / "bug"
     bug.write_text("present\n")

@@ -20,6 +20,7 @@ from keel.core.event_types import (
     CheckpointRestorePlanned,
     CheckResult,
     DiagnosticsCompleted,
+    FailSlowConvicted,
     NodeCordoned,
     NodeEvicted,
     NodeHealthChanged,
@@ -373,6 +374,32 @@ def test_a_hang_captures_stacks_and_evicts_the_group_the_analyzer_names() -> Non
     assert [(p.standby_node_id, p.replaces_node_id) for p in restart.payload.promotions] == [("s0", "n2")]
     # The incident id correlates the capture, the verdict and the decision.
     assert request.correlation_id == restart.correlation_id == out[0].correlation_id
+
+
+def convicted(job: Job, nodes: list[str], ranks: list[int]) -> list[Event]:
+    return job.feed(FailSlowConvicted(group_kind="node", group_ranks=ranks, group_nodes=nodes, outlier_ranks=ranks,
+                                      rounds=5, flags=4, interval_s=10.0, reason="rank 5 computes 1.3x its peers"),
+                    "job/job1", producer="analyzer")
+
+
+def test_a_fail_slow_conviction_evicts_that_node_at_rung_3_once() -> None:
+    job = Job()
+    out = convicted(job, ["n2"], [4, 5])
+    [opened] = of(out, "IncidentOpened")
+    assert opened.payload.kind == "fail_slow" and opened.payload.node_id == "n2" and opened.payload.ranks == [4, 5]
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.rung == 3 and restart.payload.evict == ["n2"]
+    assert "fail-slow" in restart.payload.reason and "4 of 5 rounds, every 10 s" in restart.payload.reason
+    assert [(p.standby_node_id, p.replaces_node_id) for p in restart.payload.promotions] == [("s0", "n2")]
+    # A second conviction during that incident is recorded, not acted on twice.
+    again = convicted(job, ["n2"], [4, 5])
+    assert not of(again, "RestartDecided") and not of(again, "IncidentOpened")
+
+
+def test_a_fail_slow_conviction_of_an_unknown_node_changes_nothing() -> None:
+    job = Job()
+    out = convicted(job, ["n9"], [40])
+    assert not of(out, "IncidentOpened") and not of(out, "RestartDecided")
 
 
 def test_a_group_eviction_beyond_the_ready_standbys_asks_for_the_whole_shortfall_and_waits() -> None:

@@ -81,6 +81,21 @@ def test_reports_carry_fields_phases_and_sequence(agent: tuple[str, socket.socke
     assert reports[-1].step == 0 and session.reports_dropped == 0
 
 
+def test_compute_time_is_the_step_outside_collective_waits(agent: tuple[str, socket.socket]) -> None:
+    path, sock = agent
+    session = Session(_config(agent_socket=path))
+    with session.phase("step"):
+        session.step_done(0)  # no collective marked: not measured
+        time.sleep(0.03)  # this rank's own work
+        with session.waiting():
+            time.sleep(0.06)  # waiting for a slower peer in an all-reduce
+        session.step_done(1)
+    stepped = {r.step: r for r in _drain(sock) if r.phase == pb.PHASE_STEP}
+    assert stepped[0].compute_time_s == 0.0
+    assert 0.09 <= stepped[1].step_time_s < 0.5
+    assert 0.03 <= stepped[1].compute_time_s < stepped[1].step_time_s - 0.05
+
+
 def test_heartbeat_repeats_state_and_does_not_keep_the_process_alive(agent: tuple[str, socket.socket]) -> None:
     path, sock = agent
     session = Session(_config(agent_socket=path, heartbeat_interval=timedelta(milliseconds=20)))

@@ -23,7 +23,7 @@ PHASE_DONE: Phase
 PHASE_FAILED: Phase
 
 class RankReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "rank", "local_rank", "pid", "generation", "seq", "sent_at_unix_s", "phase", "step", "step_time_s", "loss", "grad_norm", "tokens_per_s", "error", "checkpoint_step", "checkpoint_groups_json")
+    __slots__ = ("job_id", "node_id", "rank", "local_rank", "pid", "generation", "seq", "sent_at_unix_s", "phase", "step", "step_time_s", "loss", "grad_norm", "tokens_per_s", "error", "checkpoint_step", "checkpoint_groups_json", "compute_time_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class RankReport(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_GROUPS_JSON_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     rank: int
@@ -58,4 +59,5 @@ class RankReport(_message.Message):
     error: str
     checkpoint_step: int
     checkpoint_groups_json: str
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_groups_json: _Optional[str] = ...) -> None: ...
+    compute_time_s: float
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_groups_json: _Optional[str] = ..., compute_time_s: _Optional[float] = ...) -> None: ...
