@@ -390,7 +390,8 @@ class CheckpointBackupFailed(EventPayload):
 # about it, and every event an agent emits in answer to those commands, carries it as
 # ``correlation_id``, so ``keel timeline INCIDENT`` is one query.
 
-IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics", "fail_slow"]
+IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics", "fail_slow",
+                      "metric_anomaly"]
 DiagnosticCheck = Literal["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
 
 
@@ -726,4 +727,24 @@ class FailSlowConvicted(EventPayload):
     interval_s: float = Field(gt=0)
     round_evidence: list[str] = Field(default_factory=list)
     """One line per judged round, oldest first: the compute times it compared and what it flagged."""
+    reason: str
+
+
+@event_type("MetricAnomalyDetected", version=1, aggregate="node")
+class MetricAnomalyDetected(EventPayload):
+    """A node agent's check of its ranks' per-step metrics (``keel.analyzer.metrics``) found an anomaly:
+    a NaN or infinite loss or gradient norm (``non_finite``), a loss or gradient-norm spike over
+    ``spike_factor`` x the moving median (``spike``), or throughput below its own history (``decline``).
+    Once per rank, kind and metric per generation. ``value`` is None when not finite (``value_text``
+    says which: nan, inf, -inf)."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    kind: Literal["non_finite", "spike", "decline"]
+    metric: Literal["loss", "grad_norm", "mfu", "tokens_per_s"]
+    step: int = Field(ge=0)
+    value: float | None = None
+    value_text: str
+    baseline: float | None = None
     reason: str

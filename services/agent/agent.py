@@ -52,6 +52,7 @@ from keel.agent.diagnostics import (
     round_port,
 )
 from keel.agent.launch_spec import LaunchSpec
+from keel.agent.metric_watch import MetricWatch
 from keel.agent.stack_capture import NodeCapture, capture_ranks, split_parts
 from keel.agent.supervisor import RankExit, RankSupervisor
 from keel.core.bus import fetch_batch
@@ -169,6 +170,7 @@ class NodeAgent:
         self.checkpointing = checkpointing
         spec.agent_dir.mkdir(parents=True, exist_ok=True)
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
+        self.metric_watch = MetricWatch(spec.node_id)
         self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json", warm=spec.warm_ranks)
         # Ready files of a previous agent in this folder (killed with its node) name nothing alive.
         shutil.rmtree(spec.agent_dir / "warm", ignore_errors=True)
@@ -582,6 +584,9 @@ class NodeAgent:
             self.supervisor.zygote.drain()  # what woke the loop (a child started or exited)
         self.channel.drain(now, self.generation)
         for rank, state in self.channel.ranks.items():
+            for anomaly in self.metric_watch.check(rank, state.generation, state.metric_samples):
+                log.warning("%s: %s", self.spec.node_id, anomaly.reason)
+                self.emit(anomaly)
             if state.phase == "failed" and self.supervisor.kill_failed(rank, state.error):
                 log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank,
                          (state.error.strip().splitlines() or ["?"])[-1])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from keel.analyzer.metrics import MetricSample
 from keel.core.protocol import node_local_pb2
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class RankState:
     last_progress_at: datetime | None = None
     step_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     compute_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    metric_samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=300))
+    """Per step: loss, gradient norm and tokens/s as reported (``keel.analyzer.metrics.MetricSample``)."""
     """Per step: the time outside collectives (only when the loop marks its collective waits)."""
     loss: float | None = None
     grad_norm: float | None = None
@@ -115,6 +118,8 @@ class RankChannel:
                 state.step_times_s.append(report.step_time_s)
                 if report.compute_time_s > 0:
                     state.compute_times_s.append(report.compute_time_s)
+            state.metric_samples.append(MetricSample(step=report.step, loss=report.loss, grad_norm=report.grad_norm,
+                                                     tokens_per_s=report.tokens_per_s or None, rank=report.rank))
             state.step = report.step
             state.last_progress_at = now
         elif state.last_progress_at is None:

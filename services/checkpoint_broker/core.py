@@ -44,6 +44,7 @@ from keel.core.event_types import (
     CheckpointTier,
     CheckpointTierFallback,
     JobRegistered,
+    MetricAnomalyDetected,
     NodeEvicted,
     NodeEvictionDecided,
     NodeHeartbeat,
@@ -333,6 +334,7 @@ def plan_restore(
     *,
     previous_nodes: Mapping[int, str] | None = None,
     waited: str = "",
+    below: tuple[int, str] | None = None,
 ) -> RestorePlan:
     """The newest step ``s`` such that every rank ``0..world_size-1`` has a verified shard of ``s`` in
     some tier, and where each rank gets it from, fastest first:
@@ -346,8 +348,16 @@ def plan_restore(
     (rank -1) when the chosen step is older than the newest step in memory (``to_tier`` "none" when
     nothing is complete anywhere: step -1, start fresh). ``previous_nodes``: where each rank ran before
     (to tell a replaced node's empty memory); ``waited``: how the wait for inventories ended.
+    ``below``: ``(step, why)``: only steps below ``step`` are candidates (a NaN or spike appeared at it,
+    so its snapshot and every later one may hold corrupted state).
     """
     previous_nodes = previous_nodes or {}
+    if below is not None:
+        limit = below[0]
+        inventories = {node: inv.model_copy(update={"entries": [e for e in inv.entries if e.step < limit]})
+                       for node, inv in inventories.items()}
+        persisted = {step: p for step, p in persisted.items() if step < limit}
+        waited = (f"{waited}; " if waited else "") + f"steps from {limit} on excluded: {below[1]}"
     holdings: dict[int, dict[int, list[tuple[str, str, int, str]]]] = {}  # rank -> step -> (node, tier, bytes, digest)
     for node, inventory in sorted(inventories.items()):
         for entry in inventory.entries:
@@ -548,6 +558,10 @@ class JobState:
     started: Mapping[int, str] = field(default_factory=dict)  # rank -> node, from RankStarted of started_generation
     restores: Mapping[int, RestoreWait] = field(default_factory=dict)
     planned: frozenset[int] = frozenset()
+    restore_below: int | None = None
+    """The next restore plan takes a step below this one: a NaN or a spike appeared at it, so its
+    snapshot and every later one may hold corrupted state (cleared by that plan)."""
+    restore_below_reason: str = ""
 
     @property
     def all_registered(self) -> bool:
@@ -619,7 +633,7 @@ _INPUTS = frozenset({
 })
 _FOLDED = _INPUTS | {
     JobRegistered.event_name, CheckpointBackupAssigned.event_name, CheckpointStepCommitted.event_name,
-    CheckpointScheduleSet.event_name, CheckpointRestorePlanned.event_name,
+    CheckpointScheduleSet.event_name, CheckpointRestorePlanned.event_name, MetricAnomalyDetected.event_name,
 }
 
 
@@ -715,6 +729,14 @@ class CheckpointBrokerDecider:
             wait = replace(wait, inventories={**wait.inventories, p.node_id: p})
             return replace(job, restores={**job.restores, p.generation: wait},
                            generation=max(job.generation, p.generation))
+        if isinstance(p, MetricAnomalyDetected):
+            if p.kind == "decline" or p.generation < job.generation:
+                return job
+            if job.restore_below is not None and job.restore_below <= p.step:
+                return job
+            return replace(job, restore_below=p.step,
+                           restore_below_reason=f"{p.kind.replace('_', '-')} {p.metric} at step {p.step} "
+                                                f"(rank {p.rank} on {p.node_id})")
         if isinstance(p, CheckpointRestorePlanned):
             # The resumed generation re-runs the steps after p.step: their memory and peer copies are new,
             # so those tiers commit again from there (agents wait for a commit before their next backup
@@ -725,7 +747,8 @@ class CheckpointBrokerDecider:
                     rewound[tier] = min(rewound[tier], p.step)
             shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
             return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
-                           restores={g: w for g, w in job.restores.items() if g > p.generation})
+                           restores={g: w for g, w in job.restores.items() if g > p.generation},
+                           restore_below=None, restore_below_reason="")
         return job
 
     def _evolve_shards(self, job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
@@ -916,7 +939,9 @@ class CheckpointBrokerDecider:
             waited = (f"planned after the {timeout:g}s wait with {len(wait.inventories)} inventory(ies); "
                       f"absent: {absent}" + (f"; no node known for ranks {ranks_text(unknown)}" if unknown else ""))
         plan = plan_restore(generation, job.world_size, targets, wait.inventories, job.addresses, job.persisted,
-                            previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited)
+                            previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited,
+                            below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
+                            else None)
         payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=list(plan.sources),
                                            reason=plan.reason)
         proposals = [Proposal(payload, subject=subject, key=f"plan/{generation}")]

@@ -55,6 +55,7 @@ from keel.core.event_types import (
     IncidentResolved,
     JobRegistered,
     JobStopDecided,
+    MetricAnomalyDetected,
     NodeCordoned,
     NodeEvicted,
     NodeEvictionDecided,
@@ -257,7 +258,7 @@ _DECIDES_ON = frozenset({
     NodeHealthChanged.event_name, NodeHeartbeat.event_name, RankExited.event_name, DiagnosticsCompleted.event_name,
     StandbyChecked.event_name, StandbyPromoted.event_name, NodeRegistered.event_name, NodeCordoned.event_name,
     ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name, StacksAnalyzed.event_name,
-    FailSlowConvicted.event_name,
+    FailSlowConvicted.event_name, MetricAnomalyDetected.event_name,
 })
 
 
@@ -309,6 +310,8 @@ class ControllerDecider:
             self._on_stacks(plan, p)
         elif isinstance(p, FailSlowConvicted):
             self._on_fail_slow(plan, p)
+        elif isinstance(p, MetricAnomalyDetected):
+            self._on_metric_anomaly(plan, p)
         elif isinstance(p, TimerTicked):
             self._on_tick(plan, p.now)
         elif isinstance(p, NodeHeartbeat):
@@ -600,6 +603,28 @@ class ControllerDecider:
         plan.open_incident("fail_slow", nodes[0], f"fail_slow/{','.join(nodes)}", why,
                            ranks=sorted({r for n in nodes for r in job.node(n).ranks}))
         plan.recover(3, frozenset(nodes), why)
+
+    def _on_metric_anomaly(self, plan: _Plan, p: MetricAnomalyDetected) -> None:
+        job = plan.job
+        what = f"{p.kind.replace('_', '-')} {p.metric} on rank {p.rank} ({p.node_id}) at step {p.step}: {p.reason}"
+        if p.kind == "decline":
+            plan.note(f"throughput: {what}; recorded (a slow node is fail-slow's to convict; nothing is evicted "
+                      f"for a decline alone)")
+            return
+        if job.stopped or p.generation < job.generation:
+            plan.note(f"{what}: {'the job is stopped' if job.stopped else 'an old generation'}; recorded")
+            return
+        if job.incident is not None:
+            plan.note(f"{what}: during incident {job.incident.id[:8]} ({job.incident.stage}): part of it")
+            return
+        if p.node_id not in job.nodes:
+            plan.note(f"{what}: from a node this job does not know; recorded")
+            return
+        why = (f"rung 2: {what}. Nothing crashed, so a machine may be computing wrong numbers: stop the ranks and run "
+               f"stop-time diagnostics on every node, then restart from a checkpoint before step {p.step} (the "
+               f"checkpoint broker plans below it; rung 5, locating the machine by replay, is not built yet)")
+        plan.open_incident("metric_anomaly", p.node_id, f"metric/{p.kind}/{p.metric}", why, ranks=[p.rank])
+        plan.diagnose(why)
 
     def _on_tick(self, plan: _Plan, now: datetime) -> None:
         job, policy = plan.job, self.policy

@@ -9,6 +9,8 @@ answer carries the incident id) -> `keel replay --verify` clean.
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import subprocess
 import sys
 import time
@@ -257,6 +259,41 @@ async def test_rung3_a_node_30_percent_slower_is_convicted_within_five_rounds_an
     [restart] = [e for e in timeline if e.type == "RestartDecided"]
     assert restart.payload.rung == 3 and restart.payload.evict == [victim]
     assert [p.replaces_node_id for p in restart.payload.promotions] == [victim]
+    await asyncio.to_thread(stack.stop)
+    await asyncio.sleep(1.0)
+    verified = await asyncio.to_thread(stack.replay_verify)
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+
+
+async def test_a_nan_loss_is_detected_diagnosed_and_restored_from_before_it(stack: Stack) -> None:
+    command = ["-m", "keel.workload.train", "--size", "tiny", "--steps", "100000", "--min-step-time", "50ms"]
+    await asyncio.to_thread(stack.start, nodes=4, standby=0, command=command)
+    await stack.stepping(15)
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="nan", node=stack.node_of_rank(1))])
+    assert opened.payload.kind == "metric_anomaly" and "non-finite" in opened.payload.reason, opened.payload
+    first = min((e for e in await stack.events(["MetricAnomalyDetected"]) if e.payload.kind == "non_finite"),
+                key=lambda e: e.payload.step)
+    assert first.payload.generation == 0 and first.payload.value is None and first.payload.value_text == "nan"
+    assert "DiagnosticsRequested" in types_of(timeline)
+    assert resolved.payload.outcome == "recovered" and resolved.payload.rung == 2, resolved.payload
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == restart.payload.generation,
+                                30, "the restore plan")
+    # The snapshot of the NaN step (and every later one) holds NaN weights: the plan takes one before it.
+    assert 0 <= plan.payload.step < first.payload.step, (plan.payload, first.payload)
+    assert f"steps from {first.payload.step} on excluded" in plan.payload.reason, plan.payload.reason
+    # The restored generation trains on past the NaN step with finite losses (rank 0's own log).
+    log_file = stack.directory / "nodes" / stack.node_of_rank(0) / "logs" / f"rank0.g{restart.payload.generation}.stdout"
+    deadline = time.monotonic() + 60
+    losses: dict[int, float] = {}
+    while max(losses, default=-1) < first.payload.step + 10:
+        assert time.monotonic() < deadline, f"generation {restart.payload.generation} did not train past the NaN"
+        await asyncio.sleep(0.5)
+        text = log_file.read_text() if log_file.exists() else ""
+        losses = {int(m[0]): float(m[1]) for m in re.findall(r"^step (\d+) loss (\S+)", text, re.M)}
+    assert min(losses) == plan.payload.step + 1 and all(math.isfinite(v) for v in losses.values()), losses
+    assert not [e for e in await stack.events(["MetricAnomalyDetected"])
+                if e.payload.generation >= restart.payload.generation and e.payload.kind == "non_finite"]
     await asyncio.to_thread(stack.stop)
     await asyncio.sleep(1.0)
     verified = await asyncio.to_thread(stack.replay_verify)

@@ -34,6 +34,7 @@ from keel.core.event_types import (
     CheckpointStepCommitted,
     CheckpointTierFallback,
     InventoryEntry,
+    MetricAnomalyDetected,
     NodeEvicted,
     NodeHeartbeat,
     RankExited,
@@ -495,6 +496,22 @@ def test_a_restore_plan_rewinds_the_memory_and_peer_commits_to_its_step() -> Non
     assert session.state.job(JOB).committed["peer"] == 40
     [again] = emitted_of(session, peer_round(42), CheckpointStepCommitted)
     assert (again.tier, again.step) == ("peer", 42)
+
+
+def test_after_a_nan_the_plan_takes_a_step_before_it_once() -> None:
+    session, backup = four_nodes()
+    nan = ev(MetricAnomalyDetected(node_id="n2", rank=2, generation=0, kind="non_finite", metric="loss", step=44,
+                                   value_text="nan", reason="loss of rank 2 is nan at step 44"), "node/n2")
+    session.observe(nan)
+    events = [inventory(f"n{r}", 1, memory={r: [43, 44, 45]},
+                        peer={o: [40] for o, b in backup.items() if b == f"n{r}"}) for r in range(4)]
+    plan, _ = plan_events(session, events)
+    assert plan is not None and plan.step == 43, plan
+    assert "steps from 44 on excluded: non-finite loss at step 44 (rank 2 on n2)" in plan.reason
+    # The limit served that plan: the next restart takes the newest step again.
+    later = [inventory(f"n{r}", 2, memory={r: [50, 51]}) for r in range(4)]
+    plan, _ = plan_events(session, later)
+    assert plan is not None and plan.step == 51
 
 
 def persist_step(session: DeciderSession, step: int, at: datetime) -> None:

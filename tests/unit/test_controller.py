@@ -21,6 +21,7 @@ from keel.core.event_types import (
     CheckResult,
     DiagnosticsCompleted,
     FailSlowConvicted,
+    MetricAnomalyDetected,
     NodeCordoned,
     NodeEvicted,
     NodeHealthChanged,
@@ -400,6 +401,29 @@ def test_a_fail_slow_conviction_of_an_unknown_node_changes_nothing() -> None:
     job = Job()
     out = convicted(job, ["n9"], [40])
     assert not of(out, "IncidentOpened") and not of(out, "RestartDecided")
+
+
+def anomaly(job: Job, kind: str, node: str = "n1", step: int = 40) -> list[Event]:
+    return job.feed(MetricAnomalyDetected(node_id=node, rank=2, generation=0, kind=kind, metric="loss",  # type: ignore[arg-type]
+                                          step=step, value=None, value_text="nan", reason="loss of rank 2 is nan"),
+                    f"node/{node}")
+
+
+def test_a_nan_loss_opens_an_incident_and_diagnoses_before_restarting() -> None:
+    job = Job()
+    out = anomaly(job, "non_finite")
+    [opened] = of(out, "IncidentOpened")
+    assert opened.payload.kind == "metric_anomaly" and opened.payload.ranks == [2]
+    assert "before step 40" in opened.payload.reason
+    assert of(out, "DiagnosticsRequested")
+    # The same NaN from the other nodes' ranks joins that incident.
+    assert not of(anomaly(job, "non_finite", node="n2"), "IncidentOpened")
+
+
+def test_a_throughput_decline_alone_is_recorded_not_acted_on() -> None:
+    job = Job()
+    out = anomaly(job, "decline")
+    assert not of(out, "IncidentOpened") and not of(out, "DiagnosticsRequested")
 
 
 def test_a_group_eviction_beyond_the_ready_standbys_asks_for_the_whole_shortfall_and_waits() -> None:
