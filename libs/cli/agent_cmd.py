@@ -85,6 +85,5 @@ def build_checkpointing(spec, settings: Settings, *, supervised: bool):  # type:
         job_id=spec.job_id, node_id=spec.node_id,
         local_ranks=[spec.global_rank(i) for i in range(spec.nproc_per_node)], world_size=spec.world_size,
         node_dir=spec.ckpt_dir, agent_dir=spec.agent_dir, emit=lambda *a, **k: None, transport=transport,
-        persist_root=persist_root, report_interval=settings.checkpoint.report_interval,
-        commit_wait=settings.checkpoint.backup_commit_wait, supervised=supervised,
+        persist_root=persist_root, report_interval=settings.checkpoint.report_interval, supervised=supervised,
     )

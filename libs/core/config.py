@@ -150,12 +150,9 @@ class CheckpointSettings(_Section):
     (the same on every node, a power of two) to the smallest one that keeps the slowest transfer
     within it. 1.0: back to back (every step while transfers are shorter than a step)."""
     backup_min_period: Duration = parse_duration("500ms")
-    """The shortest time between two backup rounds: the floor of the backup interval (steps of this
-    long at least), so a round commits before any rank reaches the next one."""
-    backup_commit_wait: Duration = parse_duration("2s")
-    """How long an agent waits for its last backup round to be committed (every rank's copy landed)
-    before it sends the next one anyway. Rounds keep the committed step on every store; the wait only
-    runs out when a rank cannot deliver (its peer is down) or rounds fell on different steps."""
+    """The shortest time between two backup rounds: the floor of the backup interval. A round then
+    commits well before the next begins, and a fast rank's store is rarely two rounds past a slow
+    rank's delivery (a group lost then leaves no common peer step: the restore falls back to disk)."""
 
     @model_validator(mode="after")
     def _floor_below_ceiling(self) -> CheckpointSettings:

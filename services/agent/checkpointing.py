@@ -67,9 +67,8 @@ class PeerTransport(Protocol):
     address: str
     """Where this node's own shard store listens (peers send it backups)."""
 
-    def send(self, address: str, *, rank: int, step: int, keep_step: int = -1) -> None:
-        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``; ``keep_step``
-        (>= 0): the newest peer-committed step, whose copy that store keeps over an uncommitted one."""
+    def send(self, address: str, *, rank: int, step: int) -> None:
+        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``."""
         ...
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
@@ -135,8 +134,8 @@ class GrpcTransport:
 
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def send(self, address: str, *, rank: int, step: int, keep_step: int = -1) -> None:
-        self._call(self._sender.send(address, rank, step, keep_step))
+    def send(self, address: str, *, rank: int, step: int) -> None:
+        self._call(self._sender.send(address, rank, step))
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
         self._call(self._shard_store.fetch_shard(address, self.job_id, owner_node_id, rank, step, dest, sha256,
@@ -175,8 +174,6 @@ class GrpcTransport:
 @dataclass
 class _RankProgress:
     last_sent_step: int = -1
-    last_sent_at_s: float = 0.0
-    """When the last backup landed (monotonic): the next round waits for its commit until ``commit_wait``."""
     send_failures: int = 0
     retry_at_s: float = 0.0
     """After ``_SEND_FAILURES_REPORTED`` failures: the next try (monotonic), in case the peer comes back."""
@@ -297,7 +294,6 @@ class NodeCheckpointing:
         transport: PeerTransport | None,
         persist_root: Path | None,
         report_interval: timedelta = timedelta(seconds=1),
-        commit_wait: timedelta = timedelta(seconds=2),
         supervised: bool = True,
         wake: Callable[[], None] = lambda: None,
     ) -> None:
@@ -311,7 +307,6 @@ class NodeCheckpointing:
         self.transport = transport
         self.persist_root = persist_root
         self.report_interval = report_interval
-        self.commit_wait = commit_wait
         self.supervised = supervised
         self.wake = wake
         if transport is not None:
@@ -657,22 +652,13 @@ class NodeCheckpointing:
     # backups to peers
 
     def _start_sends(self, checkpoint_steps: dict[int, int]) -> None:
-        """Backups go in rounds: a rank's next backup waits until its last one is committed on the peer
-        tier (every rank's copy of that step landed), or ``commit_wait`` passed. With one uncommitted
-        round at most, the newest and previous copies a store keeps always include the committed step,
-        so a group lost mid-round still leaves every rank a common step in memory and on the peers
-        (without the wait, a fast rank's store could move two rounds past it while a slow one lags)."""
         if self.transport is None:
             return
-        now = time.monotonic()
         for rank, assignment in self.assignments.items():
             step = self._backup_step(rank, checkpoint_steps.get(rank, -1))
             progress = self.progress[rank]
             if step <= progress.last_sent_step or rank in self.sending:
                 continue
-            if (progress.last_sent_step > self.peer_committed_step
-                    and now - progress.last_sent_at_s < self.commit_wait.total_seconds()):
-                continue  # the last round is not committed yet
             if progress.send_failures >= _SEND_FAILURES_REPORTED and time.monotonic() < progress.retry_at_s:
                 continue
             self.sending[rank] = (self.generation, self.pool.submit(self._send, assignment, step))
@@ -694,9 +680,8 @@ class NodeCheckpointing:
         try:
             assert self.transport is not None
             # The transport sends from the sent ring: the peer's copy and the local one are the same bytes.
-            pinned = self.peer_committed_step
-            keep_sent_copy(self.node_dir, assignment.rank, step, pinned=pinned)
-            self.transport.send(assignment.backup_address, rank=assignment.rank, step=step, keep_step=pinned)
+            keep_sent_copy(self.node_dir, assignment.rank, step, pinned=self.peer_committed_step)
+            self.transport.send(assignment.backup_address, rank=assignment.rank, step=step)
             self.progress[assignment.rank].last_send_s = time.monotonic() - started
             return step
         finally:
@@ -713,7 +698,6 @@ class NodeCheckpointing:
             exc = future.exception()
             if exc is None:
                 progress.last_sent_step = future.result()
-                progress.last_sent_at_s = time.monotonic()
                 progress.send_failures = 0
                 self.sent_since_report = True
             elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":

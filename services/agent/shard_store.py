@@ -579,8 +579,7 @@ class ShardStoreServer:
         """Rename the verified temp file into place. The sidecar goes first and comes back last, so a
         crash in between leaves an unlabeled file (never served), not a label on the wrong bytes."""
         sidecar = self._sidecar(header.rank)
-        keep_step = header.keep_step if header.HasField("keep_step") else -1
-        await asyncio.to_thread(self._keep_previous, header.rank, header.generation, keep_step)
+        await asyncio.to_thread(self._keep_previous, header.rank, header.generation)
         await asyncio.to_thread(sidecar.unlink, missing_ok=True)
         await receiver.finish(backup_path(self.node_dir, header.rank), self.fsync)
         meta = {"job_id": header.job_id, "owner_node_id": header.owner_node_id, "rank": header.rank,
@@ -588,28 +587,13 @@ class ShardStoreServer:
                 "sha256": header.sha256, "stored_at_unix_s": time.time()}
         await asyncio.to_thread(write_file_atomic, sidecar, json.dumps(meta).encode(), fsync=self.fsync)
 
-    def _keep_previous(self, rank: int, generation: int, keep_step: int = -1) -> None:
+    def _keep_previous(self, rank: int, generation: int) -> None:
         """Before a new backup of ``generation`` replaces the one held for ``rank``: keep the held one as
         the previous (replacing the one there) if it is of the same generation, the same history. One of
         an older generation is an abandoned history (its steps may carry the same numbers with other
         contents): no previous is kept then. The previous sidecar goes first and the moved one comes
-        last, so no label ever names the wrong bytes.
-
-        ``keep_step`` (>= 0): the newest peer-committed step the sender knows. When the previous holds it
-        and the held one does not (the sender moved on without waiting for a commit), the previous stays
-        and the held one goes: the committed step is what a lost group restores from."""
+        last, so no label ever names the wrong bytes."""
         current_sidecar, current_file = self._sidecar(rank), self._backup_file(rank)
-        if keep_step >= 0:
-            try:
-                current, previous = self._backup_meta(rank), self._backup_meta(rank, True)
-            except (ValueError, OSError):
-                current = previous = None
-            if (previous is not None and current is not None
-                    and int(previous.get("generation", -1)) == generation == int(current.get("generation", -1))
-                    and int(previous.get("step", -1)) == keep_step != int(current.get("step", -1))
-                    and self._backup_file(rank, True).exists()):
-                current_sidecar.unlink(missing_ok=True)  # the new backup's rename replaces the file
-                return
         self._sidecar(rank, True).unlink(missing_ok=True)
         self._backup_file(rank, True).unlink(missing_ok=True)
         try:
@@ -858,10 +842,9 @@ class ShardSender:
                 return
             await asyncio.gather(*workers, return_exceptions=True)
 
-    async def send(self, address: str, rank: int, step: int, keep_step: int = -1) -> TransferResult:
+    async def send(self, address: str, rank: int, step: int) -> TransferResult:
         """Send ``rank``'s committed slot of ``step`` (or of the newest step after it, when the ring
-        has already overwritten it) to the peer at ``address``; waits for that peer's running transfer.
-        ``keep_step`` (>= 0): the newest peer-committed step this node knows; the peer keeps its copy of it."""
+        has already overwritten it) to the peer at ``address``; waits for that peer's running transfer."""
         peer = self._peer(address)
         async with peer.lock:
             def load() -> tuple[SlotHeader, bytes, list[int]]:
@@ -872,16 +855,13 @@ class ShardSender:
                 header, payload, crcs = await asyncio.to_thread(load)
             except SlotError as exc:
                 raise LocalShardError(address, str(exc)) from None
-            result = await self._put(peer, rank, header, payload, crcs, keep_step)
+            result = await self._put(peer, rank, header, payload, crcs)
             peer.sent[rank] = max(peer.sent.get(rank, -1), result.step)
             return result
 
-    async def _put(self, peer: _Peer, rank: int, slot: SlotHeader, payload: bytes, crcs: list[int],
-                   keep_step: int = -1) -> TransferResult:
+    async def _put(self, peer: _Peer, rank: int, slot: SlotHeader, payload: bytes, crcs: list[int]) -> TransferResult:
         header = pb.ShardHeader(job_id=self.job_id, owner_node_id=self.node_id, rank=rank, step=slot.step,
                                 total_bytes=len(payload), sha256=slot.digest, generation=slot.generation)
-        if keep_step >= 0:
-            header.keep_step = keep_step
         spans = _chunks(len(payload), self.chunk_bytes)
         rate = self.max_bytes_per_s
 

@@ -7,8 +7,8 @@ Four decisions, each with a reason (docs/checkpointing.md):
   Re-placement (a backup peer failed, a node left, a rank moved) moves only the affected ranks.
 - **Commits**: from ``CheckpointShardsStored``, the newest step for which every rank has a shard in a
   tier -> ``CheckpointStepCommitted`` (once per tier and step, monotonically increasing within a
-  history: a restore plan to step P winds the memory and peer tiers' commits back to P, because the
-  resumed generation writes those steps anew; the disk tier's persisted steps stay).
+  history: a restore plan to step P winds the memory and peer tiers' commits back to before P, because
+  the resumed generation writes those steps anew; the disk tier's persisted steps stay).
 - **Schedule** (``young_interval``): the persistent tier's interval K from Young's formula ->
   ``CheckpointScheduleSet`` when K changes.
 - **Restore** (``plan_restore``): once every node's inventory for a generation arrived (or the wait
@@ -277,8 +277,8 @@ def backup_interval(send_s: float, step_time_s: float, max_duty: float, ceiling:
 
     Powers of two, so that a change (the step time jitters) moves every node to steps the old and the
     new interval share. The period floor lets a round commit (every copy landed and reported) before
-    any rank reaches the next one: a rank's next backup waits for that commit, so rounds stay on the
-    same steps everywhere. 1 (every step) when no step time was measured yet."""
+    any rank reaches the next one, so a fast rank's store is rarely two rounds past a slow rank's copy
+    (the store keeps two). 1 (every step) when no step time was measured yet."""
     if step_time_s <= 0:
         return 1
     raw = max(max(0.0, send_s) / (max_duty * step_time_s), max(0.0, min_period_s) / step_time_s)
@@ -740,11 +740,12 @@ class CheckpointBrokerDecider:
         if isinstance(p, CheckpointRestorePlanned):
             # The resumed generation re-runs the steps after p.step: their memory and peer copies are new,
             # so those tiers commit again from there (agents wait for a commit before their next backup
-            # round). Shards still pending for them belong to the history the restart left.
+            # round). p.step itself too: the first round after the restore is often the restored step
+            # (a multiple of the backup interval). Shards still pending belong to the history left.
             rewound = {tier: step for tier, step in job.committed.items()}
             for tier in ("memory", "peer"):
                 if tier in rewound:
-                    rewound[tier] = min(rewound[tier], p.step)
+                    rewound[tier] = min(rewound[tier], p.step - 1)
             shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
             return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
                            restores={g: w for g, w in job.restores.items() if g > p.generation},

@@ -83,8 +83,7 @@ class Node:
     """One node agent's checkpoint duties: NodeCheckpointing over a real GrpcTransport (optional)."""
 
     def __init__(self, cluster: Cluster, node_id: str, ranks: list[int], world_size: int, *,
-                 transport: bool = True, persist_root: Path | None = None, supervised: bool = True,
-                 commit_wait: timedelta = timedelta(seconds=5)) -> None:
+                 transport: bool = True, persist_root: Path | None = None, supervised: bool = True) -> None:
         self.cluster = cluster
         self.node_id = node_id
         self.ranks = ranks
@@ -98,7 +97,7 @@ class Node:
         self.ckpt = NodeCheckpointing(
             job_id=JOB, node_id=node_id, local_ranks=ranks, world_size=world_size, node_dir=self.dir,
             agent_dir=self.agent_dir, emit=self.emit, transport=self.transport, persist_root=persist_root,
-            report_interval=timedelta(0), commit_wait=commit_wait, supervised=supervised)
+            report_interval=timedelta(0), supervised=supervised)
         # What the rank channel knows of each local rank (NodeAgent.tick passes these).
         self.groups: dict[int, dict[str, list[int]] | None] = {r: solo_groups(r) for r in ranks}
         self.steps: dict[int, int] = {}
@@ -300,41 +299,6 @@ def test_registration_placement_backup_and_commits(cluster: Cluster) -> None:
 
 
 # -- 2. a dead backup peer: three failed sends, re-placement, backup on the new peer -----------------------
-
-
-def test_backups_go_in_rounds_and_every_store_keeps_the_committed_step(cluster: Cluster) -> None:
-    """A rank sends its next backup only once its last one is committed (or ``commit_wait`` ran out): a
-    fast rank never gets two rounds ahead of a slow one, so the committed step stays on every store."""
-    nodes = {n: cluster.add(n, [r], 3, commit_wait=timedelta(seconds=1.5)) for r, n in enumerate("ABC")}
-    for r, n in enumerate("ABC"):
-        nodes[n].snapshot(r, 2)
-    holder_of = backed_up(cluster, 2)
-    holds = lambda rank: sorted(h["step"] for h in nodes[holder_of[rank]].transport.held_backups()[0]  # noqa: E731
-                                if h["rank"] == rank)
-    # A and B reach step 3 and back it up; C lags, so 3 is not committed.
-    for r, n in enumerate("AB"):
-        nodes[n].snapshot(r, 3)
-    cluster.wait_for("the round of step 3 on A and B", lambda: all(
-        nodes[n].ckpt.progress[r].last_sent_step == 3 for r, n in enumerate("AB")))
-    # A races on: its next round waits for the commit of 3 (well within commit_wait).
-    nodes["A"].snapshot(0, 4)
-    nodes["A"].snapshot(0, 5)
-    cluster.settle(0.5)
-    assert nodes["A"].ckpt.progress[0].last_sent_step == 3 and holds(0) == [2, 3]
-    # C catches up: 3 commits and A sends its newest.
-    nodes["C"].snapshot(2, 3)
-    cluster.wait_for("peer commit of step 3", lambda: cluster.payloads(CheckpointStepCommitted, tier="peer", step=3))
-    cluster.wait_for("A's next round", lambda: nodes["A"].ckpt.progress[0].last_sent_step == 5)
-    assert holds(0) == [3, 5]
-    # C lags again past commit_wait: A sends on without the commit of 5, and its store keeps the
-    # committed 3 (the step C and B also hold) rather than the uncommitted 5.
-    nodes["A"].snapshot(0, 6)
-    cluster.settle(0.5)
-    assert nodes["A"].ckpt.progress[0].last_sent_step == 5
-    cluster.wait_for("A's round after the wait ran out", lambda: nodes["A"].ckpt.progress[0].last_sent_step == 6,
-                     timeout_s=5)
-    assert holds(0) == [3, 6]
-    assert 3 in holds(1) and 3 in holds(2)
 
 
 def test_dead_backup_peer_is_replaced_after_three_failed_sends(cluster: Cluster) -> None:

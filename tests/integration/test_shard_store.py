@@ -55,12 +55,10 @@ def write_slot(node_dir: Path, rank: int, index: int, step: int, payload: bytes,
 
 
 def chunks_for(payload: bytes, *, step: int, rank: int = 0, sha256: str | None = None, generation: int = 0,
-               job: str = JOB, total: int | None = None, keep_step: int | None = None) -> list[pb.ShardChunk]:
+               job: str = JOB, total: int | None = None) -> list[pb.ShardChunk]:
     header = pb.ShardHeader(job_id=job, owner_node_id="node-a", rank=rank, step=step,
                             total_bytes=len(payload) if total is None else total,
                             sha256=sha256 or sha256_hex(payload), generation=generation)
-    if keep_step is not None:
-        header.keep_step = keep_step
     spans = [(o, payload[o:o + CHUNK_BYTES]) for o in range(0, len(payload), CHUNK_BYTES)] or [(0, b"")]
     return [pb.ShardChunk(header=header if o == 0 else None, offset=o, data=d, crc32=zlib.crc32(d)) for o, d in spans]
 
@@ -432,33 +430,19 @@ async def test_the_previous_backup_of_the_same_history_is_kept_and_served(nodes:
     assert store_b.held_shards()[0] == [] and not list(node_b.glob("backup/**/rank1.*"))
 
 
-async def test_the_committed_step_the_sender_names_is_kept_over_an_uncommitted_one(
-        store_b: ShardStoreServer, tmp_path: Path) -> None:
-    """A sender whose round went uncommitted too long sends on; it names the committed step, and the
-    store keeps that copy (not the uncommitted one) next to the new backup."""
-    committed, uncommitted, newest, later = (make_payload(200 + i, seed=60 + i) for i in range(4))
-    await put_raw(store_b.address, chunks_for(committed, step=8, rank=2))
-    await put_raw(store_b.address, chunks_for(uncommitted, step=9, rank=2, keep_step=8))
+async def test_a_restore_drops_only_the_backups_above_its_step(store_b: ShardStoreServer, tmp_path: Path) -> None:
+    """After a restore to step 12 a survivor drops what the abandoned history left above 12, but keeps the
+    copy of 12: the lost ranks are about to fetch it."""
+    older, newer = make_payload(300, seed=70), make_payload(301, seed=71)
+    await put_raw(store_b.address, chunks_for(older, step=12, rank=2))
+    await put_raw(store_b.address, chunks_for(newer, step=13, rank=2))
     steps = lambda: [h.step for h in store_b.held_shards(verify=True)[0] if h.rank == 2]  # noqa: E731
-    assert steps() == [8, 9]  # newest and previous, as always
-    await put_raw(store_b.address, chunks_for(newest, step=11, rank=2, keep_step=8))
-    assert steps() == [8, 11]  # 9 went, not the committed 8
-    dest = tmp_path / "rank2.shard"
-    await fetch_shard(store_b.address, JOB, "node-a", 2, 8, dest, sha256_hex(committed), TIMEOUT)
-    assert dest.read_bytes() == committed
-    await fetch_shard(store_b.address, JOB, "node-a", 2, 11, dest, sha256_hex(newest), TIMEOUT)
-    assert dest.read_bytes() == newest
-    # Once 11 is committed the sender says so, and the next backup pushes 8 out as usual.
-    await put_raw(store_b.address, chunks_for(later, step=12, rank=2, keep_step=11))
-    assert steps() == [11, 12]
-    # Without a named step the store keeps the newest and the previous, whatever they are.
-    await put_raw(store_b.address, chunks_for(committed, step=13, rank=2))
     assert steps() == [12, 13]
-    # A restore to 12 drops only the copies above it; the kept 12 is then the newest (fetched, served).
     store_b.discard_backup(2, newer_than=12)
     assert steps() == [12]
-    await fetch_shard(store_b.address, JOB, "node-a", 2, -1, dest, "", TIMEOUT)
-    assert dest.read_bytes() == later
+    dest = tmp_path / "rank2.shard"
+    await fetch_shard(store_b.address, JOB, "node-a", 2, -1, dest, "", TIMEOUT)  # now the newest
+    assert dest.read_bytes() == older
     store_b.discard_backup(2, newer_than=12)
     assert steps() == [12]
     store_b.discard_backup(2)

@@ -268,9 +268,10 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
     tiers = {s.rank: s.tier for s in plan.payload.sources}
     inventories = await run.inventories()
     context = (plan.payload.step, tiers, committed, plan.payload.reason, inventories)
-    # Backups go in rounds (the next waits for the last one's commit), so the newest peer-committed
-    # step survives on the other pipeline's nodes: in their memory and in the backups they hold for the
-    # lost ranks. The plan resumes there, or at a newer step the persistent tier holds for every rank.
+    # The newest peer-committed step survives on the other pipeline's nodes: in their memory (the sent
+    # ring pins it) and in the backups they hold for the lost ranks (newest and previous; rounds are at
+    # least backup_min_period apart). The plan resumes there, or at a newer step the persistent tier
+    # holds for every rank.
     assert committed > second_restore, context
     assert plan.payload.step >= committed, context
     if plan.payload.step == committed:

@@ -487,15 +487,18 @@ def test_a_restore_plan_rewinds_the_memory_and_peer_commits_to_its_step() -> Non
                         peer={o: [40, 44] for o, b in backup.items() if b == f"n{r}"}) for r in range(4)]
     plan, _ = plan_events(session, events)
     assert plan is not None and plan.step == 44
-    assert session.state.job(JOB).committed["peer"] == 44
+    assert session.state.job(JOB).committed["peer"] == 43  # 44 may commit again in the resumed history
     # A second failure, restored to an older step (say the disk's 40): generation 2 re-runs 41..44.
     later = [inventory(f"n{r}", 2, memory={r: [40]}, peer={o: [40] for o, b in backup.items() if b == f"n{r}"})
              for r in range(4)]
     plan, _ = plan_events(session, later)
     assert plan is not None and plan.step == 40
-    assert session.state.job(JOB).committed["peer"] == 40
-    [again] = emitted_of(session, peer_round(42), CheckpointStepCommitted)
-    assert (again.tier, again.step) == ("peer", 42)
+    assert session.state.job(JOB).committed["peer"] == 39
+    # The first round after the restore is often the restored step itself: it commits again.
+    [again] = emitted_of(session, peer_round(40), CheckpointStepCommitted)
+    assert (again.tier, again.step) == ("peer", 40)
+    [later] = emitted_of(session, peer_round(42), CheckpointStepCommitted)
+    assert (later.tier, later.step) == ("peer", 42)
 
 
 def test_after_a_nan_the_plan_takes_a_step_before_it_once() -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11shard_store.proto\x12\x12keel.checkpoint.v1\"\xbd\x01\n\x0bShardHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rowner_node_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x0c\n\x04kind\x18\x08 \x01(\t\x12\x16\n\tkeep_step\x18\t \x01(\x03H\x00\x88\x01\x01\x42\x0c\n\n_keep_step\"j\n\nShardChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.keel.checkpoint.v1.ShardHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"^\n\rPutShardReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nreceived_s\x18\x05 \x01(\x01\"b\n\x0fGetShardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rowner_node_id\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\"3\n\x11ListShardsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06verify\x18\x02 \x01(\x08\"\x8d\x01\n\tShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x15\n\rowner_node_id\x18\x06 \x01(\t\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x0c\n\x04path\x18\x08 \x01(\t\"[\n\x11RejectedShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x8a\x01\n\x0fListShardsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12-\n\x06shards\x18\x02 \x03(\x0b\x32\x1d.keel.checkpoint.v1.ShardInfo\x12\x37\n\x08rejected\x18\x03 \x03(\x0b\x32%.keel.checkpoint.v1.RejectedShardInfo2\x8a\x02\n\nShardStore\x12O\n\x08PutShard\x12\x1e.keel.checkpoint.v1.ShardChunk\x1a!.keel.checkpoint.v1.PutShardReply(\x01\x12Q\n\x08GetShard\x12#.keel.checkpoint.v1.GetShardRequest\x1a\x1e.keel.checkpoint.v1.ShardChunk0\x01\x12X\n\nListShards\x12%.keel.checkpoint.v1.ListShardsRequest\x1a#.keel.checkpoint.v1.ListShardsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11shard_store.proto\x12\x12keel.checkpoint.v1\"\x97\x01\n\x0bShardHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rowner_node_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x0c\n\x04kind\x18\x08 \x01(\t\"j\n\nShardChunk\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.keel.checkpoint.v1.ShardHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\r\"^\n\rPutShardReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x12\n\nreceived_s\x18\x05 \x01(\x01\"b\n\x0fGetShardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x15\n\rowner_node_id\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\"3\n\x11ListShardsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06verify\x18\x02 \x01(\x08\"\x8d\x01\n\tShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\t\x12\x15\n\rowner_node_id\x18\x06 \x01(\t\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x0c\n\x04path\x18\x08 \x01(\t\"[\n\x11RejectedShardInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x8a\x01\n\x0fListShardsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12-\n\x06shards\x18\x02 \x03(\x0b\x32\x1d.keel.checkpoint.v1.ShardInfo\x12\x37\n\x08rejected\x18\x03 \x03(\x0b\x32%.keel.checkpoint.v1.RejectedShardInfo2\x8a\x02\n\nShardStore\x12O\n\x08PutShard\x12\x1e.keel.checkpoint.v1.ShardChunk\x1a!.keel.checkpoint.v1.PutShardReply(\x01\x12Q\n\x08GetShard\x12#.keel.checkpoint.v1.GetShardRequest\x1a\x1e.keel.checkpoint.v1.ShardChunk0\x01\x12X\n\nListShards\x12%.keel.checkpoint.v1.ListShardsRequest\x1a#.keel.checkpoint.v1.ListShardsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shard_store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHARDHEADER']._serialized_start=42
-  _globals['_SHARDHEADER']._serialized_end=231
-  _globals['_SHARDCHUNK']._serialized_start=233
-  _globals['_SHARDCHUNK']._serialized_end=339
-  _globals['_PUTSHARDREPLY']._serialized_start=341
-  _globals['_PUTSHARDREPLY']._serialized_end=435
-  _globals['_GETSHARDREQUEST']._serialized_start=437
-  _globals['_GETSHARDREQUEST']._serialized_end=535
-  _globals['_LISTSHARDSREQUEST']._serialized_start=537
-  _globals['_LISTSHARDSREQUEST']._serialized_end=588
-  _globals['_SHARDINFO']._serialized_start=591
-  _globals['_SHARDINFO']._serialized_end=732
-  _globals['_REJECTEDSHARDINFO']._serialized_start=734
-  _globals['_REJECTEDSHARDINFO']._serialized_end=825
-  _globals['_LISTSHARDSREPLY']._serialized_start=828
-  _globals['_LISTSHARDSREPLY']._serialized_end=966
-  _globals['_SHARDSTORE']._serialized_start=969
-  _globals['_SHARDSTORE']._serialized_end=1235
+  _globals['_SHARDHEADER']._serialized_end=193
+  _globals['_SHARDCHUNK']._serialized_start=195
+  _globals['_SHARDCHUNK']._serialized_end=301
+  _globals['_PUTSHARDREPLY']._serialized_start=303
+  _globals['_PUTSHARDREPLY']._serialized_end=397
+  _globals['_GETSHARDREQUEST']._serialized_start=399
+  _globals['_GETSHARDREQUEST']._serialized_end=497
+  _globals['_LISTSHARDSREQUEST']._serialized_start=499
+  _globals['_LISTSHARDSREQUEST']._serialized_end=550
+  _globals['_SHARDINFO']._serialized_start=553
+  _globals['_SHARDINFO']._serialized_end=694
+  _globals['_REJECTEDSHARDINFO']._serialized_start=696
+  _globals['_REJECTEDSHARDINFO']._serialized_end=787
+  _globals['_LISTSHARDSREPLY']._serialized_start=790
+  _globals['_LISTSHARDSREPLY']._serialized_end=928
+  _globals['_SHARDSTORE']._serialized_start=931
+  _globals['_SHARDSTORE']._serialized_end=1197
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardHeader(_message.Message):
-    __slots__ = ("job_id", "owner_node_id", "rank", "step", "total_bytes", "sha256", "generation", "kind", "keep_step")
+    __slots__ = ("job_id", "owner_node_id", "rank", "step", "total_bytes", "sha256", "generation", "kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +16,6 @@ class ShardHeader(_message.Message):
     SHA256_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
-    KEEP_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     owner_node_id: str
     rank: int
@@ -25,8 +24,7 @@ class ShardHeader(_message.Message):
     sha256: str
     generation: int
     kind: str
-    keep_step: int
-    def __init__(self, job_id: _Optional[str] = ..., owner_node_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ..., keep_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., owner_node_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., generation: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("header", "offset", "data", "crc32")
