@@ -46,7 +46,8 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     if spec.ckpt_dir is not None:
         checkpointing = build_checkpointing(spec, settings, supervised=supervised)
     agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
-                      checkpointing=checkpointing, diagnostics_policy=diagnostics_policy)
+                      checkpointing=checkpointing, diagnostics_policy=diagnostics_policy,
+                      metric_settings=settings.analyzer.metric_settings())
     if checkpointing is not None:
         checkpointing.emit = agent.emit
 

@@ -14,12 +14,15 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from keel.core.units import ByteSize, Duration, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from keel.analyzer.metrics import MetricSettings
 
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -178,6 +181,24 @@ class AnalyzerSettings(_Section):
     failslow_ratio: float = Field(1.15, gt=1)
     """A rank is flagged when it computes this many times longer per step than the median of its peers
     (or its modified z-score says so, and it is at least 5 % slower)."""
+    metric_spike_factor: float = Field(5.0, gt=1)
+    """Metric anomalies (checked by each node agent): a loss or gradient norm above this many times the
+    median of its previous ``metric_spike_window`` values is a spike."""
+    metric_spike_window: int = Field(20, ge=1)
+    metric_warmup_steps: int = Field(10, ge=0)
+    """Steps neither judged for spikes nor part of a baseline (losses fall steeply early on)."""
+    metric_decline_window: int = Field(50, ge=1)
+    metric_decline_fraction: float = Field(0.8, gt=0, lt=1)
+    """Tokens/s whose last window's median is below this fraction of its best earlier window's declined."""
+
+    def metric_settings(self) -> MetricSettings:
+        """These thresholds as the analyzer's ``MetricSettings`` (``ValueError`` when they disagree)."""
+        from keel.analyzer.metrics import MetricSettings
+
+        return MetricSettings(spike_factor=self.metric_spike_factor, spike_window=self.metric_spike_window,
+                              warmup_steps=self.metric_warmup_steps, min_history=min(5, self.metric_spike_window),
+                              decline_window=self.metric_decline_window,
+                              decline_fraction=self.metric_decline_fraction)
 
     @model_validator(mode="after")
     def _flags_within_rounds(self) -> AnalyzerSettings:

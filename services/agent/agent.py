@@ -53,6 +53,7 @@ from keel.agent.diagnostics import (
 )
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.metric_watch import MetricWatch
+from keel.analyzer.metrics import MetricSettings
 from keel.agent.stack_capture import NodeCapture, capture_ranks, split_parts
 from keel.agent.supervisor import RankExit, RankSupervisor
 from keel.core.bus import fetch_batch
@@ -160,6 +161,7 @@ class NodeAgent:
         checkpointing: NodeCheckpointing | None = None,
         clock: Callable[[], datetime] = now_utc,
         diagnostics_policy: DiagnosticsPolicy | None = None,
+        metric_settings: MetricSettings | None = None,
     ) -> None:
         self.spec = spec
         self.outbox = outbox
@@ -170,7 +172,7 @@ class NodeAgent:
         self.checkpointing = checkpointing
         spec.agent_dir.mkdir(parents=True, exist_ok=True)
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
-        self.metric_watch = MetricWatch(spec.node_id)
+        self.metric_watch = MetricWatch(spec.node_id, metric_settings or MetricSettings())
         self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json", warm=spec.warm_ranks)
         # Ready files of a previous agent in this folder (killed with its node) name nothing alive.
         shutil.rmtree(spec.agent_dir / "warm", ignore_errors=True)

@@ -93,3 +93,14 @@ def test_checkpoint_section_defaults_env_and_units(tmp_path: Path) -> None:
         load_settings(environ={"KEEL_CHECKPOINT__INITIAL_SAVE_COST": "5"})
     with pytest.raises(ConfigError, match="must not exceed persist_every_ceiling"):
         load_settings(environ={"KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "2000"})
+
+
+def test_analyzer_settings_reach_the_metric_checks_and_bad_ones_are_refused() -> None:
+    settings = load_settings(environ={"KEEL_ANALYZER__METRIC_SPIKE_FACTOR": "8", "KEEL_ANALYZER__FAILSLOW_INTERVAL": "4s"})
+    metric = settings.analyzer.metric_settings()
+    assert metric.spike_factor == 8.0 and metric.spike_window == 20 and metric.decline_fraction == 0.8
+    assert settings.analyzer.failslow_interval == timedelta(seconds=4)
+    with pytest.raises(ConfigError, match="metric_spike_factor"):
+        load_settings(environ={"KEEL_ANALYZER__METRIC_SPIKE_FACTOR": "1"})
+    with pytest.raises(ConfigError, match="failslow_min_flags"):
+        load_settings(environ={"KEEL_ANALYZER__FAILSLOW_MIN_FLAGS": "6"})
