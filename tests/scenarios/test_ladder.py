@@ -124,6 +124,14 @@ class Stack:
         rows = [(r.position, r.js_seq, r.event.type) async for r in self.env.store.read(job_id=self.job)]
         return [(a, b, t) for (a, b, t), (_, b2, _) in zip(rows, rows[1:]) if b and b2 and b2 < b]
 
+    async def stop_and_verify(self) -> None:
+        """Stop everything (nothing decides any more: the log is complete), then `keel replay --verify`
+        must find every recorded decision again."""
+        await asyncio.to_thread(self.stop)
+        await asyncio.sleep(1.0)
+        verified = await asyncio.to_thread(self.replay_verify)
+        assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+
     def replay_verify(self) -> subprocess.CompletedProcess:
         # With the services' settings: a replay under another policy shows what that policy would change.
         return subprocess.run([sys.executable, "-m", "keel.cli.main", "replay", "--job", self.job, "--verify"],
@@ -188,10 +196,7 @@ async def test_rung1_promotes_the_standby_and_rung2_diagnoses_then_restarts_in_p
     [restart] = [e for e in timeline if e.type == "RestartDecided"]
     assert restart.payload.evict == [] and "passed on every node" in restart.payload.reason
 
-    await asyncio.to_thread(stack.stop)  # nothing decides any more: the log is complete
-    await asyncio.sleep(1.0)
-    verified = await asyncio.to_thread(stack.replay_verify)
-    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+    await stack.stop_and_verify()
 
 
 async def test_rung2_evicts_the_node_whose_diagnostics_fail(stack: Stack) -> None:
@@ -233,10 +238,7 @@ async def test_rung3_a_rank_hung_in_a_pipeline_stage_evicts_its_pipeline_group(s
     # Resolved means the restarted generation stepped past its restore point: resumed. (incident() waits
     # 1 s after the resolution for the agents' last answers.)
     assert time.monotonic() - hung_at < 60 + 1, "training must resume within 60 s of the hang"
-    await asyncio.to_thread(stack.stop)
-    await asyncio.sleep(1.0)
-    verified = await asyncio.to_thread(stack.replay_verify)
-    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+    await stack.stop_and_verify()
 
 
 async def test_rung3_a_node_30_percent_slower_is_convicted_within_five_rounds_and_evicted(stack: Stack) -> None:
@@ -259,10 +261,7 @@ async def test_rung3_a_node_30_percent_slower_is_convicted_within_five_rounds_an
     [restart] = [e for e in timeline if e.type == "RestartDecided"]
     assert restart.payload.rung == 3 and restart.payload.evict == [victim]
     assert [p.replaces_node_id for p in restart.payload.promotions] == [victim]
-    await asyncio.to_thread(stack.stop)
-    await asyncio.sleep(1.0)
-    verified = await asyncio.to_thread(stack.replay_verify)
-    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+    await stack.stop_and_verify()
 
 
 async def test_a_nan_loss_is_detected_diagnosed_and_restored_from_before_it(stack: Stack) -> None:
@@ -294,10 +293,7 @@ async def test_a_nan_loss_is_detected_diagnosed_and_restored_from_before_it(stac
     assert min(losses) == plan.payload.step + 1 and all(math.isfinite(v) for v in losses.values()), losses
     assert not [e for e in await stack.events(["MetricAnomalyDetected"])
                 if e.payload.generation >= restart.payload.generation and e.payload.kind == "non_finite"]
-    await asyncio.to_thread(stack.stop)
-    await asyncio.sleep(1.0)
-    verified = await asyncio.to_thread(stack.replay_verify)
-    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]
+    await stack.stop_and_verify()
 
 
 async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_loop(stack: Stack) -> None:
@@ -320,7 +316,4 @@ async def test_rung4_rolls_back_the_repeated_failure_then_rung6_stops_the_crash_
     await asyncio.sleep(3)
     assert len(await stack.events(["RestartDecided"])) == restarts == 2  # nothing restarts a stopped job
     assert await stack.log_order_is_stream_order() == []
-    await asyncio.to_thread(stack.stop)
-    await asyncio.sleep(1.0)
-    verified = await asyncio.to_thread(stack.replay_verify)
-    assert verified.returncode == 0, verified.stdout[-3000:]
+    await stack.stop_and_verify()
