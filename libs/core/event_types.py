@@ -748,3 +748,105 @@ class MetricAnomalyDetected(EventPayload):
     value_text: str
     baseline: float | None = None
     reason: str
+
+
+# -- rung 5: locating silent data corruption by dual-phase replay ---------------------------------------
+
+SdcPhaseKind = Literal["contiguous", "strided", "split"]
+
+
+class SdcUnit(EventPayload):
+    """A "machine" of the replay: the smallest set of nodes that holds whole model replicas (a node, or
+    the nodes one pipeline or TP group spans). Replays shrink DP by whole units; evicting the unit
+    evicts its nodes."""
+
+    name: str
+    nodes: list[str] = Field(min_length=1)
+    ranks: list[int] = Field(min_length=1)
+
+
+class SdcPhase(EventPayload):
+    """One replay round: ``groups`` (lists of unit names) replay side by side, each a scaled-down job.
+    ``suspects``: the units under test (a split phase pads its groups with units that passed)."""
+
+    index: int = Field(ge=1)
+    kind: SdcPhaseKind
+    groups: list[list[str]] = Field(min_length=1)
+    suspects: list[str] = Field(default_factory=list)
+
+
+@event_type("SdcReplayRequested", version=1, aggregate="job")
+class SdcReplayRequested(EventPayload):
+    """A command (rung 5): every listed node stops its ranks and starts them as ``generation`` in replay
+    mode. They restore the checkpoint the broker plans (below the anomaly's step), replay the next step
+    once per phase on the same recorded batch (every replica the same one), and compare their gradients
+    bitwise inside each group of the phase. ``round`` numbers the job's replay requests."""
+
+    round: int = Field(ge=0)
+    generation: int = Field(ge=1)
+    nodes: list[str] = Field(min_length=1)
+    units: list[SdcUnit] = Field(min_length=1)
+    phases: list[SdcPhase] = Field(min_length=1)
+    anomaly_step: int = Field(ge=0)
+    reference: str = ""
+    """The result an earlier round of the same localisation settled on ("": this round's majority)."""
+    timeout_s: float = Field(gt=0)
+    expires_at: AwareDatetime
+    reason: str
+
+
+class SdcGroupResult(EventPayload):
+    """One rank's view of its group in one phase: the digest of the gradients the group agreed on
+    (SHA-256 over every member's, when all are bitwise equal) or ``consistent`` false when they differ."""
+
+    phase: int = Field(ge=1)
+    group: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    consistent: bool
+    digest: str = ""
+    detail: str = ""
+
+
+@event_type("SdcReplayCompleted", version=1, aggregate="node")
+class SdcReplayCompleted(EventPayload):
+    """One node's answer to an ``SdcReplayRequested``: its ranks' group results, or ``ran`` false with
+    the reason (a rank crashed, the restore failed, the command expired)."""
+
+    node_id: str
+    request_id: str
+    round: int = Field(ge=0)
+    ran: bool
+    restored_step: int = -1
+    results: list[SdcGroupResult] = Field(default_factory=list)
+    detail: str = ""
+    duration_s: float = Field(default=0.0, ge=0)
+
+
+class SdcPhaseOutcome(EventPayload):
+    phase: int = Field(ge=1)
+    kind: SdcPhaseKind
+    failed_groups: list[int] = Field(default_factory=list)
+    evidence: list[str] = Field(default_factory=list)
+    """Per failing group: why (members disagree, or its result differs from the reference)."""
+
+
+@event_type("SdcReplayAnalyzed", version=1, aggregate="job")
+class SdcReplayAnalyzed(EventPayload):
+    """The analyzer's verdict on a replay round (``keel.analyzer.sdc``): ``found`` names the unit (and its
+    nodes, what rung 5 evicts); ``ambiguous`` carries the ``next_phase`` to run; ``several`` names every
+    unit that failed alone; ``not_reproduced`` / ``inconsistent`` / ``incomplete`` name nothing."""
+
+    request_id: str
+    round: int = Field(ge=0)
+    kind: Literal["found", "ambiguous", "several", "not_reproduced", "inconsistent", "incomplete"]
+    unit: str = ""
+    nodes: list[str] = Field(default_factory=list)
+    """The nodes to evict (of the found unit, or of every unit for ``several``)."""
+    candidates: list[str] = Field(default_factory=list)
+    phases: list[SdcPhaseOutcome] = Field(default_factory=list)
+    reference_digest: str = ""
+    next_phase: SdcPhase | None = None
+    rounds: int = Field(default=0, ge=0)
+    """Replay phases used so far in this localisation (all rounds of the incident)."""
+    missing: list[str] = Field(default_factory=list)
+    reason: str
