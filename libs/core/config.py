@@ -103,6 +103,11 @@ class ControllerSettings(_Section):
     """Agents answer a stack capture within this; the analyzer judges without the rest."""
     stacks_verdict_timeout: Duration = parse_duration("20s")
     """No verdict from the analyzer this long after a capture was asked for: go on to rung 2."""
+    sdc_replay: bool = True
+    """Rung 5: a NaN or spike that stop-time diagnostics do not explain is replayed to locate the machine."""
+    sdc_replay_timeout: Duration = parse_duration("60s")
+    """Nodes answer a replay round within this (the analyzer judges without the rest); no verdict 30 s
+    after that: restart in place, below the anomaly."""
     diagnostics_ack_timeout: Duration = parse_duration("2s")
     """A node of a diagnostics round whose agent sent nothing since the request for this long is lost: the
     round ends without waiting for it (agents answer a request with a heartbeat at once)."""

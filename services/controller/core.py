@@ -13,7 +13,11 @@ The rungs (ARCHITECTURE.md, "The escalation ladder"), cheapest first:
 4. The same failure again after a restart, with no progress in between: roll back to the last stable
    code version and restart (``RollbackDecided``; hot-update carries it out - until it exists the
    restart runs the same code, and a third failure trips rung 6).
-5. (analyzer issue) dual-phase replay for silent data corruption.
+5. A NaN or a loss / gradient-norm spike that stop-time diagnostics do not explain (every node passes):
+   silent data corruption is suspected. Dual-phase replay (``SdcReplayRequested``): every node restarts
+   its ranks in replay mode from the checkpoint before the anomaly, and the analyzer judges which groups
+   of machines compute wrong numbers (``SdcReplayAnalyzed``); the machine it locates is evicted (a
+   standby takes its ranks), else the job restarts in place from before the anomaly.
 6. A crash loop (the same fingerprint ``max_same_failure`` times in a row) or a spent restart budget:
    stop the job and page a human (``JobStopDecided``).
 
@@ -40,6 +44,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
+from keel.analyzer.rung5 import machine_units, sdc_phase
+from keel.analyzer.sdc import plan_phases
 from keel.controller.guardrails import CrashLoopBreaker, EvictionBreaker, failure_fingerprint
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.core.decider import Decision, Proposal, materialise
@@ -47,6 +53,7 @@ from keel.core.event_types import (
     ActionHeld,
     ApprovalGiven,
     ApprovalRequested,
+    CheckpointRanksRegistered,
     CheckpointRestorePlanned,
     DiagnosticsCompleted,
     DiagnosticsRequested,
@@ -68,6 +75,8 @@ from keel.core.event_types import (
     RanksRestartRequested,
     RestartDecided,
     RollbackDecided,
+    SdcReplayAnalyzed,
+    SdcReplayRequested,
     StacksAnalyzed,
     StacksRequested,
     StandbyChecked,
@@ -80,13 +89,16 @@ from keel.core.event_types import (
 from keel.core.events import Event, EventPayload
 
 NAME = "controller"
+SDC_VERDICT_GRACE = timedelta(seconds=30)
+"""How long past a replay round's timeout the controller waits for the analyzer's verdict."""
 HARDWARE_COMPONENTS = frozenset({"gpu", "nic", "disk", "kernel", "host"})
 FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
 HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost"})
 ALL_CHECKS: tuple[str, ...] = ("gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather")
 ACTIONS = frozenset({"evict", "restart", "diagnose", "promote", "rollback", "stop"})
 Action = Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
-Stage = Literal["observing", "capturing", "diagnosing", "recovering", "waiting_standby", "awaiting_approval"]
+Stage = Literal["observing", "capturing", "diagnosing", "replaying", "recovering", "waiting_standby",
+                "awaiting_approval"]
 
 
 # -- policy ------------------------------------------------------------------------------------------
@@ -104,6 +116,10 @@ class ControllerPolicy:
     """Agents answer a stack capture within this; the analyzer judges without the rest."""
     stacks_verdict_timeout: timedelta = timedelta(seconds=20)
     """No verdict from the analyzer this long after the capture was asked for: go on to rung 2."""
+    sdc_replay: bool = True
+    """Rung 5: a NaN or spike that diagnostics do not explain is replayed to locate the corrupting machine."""
+    sdc_replay_timeout: timedelta = timedelta(seconds=60)
+    """Nodes answer a replay round within this; no verdict 30 s after it: restart in place."""
     diagnostics_ack_timeout: timedelta = timedelta(seconds=2)
     """A round's node whose agent sent no heartbeat since the request for this long is lost (its agent
     answers a request with a heartbeat at once): the round concludes without it."""
@@ -189,6 +205,10 @@ class OpenIncident:
     """Nodes that started ranks of ``target_generation``: only their heartbeats say it is stepping."""
     held: HeldPlan | None = None
     approval_id: str = ""
+    sdc_round: int | None = None
+    sdc_requested_at: datetime | None = None
+    sdc_replays: int = 0
+    """Replay phases run for this incident so far."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +235,11 @@ class JobView:
     refills_pending: int = 0
     """Standbys asked of the actuator and not yet registered: not asked for again (until the request expires)."""
     refill_asked_at: datetime | None = None
+    sdc_rounds: int = 0
+    rank_links: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """Each rank's PP and TP peers (from the checkpoint registrations): what a replay must keep together."""
+    anomaly_step: int = -1
+    """The step of the newest NaN / spike reported (what a rung-5 replay replays)."""
 
     def node(self, node_id: str) -> NodeView:
         return self.nodes.get(node_id, NodeView(node_id))
@@ -258,7 +283,7 @@ _DECIDES_ON = frozenset({
     NodeHealthChanged.event_name, NodeHeartbeat.event_name, RankExited.event_name, DiagnosticsCompleted.event_name,
     StandbyChecked.event_name, StandbyPromoted.event_name, NodeRegistered.event_name, NodeCordoned.event_name,
     ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name, StacksAnalyzed.event_name,
-    FailSlowConvicted.event_name, MetricAnomalyDetected.event_name,
+    FailSlowConvicted.event_name, MetricAnomalyDetected.event_name, SdcReplayAnalyzed.event_name,
 })
 
 
@@ -289,7 +314,7 @@ class ControllerDecider:
         the adapter records a ``TimerTicked`` for each, once per clock interval."""
         return sorted(job_id for job_id, job in state.jobs.items()
                       if (job.active and not job.stopped and not job.finished)
-                      or (job.incident is not None and job.incident.stage in ("diagnosing", "capturing")))
+                      or (job.incident is not None and job.incident.stage in ("diagnosing", "capturing", "replaying")))
 
     def new_job(self) -> JobView:
         """A job seen for the first time, with the policy's guardrail limits."""
@@ -312,6 +337,8 @@ class ControllerDecider:
             self._on_fail_slow(plan, p)
         elif isinstance(p, MetricAnomalyDetected):
             self._on_metric_anomaly(plan, p)
+        elif isinstance(p, SdcReplayAnalyzed):
+            self._on_sdc_verdict(plan, p)
         elif isinstance(p, TimerTicked):
             self._on_tick(plan, p.now)
         elif isinstance(p, NodeHeartbeat):
@@ -396,6 +423,15 @@ class ControllerDecider:
             if p.classification == "success" and p.generation >= job.generation:
                 return replace(job, finished=True)
             return job
+        if isinstance(p, CheckpointRanksRegistered):
+            links = dict(job.rank_links)
+            for groups in p.ranks:
+                links[groups.rank] = frozenset(groups.pp) | frozenset(groups.tp) | {groups.rank}
+            return replace(job, rank_links=links)
+        if isinstance(p, MetricAnomalyDetected):
+            if p.kind != "decline" and p.generation >= job.generation:
+                return replace(job, anomaly_step=p.step if job.incident is None else min(job.anomaly_step, p.step))
+            return job
         if isinstance(p, CheckpointRestorePlanned):
             incident = job.incident
             if incident is not None and incident.target_generation == p.generation:
@@ -426,6 +462,13 @@ class ControllerDecider:
                 return job
             return replace(job, incident=replace(incident, stage="capturing", rung=max(incident.rung, 3),
                                                  stacks_round=p.round, stacks_requested_at=at))
+        if isinstance(p, SdcReplayRequested):
+            job = replace(job, sdc_rounds=max(job.sdc_rounds, p.round + 1), generation=max(job.generation, p.generation))
+            if incident is None:
+                return job
+            return replace(job, incident=replace(incident, stage="replaying", rung=max(incident.rung, 5),
+                                                 sdc_round=p.round, sdc_requested_at=at,
+                                                 sdc_replays=incident.sdc_replays + len(p.phases)))
         if isinstance(p, DiagnosticsRequested):
             job = replace(job, diag_rounds=max(job.diag_rounds, p.round + 1))
             if incident is None:
@@ -622,9 +665,27 @@ class ControllerDecider:
             return
         why = (f"rung 2: {what}. Nothing crashed, so a machine may be computing wrong numbers: stop the ranks and run "
                f"stop-time diagnostics on every node, then restart from a checkpoint before step {p.step} (the "
-               f"checkpoint broker plans below it; rung 5, locating the machine by replay, is not built yet)")
+               f"checkpoint broker plans below it); if every node passes, rung 5 replays the step to locate a machine "
+               f"that corrupts silently")
         plan.open_incident("metric_anomaly", p.node_id, f"metric/{p.kind}/{p.metric}", why, ranks=[p.rank])
         plan.diagnose(why)
+
+    def _on_sdc_verdict(self, plan: _Plan, p: SdcReplayAnalyzed) -> None:
+        incident = plan.job.incident
+        if incident is None or incident.stage != "replaying" or p.round != incident.sdc_round:
+            plan.note(f"replay verdict of round {p.round} outside a replaying incident: recorded")
+            return
+        rounds = f"{p.rounds} replay phase(s)"
+        if p.kind in ("found", "several") and p.nodes:
+            what = (f"machine {p.unit}" if p.kind == "found" else f"machines {', '.join(p.candidates)} (each fails alone)")
+            plan.recover(5, frozenset(p.nodes), f"rung 5: dual-phase replay located {what} in {rounds}: {p.reason}; "
+                                                f"evict {', '.join(p.nodes)} and restart from before the anomaly")
+        elif p.kind == "ambiguous" and p.next_phase is not None:
+            plan.replay_sdc(f"rung 5: replay round {p.round} was ambiguous ({p.reason})", phases=[p.next_phase],
+                            reference=p.reference_digest)
+        else:
+            plan.recover(5, frozenset(), f"rung 5: dual-phase replay {p.kind.replace('_', ' ')} after {rounds} "
+                                         f"({p.reason}): no machine to evict; restart in place from before the anomaly")
 
     def _on_tick(self, plan: _Plan, now: datetime) -> None:
         job, policy = plan.job, self.policy
@@ -634,6 +695,12 @@ class ControllerDecider:
             plan.diagnose(f"rung 3: no verdict from the analyzer {policy.stacks_verdict_timeout.total_seconds():g} s "
                           f"after the capture of round {incident.stacks_round} was asked for (is it running?); rung 2: "
                           f"stop the ranks and run stop-time diagnostics on every node")
+            return
+        if (incident is not None and incident.stage == "replaying" and incident.sdc_requested_at is not None
+                and now - incident.sdc_requested_at >= policy.sdc_replay_timeout + SDC_VERDICT_GRACE):
+            plan.recover(5, frozenset(), f"rung 5: no verdict on replay round {incident.sdc_round} "
+                                         f"{(policy.sdc_replay_timeout + SDC_VERDICT_GRACE).total_seconds():g} s after it "
+                                         f"was asked for (is the analyzer running?): restart in place from before the anomaly")
             return
         if incident is not None and incident.stage == "diagnosing":
             missing = sorted(incident.diag_nodes - set(incident.diag_results))
@@ -923,9 +990,38 @@ class _Plan:
             self.resolve("stopped", f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}", stop=True, rung=2)
         elif verdict.evict:
             self.recover(2, verdict.evict, f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}: evict")
+        elif incident.kind == "metric_anomaly" and self.policy.sdc_replay and self.job.anomaly_step >= 0:
+            self.replay_sdc(f"rung 5: stop-time diagnostics round {round_}: {verdict.reason}, yet a machine computed "
+                            f"a non-finite or spiking value at step {self.job.anomaly_step}: silent data corruption "
+                            f"suspected")
         else:
             self.recover(2, frozenset(), f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}: "
                                          f"restart in place")
+
+    def replay_sdc(self, reason: str, phases: list | None = None, reference: str = "") -> None:  # type: ignore[type-arg]
+        """Rung 5: restart every node's ranks in replay mode (the dual-phase plan, or ``phases``); the
+        analyzer's verdict comes back as ``SdcReplayAnalyzed``. With fewer than two replay units there is
+        nothing to locate: restart in place."""
+        job = self.job
+        active = [n for n in sorted(job.active, key=lambda n: min(n.ranks)) if not n.cordoned]
+        rank_nodes = {r: n.node_id for n in active for r in n.ranks}
+        units = machine_units(rank_nodes, {r: job.rank_links.get(r, frozenset({r})) for r in rank_nodes})
+        if len(units) < 2 or not job.rank_links:
+            why = ("no checkpointed ranks to replay from" if not job.rank_links
+                   else f"one replay unit ({units[0].name if units else 'none'}): nothing to tell apart")
+            self.recover(5, frozenset(), f"{reason}; {why}: restart in place from before the anomaly")
+            return
+        if phases is None:
+            phases = [sdc_phase(p) for p in plan_phases([u.name for u in units])]
+        round_ = job.sdc_rounds
+        self.note(reason)
+        self.emit(SdcReplayRequested(round=round_, generation=job.generation + 1, nodes=[n.node_id for n in active],
+                                     units=units, phases=phases, anomaly_step=max(0, job.anomaly_step),
+                                     reference=reference, timeout_s=self.policy.sdc_replay_timeout.total_seconds(),
+                                     expires_at=self.expires_at,
+                                     reason=f"{reason}: replay step {job.anomaly_step} on {len(units)} units in "
+                                            f"{len(phases)} phase(s) ({', '.join(p.kind for p in phases)})"),
+                  key=f"sdc/{round_}")
 
     def recover(self, rung: int, evict: frozenset[str], reason: str, *, rollback: bool = False,
                 approved: bool = False) -> None:

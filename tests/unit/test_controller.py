@@ -17,6 +17,7 @@ from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.core.decider import DeciderSession
 from keel.core.event_types import (
     ApprovalGiven,
+    CheckpointRanksRegistered,
     CheckpointRestorePlanned,
     CheckResult,
     DiagnosticsCompleted,
@@ -28,6 +29,9 @@ from keel.core.event_types import (
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
+    RankGroups,
+    SdcPhase,
+    SdcReplayAnalyzed,
     StacksAnalyzed,
     RankStarted,
     StandbyChecked,
@@ -696,3 +700,106 @@ def test_replay_of_the_log_is_clean_and_a_cold_start_rebuilds_the_open_incident(
                              job_id="job1", subject=f"node/{node}", producer="node-agent", occurred_at=job.now)
         result = cold.observe(event)
     assert of(result.emitted, "RestartDecided")[0].payload.generation == 2
+
+
+# -- rung 5: dual-phase replay -------------------------------------------------------------------
+
+
+def registered(job: Job) -> None:
+    """The ranks' checkpoint registrations: PP 1 (each rank its own pipeline), so each node is a unit."""
+    for i, node in enumerate(job.nodes):
+        ranks = [i * job.per_node + local for local in range(job.per_node)]
+        job.feed(CheckpointRanksRegistered(node_id=node, generation=0, world_size=len(job.nodes) * job.per_node,
+                                           store_address="127.0.0.1:1", ranks=[RankGroups(rank=r, pp=[r], tp=[r])
+                                                                               for r in ranks]), f"node/{node}")
+
+
+def diagnosed_clean(job: Job, out: list[Event]) -> list[Event]:
+    [request] = of(out, "DiagnosticsRequested")
+    result: list[Event] = []
+    for node in request.payload.nodes:
+        result += job.diagnostics(node, request)
+    return result
+
+
+def replay_verdict(job: Job, request: Event, **fields) -> list[Event]:  # type: ignore[no-untyped-def]
+    return job.feed(SdcReplayAnalyzed(request_id=str(request.id), round=request.payload.round, **fields), "job/job1",
+                    producer="analyzer", correlation=request.correlation_id)
+
+
+def test_rung5_a_nan_that_diagnostics_do_not_explain_is_replayed_and_the_located_node_evicted() -> None:
+    job = Job()
+    registered(job)
+    out = diagnosed_clean(job, anomaly(job, "non_finite", step=40))
+    [replay] = of(out, "SdcReplayRequested")
+    p = replay.payload
+    assert not of(out, "RestartDecided")
+    assert p.anomaly_step == 40 and p.generation == 1 and p.nodes == ["n0", "n1", "n2", "n3"]
+    assert [u.name for u in p.units] == ["n0", "n1", "n2", "n3"] and [u.ranks for u in p.units][1] == [2, 3]
+    assert [ph.kind for ph in p.phases] == ["contiguous", "strided"]
+    assert [ph.groups for ph in p.phases] == [[["n0", "n1"], ["n2", "n3"]], [["n0", "n2"], ["n1", "n3"]]]
+    assert "rung 5" in p.reason and replay.correlation_id is not None
+    out = replay_verdict(job, replay, kind="found", unit="n2", nodes=["n2"], candidates=["n2"], rounds=2,
+                         reason="machine n2 is the only one in a failing group of every phase")
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.rung == 5 and restart.payload.evict == ["n2"] and restart.payload.generation == 2
+    assert [pr.replaces_node_id for pr in restart.payload.promotions] == ["n2"]
+    assert of(out, "NodeEvictionDecided")[0].payload.node_id == "n2"
+    # The job steps again: the incident closes at rung 5.
+    resolved = of(job.restart(out, restore_step=39, step=40), "IncidentResolved")
+    assert resolved and resolved[0].payload.rung == 5
+
+
+def test_rung5_an_ambiguous_round_runs_the_split_phase_with_the_reference_then_evicts_both() -> None:
+    job = Job(policy=ControllerPolicy(max_eviction_fraction=1.0), standbys=2)
+    registered(job)
+    [replay] = of(diagnosed_clean(job, anomaly(job, "spike")), "SdcReplayRequested")
+    split = SdcPhase(index=3, kind="split", groups=[["n0", "n1"], ["n3", "n2"]], suspects=["n0", "n3"])
+    out = replay_verdict(job, replay, kind="ambiguous", candidates=["n0", "n3"], next_phase=split,
+                         reference_digest="abc", rounds=2, reason="2 suspects remain")
+    [again] = of(out, "SdcReplayRequested")
+    assert again.payload.round == 1 and again.payload.phases == [split] and again.payload.reference == "abc"
+    out = replay_verdict(job, again, kind="several", nodes=["n0", "n3"], candidates=["n0", "n3"], rounds=3,
+                         reason="2 machines fail on their own")
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == ["n0", "n3"] and restart.payload.rung == 5
+
+
+def test_rung5_not_reproduced_restarts_in_place_and_a_missing_verdict_times_out() -> None:
+    job = Job()
+    registered(job)
+    [replay] = of(diagnosed_clean(job, anomaly(job, "non_finite")), "SdcReplayRequested")
+    out = replay_verdict(job, replay, kind="not_reproduced", rounds=1, reason="no group failed in phase 1")
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == [] and restart.payload.rung == 5 and "not reproduced" in restart.payload.reason
+
+    other = Job()
+    registered(other)
+    [replay] = of(diagnosed_clean(other, anomaly(other, "non_finite")), "SdcReplayRequested")
+    assert not of(other.tick(60), "RestartDecided")
+    [restart] = of(other.tick(31), "RestartDecided")
+    assert restart.payload.evict == [] and "no verdict" in restart.payload.reason
+
+
+def test_rung5_is_skipped_without_checkpointed_ranks_or_with_a_single_unit() -> None:
+    job = Job()  # no checkpoint registrations: nothing to replay from
+    out = diagnosed_clean(job, anomaly(job, "non_finite"))
+    assert not of(out, "SdcReplayRequested")
+    [restart] = of(out, "RestartDecided")
+    assert "no checkpointed ranks" in restart.payload.reason
+    # One pipeline over every node: one unit, nothing to tell apart.
+    whole = Job(nodes=2, per_node=1)
+    whole.feed(CheckpointRanksRegistered(node_id="n0", generation=0, world_size=2, store_address="a:1",
+                                         ranks=[RankGroups(rank=0, pp=[0, 1])]), "node/n0")
+    out = diagnosed_clean(whole, anomaly(whole, "non_finite", node="n0"))
+    assert not of(out, "SdcReplayRequested") and "one replay unit" in of(out, "RestartDecided")[0].payload.reason
+
+
+def test_rung5_decisions_replay_identically_from_the_log() -> None:
+    job = Job()
+    registered(job)
+    [replay] = of(diagnosed_clean(job, anomaly(job, "non_finite")), "SdcReplayRequested")
+    replay_verdict(job, replay, kind="found", unit="n1", nodes=["n1"], candidates=["n1"], rounds=2, reason="n1")
+    report = verify(ControllerDecider(), job.log)
+    assert report.clean, [d.describe() for d in report.divergences]
+    assert report.decisions_replayed >= 3  # the replay request, the restart, the eviction among them
