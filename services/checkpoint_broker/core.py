@@ -559,9 +559,12 @@ class JobState:
     restores: Mapping[int, RestoreWait] = field(default_factory=dict)
     planned: frozenset[int] = frozenset()
     restore_below: int | None = None
-    """The next restore plan takes a step below this one: a NaN or a spike appeared at it, so its
-    snapshot and every later one may hold corrupted state (cleared by that plan)."""
+    """Restore plans take a step below this one: a NaN or a spike appeared at it, so its snapshot and
+    every later one may hold corrupted state. It holds for every plan until the resumed history commits a
+    step at or past it (a rung-5 replay restores once and the restart after it again)."""
     restore_below_reason: str = ""
+    restore_below_planned: bool = False
+    """A plan honoured ``restore_below``: from now on a memory or peer commit past it clears it."""
 
     @property
     def all_registered(self) -> bool:
@@ -734,7 +737,7 @@ class CheckpointBrokerDecider:
                 return job
             if job.restore_below is not None and job.restore_below <= p.step:
                 return job
-            return replace(job, restore_below=p.step,
+            return replace(job, restore_below=p.step, restore_below_planned=False,
                            restore_below_reason=f"{p.kind.replace('_', '-')} {p.metric} at step {p.step} "
                                                 f"(rank {p.rank} on {p.node_id})")
         if isinstance(p, CheckpointRestorePlanned):
@@ -749,7 +752,7 @@ class CheckpointBrokerDecider:
             shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
             return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
                            restores={g: w for g, w in job.restores.items() if g > p.generation},
-                           restore_below=None, restore_below_reason="")
+                           restore_below_planned=job.restore_below is not None)
         return job
 
     def _evolve_shards(self, job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
@@ -776,6 +779,10 @@ class CheckpointBrokerDecider:
         by_step = job.shards.get(p.tier, {})
         job = replace(job, committed={**job.committed, p.tier: max(p.step, job.committed.get(p.tier, -1))},
                       shards={**job.shards, p.tier: {s: r for s, r in by_step.items() if s > p.step}})
+        if (job.restore_below is not None and job.restore_below_planned and p.tier != "disk"
+                and p.step >= job.restore_below):
+            # The resumed history stepped past the anomaly: its steps there are new, not the corrupted ones.
+            job = replace(job, restore_below=None, restore_below_reason="", restore_below_planned=False)
         if p.tier != "disk":
             return job
         commit = DiskCommit(step=p.step, commit_id=str(event.id), committed_at=event.occurred_at,

@@ -501,7 +501,7 @@ def test_a_restore_plan_rewinds_the_memory_and_peer_commits_to_its_step() -> Non
     assert (later.tier, later.step) == ("peer", 42)
 
 
-def test_after_a_nan_the_plan_takes_a_step_before_it_once() -> None:
+def test_after_a_nan_every_plan_takes_a_step_before_it_until_the_resumed_history_passes_it() -> None:
     session, backup = four_nodes()
     nan = ev(MetricAnomalyDetected(node_id="n2", rank=2, generation=0, kind="non_finite", metric="loss", step=44,
                                    value_text="nan", reason="loss of rank 2 is nan at step 44"), "node/n2")
@@ -511,8 +511,19 @@ def test_after_a_nan_the_plan_takes_a_step_before_it_once() -> None:
     plan, _ = plan_events(session, events)
     assert plan is not None and plan.step == 43, plan
     assert "steps from 44 on excluded: non-finite loss at step 44 (rank 2 on n2)" in plan.reason
-    # The limit served that plan: the next restart takes the newest step again.
-    later = [inventory(f"n{r}", 2, memory={r: [50, 51]}) for r in range(4)]
+    # A rung-5 replay restored once and did not step; the restart after it must again avoid 44 and 45.
+    again = [inventory(f"n{r}", 2, memory={r: [43, 44, 45]}) for r in range(4)]
+    plan, _ = plan_events(session, again)
+    assert plan is not None and plan.step == 43, plan
+    # A commit before the resumed history reaches 44 keeps the limit...
+    for r, b in sorted(backup.items()):
+        session.observe(shards(b, "peer", [(r, 43)], owner=f"n{r}"))
+    assert session.state.job(JOB).restore_below == 44
+    # ...the resumed history committing 44 (new, clean) lifts it: the next restart takes the newest again.
+    for r, b in sorted(backup.items()):
+        session.observe(shards(b, "peer", [(r, 44)], owner=f"n{r}"))
+    assert session.state.job(JOB).restore_below is None
+    later = [inventory(f"n{r}", 3, memory={r: [50, 51]}) for r in range(4)]
     plan, _ = plan_events(session, later)
     assert plan is not None and plan.step == 51
 
