@@ -129,3 +129,66 @@ class FaultFileWatcher:
             return None
         self._seen_ids.add(fault.id)
         return fault
+
+
+SDC_FILE_ENV = "KEEL_SIMULATED_SDC_FILE"
+"""Where a local cluster node's simulated silent data corruption is described (``keel inject sdc``)."""
+
+
+class SimulatedCorruption:
+    """A local cluster's simulated defective hardware (``keel inject sdc``): while the node's file
+    ``$KEEL_SIMULATED_SDC_FILE`` exists (JSON ``{"bit": 30, "index": 0, "ranks": null}``; ``ranks``: only
+    these global ranks, as for one bad GPU of a node; null: every rank of the node), every gradient this process
+    computes has that bit of that element flipped, as a defective ALU would, silently and every time -
+    in training and in a rung-5 replay alike. Stop-time diagnostics do not see it (they check the matmul
+    path of the simulated GPUs only): that is what makes it *silent*.
+
+    ``apply(tensor)`` flips in place (float32 or any 4-byte dtype; other dtypes are left alone) and
+    returns whether it did. Costs one ``stat`` when nothing changed. A malformed file is logged once and
+    treated as absent. On a real node the variable is unset and nothing is ever corrupted."""
+
+    def __init__(self, path: str | None, rank: int = 0) -> None:
+        self.path = path
+        self.rank = rank
+        self._signature: tuple[int, int, int] | None = None
+        self._spec: tuple[int, int] | None = None
+        self.flips = 0
+
+    def _current(self) -> tuple[int, int] | None:
+        if not self.path:
+            return None
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            self._signature, self._spec = None, None
+            return None
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if signature != self._signature:
+            self._signature = signature
+            try:
+                with open(self.path, encoding="utf-8") as handle:
+                    data = json.loads(handle.read() or "{}")
+                bit, index = int(data.get("bit", 30)), int(data.get("index", 0))
+                if not 0 <= bit < 32 or index < 0:
+                    raise ValueError(f"bit must be in 0..31 and index >= 0, got bit {bit}, index {index}")
+                ranks = data.get("ranks")
+                if ranks is not None and (not isinstance(ranks, list) or not all(isinstance(r, int) for r in ranks)):
+                    raise ValueError(f"ranks must be a list of integers or null, got {ranks!r}")
+                self._spec = (bit, index) if ranks is None or self.rank in ranks else None
+            except (OSError, ValueError, TypeError, AttributeError) as exc:
+                _log.error("keel simulated SDC file %s ignored: %s", self.path, exc)
+                self._spec = None
+        return self._spec
+
+    def apply(self, tensor: Any) -> bool:
+        spec = self._current()
+        if spec is None or tensor.numel() == 0 or tensor.element_size() != 4:
+            return False
+        bit, index = spec
+        import torch  # only processes that train import torch; the agent never calls this
+
+        flat = tensor.view(-1)
+        word = flat[index % flat.numel()].view(torch.int32)
+        word.bitwise_xor_(torch.tensor(1 << bit if bit < 31 else -(1 << 31), dtype=torch.int32))
+        self.flips += 1
+        return True

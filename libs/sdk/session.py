@@ -8,7 +8,9 @@ Call order::
     with session.phase("step"):
         for step in range(start, steps):
             loss = compute(...) * session.nan_factor()  # inside the step; 1.0 unless a nan fault fires
-            ...                                          # backward, all-reduce, optimizer.step
+            ...                                          # backward
+            session.corrupt(local_grads)                 # before the all-reduce; a no-op off a local cluster
+            ...                                          # all-reduce, optimizer.step
             session.step_done(step, loss=..., grad_norm=..., tokens=...)   # once per step, last
             if eval_due:
                 with session.phase("eval"):
@@ -36,11 +38,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from keel.core.protocol import node_local_pb2 as pb
 from keel.core.units import parse_duration
-from keel.sdk.faults import FaultFileWatcher, InjectedFault
+from keel.sdk.faults import SDC_FILE_ENV, FaultFileWatcher, InjectedFault, SimulatedCorruption
 from keel.sdk.transport import DatagramSender
 
 if TYPE_CHECKING:
@@ -76,12 +78,14 @@ class SessionConfig:
     generation: int = 0
     agent_socket: str | None = None
     fault_file: str | None = None
+    sdc_file: str | None = None
     heartbeat_interval: timedelta = DEFAULT_HEARTBEAT_INTERVAL
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
         """Read ``KEEL_JOB_ID``, ``KEEL_NODE_ID``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-        ``KEEL_GENERATION``, ``KEEL_AGENT_SOCKET``, ``KEEL_FAULT_FILE`` and ``KEEL_HEARTBEAT_INTERVAL``
+        ``KEEL_GENERATION``, ``KEEL_AGENT_SOCKET``, ``KEEL_FAULT_FILE``, ``KEEL_SIMULATED_SDC_FILE`` and
+        ``KEEL_HEARTBEAT_INTERVAL``
         (a duration with a unit, e.g. ``"500ms"``). Unset means: local run, rank 0 of 1, no agent."""
         env = os.environ if env is None else env
         interval_text = env.get("KEEL_HEARTBEAT_INTERVAL")
@@ -97,6 +101,7 @@ class SessionConfig:
             generation=int(env.get("KEEL_GENERATION", "0")),
             agent_socket=env.get("KEEL_AGENT_SOCKET") or None,
             fault_file=env.get("KEEL_FAULT_FILE") or None,
+            sdc_file=env.get(SDC_FILE_ENV) or None,
             heartbeat_interval=interval,
         )
 
@@ -131,6 +136,7 @@ class Session:
         self._faults = (
             FaultFileWatcher(config.fault_file, rank=config.rank, generation=config.generation) if config.fault_file else None
         )
+        self._corruption = SimulatedCorruption(config.sdc_file, config.rank)
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._error = ""
@@ -330,6 +336,12 @@ class Session:
             self.close()
 
     # -- injected faults ---------------------------------------------------------------------------
+
+    def corrupt(self, local_gradients: Any) -> bool:
+        """Apply this node's simulated silent data corruption (``keel inject sdc`` on a local cluster) to
+        this rank's gradients, in place, before they are reduced: True when a bit was flipped. Call it
+        in training and in a rung-5 replay alike (the defect is the hardware's, not the step's)."""
+        return self._corruption.apply(local_gradients)
 
     def nan_factor(self) -> float:
         """``1.0``, or ``nan`` during the step an injected ``nan`` fault targets.

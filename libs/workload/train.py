@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import math
 import os
 import random
@@ -59,6 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import keel.sdk
+import keel.sdk.replay
 from keel.core.units import parse_duration
 from keel.sdk.checkpoint import Checkpointer
 from keel.workload.data import MarkovDataset, ShardedSampler, collate
@@ -252,15 +254,24 @@ def _train_step(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, targets: 
     return total
 
 
-def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor) -> tuple[float, float]:
+def _flat_gradients(stage: PipelineStage) -> torch.Tensor:
+    """This stage's gradients as one new flat tensor (parameter order)."""
+    return torch.cat([p.grad.reshape(-1) for p in stage.parameters() if p.grad is not None])
+
+
+def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor,
+                    corrupt: Callable[[torch.Tensor], bool] = lambda _: False) -> tuple[float, float]:
     """Average gradients over the DP group, then all-reduce ``[loss, grad_norm²/DP]`` over the world.
 
+    ``corrupt`` sees this rank's flat local gradients before the reduction (``Session.corrupt``: a local
+    cluster's simulated silent data corruption, which the all-reduce then spreads to every replica).
     Returns ``(mean loss over replicas, global gradient norm)``. Must run after every micro-batch's
     backward and before clipping and ``optimizer.step``.
     """
     params = [p for p in stage.parameters() if p.grad is not None]
     if ctx.distributed and ctx.dp > 1:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = _flat_gradients(stage)
+        corrupt(flat)
         with ctx.waiting():
             dist.all_reduce(flat, group=ctx.dp_group)
         flat /= ctx.dp
@@ -269,6 +280,8 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor) -
             n = p.grad.numel()
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
+    elif params:
+        corrupt(params[0].grad)
     sq = torch.zeros(())
     for p in params:
         sq += p.grad.pow(2).sum()
@@ -328,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
         if restored < 0 and args.persist_dir:
             restored = _restore_persisted(ckpt, ctx, args.persist_dir)
         restore_s = time.monotonic() - restore_t0
+    replay = keel.sdk.replay.replay_spec()
+    if replay is not None:
+        return _sdc_replay(replay, session, ckpt, stage, ctx, dataset, sampler, args, cfg.d_model, restored)
     if ctx.rank == 0:
         print(f"keel.workload: size {args.size} world {ctx.world_size} dp {ctx.dp} pp {ctx.pp} "
               f"stage0_params {n_params} setup_s {time.monotonic() - start_s:.2f} restore_s {restore_s:.3f} "
@@ -347,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs, targets = collate(dataset, sampler.next_indices())
             optimizer.zero_grad(set_to_none=True)
             local_loss = _train_step(stage, ctx, inputs, targets, args.micro_batches, cfg.d_model, session.nan_factor())
-            loss, grad_norm = _sync_gradients(stage, ctx, local_loss)
+            loss, grad_norm = _sync_gradients(stage, ctx, local_loss, session.corrupt)
             _clip(stage, grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()  # its pre-hook waits for the copy of the previous snapshot
@@ -381,6 +397,66 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.save_file(f"{args.save_final}.rank{ctx.rank}", step=last_step)
     if ctx.rank == 0:
         print(f"done steps {args.steps} final_loss {loss:.6f} wall_s {time.monotonic() - start_s:.2f}", flush=True)
+    session.done()
+    if ctx.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _sdc_replay(spec: keel.sdk.replay.ReplaySpec, session: keel.sdk.Session, ckpt: Checkpointer, stage: PipelineStage,
+                ctx: _Ctx, dataset: MarkovDataset, sampler: ShardedSampler, args: argparse.Namespace, d_model: int,
+                restored: int) -> int:
+    """Rung 5 (``keel.sdk.replay``): replay step ``restored + 1`` once per phase, every replica on replica
+    0's batch of that step, and compare this rank's gradients bitwise with the group's ranks that hold the
+    same pipeline stage; write the answer and leave without training.
+
+    Every rank creates every group's process group, in the same order (torch.distributed's rule), so the
+    replay runs in the job's own world; a replica (a pipeline) is never split across groups, since groups
+    are made of whole replay units. Deterministic: the same restored state and batch give bitwise-equal
+    gradients on healthy hardware."""
+    started = time.monotonic()
+    topo = topology(ctx.world_size, ctx.pp)
+    comparisons: dict[tuple[int, int], Any] = {}
+    for phase in spec.phases:
+        for gi, group in enumerate(phase.groups):
+            for stage_index in range(ctx.pp):
+                members = sorted(r for r in group if topo["ranks"][r]["pp_rank"] == stage_index)
+                handle = dist.new_group(members) if ctx.distributed and members else None
+                if ctx.rank in members:
+                    comparisons[(phase.index, gi)] = (members, handle)
+    replayed = ShardedSampler(dataset.num_samples, batch_size=args.batch, dp_rank=0, dp_size=ctx.dp, seed=args.seed)
+    replayed.epoch, replayed.position = sampler.epoch, sampler.position
+    inputs, targets = collate(dataset, replayed.next_indices())
+    results: list[dict[str, Any]] = []
+    with session.phase("eval"):  # the agent's generous eval timeout: a replay is not a hang
+        for phase in spec.phases:
+            key = (phase.index, phase.group_of(ctx.rank))
+            if key not in comparisons:
+                continue  # this rank's unit sits this phase out (a split phase tests some units only)
+            members, handle = comparisons[key]
+            stage.zero_grad(set_to_none=True)
+            _train_step(stage, ctx, inputs, targets, args.micro_batches, d_model, 1.0)
+            mine = _flat_gradients(stage)
+            session.corrupt(mine)
+            gathered = [torch.empty_like(mine) for _ in members]
+            if handle is not None and len(members) > 1:
+                dist.all_gather(gathered, mine, group=handle)
+            else:
+                gathered = [mine]
+            differing = {r: int((g != mine).sum()) for r, g in zip(members, gathered, strict=True) if not torch.equal(g, mine)}
+            digest = hashlib.sha256(mine.numpy().tobytes()).hexdigest()
+            results.append({"phase": phase.index, "group": key[1], "consistent": not differing,
+                            "digest": "" if differing else digest,
+                            "detail": "" if not differing else "gradients differ from rank(s) " + ", ".join(
+                                f"{r} ({n} of {mine.numel()} elements)" for r, n in sorted(differing.items()))})
+    keel.sdk.replay.write_result(spec, ctx.rank, restored, results,
+                                 detail=f"replayed step {restored + 1} after restoring step {restored} in "
+                                        f"{time.monotonic() - started:.2f} s")
+    if ctx.rank == 0:
+        print(f"keel.workload: replay round {spec.round}: step {restored + 1} replayed in {len(results)} phase(s)",
+              flush=True)
+    ckpt.close()
     session.done()
     if ctx.distributed:
         dist.barrier()
