@@ -43,7 +43,7 @@ from keel.core.runtime import free_port
 from keel.core.units import parse_duration
 
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
-HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full"}
+HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
 FAULT_KINDS = WORKLOAD_FAULTS | HARDWARE_FAULTS
 SIMULATED_NIC = "eth0"
 
@@ -342,7 +342,7 @@ class FaultSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full"]
+    kind: Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
     node: str
     rank: int | None = Field(default=None, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
@@ -422,6 +422,17 @@ def apply_fault(node: NodeInfo, fault: FaultSpec, fault_id: str) -> str:
         (nic / "carrier").write_text("0\n")
         (nic / "carrier_changes").write_text(f"{changes + 1}\n")
         return f"{nic.name} of {node.node_id} is down"
+    if fault.kind == "sdc":
+        # Silent data corruption: the node's hardware flips one bit of every gradient its ranks compute
+        # (``keel.sdk.faults.SimulatedCorruption``), from the next step on and after every restart. The
+        # inspector and stop-time diagnostics see nothing; only numbers (a NaN, a spike) and a rung-5 replay do.
+        bit, index = int(fault.params.get("bit", 30)), int(fault.params.get("index", 0))
+        if not 0 <= bit < 32 or index < 0:
+            raise ClusterError(f"sdc needs bit in 0..31 and index >= 0, got bit {bit}, index {index}")
+        ranks = [fault.rank] if fault.rank is not None else None
+        _atomic_write(root / "run/keel/sdc.json", json.dumps({"bit": bit, "index": index, "ranks": ranks}))
+        target = f"rank {fault.rank}" if fault.rank is not None else "every rank"
+        return f"bit {bit} of gradient element {index} flips on {target} of {node.node_id}, silently"
     if fault.kind == "disk-full":
         total = 100 * 1024**3
         _atomic_write(root / "run/keel/disk.json", json.dumps({"/": {"free_bytes": 0, "total_bytes": total}}))

@@ -676,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser_.set_defaults(func=cmd_cluster)
 
     inject = sub.add_parser("inject", help="inject a fault into the local cluster")
-    inject.add_argument("kind", nargs="?", help="crash hang slow nan oom gpu-lost xid nic-down disk-full")
+    inject.add_argument("kind", nargs="?", help="crash hang slow nan oom gpu-lost xid nic-down disk-full sdc")
     inject.add_argument("--node")
     inject.add_argument("--rank", type=int)
     inject.add_argument("--param", action="append", default=[], help="key=value (JSON values allowed)")

@@ -107,7 +107,7 @@ class NodeEvicted(EventPayload):
 # -- node agent, ranks and fault injection (node agent issue) ---------------------------------------
 
 ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent", "success"]
-FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full"]
+FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
 
 
 @event_type("NodeHeartbeat", version=2, aggregate="node")

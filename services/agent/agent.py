@@ -10,6 +10,12 @@ not expired:
   ranks (their exits are reported, ``stopped_by_agent``), run the round in the background
   (``keel.agent.diagnostics``; the loop keeps beating and obeying), and emit ``DiagnosticsCompleted``
   when it ends or overruns ``timeout_s``. The node then waits, ranks stopped, for the next command.
+- ``SdcReplayRequested`` (rung 5), when this node is one of its ``nodes``: stop the ranks and start them
+  as the request's generation in replay mode (``$KEEL_SDC_REPLAY``, ``keel.sdk.replay``): they restore
+  the broker's plan, replay the step per phase and exit; their exits are the replay's, not the job's (no
+  ``RankExited``). ``SdcReplayCompleted`` carries their group results; ranks still running at the
+  request's ``timeout_s`` are stopped and reported as not answering. The node then waits, as after a
+  diagnostics round.
 - ``StandbyPromotionRequested`` to this standby: take ``node_rank``'s slice and start it as
   ``generation``, restoring from the peer copies (``StandbyPromoted``).
 
@@ -34,9 +40,11 @@ import signal
 import socket
 import statistics
 import time
+import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Protocol
 
 from keel.agent.channel import RankChannel
@@ -68,6 +76,9 @@ from keel.core.event_types import (
     RankStarted,
     MissingProcess,
     RankTopology,
+    SdcGroupResult,
+    SdcReplayCompleted,
+    SdcReplayRequested,
     StacksCaptured,
     StacksRequested,
     StandbyChecked,
@@ -76,13 +87,14 @@ from keel.core.event_types import (
 )
 from keel.core.events import Event, EventPayload, InvalidEvent, decode_event, now_utc
 from keel.core.outbox import Outbox
+from keel.sdk.replay import REPLAY_ENV, result_path
 
 log = logging.getLogger(__name__)
 
 PRODUCER = "agent"
 
 COMMAND_SUBJECTS = (("node", "RanksRestartRequested"), ("job", "DiagnosticsRequested"),
-                    ("node", "StandbyPromotionRequested"), ("job", "StacksRequested"))
+                    ("node", "StandbyPromotionRequested"), ("job", "StacksRequested"), ("job", "SdcReplayRequested"))
 """The commands an agent consumes (aggregate kind, type): subjects ``<prefix>.<job>.<kind>.<type>``."""
 
 
@@ -137,6 +149,64 @@ class ActiveRound:
     """The ``DiagnosticsRequested`` it answers; None for a standby's self-check."""
 
 
+@dataclass
+class ActiveReplay:
+    """A rung-5 replay running on this node: its command, folder and deadline, and the ranks that ended."""
+
+    command: Event
+    directory: Path
+    generation: int
+    ranks: list[int]
+    started_s: float
+    deadline_s: float
+    exits: dict[int, RankExit] = field(default_factory=dict)
+
+
+def replay_spec_json(request: SdcReplayRequested, result_dir: Path) -> str:
+    """The ``$KEEL_SDC_REPLAY`` file for ``request``: its phases with each group's units as global ranks."""
+    ranks = {u.name: u.ranks for u in request.units}
+    phases = [{"index": ph.index, "kind": ph.kind,
+               "groups": [sorted(r for name in group for r in ranks.get(name, [])) for group in ph.groups]}
+              for ph in request.phases]
+    return json.dumps({"round": request.round, "anomaly_step": request.anomaly_step, "phases": phases,
+                       "result_dir": str(result_dir)})
+
+
+def replay_answer(request: SdcReplayRequested, node_id: str, request_id: str, ranks: list[int],
+                  exits: dict[int, RankExit], result_dir: Path, duration_s: float) -> SdcReplayCompleted:
+    """This node's ``SdcReplayCompleted`` from its ranks' exits and result files: ``ran`` only when every
+    local rank exited 0 and wrote its answer; otherwise ``detail`` says which did not, and why."""
+    results: list[SdcGroupResult] = []
+    restored: list[int] = []
+    problems: list[str] = []
+    details: list[str] = []
+    for rank in ranks:
+        exit_ = exits.get(rank)
+        path = result_path(result_dir, rank)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            for r in data["results"]:
+                results.append(SdcGroupResult(rank=rank, phase=r["phase"], group=r["group"], consistent=r["consistent"],
+                                              digest=r.get("digest", ""), detail=r.get("detail", "")))
+            restored.append(int(data["restored_step"]))
+            if data.get("detail"):
+                details.append(str(data["detail"]))
+        except FileNotFoundError:
+            if exit_ is None:
+                problems.append(f"rank {rank} did not finish in {request.timeout_s:g} s")
+            else:
+                how = f"exit code {exit_.exit_code}" if exit_.signal is None else exit_.signal
+                last = (exit_.reported_failure or exit_.stderr_tail).strip().splitlines()[-1:] or ["no output"]
+                problems.append(f"rank {rank} ended ({how}) without an answer: {last[0][:300]}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problems.append(f"rank {rank} wrote an unreadable answer ({type(exc).__name__}: {exc})")
+    ran = not problems
+    return SdcReplayCompleted(node_id=node_id, request_id=request_id, round=request.round, ran=ran,
+                              restored_step=min(restored) if restored else -1, results=results if ran else [],
+                              detail="; ".join(problems) if problems else (details[0] if details else ""),
+                              duration_s=round(duration_s, 3))
+
+
 class HealthWatcher(Protocol):
     """What the agent needs from the inspector: observations in, health state changes out."""
 
@@ -187,6 +257,8 @@ class NodeAgent:
         self.held = False
         """The ranks were stopped on command (diagnostics) and wait for the next one: not "finished"."""
         self.stack_rounds_seen: set[int] = set()
+        self.replay: ActiveReplay | None = None
+        self.replay_rounds_seen: set[int] = set()
         self.stack_captures: list[tuple[Event, concurrent.futures.Future[NodeCapture]]] = []
         """Captures running in the background (py-spy takes ~0.1-0.5 s a process), with their request."""
         self._capture_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -213,7 +285,7 @@ class NodeAgent:
 
     # -- ranks -----------------------------------------------------------------------------------
 
-    def start_ranks(self, generation: int) -> None:
+    def start_ranks(self, generation: int, extra_env: dict[str, str] | None = None) -> None:
         if generation > 0:
             # An injected workload fault belongs to the generation it was injected into; a restarted
             # process must not apply it again.
@@ -222,8 +294,8 @@ class NodeAgent:
         self.generation_started_s = time.monotonic()
         self.held = False
         self.channel.forget_generation_before(generation)
-        if self.checkpointing is not None:
-            self.supervisor.extra_env = self.checkpointing.rank_env(generation)
+        self.supervisor.extra_env = {**(self.checkpointing.rank_env(generation) if self.checkpointing is not None
+                                        else {}), **(extra_env or {})}
         for process in self.supervisor.start_all(generation):
             self.emit(
                 RankStarted(node_id=self.spec.node_id, rank=process.rank, local_rank=process.local_rank,
@@ -283,6 +355,8 @@ class NodeAgent:
             self.handle_restart(command)
         elif isinstance(payload, StacksRequested):
             self.handle_stacks(command)
+        elif isinstance(payload, SdcReplayRequested):
+            self.handle_replay(command)
 
     def stop_ranks(self) -> None:
         self.supervisor.stop_all()
@@ -302,6 +376,7 @@ class NodeAgent:
                 log.warning("%s: a restart command arrived while diagnostics ran; ending the round unreported",
                             self.spec.node_id)
                 self.cancel_round()
+            self.finish_replay(force=True)
             self.stop_ranks()
             if self.spec.standby:
                 # A standby told to run its slice (a replacement started with `keel cluster`'s start_node)
@@ -358,6 +433,61 @@ class NodeAgent:
         self.launch_round(request, f"round-{payload.round}", command)
         log.info("%s: diagnostics round %d started (%s; %.0fs): %s", node, payload.round, ", ".join(payload.checks),
                  payload.timeout_s, payload.reason)
+
+    def handle_replay(self, command: Event) -> None:
+        """Rung 5: restart this node's ranks in replay mode (see the module docstring)."""
+        payload = command.payload
+        assert isinstance(payload, SdcReplayRequested)
+        node = self.spec.node_id
+        if self.spec.standby or node not in payload.nodes or payload.round in self.replay_rounds_seen:
+            return
+        self.replay_rounds_seen.add(payload.round)
+        if self.clock() > payload.expires_at or payload.generation <= self.generation:
+            why = (f"command expired at {payload.expires_at.isoformat()}" if self.clock() > payload.expires_at
+                   else f"already at generation {self.generation}")
+            log.warning("%s: replay round %d not run: %s", node, payload.round, why)
+            self.emit(SdcReplayCompleted(node_id=node, request_id=str(command.id), round=payload.round, ran=False,
+                                         detail=f"not run: {why}"), causation=command)
+            return
+        self.cancel_round()
+        self.finish_replay(force=True)
+        self.stop_ranks()
+        directory = self.spec.agent_dir / "sdc" / f"round-{payload.round}"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        spec_path = directory / "replay.json"
+        spec_path.write_text(replay_spec_json(payload, directory), encoding="utf-8")
+        self.start_ranks(payload.generation, extra_env={REPLAY_ENV: str(spec_path)})
+        if self.checkpointing is not None:
+            self.checkpointing.prepare_restart(payload.generation)
+        now_s = time.monotonic()
+        self.replay = ActiveReplay(command, directory, payload.generation, sorted(self.supervisor.ranks), now_s,
+                                   now_s + payload.timeout_s)
+        log.info("%s: replay round %d started as generation %d (%d phase(s)): %s", node, payload.round,
+                 payload.generation, len(payload.phases), payload.reason)
+
+    def finish_replay(self, force: bool = False) -> None:
+        """Answer the running replay once every local rank ended (or at its deadline, or ``force``)."""
+        replay = self.replay
+        if replay is None:
+            return
+        if len(replay.exits) < len(replay.ranks) and not force and time.monotonic() < replay.deadline_s:
+            return
+        if len(replay.exits) < len(replay.ranks):
+            self.supervisor.stop_all()
+            for exit_ in self.supervisor.poll():
+                if exit_.generation == replay.generation:
+                    replay.exits.setdefault(exit_.rank, dataclasses.replace(exit_, exit_code=None, signal="deadline"))
+        self.replay = None
+        payload = replay.command.payload
+        assert isinstance(payload, SdcReplayRequested)
+        answer = replay_answer(payload, self.spec.node_id, str(replay.command.id), replay.ranks,
+                               {r: e for r, e in replay.exits.items() if e.signal != "deadline"}, replay.directory,
+                               time.monotonic() - replay.started_s)
+        self.emit(answer, causation=replay.command)
+        self.held = True  # the ranks are done; the node waits for the controller's next command
+        log.info("%s: replay round %d %s in %.1fs: %s", self.spec.node_id, payload.round,
+                 "answered" if answer.ran else "FAILED", answer.duration_s, answer.detail)
 
     def start_self_check(self) -> None:
         """A standby's local checks, once at start (reported as ``StandbyChecked``)."""
@@ -593,6 +723,13 @@ class NodeAgent:
                 log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank,
                          (state.error.strip().splitlines() or ["?"])[-1])
         exits = self.supervisor.poll()
+        if self.replay is not None:
+            # A replay's ranks end by design: their exits answer the replay, they are not the job's.
+            for exit_ in exits:
+                if exit_.generation == self.replay.generation:
+                    self.replay.exits[exit_.rank] = exit_
+            exits = [e for e in exits if e.generation != self.replay.generation]
+            self.finish_replay()
         failures = [e for e in exits if self.report_exit(e)]
         self.poll_round()
         self.poll_stacks()

@@ -134,6 +134,10 @@ class RankSupervisor:
             KEEL_FAULT_FILE=str(self.fault_file),
             PYTHONUNBUFFERED="1",
         )
+        if spec.root != Path("/"):
+            # A local cluster's simulated node: its simulated silent data corruption (``keel inject sdc``)
+            # is read by the ranks themselves (``keel.sdk.Session.corrupt``). Never set on a real node.
+            env["KEEL_SIMULATED_SDC_FILE"] = str(spec.root / "run/keel/sdc.json")
         env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")
         return env

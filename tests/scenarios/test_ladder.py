@@ -274,8 +274,13 @@ async def test_a_nan_loss_is_detected_diagnosed_and_restored_from_before_it(stac
                 key=lambda e: e.payload.step)
     assert first.payload.generation == 0 and first.payload.value is None and first.payload.value_text == "nan"
     assert "DiagnosticsRequested" in types_of(timeline)
-    assert resolved.payload.outcome == "recovered" and resolved.payload.rung == 2, resolved.payload
+    # Diagnostics pass, so rung 5 replays the step: an injected NaN is the program's, not a machine's, and
+    # the replay does not reproduce it (no group fails): restart in place, from before the NaN.
+    [verdict] = [e for e in timeline if e.type == "SdcReplayAnalyzed"]
+    assert verdict.payload.kind == "not_reproduced" and not verdict.payload.nodes, verdict.payload
+    assert resolved.payload.outcome == "recovered" and resolved.payload.rung == 5, resolved.payload
     [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    assert restart.payload.evict == [] and "not reproduced" in restart.payload.reason
     plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == restart.payload.generation,
                                 30, "the restore plan")
     # The snapshot of the NaN step (and every later one) holds NaN weights: the plan takes one before it.
@@ -293,6 +298,57 @@ async def test_a_nan_loss_is_detected_diagnosed_and_restored_from_before_it(stac
     assert min(losses) == plan.payload.step + 1 and all(math.isfinite(v) for v in losses.values()), losses
     assert not [e for e in await stack.events(["MetricAnomalyDetected"])
                 if e.payload.generation >= restart.payload.generation and e.payload.kind == "non_finite"]
+    await stack.stop_and_verify()
+
+
+async def test_rung5_a_node_that_flips_a_gradient_bit_is_located_by_replay_and_evicted(stack: Stack) -> None:
+    # 4 nodes x 1 rank, DP 4, and a standby. One node's "GPU" silently flips the exponent's top bit of one
+    # gradient element on every step: the all-reduce spreads it, the gradient norm overflows.
+    command = ["-m", "keel.workload.train", "--size", "tiny", "--steps", "100000", "--min-step-time", "50ms"]
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=command)
+    await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
+    await stack.stepping(15)
+    culprit = stack.node_of_rank(2)
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind="sdc", node=culprit, params={"bit": 30})],
+                                                      timeout_s=240)
+    assert opened.payload.kind == "metric_anomaly", opened.payload
+    first = min((e for e in await stack.events(["MetricAnomalyDetected"]) if e.payload.kind != "decline"),
+                key=lambda e: e.payload.step)
+    kinds = types_of(timeline)
+    # Diagnostics do not see it (the simulated GPUs pass their matmul check): rung 5.
+    diagnosed = [e for e in timeline if e.type == "DiagnosticsCompleted"]
+    assert diagnosed and all(e.payload.passed for e in diagnosed), [e.payload.detail for e in diagnosed]
+    assert kinds.index("DiagnosticsCompleted") < kinds.index("SdcReplayRequested") < kinds.index("SdcReplayAnalyzed")
+    [request] = [e for e in timeline if e.type == "SdcReplayRequested"]
+    assert [p.kind for p in request.payload.phases] == ["contiguous", "strided"] and len(request.payload.units) == 4
+    answers = [e for e in timeline if e.type == "SdcReplayCompleted"]
+    assert len(answers) == 4 and all(a.payload.ran for a in answers), [a.payload.detail for a in answers]
+    [verdict] = [e for e in timeline if e.type == "SdcReplayAnalyzed"]
+    assert verdict.payload.kind == "found" and verdict.payload.nodes == [culprit], verdict.payload
+    assert verdict.payload.rounds == 2  # two replay phases, where a binary search over 4 needs 2 as well
+    assert all(len(p.failed_groups) == 1 for p in verdict.payload.phases), verdict.payload.phases
+    # Evicted at rung 5; the standby takes its rank; the job resumes from before the corruption.
+    [restart] = [e for e in timeline if e.type == "RestartDecided"]
+    assert restart.payload.rung == 5 and restart.payload.evict == [culprit], restart.payload
+    assert [p.replaces_node_id for p in restart.payload.promotions] == [culprit]
+    assert resolved.payload.outcome == "recovered" and resolved.payload.rung == 5, resolved.payload
+    plans = [e for e in await stack.events(["CheckpointRestorePlanned"])
+             if e.payload.generation in (request.payload.generation, restart.payload.generation)]
+    assert len(plans) == 2 and all(0 <= p.payload.step < first.payload.step for p in plans), [p.payload for p in plans]
+    # Training goes on past the corrupted step with finite gradient norms, without the bad node.
+    log_file = stack.directory / "nodes" / stack.node_of_rank(0) / "logs" / f"rank0.g{restart.payload.generation}.stdout"
+    deadline = time.monotonic() + 60
+    norms: dict[int, float] = {}
+    while max(norms, default=-1) < first.payload.step + 10:
+        assert time.monotonic() < deadline, f"generation {restart.payload.generation} did not train past the corruption"
+        await asyncio.sleep(0.5)
+        text = log_file.read_text() if log_file.exists() else ""
+        norms = {int(m[0]): float(m[1]) for m in re.findall(r"^step (\d+) loss \S+ grad_norm (\S+)", text, re.M)}
+    assert all(math.isfinite(v) for v in norms.values()), norms
+    spent = (resolved.occurred_at - opened.occurred_at).total_seconds()
+    print(f"rung 5: incident {spent:.1f} s (open to resolved); replay answers in "
+          f"{max(a.payload.duration_s for a in answers):.1f} s; replay requested "
+          f"{(request.occurred_at - opened.occurred_at).total_seconds():.1f} s after the incident opened")
     await stack.stop_and_verify()
 
 

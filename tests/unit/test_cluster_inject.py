@@ -106,3 +106,24 @@ def test_scenario_errors_name_the_file_and_the_field(tmp_path: Path) -> None:
     empty.write_text("faults: []\n")
     with pytest.raises(ClusterError, match="faults"):
         load_scenario(empty)
+
+
+def test_sdc_is_silent_to_the_probes_and_flips_the_bit_the_ranks_read(node: NodeInfo) -> None:
+    import torch
+
+    from keel.sdk.faults import SimulatedCorruption
+
+    probes = default_probes(node.root)
+    core = InspectorCore("n00")
+    state, _ = core.step(core.initial_state(), [o for p in probes for o in p.collect()], T0)
+    detail = apply_fault(node, FaultSpec(kind="sdc", node="n00", rank=2, params={"bit": 30, "index": 1}), "f5")
+    assert "silently" in detail
+    state, events = core.step(state, [o for p in probes for o in p.collect()], T0 + timedelta(seconds=1))
+    assert [e for e in events if e.status != "healthy"] == []  # nothing for the inspector to see
+    path = str(node.root / "run/keel/sdc.json")
+    grads = torch.full((3,), 1e-3)
+    assert SimulatedCorruption(path, rank=2).apply(grads) and grads[1] > 1e30 and grads[0] == grads[2]
+    untouched = torch.full((3,), 1e-3)
+    assert not SimulatedCorruption(path, rank=1).apply(untouched) and bool((untouched == 1e-3).all())
+    with pytest.raises(ClusterError, match="bit in 0..31"):
+        apply_fault(node, FaultSpec(kind="sdc", node="n00", params={"bit": 40}), "f6")
