@@ -79,6 +79,8 @@ class RoundJudgement:
     missing: tuple[str, ...]
     ran: bool
     """Some node produced group results (else nothing can be judged)."""
+    split_results: bool = False
+    """Consistent groups disagree and no result has a majority: nothing tells the clean result apart."""
 
 
 def _group_results(request: SdcReplayRequested, answers: Mapping[str, SdcReplayCompleted]
@@ -126,11 +128,13 @@ def judge_round(request: SdcReplayRequested, answers: Mapping[str, SdcReplayComp
     groups = _group_results(request, answers)
     missing = tuple(sorted(n for n in request.nodes if n not in answers or not answers[n].ran))
     ran = any(a.ran and a.results for a in answers.values())
+    split_results = False
     if not reference:
         counts = Counter(_result_text(d) for ok, d, _ in groups.values() if ok and d)
         ranked = counts.most_common(2)
         if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]):
             reference = ranked[0][0]
+        split_results = len(ranked) > 1 and not reference
     outcomes, results = [], []
     for phase in request.phases:
         failed, evidence = [], []
@@ -146,7 +150,7 @@ def judge_round(request: SdcReplayRequested, answers: Mapping[str, SdcReplayComp
                                 f"reference ({result or 'nothing'} vs {reference or 'no majority'})")
         outcomes.append(SdcPhaseOutcome(phase=phase.index, kind=phase.kind, failed_groups=failed, evidence=evidence))
         results.append(PhaseResult(phase_of(phase), frozenset(failed)))
-    return RoundJudgement(tuple(outcomes), tuple(results), reference, missing, ran)
+    return RoundJudgement(tuple(outcomes), tuple(results), reference, missing, ran, split_results)
 
 
 def verdict_fields(request: SdcReplayRequested, judgement: RoundJudgement,
@@ -159,6 +163,11 @@ def verdict_fields(request: SdcReplayRequested, judgement: RoundJudgement,
     if not judgement.ran:
         return {**common, "kind": "incomplete", "rounds": len(earlier),
                 "reason": f"no node ran the replay ({', '.join(judgement.missing) or 'no answer'}): nothing to judge"}
+    if judgement.split_results:
+        return {**common, "kind": "incomplete", "rounds": len(earlier) + len(judgement.results),
+                "reason": "the groups that agree internally disagree with each other and no result has a majority: "
+                          "nothing tells the clean result from the corrupted one (a reference needs at least 3 "
+                          "replay units)"}
     loc: Localisation = locate([*earlier, *judgement.results])
     reason = "; ".join(loc.reasons)
     if judgement.missing:

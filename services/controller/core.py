@@ -89,6 +89,8 @@ from keel.core.event_types import (
 from keel.core.events import Event, EventPayload
 
 NAME = "controller"
+MIN_SDC_UNITS = 3
+"""Fewer replay units (model replicas) than this leave no majority to tell the clean result apart."""
 SDC_VERDICT_GRACE = timedelta(seconds=30)
 """How long past a replay round's timeout the controller waits for the analyzer's verdict."""
 HARDWARE_COMPONENTS = frozenset({"gpu", "nic", "disk", "kernel", "host"})
@@ -1000,15 +1002,16 @@ class _Plan:
 
     def replay_sdc(self, reason: str, phases: list | None = None, reference: str = "") -> None:  # type: ignore[type-arg]
         """Rung 5: restart every node's ranks in replay mode (the dual-phase plan, or ``phases``); the
-        analyzer's verdict comes back as ``SdcReplayAnalyzed``. With fewer than two replay units there is
-        nothing to locate: restart in place."""
+        analyzer's verdict comes back as ``SdcReplayAnalyzed``. With fewer than ``MIN_SDC_UNITS`` replay
+        units there is no majority to judge by: restart in place."""
         job = self.job
         active = [n for n in sorted(job.active, key=lambda n: min(n.ranks)) if not n.cordoned]
         rank_nodes = {r: n.node_id for n in active for r in n.ranks}
         units = machine_units(rank_nodes, {r: job.rank_links.get(r, frozenset({r})) for r in rank_nodes})
-        if len(units) < 2 or not job.rank_links:
+        if len(units) < MIN_SDC_UNITS or not job.rank_links:
             why = ("no checkpointed ranks to replay from" if not job.rank_links
-                   else f"one replay unit ({units[0].name if units else 'none'}): nothing to tell apart")
+                   else f"{len(units)} replay unit(s) ({', '.join(u.name for u in units) or 'none'}): the clean result "
+                        f"is the one most groups agree on, which needs at least {MIN_SDC_UNITS} units")
             self.recover(5, frozenset(), f"{reason}; {why}: restart in place from before the anomaly")
             return
         if phases is None:

@@ -12,7 +12,7 @@ from keel.analyzer.rung5 import judge_round, machine_units, verdict_fields
 from keel.analyzer.sdc import plan_phases
 from keel.analyzer.rung5 import sdc_phase
 from keel.core.decider import DeciderSession
-from keel.core.event_types import SdcGroupResult, SdcReplayAnalyzed, SdcReplayCompleted, SdcReplayRequested, TimerTicked
+from keel.core.event_types import SdcGroupResult, SdcPhase, SdcReplayAnalyzed, SdcReplayCompleted, SdcReplayRequested, TimerTicked
 from keel.core.events import Event, EventPayload
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
@@ -171,3 +171,14 @@ def test_decider_judges_at_the_deadline_without_the_silent_node() -> None:
     late = session.observe(ev(TimerTicked(now=T0 + timedelta(seconds=61)), T0 + timedelta(seconds=61))).emitted
     [verdict] = [e.payload for e in late if isinstance(e.payload, SdcReplayAnalyzed)]
     assert verdict.kind == "found" and verdict.unit == "n3" and verdict.missing == ["n3"]
+
+
+def test_two_units_that_disagree_leave_no_majority_and_name_nobody() -> None:
+    units_req = request(["n0", "n1"])
+    phases = [SdcPhase(index=1, kind="split", groups=[["n0"], ["n1"]])]
+    req = request(["n0", "n1"], phases=phases)
+    judgement = judge_round(req, answers(req, {"n1"}))
+    assert judgement.split_results and judgement.reference == ""
+    fields = verdict_fields(req, judgement)
+    assert fields["kind"] == "incomplete" and "majority" in str(fields["reason"]) and "nodes" not in fields
+    assert units_req.units[1].name == "n1"

@@ -792,7 +792,12 @@ def test_rung5_is_skipped_without_checkpointed_ranks_or_with_a_single_unit() -> 
     whole.feed(CheckpointRanksRegistered(node_id="n0", generation=0, world_size=2, store_address="a:1",
                                          ranks=[RankGroups(rank=0, pp=[0, 1])]), "node/n0")
     out = diagnosed_clean(whole, anomaly(whole, "non_finite", node="n0"))
-    assert not of(out, "SdcReplayRequested") and "one replay unit" in of(out, "RestartDecided")[0].payload.reason
+    assert not of(out, "SdcReplayRequested") and "1 replay unit(s)" in of(out, "RestartDecided")[0].payload.reason
+    # Two replicas: one result against the other, no majority.
+    pair = Job(nodes=2, per_node=1)
+    registered(pair)
+    out = diagnosed_clean(pair, anomaly(pair, "non_finite", node="n0"))
+    assert not of(out, "SdcReplayRequested") and "at least 3 units" in of(out, "RestartDecided")[0].payload.reason
 
 
 def test_rung5_decisions_replay_identically_from_the_log() -> None:
