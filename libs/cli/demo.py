@@ -16,7 +16,10 @@
      evicted for standbys (the actuator provisions the second);
    - rung 4: a bug in the training code (`--bug-at-step`) crashes it, again after the restart: the
      controller decides a rollback; the demo plays hot-update's part (not built yet) and removes the bug;
-   - rung 6: a second small job whose bug survives every restart: a crash loop, stopped and paged.
+   - rung 5: a second job, 4 nodes x 1 rank (DP 4) plus a standby, one of whose "GPUs" silently flips a
+     gradient bit: the NaN passes stop-time diagnostics, two replay phases locate the node, it is evicted
+     and the standby takes its rank; the job resumes from before the corruption and runs to its end;
+   - rung 6: a third small job whose bug survives every restart: a crash loop, stopped and paged.
 5. The incidents, each one's timeline, ETTR with lost time by phase, `keel replay --verify`, and the
    main job's final loss against the fault-free run's: they must be equal, bit for bit.
 6. `keel cluster down`, `keel down` (unless --keep).
@@ -45,6 +48,8 @@ from keel.core.store import EventStore, create_engine
 _RUN = time.strftime("%Y%m%d-%H%M%S")
 JOB = f"demo-{_RUN}"
 LOOP_JOB = f"demo-loop-{_RUN}"
+SDC_JOB = f"demo-sdc-{_RUN}"
+SDC_STEPS = 90
 # Steps take 100 ms and a warm restart under a second, so the job runs ahead while the demo waits (for
 # a refilled standby, say): faults are spaced by ~30 steps and the bug comes well after the last of them.
 STEPS = 400
@@ -115,11 +120,11 @@ class Demo:
                 raise DemoError(f"training did not reach step {step} within {timeout_s:.0f} s")
             await asyncio.sleep(0.3)
 
-    def node_of_rank(self, rank: int) -> str:
-        """The node running ``rank`` now: the one with its newest generation's log (ranks move when a
-        standby takes over a node's place)."""
+    def node_of_rank(self, rank: int, directory: Path | None = None) -> str:
+        """The node running ``rank`` now (of the main cluster, or the one in ``directory``): the one with its
+        newest generation's log (ranks move when a standby takes over a node's place)."""
         newest: dict[str, int] = {}
-        for node in load_cluster(self.directory)["nodes"]:
+        for node in load_cluster(directory or self.directory)["nodes"]:
             if node.get("evicted"):
                 continue
             generations = [int(p.name.split(".g")[1].split(".")[0])
@@ -247,7 +252,26 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         results["losses"] = _losses(directory)
         cluster_down(directory)
 
-        _banner("rung 6: a second job whose bug survives every restart")
+        _banner("rung 5: a second job (DP 4 on 4 nodes + a standby); one node's GPU silently flips a gradient bit")
+        sdc_dir = scratch / "sdc-cluster"
+        cluster_up(settings, sdc_dir, nodes=4, standby=1, nproc_per_node=1, job_id=SDC_JOB,
+                   command=["-m", "keel.workload.train", "--size", "tiny", "--steps", str(SDC_STEPS),
+                            "--min-step-time", "100ms"],
+                   nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "sdc-checkpoints")
+        await demo.wait_for(SDC_JOB, ["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
+        await demo.wait_for(SDC_JOB, ["NodeHeartbeat"], lambda e: e.payload.last_step >= 20, 180, "step 20")
+        culprit = demo.node_of_rank(2, sdc_dir)
+        results["sdc"] = await demo.fault(SDC_JOB, "rung 5", [FaultSpec(kind="sdc", node=culprit, params={"bit": 30})],
+                                          directory=sdc_dir)
+        located = (await demo.events(SDC_JOB, ["SdcReplayAnalyzed"]))[-1].payload
+        results["sdc_located"] = (culprit, located.nodes, located.kind, located.rounds)
+        _say(f"the analyzer: {located.kind} {', '.join(located.nodes) or 'nothing'} in {located.rounds} replay "
+             f"phase(s) (the bit flips on {culprit}): {located.reason[:160]}")
+        await demo.wait_for(SDC_JOB, ["RankExited"], lambda e: e.payload.classification == "success", 300,
+                            "the end of the second job")
+        cluster_down(sdc_dir)
+
+        _banner("rung 6: a third job whose bug survives every restart")
         loop_dir = scratch / "loop-cluster"
         loop_bug = scratch / "loop-bug"
         loop_bug.write_text("never fixed\n")
@@ -288,16 +312,20 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
             return 1
         _banner("keel incidents")
         print(_keel(config, "incidents", "--job", JOB, env=env).stdout.rstrip())
+        print(_keel(config, "incidents", "--job", SDC_JOB, env=env).stdout.rstrip())
         print(_keel(config, "incidents", "--job", LOOP_JOB, env=env).stdout.rstrip())
         for opened, _ in result["incidents"]:
             _banner(f"keel timeline {str(opened.id)[:8]}")
             print(_keel(config, "timeline", str(opened.id), "--job", JOB, env=env).stdout.rstrip())
+        sdc_opened, sdc_resolved = result["sdc"]
+        _banner(f"keel timeline {str(sdc_opened.id)[:8]} (rung 5, job {SDC_JOB})")
+        print(_keel(config, "timeline", str(sdc_opened.id), "--job", SDC_JOB, env=env).stdout.rstrip())
         _banner(f"keel ettr --job {JOB}")
         print(_keel(config, "ettr", "--job", JOB, env=env).stdout.rstrip())
         # This run's jobs: the log may also hold earlier runs', decided by an older build of the deciders.
-        _banner(f"keel replay --verify --job {JOB} / {LOOP_JOB}")
+        _banner(f"keel replay --verify --job {JOB} / {SDC_JOB} / {LOOP_JOB}")
         replays = [_keel(config, "replay", "--verify", "--job", job, env=env, check=False, timeout=600)
-                   for job in (JOB, LOOP_JOB)]
+                   for job in (JOB, SDC_JOB, LOOP_JOB)]
         for run in replays:
             print(run.stdout.strip())
         replay = next((r for r in replays if r.returncode != 0), replays[0])
@@ -312,9 +340,12 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
               f"{float.fromhex(expected) if expected != 'none' else expected} fault-free: "
               f"{'bitwise the same' if final == expected else 'DIFFERENT'}; every step's loss equal to the "
               f"fault-free run's: {same} ({len(losses)} steps)")
-        print(f"rungs exercised in the main job: {rungs}; rung 6 in '{LOOP_JOB}'; "
+        culprit, evicted, kind, phases = result["sdc_located"]
+        sdc_ok = kind == "found" and evicted == [culprit] and sdc_resolved.payload.rung == 5
+        print(f"rungs exercised in the main job: {rungs}; rung 5 in '{SDC_JOB}': {kind} {evicted} in {phases} replay "
+              f"phase(s), the corrupting node was {culprit}; rung 6 in '{LOOP_JOB}'; "
               f"replay: {'clean' if replay.returncode == 0 else 'DIVERGED'}")
-        ok = same and covered and replay.returncode == 0 and {1, 2, 3, 4} <= set(rungs)
+        ok = same and covered and replay.returncode == 0 and {1, 2, 3, 4} <= set(rungs) and sdc_ok
         print("DEMO PASSED" if ok else "DEMO FAILED")
         return 0 if ok else 1
     finally:

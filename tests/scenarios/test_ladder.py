@@ -107,6 +107,19 @@ class Stack:
                 newest[node["node_id"]] = max(generations)
         return max(newest, key=lambda n: newest[n])
 
+    async def rank0_steps(self, generation: int, past: int, timeout_s: float = 60) -> dict[int, tuple[float, float]]:
+        """Rank 0's ``step -> (loss, grad_norm)`` in ``generation`` (its own log), once it stepped past ``past``."""
+        log_file = self.directory / "nodes" / self.node_of_rank(0) / "logs" / f"rank0.g{generation}.stdout"
+        deadline = time.monotonic() + timeout_s
+        steps: dict[int, tuple[float, float]] = {}
+        while max(steps, default=-1) <= past:
+            assert time.monotonic() < deadline, f"generation {generation} did not step past {past}: {sorted(steps)[-3:]}"
+            await asyncio.sleep(0.5)
+            text = log_file.read_text() if log_file.exists() else ""
+            steps = {int(m[0]): (float(m[1]), float(m[2]))
+                     for m in re.findall(r"^step (\d+) loss (\S+) grad_norm (\S+)", text, re.M)}
+        return steps
+
     async def incident(self, faults: list[FaultSpec], timeout_s: float = 180) -> tuple[Event, Event, list[Event]]:
         """Inject ``faults``; the incident the controller opens, its resolution, and its events."""
         seen = {e.id for e in await self.events(["IncidentOpened"])}
@@ -287,14 +300,8 @@ async def test_a_nan_loss_is_detected_diagnosed_and_restored_from_before_it(stac
     assert 0 <= plan.payload.step < first.payload.step, (plan.payload, first.payload)
     assert f"steps from {first.payload.step} on excluded" in plan.payload.reason, plan.payload.reason
     # The restored generation trains on past the NaN step with finite losses (rank 0's own log).
-    log_file = stack.directory / "nodes" / stack.node_of_rank(0) / "logs" / f"rank0.g{restart.payload.generation}.stdout"
-    deadline = time.monotonic() + 60
-    losses: dict[int, float] = {}
-    while max(losses, default=-1) < first.payload.step + 10:
-        assert time.monotonic() < deadline, f"generation {restart.payload.generation} did not train past the NaN"
-        await asyncio.sleep(0.5)
-        text = log_file.read_text() if log_file.exists() else ""
-        losses = {int(m[0]): float(m[1]) for m in re.findall(r"^step (\d+) loss (\S+)", text, re.M)}
+    losses = {step: loss for step, (loss, _) in
+              (await stack.rank0_steps(restart.payload.generation, first.payload.step + 10)).items()}
     assert min(losses) == plan.payload.step + 1 and all(math.isfinite(v) for v in losses.values()), losses
     assert not [e for e in await stack.events(["MetricAnomalyDetected"])
                 if e.payload.generation >= restart.payload.generation and e.payload.kind == "non_finite"]
@@ -336,14 +343,8 @@ async def test_rung5_a_node_that_flips_a_gradient_bit_is_located_by_replay_and_e
              if e.payload.generation in (request.payload.generation, restart.payload.generation)]
     assert len(plans) == 2 and all(0 <= p.payload.step < first.payload.step for p in plans), [p.payload for p in plans]
     # Training goes on past the corrupted step with finite gradient norms, without the bad node.
-    log_file = stack.directory / "nodes" / stack.node_of_rank(0) / "logs" / f"rank0.g{restart.payload.generation}.stdout"
-    deadline = time.monotonic() + 60
-    norms: dict[int, float] = {}
-    while max(norms, default=-1) < first.payload.step + 10:
-        assert time.monotonic() < deadline, f"generation {restart.payload.generation} did not train past the corruption"
-        await asyncio.sleep(0.5)
-        text = log_file.read_text() if log_file.exists() else ""
-        norms = {int(m[0]): float(m[1]) for m in re.findall(r"^step (\d+) loss \S+ grad_norm (\S+)", text, re.M)}
+    norms = {step: norm for step, (_, norm) in
+             (await stack.rank0_steps(restart.payload.generation, first.payload.step + 10)).items()}
     assert all(math.isfinite(v) for v in norms.values()), norms
     spent = (resolved.occurred_at - opened.occurred_at).total_seconds()
     print(f"rung 5: incident {spent:.1f} s (open to resolved); replay answers in "
