@@ -335,6 +335,7 @@ class Zygote:
         self.children: dict[int, ForkedProcess] = {}
         self._buffer = b""
         self._answers: list[dict] = []
+        self._early_exits: dict[int, int] = {}
         assert popen.stdout is not None
         os.set_blocking(popen.stdout.fileno(), False)
 
@@ -399,6 +400,8 @@ class Zygote:
                 child = self.children.pop(int(report["pid"]), None)
                 if child is not None:
                     child.returncode = int(report["returncode"])
+                else:  # a child that exited before its launch's answer was read: kept for launch()
+                    self._early_exits[int(report["pid"])] = int(report["returncode"])
             else:
                 self._answers.append(report)
 
@@ -424,7 +427,9 @@ class Zygote:
                     self._answers.remove(answer)
                     if answer.get("event") == "started":
                         child = ForkedProcess(self, int(answer["pid"]))
-                        self.children[child.pid] = child
+                        child.returncode = self._early_exits.pop(child.pid, None)
+                        if child.returncode is None:
+                            self.children[child.pid] = child
                         return child
                     raise ZygoteError(f"the zygote rejected the launch: {answer.get('reason')}")
             if not self.alive():
