@@ -44,7 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import _torchrun_group as tg  # noqa: E402
 from bench._servers import Servers, scratch_dir  # noqa: E402
 from bench.recovery import (  # noqa: E402
     FULL,
@@ -157,28 +156,14 @@ def requeue_trial(chain: Chain, i: int, n: int, every: int, step_time_s: float,
     offset = fault_offset(i, n, every)
     target = fault_step(current, offset, every)
     wait_step(group, target, 0.0, timeout_s=(target - current) * 1.0 + 120)
-    s_d, _ = _last_before(step_lines([line.text for line in group.lines()]))
-    t0 = time.time()
-    group.kill_all()
-    new = chain.launch()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        back = back_from([line.text for line in new.lines()], s_d)
-        if back.back_at is not None:
-            break
-        time.sleep(0.05)
-    else:
-        raise TrialFailed(f"the requeued job did not get back to step {s_d} within {timeout_s:.0f}s; {chain.where()}")
-    marks = {"fault": t0, "main": back.main_at, "resumed": back.resumed_at, "back": back.back_at}
-    lost = back.back_at - t0  # type: ignore[operator]
+    requeued = relaunch(chain, chain, timeout_s)  # every process stopped now, the job started afresh
+    s_d, restored, lost = requeued["s_f"], requeued["restored_step"], requeued["lost_after_stop_s"]
     # The deploy was meant to fall ``offset`` steps after a persist; the newest persist may be older (the
     # first interval after the calibration's last persist): correct the recomputation to the plan.
-    recomputed = s_d - back.restored
-    correction = (offset - recomputed) * step_time_s
-    return {"s_d": s_d, "offset_steps": offset, "recomputed_steps": recomputed, "restored_step": back.restored,
-            "lost_measured_s": round(lost, 3), "recompute_correction_s": round(correction, 3),
-            "lost_s": round(lost + correction, 3),
-            "phases_s": _phases(marks, ("restart", "main"), ("setup_and_restore", "resumed"), ("recompute", "back"))}
+    correction = (offset - (s_d - restored)) * step_time_s
+    return {"s_d": s_d, "offset_steps": offset, "recomputed_steps": s_d - restored, "restored_step": restored,
+            "lost_measured_s": lost, "recompute_correction_s": round(correction, 3),
+            "lost_s": round(lost + correction, 3), "phases_s": requeued["phases_s"]}
 
 
 def requeue_run(mode: Mode, work: Path, failures: list[str]) -> dict[str, Any]:
