@@ -52,9 +52,9 @@ from keel.controller.guardrails import CrashLoopBreaker, EvictionBreaker, failur
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.core.decider import Decision, Proposal, materialise
 from keel.core.event_types import (
+    LAUNCH_VERSION,
     ActionHeld,
     ApprovalGiven,
-    LAUNCH_VERSION,
     ApprovalRequested,
     CheckpointRestorePlanned,
     CodeRef,
