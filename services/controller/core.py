@@ -30,7 +30,8 @@ versions (``CodeVersionRegistered``): every restart it decides carries the newes
 version rides on the next restart of any cause), and every restart and promotion command names the
 version its ranks run. Hot-update's ``CodeRolloutRequested`` (an urgent deploy, a lazy one's deadline)
 becomes a planned restart: an incident of kind ``code_update`` at rung 0, which is no failure (the
-crash-loop breaker does not count it) but whose lost time ETTR accounts like any other.
+crash-loop breaker does not count it) but whose lost time ETTR accounts like any other. A rolled-back
+version is never applied again (versions are content-addressed: a fix is another version).
 
 Incidents: the first signal opens one (``IncidentOpened``); its id is the correlation id of every
 decision about it and of the agents' answers. Signals that arrive while it is open join it.

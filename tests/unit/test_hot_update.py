@@ -209,3 +209,38 @@ def test_with_no_stable_version_rung4_restarts_the_same_code() -> None:
     [rollback] = of(second, "RollbackDecided")
     assert rollback.payload.to_version == "" and "no code version is known to be stable" in rollback.payload.reason
     assert all(c.payload.code is None for c in commands(second))
+
+
+def test_an_urgent_version_deployed_during_an_incident_rides_on_its_restart_without_a_second_one() -> None:
+    stack = Stack()
+    out = stack.crash("n1", 2)  # infrastructure: rung 2 diagnostics first
+    [request] = of(out, "DiagnosticsRequested")
+    out = stack.deploy("hotfix", mode="urgent")
+    assert of(out, "CodeRolloutRequested") and of(out, "RestartDecided") == []
+    for node in stack.nodes[:-1]:
+        stack.diagnostics(node, request)
+    out = stack.diagnostics(stack.nodes[-1], request)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.rung == 2 and restart.payload.code_version == "hotfix"
+    resolved = stack.restart(out, restore_step=18, step=19)
+    assert types(resolved) == ["IncidentResolved"]  # the rollout it asked for is done: no second restart
+    assert stack.session.state.job("job1").rollout_due == ""
+
+
+def test_a_rolled_back_version_is_never_applied_again() -> None:
+    stack = Stack()
+    stack.heartbeats(step=80)  # launch is stable (window from step 20)
+    stack.deploy("bad")
+    first = stack.crash("n0", 1, classification="user_code", err=ERR)
+    assert of(first, "RestartDecided")[0].payload.code_version == "bad"
+    stack.restart(first, restore_step=79, step=80)
+    second = stack.crash("n0", 1, classification="user_code", err=ERR)  # the same failure again: rung 4
+    assert of(second, "RollbackDecided")[0].payload.to_version == LAUNCH_VERSION
+    stack.restart(second, restore_step=79, step=81)
+    stack.heartbeats(step=90)
+    # The same content deployed again is the same version: refused at every later restart.
+    out = stack.deploy("bad", mode="urgent")
+    assert of(out, "CodeRolloutRequested") == []
+    later = stack.health("n2")
+    assert of(later, "RestartDecided")[0].payload.code_version == ""
+    assert {c.payload.code.version_id for c in commands(later)} == {LAUNCH_VERSION}
