@@ -80,8 +80,10 @@ def summarise(events: Iterable[Event]) -> dict[str, Any]:
             history.append({"at": at, "what": f"rollout requested ({p.trigger})", "version": p.version_id,
                             "reason": p.reason})
         elif isinstance(p, RestartDecided) and p.code_changed:
+            cause = p.reason.split(";", 1)[0][:140]
             history.append({"at": at, "what": "rolled back to" if p.rollback else "restart applies",
-                            "version": p.code_version, "reason": p.reason[:200], "generation": p.generation})
+                            "version": p.code_version, "generation": p.generation, "rung": p.rung,
+                            "reason": f"generation {p.generation}, {'planned' if p.rung == 0 else f'rung {p.rung}'}: {cause}"})
         elif isinstance(p, CodeVersionApplied) and (p.version_id, p.generation) not in applied:
             applied.add((p.version_id, p.generation))
             history.append({"at": at, "what": "running", "version": p.version_id, "generation": p.generation,
