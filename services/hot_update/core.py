@@ -65,6 +65,7 @@ class JobCode:
     """Versions found stable, oldest first."""
     rolled_back: frozenset[str] = frozenset()
     last_step: int = -1
+    """The step in the newest heartbeat of a training node."""
     incident_open: bool = False
     window_step: int | None = None
     """The current version's step when its stability window opened (None: not open)."""
@@ -136,7 +137,8 @@ class HotUpdateDecider:
         if isinstance(p, NodeHeartbeat):
             if p.standby:
                 return job
-            job = replace(job, last_step=max(job.last_step, p.last_step))
+            # The newest report, not the highest ever: steps recomputed after a restore are no new running time.
+            job = replace(job, last_step=p.last_step)
             if job.window_step is None and not job.incident_open and not job.in_flight and p.last_step >= 0:
                 job = replace(job, window_step=p.last_step, window_at=at)
             return job
