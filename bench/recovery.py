@@ -271,6 +271,8 @@ class KeelStack:
         if mode.diagnostics_timeout:
             self.knobs["KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT"] = mode.diagnostics_timeout
         self.rank_logs: dict[Path, RankLog] = {}
+        self.more_services: tuple[str, ...] = ()
+        """Services started beside the ladder's (``bench.hot_update`` adds hot-update)."""
 
     @property
     def env(self) -> dict[str, str]:
@@ -284,7 +286,8 @@ class KeelStack:
         (self.work / "home").mkdir(parents=True, exist_ok=True)
         await self.log.start()
         for name, args in (("controller", []), ("checkpoint-broker", []), ("analyzer", []),
-                           ("actuator", ["--cluster-dir", str(self.directory)])):
+                           ("actuator", ["--cluster-dir", str(self.directory)]),
+                           *((name, []) for name in self.more_services)):
             ready = self.work / f"{name}.ready"
             with open(self.work / f"{name}.log", "ab") as out:
                 self.services[name] = subprocess.Popen(

@@ -2,7 +2,7 @@
 
     keel up | down | status          the embedded runtime (NATS + PostgreSQL) and the services
     keel migrate                     bring the event store schema up to date
-    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker, actuator, analyzer)
+    keel service NAME                run one service in the foreground (recorder, controller, checkpoint-broker, actuator, analyzer, hot-update)
     keel replay [--job J] [--service S] --verify
     keel events tail [--job J] [-n N] [--follow] | show ID | schema [--write | --check]
     keel checkpoints ls [--root PATH] [--job J] [--json]   the persistent checkpoint tier
@@ -11,6 +11,8 @@
     keel timeline INCIDENT [--job J] [--json]    every event of one incident (id or a 6+ character prefix)
     keel approve | deny REQUEST_ID [--comment C] [--by NAME]   answer an ApprovalRequested
     keel cordon NODE --reason R [--by NAME] [--job J] | uncordon NODE   a human takes a node out (or back)
+    keel deploy PATH|REV --job J [--urgent|--lazy] [--deadline 24h] [--entry F | -m MOD] [--why W]   a code version
+    keel versions --job J [--json]     a job's code versions: history, current, stable, pending
     keel demo                        the end-to-end demonstration behind `make demo`
 
 Global flags (``--config``, ``--home``, ``--nats-url``, ``--database-url``) are the top layer of the
@@ -41,7 +43,7 @@ from typing import Any
 
 from keel.core.config import ConfigError, Settings, load_settings
 
-SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer")
+SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update")
 
 
 class CliError(RuntimeError):
@@ -226,6 +228,8 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.checkpoint_broker.main import serve
     elif args.name == "analyzer":
         from keel.analyzer.main import serve
+    elif args.name == "hot-update":
+        from keel.hot_update.main import serve
     elif args.name == "actuator":
         from keel.actuator.main import serve as serve_actuator
         from keel.cli.cluster import cluster_dir
@@ -262,9 +266,10 @@ def deciders_for(settings: Settings) -> dict[str, Any]:
     from keel.analyzer.main import decider_from_settings as analyzer_from_settings
     from keel.checkpoint_broker.main import decider_from_settings as broker_from_settings
     from keel.controller.main import decider_from_settings
+    from keel.hot_update.main import decider_from_settings as hot_update_from_settings
 
     return {"controller": decider_from_settings(settings), "checkpoint-broker": broker_from_settings(settings),
-            "analyzer": analyzer_from_settings(settings)}
+            "analyzer": analyzer_from_settings(settings), "hot-update": hot_update_from_settings(settings)}
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
@@ -602,6 +607,43 @@ def cmd_cordon(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.versions import deploy_event
+    from keel.core.events import now_utc
+    from keel.core.units import parse_duration
+
+    entry = ["-m", args.module] if args.module else ([args.entry] if args.entry else None)
+    try:
+        deadline = parse_duration(args.deadline) if args.deadline else None
+    except ValueError as exc:
+        raise CliError(f"--deadline: {exc}") from None
+    event = deploy_event(settings, args.job, args.source, entry=entry, mode="urgent" if args.urgent else "lazy",
+                         deadline=deadline, by=args.by or _login_name(), why=args.why, now=now_utc())
+    _publish(settings, event)
+    p = event.payload
+    if event.type == "CodeVersionRejected":
+        print(f"keel: rejected {args.source}: {p.reason}; event {event.id}", file=sys.stderr)
+        return 1
+    when = "restart onto it now" if p.mode == "urgent" else f"at the next restart, at the latest {p.deadline.isoformat()}"
+    print(f"keel: registered {p.version_id} ({p.source_kind} {p.source}, entry {' '.join(p.entry)}) for job {args.job}: "
+          f"{when}; event {event.id}")
+    return 0
+
+
+def cmd_versions(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.cli.versions import HISTORY_TYPES, format_versions, summarise
+
+    async def load(store: Any) -> list[Any]:
+        return [r.event async for r in store.read(job_id=args.job, types=HISTORY_TYPES)]
+
+    summary = summarise(_on_store(settings, load))
+    if args.json:
+        _print_json({"job": args.job, **summary})
+    else:
+        print(format_versions(args.job, summary))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from keel.cli.demo import run_demo
 
@@ -726,6 +768,27 @@ def build_parser() -> argparse.ArgumentParser:
         cordon.add_argument("--by", help="who cordons (default: your login name)")
         cordon.add_argument("--job", help="the node's job (default: the one job the log has the node in)")
         cordon.set_defaults(func=cmd_cordon)
+
+    deploy = sub.add_parser("deploy", help="register a code version for a running job (validated before rollout)")
+    deploy.add_argument("source", help="a directory, a wheel (*.whl), or a git revision (REPO@REV, or REV of the "
+                                       "repository here)")
+    deploy.add_argument("--job", required=True)
+    entry = deploy.add_mutually_exclusive_group()
+    entry.add_argument("--entry", help="the script to run, relative to the version (default train.py)")
+    entry.add_argument("--module", "-m", help="run this module of the version instead (python -m MODULE)")
+    mode = deploy.add_mutually_exclusive_group()
+    mode.add_argument("--urgent", action="store_true", help="restart the job onto it now")
+    mode.add_argument("--lazy", action="store_true", help="apply it at the next restart of any cause (default)")
+    deploy.add_argument("--deadline", help="a lazy version is forced this long after the deploy (default "
+                                           "hot_update.default_deadline, 24h)")
+    deploy.add_argument("--why", default="", help="what changed and why (shown by keel versions)")
+    deploy.add_argument("--by", help="who deploys (default: your login name)")
+    deploy.set_defaults(func=cmd_deploy)
+
+    versions = sub.add_parser("versions", help="a job's code versions: history, current, stable, pending")
+    versions.add_argument("--job", required=True)
+    versions.add_argument("--json", action="store_true")
+    versions.set_defaults(func=cmd_versions)
 
     demo = sub.add_parser("demo", help="run the end-to-end demonstration")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")

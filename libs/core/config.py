@@ -213,6 +213,22 @@ class AnalyzerSettings(_Section):
         return self
 
 
+class HotUpdateSettings(_Section):
+    """Code versions (``keel deploy``) and their rollout by the hot-update service."""
+
+    stable_steps: int = Field(500, ge=1)
+    """A version that ran this many steps since it was applied without an incident it could have caused is
+    stable (rung 4 rolls back to the newest stable version)..."""
+    stable_time: Duration = parse_duration("30m")
+    """...or that ran this long."""
+    default_deadline: Duration = parse_duration("24h")
+    """A lazy version with no restart to ride on is forced this long after its deploy."""
+    validate_timeout: Duration = parse_duration("120s")
+    """How long validating a version (importing its entry point in a fresh interpreter) may take."""
+    versions_dir: Path | None = None
+    """The version store (default ``<home>/versions``); agents must see the same path."""
+
+
 class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
@@ -228,6 +244,7 @@ class Settings(_Section):
     controller: ControllerSettings = ControllerSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
     analyzer: AnalyzerSettings = AnalyzerSettings()
+    hot_update: HotUpdateSettings = HotUpdateSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

@@ -163,14 +163,39 @@ class RankExited(EventPayload):
     """Why the classifier chose ``classification``."""
 
 
-@event_type("RanksRestartRequested", version=1, aggregate="node")
+class CodeRef(EventPayload):
+    """The code a restarted rank runs: a registered version (``CodeVersionRegistered``), or the job's
+    launch command (``version_id`` ``LAUNCH_VERSION``, no path: what the agent was started with)."""
+
+    version_id: str
+    path: str = ""
+    """The version's directory in the version store (shared by the control plane and the agents)."""
+    entry: list[str] = Field(default_factory=list)
+    """The program: ``["train.py"]`` (relative to ``path``) or ``["-m", "pkg.mod"]``; the launch's own
+    arguments follow it. Empty: the launch command's program."""
+    digest: str = ""
+
+
+LAUNCH_VERSION = "launch"
+"""The version id of the code a job was launched with (before any deploy)."""
+
+
+@event_type("RanksRestartRequested", version=2, aggregate="node")
 class RanksRestartRequested(EventPayload):
-    """A command: restart this node's ranks in place as ``generation``. Ignored after ``expires_at``."""
+    """A command: restart this node's ranks in place as ``generation``. Ignored after ``expires_at``.
+
+    v2: ``code``, the version the restarted ranks run (None: whatever the node runs now)."""
 
     node_id: str
     generation: int = Field(ge=1)
     reason: str
     expires_at: AwareDatetime
+    code: CodeRef | None = None
+
+
+@upcaster("RanksRestartRequested", from_version=1)
+def _ranks_restart_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "code": None}  # v1 never changed the code
 
 
 @event_type("RanksRestarted", version=1, aggregate="node")
@@ -391,11 +416,11 @@ class CheckpointBackupFailed(EventPayload):
 # ``correlation_id``, so ``keel timeline INCIDENT`` is one query.
 
 IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics", "fail_slow",
-                      "metric_anomaly"]
+                      "metric_anomaly", "code_update"]
 DiagnosticCheck = Literal["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
 
 
-@event_type("IncidentOpened", version=1, aggregate="job")
+@event_type("IncidentOpened", version=2, aggregate="job")
 class IncidentOpened(EventPayload):
     """The controller saw a fault that interrupts the job and took it on: every later decision about
     it carries this event's id as ``correlation_id``."""
@@ -412,6 +437,11 @@ class IncidentOpened(EventPayload):
     """What makes two failures "the same" (see ``keel.controller.guardrails.failure_fingerprint``)."""
     reason: str
     evidence: list[str] = Field(default_factory=list)
+
+
+@upcaster("IncidentOpened", from_version=1)
+def _incident_opened_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload)  # v2 only added the kind "code_update" (a planned restart onto a new code version)
 
 
 @event_type("IncidentResolved", version=1, aggregate="job")
@@ -476,7 +506,7 @@ class StandbyChecked(EventPayload):
     detail: str = ""
 
 
-@event_type("StandbyPromotionRequested", version=1, aggregate="node")
+@event_type("StandbyPromotionRequested", version=2, aggregate="node")
 class StandbyPromotionRequested(EventPayload):
     """A command: the standby ``node_id`` takes over ``replaces_node_id``'s slice of ranks (``node_rank``)
     and starts them as ``generation``, restoring from the peer copies. Ignored after ``expires_at``."""
@@ -488,6 +518,13 @@ class StandbyPromotionRequested(EventPayload):
     generation: int = Field(ge=1)
     reason: str
     expires_at: AwareDatetime
+    code: CodeRef | None = None
+    """v2: the code version the promoted ranks run (None: the standby's launch command)."""
+
+
+@upcaster("StandbyPromotionRequested", from_version=1)
+def _promotion_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "code": None}
 
 
 @event_type("StandbyPromoted", version=1, aggregate="node")
@@ -555,14 +592,17 @@ class Promotion(EventPayload):
     ranks: list[int] = Field(min_length=1)
 
 
-@event_type("RestartDecided", version=1, aggregate="job")
+@event_type("RestartDecided", version=2, aggregate="job")
 class RestartDecided(EventPayload):
     """The ladder's recovery for an incident: evict ``evict``, promote standbys into their ranks, roll
     back the code if ``rollback``, and restart every other node in place as ``generation``. The commands
-    (``NodeEvictionDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``) follow it."""
+    (``NodeEvictionDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``) follow it.
+
+    v2: ``code_version``, the version the restarted ranks run ("" : unchanged); ``rung`` 0 is a planned
+    restart onto a new code version (an urgent deploy or a lazy one's deadline), not a failure."""
 
     incident_id: str
-    rung: int = Field(ge=1, le=6)
+    rung: int = Field(ge=0, le=6)
     generation: int = Field(ge=1)
     evict: list[str] = Field(default_factory=list)
     promotions: list[Promotion] = Field(default_factory=list)
@@ -570,6 +610,14 @@ class RestartDecided(EventPayload):
     rollback: bool = False
     fingerprint: str = ""
     reason: str
+    code_version: str = ""
+    code_changed: bool = False
+    """The restart swaps the code the ranks run (a rollout or a rollback) rather than keeping it."""
+
+
+@upcaster("RestartDecided", from_version=1)
+def _restart_decided_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "code_version": "", "code_changed": False}
 
 
 @event_type("ActionHeld", version=1, aggregate="job")
@@ -849,4 +897,84 @@ class SdcReplayAnalyzed(EventPayload):
     rounds: int = Field(default=0, ge=0)
     """Replay phases used so far in this localisation (all rounds of the incident)."""
     missing: list[str] = Field(default_factory=list)
+    reason: str
+
+
+# -- hot-update: code versions, rollouts, stability -------------------------------------------------
+
+RolloutMode = Literal["urgent", "lazy"]
+
+
+@event_type("CodeVersionRegistered", version=1, aggregate="code")
+class CodeVersionRegistered(EventPayload):
+    """``keel deploy`` snapshotted, validated and registered a code version for a job. Content-addressed:
+    ``version_id`` is derived from ``digest`` (SHA-256 over the snapshot's paths, modes and bytes).
+    ``urgent``: restart onto it now; ``lazy``: at the job's next restart of any cause, forced at
+    ``deadline``."""
+
+    version_id: str
+    digest: str
+    source: str
+    """What was deployed: a directory, a git revision (``REPO@REV``) or a wheel file."""
+    source_kind: Literal["directory", "git", "wheel"]
+    path: str
+    """The snapshot in the version store (read-only to the job)."""
+    entry: list[str] = Field(min_length=1)
+    """The program inside the version: ``["train.py"]`` or ``["-m", "pkg.mod"]``."""
+    mode: RolloutMode
+    deadline: AwareDatetime | None = None
+    """A lazy version is applied by this time even if nothing restarts the job."""
+    by: str
+    why: str = ""
+    checks: list[str] = Field(default_factory=list)
+    """What validation checked, in order (exists, imports, entry point resolves...)."""
+
+
+@event_type("CodeVersionRejected", version=1, aggregate="code")
+class CodeVersionRejected(EventPayload):
+    """A deploy failed validation: nothing was registered, no rank will ever run it."""
+
+    source: str
+    digest: str = ""
+    entry: list[str] = Field(default_factory=list)
+    mode: RolloutMode
+    by: str
+    why: str = ""
+    reason: str
+    """Which check failed and its output."""
+
+
+@event_type("CodeRolloutRequested", version=1, aggregate="job")
+class CodeRolloutRequested(EventPayload):
+    """Hot-update asks the controller to restart the job onto ``version_id`` now: the version is urgent, or
+    a lazy version's deadline passed with no restart to ride on. At most one rollout is in flight."""
+
+    version_id: str
+    trigger: Literal["urgent", "deadline"]
+    reason: str
+
+
+@event_type("CodeVersionApplied", version=1, aggregate="node")
+class CodeVersionApplied(EventPayload):
+    """A node agent started its ranks of ``generation`` on a code version (in place: same agent, node store
+    and in-memory checkpoints)."""
+
+    node_id: str
+    version_id: str
+    generation: int = Field(ge=0)
+    path: str = ""
+    warm: bool = True
+    """Forked from the node's zygote (False: fresh interpreters, e.g. the zygote had imported a module
+    the version ships)."""
+    detail: str = ""
+
+
+@event_type("CodeVersionStable", version=1, aggregate="job")
+class CodeVersionStable(EventPayload):
+    """A version ran ``steps`` steps (or ``ran_s`` seconds) since it was applied without an incident that
+    could be its fault: rung 4 rolls back to the newest such version."""
+
+    version_id: str
+    steps: int = Field(ge=0)
+    ran_s: float = Field(ge=0)
     reason: str

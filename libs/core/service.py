@@ -10,19 +10,42 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from keel.core.bus import Bus
 from keel.core.config import Settings
+from keel.core.decider import Decider
+from keel.core.runner import DeciderRunner
 from keel.core.store import EventStore, create_engine, run_migrations
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S")
 
 
 class DeciderService(Protocol):
     async def start(self) -> None: ...
 
     async def run(self, stop: asyncio.Event) -> None: ...
+
+
+class RunnerService(Generic[S]):
+    """A decider service with no I/O of its own: the shared runner alone (cold start from the store, then
+    live events). ``start()``, then ``run(stop)``."""
+
+    def __init__(self, decider: Decider[S], bus: Bus, store: EventStore | None, *, fetch_timeout_s: float = 0.2) -> None:
+        self.decider = decider
+        self.runner: DeciderRunner[S] = DeciderRunner(decider, bus, store, fetch_timeout_s=fetch_timeout_s)
+
+    @property
+    def state(self) -> S:
+        return self.runner.session.state
+
+    async def start(self) -> None:
+        await self.runner.start()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.runner.run(stop)
 
 
 async def serve_decider(

@@ -41,6 +41,7 @@ import socket
 import statistics
 import time
 import json
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -66,6 +67,8 @@ from keel.agent.stack_capture import NodeCapture, capture_ranks, split_parts
 from keel.agent.supervisor import RankExit, RankSupervisor
 from keel.core.bus import fetch_batch
 from keel.core.event_types import (
+    CodeRef,
+    CodeVersionApplied,
     DiagnosticsCompleted,
     DiagnosticsRequested,
     NodeHeartbeat,
@@ -302,7 +305,25 @@ class NodeAgent:
                             world_size=self.spec.world_size, pid=process.pid, generation=generation),
                 subject=f"rank/{process.rank}",
             )
-        log.info("%s: started %d ranks, generation %d", self.spec.node_id, self.spec.nproc_per_node, generation)
+        code = self.supervisor.code
+        if code is not None:
+            warm = self.supervisor.last_start_warm
+            command, cwd = self.supervisor.rank_command()
+            self.emit(CodeVersionApplied(
+                node_id=self.spec.node_id, version_id=code.version_id, generation=generation, path=code.path,
+                warm=warm, detail=f"{self.spec.nproc_per_node} rank(s) {'forked from the zygote' if warm else 'as fresh interpreters'}"
+                                  f" running {' '.join(command)[:300]}" + (f" in {cwd}" if cwd else "")))
+        log.info("%s: started %d ranks, generation %d%s", self.spec.node_id, self.spec.nproc_per_node, generation,
+                 f" on code version {code.version_id}" if code is not None else "")
+
+    def use_code(self, code: CodeRef | None) -> str:
+        """Switch the code the next ranks run (None: keep it). Returns why it cannot, or ""."""
+        if code is None:
+            return ""
+        if code.path and not Path(code.path).is_dir():
+            return f"code version {code.version_id}: {code.path} is not a directory on {self.spec.node_id}"
+        self.supervisor.code = code
+        return ""
 
     def report_exit(self, exit_: RankExit) -> bool:
         """Publish a rank's exit; True when it is a failure."""
@@ -371,6 +392,8 @@ class NodeAgent:
             outcome, detail = "expired", f"command expired at {payload.expires_at.isoformat()}; not executed"
         elif payload.generation <= self.generation:
             outcome, detail = "stale_generation", f"already at generation {self.generation}"
+        elif problem := self.use_code(payload.code):
+            outcome, detail = "failed", f"{problem}; the ranks keep running"
         else:
             if self.active_round is not None:
                 log.warning("%s: a restart command arrived while diagnostics ran; ending the round unreported",
@@ -552,8 +575,11 @@ class NodeAgent:
         else:
             try:
                 spec = promoted_spec(self.spec, payload.node_rank, payload.ranks)
+                problem = self.use_code(payload.code)
             except PromotionError as exc:
-                outcome, detail = "failed", str(exc)
+                spec, problem = self.spec, str(exc)
+            if problem:
+                outcome, detail = "failed", problem
             else:
                 if self.active_round is not None:
                     log.info("%s: promoted while its self-check ran; ending the check unreported", spec.node_id)

@@ -24,7 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from keel.agent.launch_spec import LaunchSpec
-from keel.agent.warm import ForkedProcess, Zygote, ZygoteError
+from keel.agent.warm import CODE_DIR_ENV, ForkedProcess, Zygote, ZygoteError
+from keel.core.event_types import CodeRef
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,10 @@ class RankSupervisor:
         self.generation = 0
         self.extra_env: dict[str, str] = {}
         """Added to every rank's environment (the checkpoint folder and restore plan of a generation)."""
+        self.code: CodeRef | None = None
+        """The code version the ranks run (hot-update); None or a version without a path: the launch command."""
+        self.last_start_warm = True
+        """Whether the latest ``start_all`` forked every rank from the zygote."""
         self.logs_dir = spec.agent_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
 
@@ -140,7 +145,39 @@ class RankSupervisor:
             env["KEEL_SIMULATED_SDC_FILE"] = str(spec.root / "run/keel/sdc.json")
         env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")
+        code = self.code
+        if code is not None:
+            env["KEEL_CODE_VERSION"] = code.version_id
+            if code.path:
+                env[CODE_DIR_ENV] = code.path
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, (code.path, env.get("PYTHONPATH", ""))))
         return env
+
+    def rank_command(self) -> tuple[tuple[str, ...], str | None]:
+        """The rank's argv after the interpreter and its working directory (None: the agent's own).
+
+        A code version replaces the launch command's program (``train.py`` or ``-m pkg.mod``) by its entry
+        point, resolved inside the version's directory, keeps the launch's arguments, and runs in the
+        version's directory, so nothing of the old code's directory can shadow it."""
+        code, command = self.code, self.spec.command
+        if code is None or not code.path:
+            return command, None
+        arguments = command[2:] if command[:1] == ("-m",) else command[1:]
+        entry = list(code.entry) or list(command[: len(command) - len(arguments)])
+        if entry[0] != "-m":
+            entry[0] = str(Path(code.path) / entry[0])
+        return (*entry, *arguments), code.path
+
+    def shadowed_by_code(self) -> list[str]:
+        """Modules the zygote imported that the code version ships too: a forked rank would run the
+        zygote's copies, so such a version starts its ranks as fresh interpreters."""
+        code = self.code
+        if code is None or not code.path or self.zygote is None:
+            return []
+        imported = self.zygote.imported()
+        if not imported:
+            return ["<unknown: the zygote did not list its modules>"]
+        return sorted(top_level_names(Path(code.path)) & imported)
 
     def start_all(self, generation: int) -> list[RankProcess]:
         """Start every local rank as ``generation``. The previous generation must be stopped first."""
@@ -148,21 +185,30 @@ class RankSupervisor:
             raise RuntimeError("start_all while ranks of the previous generation still run; stop_all first")
         self.generation = generation
         self.ranks = {}
+        command, cwd = self.rank_command()
+        shadowed = self.shadowed_by_code()
+        if shadowed:
+            log.warning("code version %s ships %s, which the zygote imported: starting fresh interpreters",
+                        self.code.version_id if self.code else "?", ", ".join(shadowed))
+        self.last_start_warm = True
         for local_rank in range(self.spec.nproc_per_node):
             rank = self.spec.global_rank(local_rank)
             stdout_path = self.logs_dir / f"rank{rank}.g{generation}.stdout"
             stderr_path = self.logs_dir / f"rank{rank}.g{generation}.stderr"
             env = self.rank_env(local_rank, generation)
-            forked = self._fork(f"rank{rank}.g{generation}", env, stdout_path, stderr_path)
+            forked = None if shadowed else self._fork(f"rank{rank}.g{generation}", env, stdout_path, stderr_path,
+                                                      command, cwd)
             if forked is not None:
                 self.ranks[rank] = RankProcess(rank, local_rank, generation, forked, time.monotonic(),
                                                datetime.now(UTC), stderr_path=stderr_path)
                 continue
             self.cold_starts += 1
+            self.last_start_warm = False
             with open(stdout_path, "ab") as stdout:
                 popen = subprocess.Popen(
-                    [self.python, *self.spec.command],
+                    [self.python, *command],
                     env=env,
+                    cwd=cwd,
                     stdout=stdout,
                     stderr=subprocess.PIPE,
                     stdin=subprocess.DEVNULL,
@@ -180,11 +226,12 @@ class RankSupervisor:
 
     # -- the zygote -------------------------------------------------------------------------------
 
-    def _fork(self, identity: str, env: dict[str, str], stdout: Path, stderr: Path) -> ForkedProcess | None:
+    def _fork(self, identity: str, env: dict[str, str], stdout: Path, stderr: Path, command: tuple[str, ...],
+              cwd: str | None) -> ForkedProcess | None:
         if self.zygote is None or not self.zygote.ready():
             return None
         try:
-            return self.zygote.launch(identity, self.spec.command, env, stdout, stderr)
+            return self.zygote.launch(identity, command, env, stdout, stderr, cwd=cwd)
         except ZygoteError as exc:
             log.warning("%s: %s; starting a fresh interpreter", identity, exc)
             return None
@@ -197,7 +244,13 @@ class RankSupervisor:
         """Start (or replace a dead) zygote with the node's rank environment. Errors are logged."""
         if self.zygote is not None:
             self.zygote.close()
-        env = {**self.rank_env(0, self.generation + 1), **(extra_env or {})}
+        # Without the code version's variables: the zygote must hold no version's directory on its path
+        # (a later version's ranks would import what it lacks from there).
+        code, self.code = self.code, None
+        try:
+            env = {**self.rank_env(0, self.generation + 1), **(extra_env or {})}
+        finally:
+            self.code = code
         try:
             self.zygote = Zygote.start(env, self.spec.agent_dir / "warm" / "zygote.ready",
                                        stderr_log=self.logs_dir / "zygote.stderr", python=self.python)
@@ -270,3 +323,19 @@ class RankSupervisor:
             os.killpg(process.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def top_level_names(directory: Path) -> set[str]:
+    """The importable top-level names a directory provides (modules, packages, extension modules)."""
+    names = set()
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return names
+    for entry in entries:
+        if entry.is_dir():
+            if entry.name.isidentifier():
+                names.add(entry.name)
+        elif entry.suffix in (".py", ".pyc", ".so", ".pyd"):
+            names.add(entry.name.split(".", 1)[0])
+    return names

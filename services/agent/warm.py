@@ -68,6 +68,10 @@ def set_process_name(name: str) -> None:
         pass
 PRELOAD_ENV = "KEEL_WARM_PRELOAD"
 READY_ENV = "KEEL_WARM_READY_FILE"
+MODULES_SUFFIX = ".modules"
+CODE_DIR_ENV = "KEEL_CODE_DIR"
+"""A code version's directory (hot-update): on ``sys.path`` right after the program's own directory, as
+``PYTHONPATH`` puts it in a fresh interpreter (which a forked child, started long before, never reads)."""
 
 
 class LaunchMessageError(ValueError):
@@ -128,6 +132,9 @@ def _become(message: dict) -> None:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     argv = message["argv"]
+    code_dir = os.environ.get(CODE_DIR_ENV)
+    if code_dir:
+        sys.path.insert(0, code_dir)
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] with the module's file
         sys.path.insert(0, os.getcwd())
@@ -203,6 +210,10 @@ def main() -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below through the wakeup fd
     ready = os.environ.get(READY_ENV)
     if ready:
+        # What the zygote imported (top-level names): a code version shipping a module of one of these
+        # names would run the zygote's stale copy in a forked child, so such a launch starts fresh.
+        modules = sorted({name.split(".", 1)[0] for name in list(sys.modules)})
+        Path(f"{ready}{MODULES_SUFFIX}").write_text(json.dumps(modules))
         Path(ready).write_text(f"{time.monotonic() - started:.3f}\n")
     buffer = b""
     while True:
@@ -324,6 +335,7 @@ class Zygote:
         self.children: dict[int, ForkedProcess] = {}
         self._buffer = b""
         self._answers: list[dict] = []
+        self._early_exits: dict[int, int] = {}
         assert popen.stdout is not None
         os.set_blocking(popen.stdout.fileno(), False)
 
@@ -357,6 +369,13 @@ class Zygote:
         """Preloading finished: launches fork at once."""
         return self.alive() and self.ready_file.exists()
 
+    def imported(self) -> frozenset[str]:
+        """Top-level names of the modules the zygote had imported when it became ready (empty: unknown)."""
+        try:
+            return frozenset(json.loads(Path(f"{self.ready_file}{MODULES_SUFFIX}").read_text()))
+        except (OSError, ValueError):
+            return frozenset()
+
     def drain(self) -> None:
         """Read what the zygote reported so far (never blocks); exits go to their ``ForkedProcess``."""
         assert self.popen.stdout is not None
@@ -381,6 +400,8 @@ class Zygote:
                 child = self.children.pop(int(report["pid"]), None)
                 if child is not None:
                     child.returncode = int(report["returncode"])
+                else:  # a child that exited before its launch's answer was read: kept for launch()
+                    self._early_exits[int(report["pid"])] = int(report["returncode"])
             else:
                 self._answers.append(report)
 
@@ -406,7 +427,9 @@ class Zygote:
                     self._answers.remove(answer)
                     if answer.get("event") == "started":
                         child = ForkedProcess(self, int(answer["pid"]))
-                        self.children[child.pid] = child
+                        child.returncode = self._early_exits.pop(child.pid, None)
+                        if child.returncode is None:
+                            self.children[child.pid] = child
                         return child
                     raise ZygoteError(f"the zygote rejected the launch: {answer.get('reason')}")
             if not self.alive():

@@ -11,8 +11,9 @@ The rungs (ARCHITECTURE.md, "The escalation ladder"), cheapest first:
    classifier pins on the user's code needs no diagnostics: it restarts in place at once.
 3. (analyzer issue) stack aggregation names the smallest parallel group to evict.
 4. The same failure again after a restart, with no progress in between: roll back to the last stable
-   code version and restart (``RollbackDecided``; hot-update carries it out - until it exists the
-   restart runs the same code, and a third failure trips rung 6).
+   code version (``CodeVersionStable``, hot-update's) and restart (``RollbackDecided``; the restart
+   commands carry that version). With no stable version known the restart runs the same code, and a
+   third failure trips rung 6.
 5. A NaN or a loss / gradient-norm spike that stop-time diagnostics do not explain (every node passes):
    silent data corruption is suspected. Dual-phase replay (``SdcReplayRequested``): every node restarts
    its ranks in replay mode from the checkpoint before the anomaly, and the analyzer judges which groups
@@ -27,6 +28,14 @@ human's cordon (a cordoned node is neither diagnosed, restarted onto nor promote
 per action kind (``ApprovalRequested`` -> ``ApprovalGiven``), and an expiry on every command, so a cold
 start never executes a stale one (the runner never re-decides history; agents and actuators check
 ``expires_at``).
+
+Code versions (hot-update): the controller stays the only one that restarts ranks. It folds the registered
+versions (``CodeVersionRegistered``): every restart it decides carries the newest pending one (a lazy
+version rides on the next restart of any cause), and every restart and promotion command names the
+version its ranks run. Hot-update's ``CodeRolloutRequested`` (an urgent deploy, a lazy one's deadline)
+becomes a planned restart: an incident of kind ``code_update`` at rung 0, which is no failure (the
+crash-loop breaker does not count it) but whose lost time ETTR accounts like any other. A rolled-back
+version is never applied again (versions are content-addressed: a fix is another version).
 
 Incidents: the first signal opens one (``IncidentOpened``); its id is the correlation id of every
 decision about it and of the agents' answers. Signals that arrive while it is open join it.
@@ -50,11 +59,16 @@ from keel.controller.guardrails import CrashLoopBreaker, EvictionBreaker, failur
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.core.decider import Decision, Proposal, materialise
 from keel.core.event_types import (
+    LAUNCH_VERSION,
     ActionHeld,
     ApprovalGiven,
     ApprovalRequested,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
+    CodeRef,
+    CodeRolloutRequested,
+    CodeVersionRegistered,
+    CodeVersionStable,
     DiagnosticsCompleted,
     DiagnosticsRequested,
     FailSlowConvicted,
@@ -211,6 +225,8 @@ class OpenIncident:
     sdc_requested_at: datetime | None = None
     sdc_replays: int = 0
     """Replay phases run for this incident so far."""
+    code_change: str = ""
+    """What the incident's restart did to the code ("" : nothing), for its resolution's reason."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +258,27 @@ class JobView:
     """Each rank's PP and TP peers (from the checkpoint registrations): what a replay must keep together."""
     anomaly_step: int = -1
     """The step of the newest NaN / spike reported (what a rung-5 replay replays)."""
+    code_versions: Mapping[str, CodeRef] = field(default_factory=dict)
+    """Registered code versions (``keel deploy``), by id."""
+    code_pending: str = ""
+    """The newest registered version no restart has carried yet: the next restart applies it."""
+    code_current: str = ""
+    """The version the latest restart commanded ("" : never changed, the launch command)."""
+    code_stable: str = ""
+    """The newest version hot-update found stable: rung 4's rollback target."""
+    code_rolled_back: frozenset[str] = frozenset()
+    rollout_due: str = ""
+    """Hot-update asked for a rollout that no restart has carried out yet."""
+
+    @property
+    def code_running(self) -> str:
+        return self.code_current or LAUNCH_VERSION
+
+    def code_ref(self, version_id: str) -> CodeRef | None:
+        """What a command names for ``version_id`` ("" : nothing, the node keeps what it runs)."""
+        if not version_id:
+            return None
+        return self.code_versions.get(version_id) or CodeRef(version_id=version_id)
 
     def node(self, node_id: str) -> NodeView:
         return self.nodes.get(node_id, NodeView(node_id))
@@ -286,6 +323,7 @@ _DECIDES_ON = frozenset({
     StandbyChecked.event_name, StandbyPromoted.event_name, NodeRegistered.event_name, NodeCordoned.event_name,
     ApprovalGiven.event_name, TimerTicked.event_name, NodeEvicted.event_name, StacksAnalyzed.event_name,
     FailSlowConvicted.event_name, MetricAnomalyDetected.event_name, SdcReplayAnalyzed.event_name,
+    CodeRolloutRequested.event_name,
 })
 
 
@@ -341,6 +379,8 @@ class ControllerDecider:
             self._on_metric_anomaly(plan, p)
         elif isinstance(p, SdcReplayAnalyzed):
             self._on_sdc_verdict(plan, p)
+        elif isinstance(p, CodeRolloutRequested):
+            self._on_rollout(plan, p)
         elif isinstance(p, TimerTicked):
             self._on_tick(plan, p.now)
         elif isinstance(p, NodeHeartbeat):
@@ -439,6 +479,13 @@ class ControllerDecider:
             if incident is not None and incident.target_generation == p.generation:
                 return replace(job, incident=replace(incident, restore_step=p.step))
             return job
+        if isinstance(p, CodeVersionRegistered):
+            ref = CodeRef(version_id=p.version_id, path=p.path, entry=list(p.entry), digest=p.digest)
+            return replace(job, code_versions={**job.code_versions, p.version_id: ref}, code_pending=p.version_id)
+        if isinstance(p, CodeVersionStable):
+            return replace(job, code_stable=p.version_id)
+        if isinstance(p, CodeRolloutRequested):
+            return replace(job, rollout_due=p.version_id)
         return self._evolve_incident(job, event)
 
     def _evolve_incident(self, job: JobView, event: Event) -> JobView:
@@ -487,11 +534,20 @@ class ControllerDecider:
             return replace(job, incident=replace(incident, diag_results={**incident.diag_results, p.node_id: p}))
         if isinstance(p, RestartDecided):
             fingerprint = p.fingerprint or f"{incident.kind}@{','.join(p.evict) or 'none'}"
-            return replace(job, generation=max(job.generation, p.generation),
-                           crash_loop=job.crash_loop.record(at, fingerprint),
+            # A planned restart (rung 0: a code rollout) is no failure: the crash-loop breaker skips it.
+            crash_loop = job.crash_loop if p.rung == 0 else job.crash_loop.record(at, fingerprint)
+            code_change = incident.code_change
+            if p.code_changed:
+                code_change = (f"{'rolled back' if p.rollback else 'moved'} from {job.code_running} to "
+                               f"{p.code_version}")
+                job = replace(job, code_current=p.code_version, rollout_due="",
+                              code_pending="" if job.code_pending == p.code_version else job.code_pending,
+                              code_rolled_back=job.code_rolled_back | {job.code_running} if p.rollback
+                              else job.code_rolled_back)
+            return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
                            incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                             target_generation=p.generation, started=frozenset(), restore_step=-1,
-                                            held=None))
+                                            held=None, code_change=code_change))
         if isinstance(p, ActionHeld):
             held = HeldPlan(p.rung, frozenset(p.evict), p.reason, p.rollback)
             stage: Stage = {"approval": "awaiting_approval", "no_standby": "waiting_standby"}.get(  # type: ignore[assignment]
@@ -742,14 +798,40 @@ class ControllerDecider:
         plan.open_incident("lost_node", lost[0].node_id, "", why)
         plan.recover(1, frozenset(n.node_id for n in lost), why)
 
+    def _on_rollout(self, plan: _Plan, p: CodeRolloutRequested) -> None:
+        job = plan.job
+        pending = job.code_pending
+        if not pending:
+            plan.note(f"rollout of {p.version_id} asked for: no version is pending (a restart already carried it)")
+        elif job.stopped or job.finished:
+            plan.note(f"rollout of {pending} asked for: the job is {'stopped' if job.stopped else 'finishing'}; "
+                      f"nothing restarted")
+        elif not job.active:
+            plan.note(f"rollout of {pending} asked for: no ranks run yet; they start on it with the next restart")
+        elif job.incident is not None:
+            plan.note(f"rollout of {pending} asked for during incident {job.incident.id[:8]} ({job.incident.stage}): "
+                      f"its restart carries the version, or one follows once it is resolved")
+        else:
+            plan.roll_out(f"{p.reason}{'' if pending == p.version_id else f' (the newest pending version is {pending})'}")
+
     def _on_heartbeat(self, plan: _Plan, p: NodeHeartbeat) -> None:
         incident = plan.job.incident
         if incident is None or incident.stage not in ("recovering", "observing") or p.node_id not in incident.started:
             return
         if p.last_step > incident.restore_step:
             by = "" if incident.stage == "recovering" else " without the controller acting"
+            code = ""
+            if incident.code_change.startswith("rolled back"):
+                code = (f"; the code was {incident.code_change} and that resolved it: the cause was the user's code, "
+                        f"not a machine")
+            elif incident.code_change:
+                code = f"; the code {incident.code_change}"
             plan.resolve("recovered", f"generation {incident.target_generation} is stepping again{by} ({p.node_id} at "
-                                      f"step {p.last_step}, restored after step {incident.restore_step})")
+                                      f"step {p.last_step}, restored after step {incident.restore_step}){code}")
+            job = plan.job
+            if job.rollout_due and job.code_pending and not job.stopped and not job.finished:
+                plan.roll_out(f"rollout of {job.code_pending} asked for during incident {incident.id[:8]}, which is "
+                              f"over: restart onto it now")
 
     def _on_pool_change(self, plan: _Plan) -> None:
         incident = plan.job.incident
@@ -1044,10 +1126,10 @@ class _Plan:
                 self.resolve("stopped", verdict.reason, stop=True, rung=rung)
                 return
             breaker = breaker.record(self.now)
-        # The crash-loop breaker and the job-wide restart budget (rung 6).
+        # The crash-loop breaker and the job-wide restart budget (rung 6); a planned restart is no failure.
         fingerprint = incident.fingerprint or f"{incident.kind}@{','.join(sorted(evict)) or 'none'}"
         verdict = job.crash_loop.check(self.now, fingerprint)
-        if not verdict.allowed:
+        if rung > 0 and not verdict.allowed:
             self.hold("restart", "restart_budget", verdict.reason, plan)
             self.resolve("stopped", f"rung 6: {verdict.reason}", stop=True, rung=6)
             return
@@ -1078,6 +1160,8 @@ class _Plan:
                                              expires_at=self.expires_at), key="refill")
             return
         generation = self.job.generation + 1
+        code_version, code_text = self.code_for(rollback)
+        code = self.job.code_ref(code_version or self.job.code_current)
         promotions = [Promotion(standby_node_id=s.node_id, replaces_node_id=n.node_id, ranks=sorted(n.ranks))
                       for n, s in zip(leaving, standbys, strict=False)]
         staying = [n.node_id for n in self.job.active if n.node_id not in evict]
@@ -1085,27 +1169,52 @@ class _Plan:
         text = (f"restart as generation {generation} on {len(staying) + len(promotions)} node(s)"
                 + "".join(f"; {p.standby_node_id} takes over ranks {_ranks_text(p.ranks)} of {p.replaces_node_id}"
                           for p in promotions)
-                + ("; roll back the code first" if rollback else "") + "; restore from memory and peers")
+                + (f"; {code_text}" if code_text else "") + "; restore from memory and peers")
         self.note(text)
         self.emit(RestartDecided(incident_id=incident.id, rung=rung, generation=generation, evict=to_evict,
                                  promotions=promotions, restart_nodes=staying, rollback=rollback,
-                                 fingerprint=fingerprint, reason=f"{reason}; {text}"), key=f"restart/{generation}")
+                                 fingerprint=fingerprint, reason=f"{reason}; {text}", code_version=code_version,
+                                 code_changed=bool(code_version)), key=f"restart/{generation}")
         if rollback:
-            self.emit(RollbackDecided(incident_id=incident.id, reason=reason, fingerprint=incident.fingerprint,
+            self.emit(RollbackDecided(incident_id=incident.id, reason=f"{reason}; {code_text}",
+                                      fingerprint=incident.fingerprint, to_version=code_version,
                                       evidence=list(incident.evidence), expires_at=self.expires_at), key="rollback")
         for promotion in promotions:
             node_rank = promotion.ranks[0] // max(1, len(promotion.ranks))
             self.emit(StandbyPromotionRequested(
                 node_id=promotion.standby_node_id, replaces_node_id=promotion.replaces_node_id, node_rank=node_rank,
-                ranks=promotion.ranks, generation=generation, expires_at=self.expires_at,
+                ranks=promotion.ranks, generation=generation, expires_at=self.expires_at, code=code,
                 reason=f"incident {incident.id[:8]}: take over ranks {_ranks_text(promotion.ranks)} of "
                        f"{promotion.replaces_node_id}"), subject=f"node/{promotion.standby_node_id}")
         for node_id in staying:
-            self.emit(RanksRestartRequested(node_id=node_id, generation=generation, expires_at=self.expires_at,
+            self.emit(RanksRestartRequested(node_id=node_id, generation=generation, expires_at=self.expires_at, code=code,
                                             reason=f"incident {incident.id[:8]}, rung {rung}: restart in place as "
                                                    f"generation {generation}"), subject=f"node/{node_id}")
         if promotions:
             self.size_pool()
+
+    def code_for(self, rollback: bool) -> tuple[str, str]:
+        """The code version a restart switches to ("" : it keeps the code) and what to say about it."""
+        job = self.job
+        running = job.code_running
+        if rollback:
+            target = job.code_stable
+            if target and target != running:
+                return target, f"roll the code back from {running} to {target}, the last stable version"
+            if target:
+                return "", f"{running} is the last stable version: nothing to roll back to; the same code restarts"
+            return "", "no code version is known to be stable yet: nothing to roll back to; the same code restarts"
+        pending = job.code_pending
+        if pending and pending not in job.code_rolled_back:
+            return pending, f"the ranks start on code version {pending} (was {running})"
+        return "", ""
+
+    def roll_out(self, reason: str) -> None:
+        """A planned restart onto the pending code version (an urgent deploy, a lazy one's deadline)."""
+        version = self.job.code_pending
+        why = f"code rollout: {reason}"
+        self.open_incident("code_update", "", f"code_update/{version}", why)
+        self.recover(0, frozenset(), why)
 
     def size_pool(self) -> None:
         """The standby pool's target from the binomial model; a refill when fewer are ready."""

@@ -234,6 +234,11 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
         if kind == "FaultInjected" and open_ is None:
             open_ = Incident(at, f"injected {p.kind} on {p.node_id}", max_step, generation)
             incidents.append(open_)
+        elif kind == "IncidentOpened" and p.kind == "code_update" and open_ is None:
+            # A planned restart onto a new code version: no failure, but the time it takes is lost all the same.
+            open_ = Incident(at, f"planned restart: {p.reason[:120]}", max_step, generation)
+            incidents.append(open_)
+            open_.marks.setdefault("detected", at)
         elif _is_failure_signal(kind, p):
             if open_ is None:
                 open_ = Incident(at, _describe(kind, p), max_step, generation)

@@ -4,6 +4,7 @@ that never connects: what the agent emitted waits in ``outbox.pending``, in orde
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -152,3 +153,62 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
     env = (Path("/proc") / str(standby.supervisor.ranks[2].pid) / "environ").read_bytes().split(b"\0")
     assert b"RANK=2" in env and b"NODE_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
     assert promote(1, [2, 3], generation=4).payload.outcome == "not_standby"
+
+
+def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agents, scratch_dir: Path) -> None:
+    import dataclasses
+
+    from keel.core.event_types import CodeRef
+
+    launch = scratch_dir / "launch.py"
+    launch.write_text("import time; time.sleep(120)\n")
+    version = scratch_dir / "versions" / "v1"
+    version.mkdir(parents=True)
+    (version / "train.py").write_text("import time; time.sleep(120)\n")
+    agent = make_agent(scratch_dir, nproc=2, gpus=2)
+    agent.spec = agent.supervisor.spec = dataclasses.replace(agent.spec, command=(str(launch), "--lr", "1"))
+    agents.append(agent)
+    agent.start_ranks(0)
+    pids = sorted(p.pid for p in agent.supervisor.alive())
+    assert not emitted(agent, "CodeVersionApplied")  # the launch command: no version named
+
+    def restart(generation: int, code: CodeRef) -> Event:
+        agent.handle_command(command(RanksRestartRequested(node_id="n00", generation=generation, reason="test", code=code,
+                                                           expires_at=now_utc() + timedelta(minutes=1)), "node/n00"))
+        return emitted(agent, "RanksRestarted")[-1]
+
+    # A version this node cannot see: refused before anything stops.
+    missing = restart(1, CodeRef(version_id="v-gone", path=str(scratch_dir / "versions" / "gone"), entry=["train.py"]))
+    assert missing.payload.outcome == "failed" and "is not a directory" in missing.payload.detail
+    assert sorted(p.pid for p in agent.supervisor.alive()) == pids and agent.generation == 0
+    # A version it sees: the ranks restart on it, in its directory, with the launch's arguments.
+    assert restart(1, CodeRef(version_id="v1", path=str(version), entry=["train.py"])).payload.outcome == "restarted"
+    [applied] = emitted(agent, "CodeVersionApplied")
+    assert (applied.payload.version_id, applied.payload.generation, applied.payload.warm) == ("v1", 1, False)
+    for process in agent.supervisor.alive():  # no zygote here: fresh interpreters, argv visible
+        proc = Path("/proc") / str(process.pid)
+        assert Path(os.readlink(proc / "cwd")) == version
+        assert (proc / "cmdline").read_bytes().split(b"\0")[1:4] == [str(version / "train.py").encode(), b"--lr", b"1"]
+        env = (proc / "environ").read_bytes().split(b"\0")
+        assert b"KEEL_CODE_VERSION=v1" in env and f"KEEL_CODE_DIR={version}".encode() in env
+    assert "--lr 1" in applied.payload.detail and str(version / "train.py") in applied.payload.detail
+    # Back to the launch command (a rollback to `launch`): no version directory any more.
+    assert restart(2, CodeRef(version_id="launch")).payload.outcome == "restarted"
+    [back] = [e for e in emitted(agent, "CodeVersionApplied") if e.payload.generation == 2]
+    assert back.payload.version_id == "launch" and back.payload.path == ""
+    for process in agent.supervisor.alive():
+        env = (Path("/proc") / str(process.pid) / "environ").read_bytes().split(b"\0")
+        assert b"KEEL_CODE_VERSION=launch" in env and not any(e.startswith(b"KEEL_CODE_DIR=") for e in env)
+
+    # A promoted standby runs the version its command names, like the nodes restarted in place.
+    standby = make_agent(scratch_dir, node_id="s00", standby=True, nnodes=2, node_rank=1, nproc=2, gpus=2)
+    standby.spec = standby.supervisor.spec = dataclasses.replace(standby.spec, command=(str(launch),))
+    agents.append(standby)
+    standby.handle_command(command(StandbyPromotionRequested(
+        node_id="s00", replaces_node_id="n01", node_rank=1, ranks=[2, 3], generation=3, reason="test",
+        code=CodeRef(version_id="v1", path=str(version), entry=["train.py"]),
+        expires_at=now_utc() + timedelta(minutes=1)), "node/s00"))
+    assert emitted(standby, "StandbyPromoted")[-1].payload.outcome == "promoted"
+    [promoted] = emitted(standby, "CodeVersionApplied")
+    assert (promoted.payload.node_id, promoted.payload.version_id, promoted.payload.generation) == ("s00", "v1", 3)
+    assert {Path(os.readlink(Path("/proc") / str(p.pid) / "cwd")) for p in standby.supervisor.alive()} == {version}

@@ -173,3 +173,72 @@ def test_the_supervisor_forks_ranks_keeps_their_stderr_and_falls_back_to_fresh_o
     finally:
         supervisor.stop_all()
         supervisor.close_zygote()
+
+
+APP = """\
+import os, sys
+import helper_k7
+print("app", {version!r}, "helper", helper_k7.VALUE, "argv", sys.argv[1:], "cwd", os.getcwd(),
+      "code", os.environ.get("KEEL_CODE_VERSION"), flush=True)
+"""
+
+
+def _version(root: Path, version: str, helper: str = "helper_k7") -> Path:
+    root.mkdir(parents=True)
+    (root / "appmod.py").write_text(APP.format(version=version).replace("helper_k7", helper))
+    (root / f"{helper}.py").write_text(f"VALUE = {version!r}\n")
+    return root
+
+
+def test_ranks_run_the_commanded_code_version_never_a_stale_module_of_the_zygote(scratch_dir: Path) -> None:
+    from keel.core.event_types import CodeRef
+
+    # The zygote imported a module named like one a version ships (here via its preload list).
+    old = scratch_dir / "old"
+    old.mkdir()
+    (old / "helper_stale_k7.py").write_text("VALUE = 'STALE'\n")
+    spec = LaunchSpec(nnodes=1, nproc_per_node=2, node_rank=0, master_addr="127.0.0.1", master_port=29999,
+                      command=("-m", "appmod", "--lr", "3e-4"), job_id="warm", node_id="n0",
+                      agent_dir=scratch_dir / "agent")
+    supervisor = RankSupervisor(spec, scratch_dir / "agent.sock", scratch_dir / "fault.json", warm=True)
+    try:
+        supervisor.start_zygote({"KEEL_WARM_PRELOAD": "json,helper_stale_k7",
+                                 "PYTHONPATH": os.pathsep.join([str(old), *sys.path])})
+        assert supervisor.zygote is not None
+        _ready(supervisor.zygote)
+        assert "helper_stale_k7" in supervisor.zygote.imported()
+        lines = []
+        for generation, version in enumerate(["v1", "v2"], start=1):
+            path = _version(scratch_dir / "versions" / version, version)
+            supervisor.code = CodeRef(version_id=version, path=str(path), entry=["-m", "appmod"])
+            supervisor.start_all(generation)
+            assert supervisor.last_start_warm and supervisor.cold_starts == 0
+            assert [e.exit_code for e in _wait_exits(supervisor, 2)] == [0, 0]
+            lines.append((supervisor.logs_dir / f"rank1.g{generation}.stdout").read_text().strip())
+        # Each generation runs its own version's modules (v1's helper, imported by v1's ranks only, is
+        # not what v2's ranks see), with the launch's arguments, in the version's directory.
+        assert lines == [f"app v1 helper v1 argv ['--lr', '3e-4'] cwd {scratch_dir / 'versions' / 'v1'} code v1",
+                         f"app v2 helper v2 argv ['--lr', '3e-4'] cwd {scratch_dir / 'versions' / 'v2'} code v2"]
+        # A version shipping a module the zygote imported: a forked rank would see the zygote's copy, so
+        # its ranks start as fresh interpreters, and run the version's.
+        path = _version(scratch_dir / "versions" / "v3", "v3", helper="helper_stale_k7")
+        supervisor.code = CodeRef(version_id="v3", path=str(path), entry=["-m", "appmod"])
+        assert supervisor.shadowed_by_code() == ["helper_stale_k7"]
+        supervisor.start_all(3)
+        assert not supervisor.last_start_warm and supervisor.cold_starts == 2
+        assert [e.exit_code for e in _wait_exits(supervisor, 2)] == [0, 0]
+        assert (supervisor.logs_dir / "rank0.g3.stdout").read_text().startswith("app v3 helper v3 ")
+        # A script entry point resolves inside the version too.
+        script_version = scratch_dir / "versions" / "v4"
+        script_version.mkdir()
+        (script_version / "helper_k7.py").write_text("VALUE = 'v4'\n")
+        (script_version / "bin").mkdir()
+        (script_version / "bin" / "train.py").write_text(APP.format(version="v4"))
+        supervisor.code = CodeRef(version_id="v4", path=str(script_version), entry=["bin/train.py"])
+        supervisor.start_all(4)
+        assert supervisor.last_start_warm
+        assert [e.exit_code for e in _wait_exits(supervisor, 2)] == [0, 0], (supervisor.logs_dir / "rank0.g4.stderr").read_text()
+        assert (supervisor.logs_dir / "rank0.g4.stdout").read_text().startswith("app v4 helper v4 argv ['--lr', '3e-4']")
+    finally:
+        supervisor.stop_all()
+        supervisor.close_zygote()

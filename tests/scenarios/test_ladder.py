@@ -41,13 +41,14 @@ class Stack:
         self.knobs: dict[str, str] = {}
 
     def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None,
-              nproc_per_node: int = 1) -> None:
+              nproc_per_node: int = 1, more_services: tuple[str, ...] = ()) -> None:
         self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "60s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
                  "KEEL_CONTROLLER__STANDBY_MIN": "1", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
                  "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"), **(extra or {})}
         ready = []
         for name, args in (("controller", []), ("checkpoint-broker", []), ("analyzer", []),
-                           ("actuator", ["--cluster-dir", str(self.directory)])):
+                           ("actuator", ["--cluster-dir", str(self.directory)]),
+                           *((name, []) for name in more_services)):
             ready.append(self.scratch / f"{name}.ready")
             self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
                                                        {**knobs, "KEEL_SERVICE_READY_FILE": str(ready[-1])}, args))

@@ -12,6 +12,7 @@ from keel.core.event_types import (
     CheckpointRestorePlanned,
     DiagnosticsRequested,
     FaultInjected,
+    IncidentOpened,
     NodeHeartbeat,
     RankExited,
     RanksRestartRequested,
@@ -206,3 +207,24 @@ def test_only_a_node_of_the_new_generation_says_the_job_is_back() -> None:
     log.insert(log.index(next(e for e in log if e.type == "CheckpointRestorePlanned")), stale)
     [incident] = compute_ettr(log).incidents
     assert incident.marks["resumed"] == at(110) and incident.marks["recovered"] == at(114)
+
+
+def test_a_planned_restart_onto_a_new_code_version_is_lost_time_too() -> None:
+    # The controller opens a code_update incident at 100 s (step 49); the agent stops the ranks (no failure
+    # signal: stopped by the agent), the restart command, new ranks, a restore of step 49, stepping at 106 s.
+    restart = RanksRestartRequested(node_id="n0", generation=1, reason="rollout", expires_at=at(400))
+    log = [started(0, 0), beat(50, 24), beat(100, 49),
+           ev(IncidentOpened(kind="code_update", generation=0, last_step=49, fingerprint="code_update/v-1",
+                             reason="code rollout: urgent deploy of v-1"), 100, "job/j", "controller"),
+           ev(restart, 100, producer="controller"),
+           ev(RankExited(node_id="n0", rank=0, pid=10, generation=0, exit_code=None, signal="SIGTERM",
+                     classification="stopped_by_agent"), 100.5, "rank/0"),
+           started(101, 1),
+           ev(CheckpointRestorePlanned(generation=1, step=49, reason="test"), 102, "job/j", "checkpoint-broker"),
+           beat(106, 50), beat(200, 95)]
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.cause.startswith("planned restart: code rollout") and incident.step_at_fault == 49
+    assert incident.lost(report.ended_at) == timedelta(seconds=6)
+    assert report.ettr == pytest.approx(1 - 6 / 200)

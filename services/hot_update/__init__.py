@@ -1,0 +1,1 @@
+"""Hot-update: code versions (``keel deploy``), their rollout policy and stability (see ``core``)."""

@@ -1,0 +1,20 @@
+"""``keel service hot-update``: run the hot-update decider through the shared runner until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from keel.core.config import Settings
+from keel.core.service import serve_decider
+from keel.hot_update.adapter import HotUpdate, decider_from_settings
+
+__all__ = ["serve", "decider_from_settings"]
+
+
+async def serve(
+    settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None
+) -> None:
+    """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
+    await serve_decider("hot-update", lambda bus, store: HotUpdate(bus, store, settings), settings, nats_url,
+                        database_url, stop, on_ready)
