@@ -14,8 +14,10 @@
    - rung 3: a rank hangs inside its pipeline stage: every process's stack is captured with py-spy while
      it hangs, the analyzer finds the outliers and names their pipeline group (two nodes), which is
      evicted for standbys (the actuator provisions the second);
-   - rung 4: a bug in the training code (`--bug-at-step`) crashes it, again after the restart: the
-     controller decides a rollback; the demo plays hot-update's part (not built yet) and removes the bug;
+   - hot-update and rung 4: once the launch code is stable, `keel deploy --lazy` registers a new version of
+     the training code (with a bug at step 330); nothing restarts for it: it rides on the rung-3 restart,
+     in place. Its bug crashes the job, and again after the restart: rung 4 rolls back to the last stable
+     version (the launch code), and training goes on from memory;
    - rung 5: a second job, 4 nodes x 1 rank (DP 4) plus a standby, one of whose "GPUs" silently flips a
      gradient bit: the NaN passes stop-time diagnostics, two replay phases locate the node, it is evicted
      and the standby takes its rank; the job resumes from before the corruption and runs to its end;
@@ -55,6 +57,15 @@ SDC_STEPS = 90
 STEPS = 400
 BUG_STEP = 330
 TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--pp", "2", "--steps", str(STEPS), "--min-step-time", "100ms"]
+# A version of the training code (``keel deploy``): the example workload with the version's change - a bug
+# at one step - expressed as its own arguments, as a real change would be expressed in its code.
+BAD_VERSION = """\
+import runpy
+import sys
+
+sys.argv += ["--bug-at-step", "{bug}", "--bug-rank", "-1"]
+runpy.run_module("keel.workload.train", run_name="__main__", alter_sys=True)
+"""
 STACK_ENV = {
     # Demo-sized knobs: a standby always kept ready, quick heartbeats, short diagnostics.
     "KEEL_CONTROLLER__STANDBY_MIN": "1",
@@ -64,6 +75,8 @@ STACK_ENV = {
     "KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "45s",
     "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
     "KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "20",
+    # A version is stable after 8 s without an incident it could have caused (production: 30 min).
+    "KEEL_HOT_UPDATE__STABLE_TIME": "8s",
 }
 _STEP = re.compile(r"^step (\d+) loss \S+ .*loss_hex (\S+)", re.M)
 
@@ -183,8 +196,6 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
     store = EventStore(engine)
     directory = cluster_dir(settings)
     demo = Demo(settings, store, nats_url, directory, scratch)
-    bug_file = scratch / "bug-present"
-    bug_file.write_text(f"the code pushed at step {BUG_STEP} has a KeyError\n")
     env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")} | STACK_ENV
     env["KEEL_NATS_URL"], env["KEEL_DATABASE_URL"] = nats_url, database_url
     env["KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR"] = "60s"
@@ -194,7 +205,7 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         reference = asyncio.create_task(asyncio.to_thread(_reference_run, scratch / "reference"))
         _banner("local cluster: 4 nodes x 1 rank (DP 2 x PP 2) + 1 warm standby, job 'demo'")
         cluster_up(settings, directory, nodes=4, standby=1, nproc_per_node=1, job_id=JOB,
-                   command=[*TRAIN, "--bug-at-step", str(BUG_STEP), "--bug-rank", "-1", "--bug-file", str(bug_file)], nats_url=nats_url,
+                   command=TRAIN, nats_url=nats_url,
                    extra_env=env, heartbeat_interval="2s", persist_root=scratch / "checkpoints")
         await demo.wait_for(JOB, ["StandbyChecked"], lambda e: e.payload.passed, 120, "a standby's passing self-check")
         await demo.wait_step(15)
@@ -220,6 +231,20 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
             FaultSpec(kind="crash", node=demo.node_of_rank(0), rank=0)]))
         await demo.wait_step(180)
 
+        _banner(f"hot-update: keel deploy --lazy a new version of the training code (it has a bug at step {BUG_STEP})")
+        stable = await demo.wait_for(JOB, ["CodeVersionStable"], lambda e: e.payload.version_id == "launch", 120,
+                                     "the launch code to become stable")
+        _say(f"stable: {stable.payload.reason}")
+        version_dir = scratch / "version-new-data-mix"
+        version_dir.mkdir(parents=True, exist_ok=True)
+        (version_dir / "train.py").write_text(BAD_VERSION.format(bug=BUG_STEP))
+        deployed = _keel(None, "deploy", str(version_dir), "--job", JOB, "--lazy", "--by", "demo",
+                         "--why", "new data mix", env={**os.environ, **env}, check=False)
+        if deployed.returncode != 0:
+            raise DemoError(f"keel deploy failed: {deployed.stderr[-2000:]}")
+        _say(deployed.stdout.strip().splitlines()[-1] if deployed.stdout.strip() else "deployed")
+        _say("lazy: nothing restarts for it; the next restart of any cause applies it")
+
         _banner("rung 3: rank 1 hangs in its pipeline stage: stacks name its pipeline group")
         results["incidents"].append(await demo.fault(JOB, "rung 3", [FaultSpec(kind="hang", node=demo.node_of_rank(1),
                                                                                rank=1)]))
@@ -228,23 +253,21 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
              f"{verdict.group_ranks} on {', '.join(verdict.group_nodes)}")
         await demo.wait_step(BUG_STEP - 5)
 
-        _banner(f"rung 4: a code bug at step {BUG_STEP} crashes the job, and again after the restart")
+        applied = [e.payload for e in await demo.events(JOB, ["CodeVersionApplied"])]
+        _say(f"the rung-3 restart carried the new version: {len(applied)} node(s) run "
+             f"{', '.join(sorted({a.version_id for a in applied})) or 'nothing new'}")
 
-        async def play_hot_update() -> None:
-            rollback = await demo.wait_for(JOB, ["RollbackDecided"], lambda e: True, 180, "a rollback decision")
-            bug_file.unlink(missing_ok=True)
-            _say(f"rollback decided ({rollback.payload.reason[:90]}...); hot-update's part, played by the demo: "
-                 f"the bug is gone")
-
+        _banner(f"rung 4: the new version's bug at step {BUG_STEP} crashes the job, and again after the restart")
         seen = {str(e.id) for e in await demo.events(JOB, ["IncidentOpened"])}
-        rollback_task = asyncio.create_task(play_hot_update())
         first, first_done = await demo.incident_after(JOB, seen)
         _say(f"first crash: incident {str(first.id)[:8]} {first_done.payload.outcome} at rung {first_done.payload.rung}")
         results["incidents"].append((first, first_done))
         second, second_done = await demo.incident_after(JOB, seen | {str(first.id)})
-        await rollback_task
-        _say(f"second crash: incident {str(second.id)[:8]} {second_done.payload.outcome} at rung {second_done.payload.rung}")
+        _say(f"second crash: incident {str(second.id)[:8]} {second_done.payload.outcome} at rung {second_done.payload.rung}"
+             f" - {second_done.payload.reason[:200]}")
         results["incidents"].append((second, second_done))
+        rollback = (await demo.events(JOB, ["RollbackDecided"]))[-1].payload
+        results["rollback"] = (rollback.to_version, [a.version_id for a in applied])
 
         _banner("the job runs to its last step")
         await demo.wait_for(JOB, ["RankExited"], lambda e: e.payload.classification == "success" and e.payload.rank == 0,
@@ -320,6 +343,8 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
         sdc_opened, sdc_resolved = result["sdc"]
         _banner(f"keel timeline {str(sdc_opened.id)[:8]} (rung 5, job {SDC_JOB})")
         print(_keel(config, "timeline", str(sdc_opened.id), "--job", SDC_JOB, env=env).stdout.rstrip())
+        _banner(f"keel versions --job {JOB}")
+        print(_keel(config, "versions", "--job", JOB, env=env).stdout.rstrip())
         _banner(f"keel ettr --job {JOB}")
         print(_keel(config, "ettr", "--job", JOB, env=env).stdout.rstrip())
         # This run's jobs: the log may also hold earlier runs', decided by an older build of the deciders.
@@ -342,10 +367,14 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
               f"fault-free run's: {same} ({len(losses)} steps)")
         culprit, evicted, kind, phases = result["sdc_located"]
         sdc_ok = kind == "found" and evicted == [culprit] and sdc_resolved.payload.rung == 5
+        rolled_to, applied = result["rollback"]
+        rollback_ok = rolled_to == "launch" and bool(applied) and "launch" not in applied
+        print(f"hot-update: the new version rode on the rung-3 restart ({len(applied)} node(s)); rung 4 rolled back "
+              f"to {rolled_to!r}")
         print(f"rungs exercised in the main job: {rungs}; rung 5 in '{SDC_JOB}': {kind} {evicted} in {phases} replay "
               f"phase(s), the corrupting node was {culprit}; rung 6 in '{LOOP_JOB}'; "
               f"replay: {'clean' if replay.returncode == 0 else 'DIVERGED'}")
-        ok = same and covered and replay.returncode == 0 and {1, 2, 3, 4} <= set(rungs) and sdc_ok
+        ok = same and covered and replay.returncode == 0 and {1, 2, 3, 4} <= set(rungs) and sdc_ok and rollback_ok
         print("DEMO PASSED" if ok else "DEMO FAILED")
         return 0 if ok else 1
     finally:

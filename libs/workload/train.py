@@ -370,14 +370,17 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             ckpt.snapshot(step)  # a no-op without a slot folder
             last_step = step
-            paced = args.min_step_time.total_seconds() - (time.monotonic() - t0)
-            if paced > 0:
-                time.sleep(paced)
-            step_s = time.monotonic() - t0
+            # The step line goes out before the pacing sleep: a rank stopped during the sleep (a planned
+            # restart) has its step snapshotted, so the resumed run starts after it and never prints it.
+            worked_s = time.monotonic() - t0
+            paced = args.min_step_time.total_seconds() - worked_s
+            step_s = max(worked_s, args.min_step_time.total_seconds())
             if ctx.rank == 0:
                 print(f"step {step} loss {loss:.6f} grad_norm {grad_norm:.6f} lr {lr:.3e} "
                       f"step_time_s {step_s:.3f} tokens_per_s {tokens / step_s:.0f} loss_hex {loss.hex()} "
                       f"t_unix {time.time():.3f}", flush=True)
+            if paced > 0:
+                time.sleep(paced)
             if args.persist_every and (step + 1) % args.persist_every == 0:
                 _persist(ckpt, ctx, args.persist_dir, step)
             session.step_done(step, loss=loss, grad_norm=grad_norm, tokens=tokens)

@@ -265,6 +265,9 @@ class JobView:
     code_current: str = ""
     """The version the latest restart commanded ("" : never changed, the launch command)."""
     code_stable: str = ""
+    code_stables: tuple[str, ...] = ()
+    """Every version hot-update found stable, oldest first: rung 4 rolls back to the newest that is not the
+    code failing now."""
     """The newest version hot-update found stable: rung 4's rollback target."""
     code_rolled_back: frozenset[str] = frozenset()
     rollout_due: str = ""
@@ -483,7 +486,8 @@ class ControllerDecider:
             ref = CodeRef(version_id=p.version_id, path=p.path, entry=list(p.entry), digest=p.digest)
             return replace(job, code_versions={**job.code_versions, p.version_id: ref}, code_pending=p.version_id)
         if isinstance(p, CodeVersionStable):
-            return replace(job, code_stable=p.version_id)
+            stables = tuple(v for v in job.code_stables if v != p.version_id) + (p.version_id,)
+            return replace(job, code_stable=p.version_id, code_stables=stables)
         if isinstance(p, CodeRolloutRequested):
             return replace(job, rollout_due=p.version_id)
         return self._evolve_incident(job, event)
@@ -1198,11 +1202,14 @@ class _Plan:
         job = self.job
         running = job.code_running
         if rollback:
-            target = job.code_stable
-            if target and target != running:
-                return target, f"roll the code back from {running} to {target}, the last stable version"
-            if target:
-                return "", f"{running} is the last stable version: nothing to roll back to; the same code restarts"
+            # The same failure twice in a row points at the code running now, even if it ran long enough to
+            # be called stable (a bug at a step it had not reached yet): back to the stable version before it.
+            earlier = [v for v in reversed(job.code_stables) if v != running and v not in job.code_rolled_back]
+            if earlier:
+                was = " (stable until now)" if running in job.code_stables else ""
+                return earlier[0], f"roll the code back from {running}{was} to {earlier[0]}, the last stable version before it"
+            if job.code_stables:
+                return "", f"no stable version other than {running}: nothing to roll back to; the same code restarts"
             return "", "no code version is known to be stable yet: nothing to roll back to; the same code restarts"
         pending = job.code_pending
         if pending and pending not in job.code_rolled_back:

@@ -190,6 +190,30 @@ def test_a_version_becomes_stable_after_steps_without_an_incident_and_rung4_roll
         assert report.clean, [d.describe() for d in report.divergences]
 
 
+def test_a_version_stable_before_its_bug_shows_is_rolled_back_to_the_stable_version_before_it() -> None:
+    # A new data mix runs cleanly long enough to be called stable, then hits its bug at a later step: the
+    # same failure twice points at it, so rung 4 goes back to the stable version before it (the demo's case).
+    stack = Stack()
+    stack.heartbeats(step=75)
+    stack.deploy("mix")
+    out = stack.crash("n3", 6)
+    [request] = of(out, "DiagnosticsRequested")
+    for node in stack.nodes:
+        out = stack.diagnostics(node, request)
+    stack.restart(out, restore_step=74, step=76)
+    stack.applied("mix")
+    stack.heartbeats(step=80)  # its stability window opens here
+    [stable] = of(stack.heartbeats(step=140), "CodeVersionStable")
+    assert stable.payload.version_id == "mix" and stack.session.state.job("job1").code_stables == (LAUNCH_VERSION, "mix")
+    first = stack.crash("n0", 1, classification="user_code", err=ERR)
+    stack.restart(first, restore_step=140, step=141)
+    second = stack.crash("n0", 1, classification="user_code", err=ERR)
+    [rollback] = of(second, "RollbackDecided")
+    assert rollback.payload.to_version == LAUNCH_VERSION, rollback.payload
+    assert "from mix (stable until now) to launch" in rollback.payload.reason
+    assert of(second, "RestartDecided")[0].payload.code_version == LAUNCH_VERSION
+
+
 def test_stability_also_comes_with_time_and_an_incident_restarts_the_window() -> None:
     stack = Stack(policy=HotUpdatePolicy(stable_steps=10_000, stable_time=timedelta(minutes=10)))
     first = stack.crash("n0", 1, classification="user_code", err=ERR)
