@@ -85,6 +85,11 @@ class PeerTransport(Protocol):
         none is ever served half-removed)."""
         ...
 
+    def pin_committed(self, step: int) -> None:
+        """The broker committed ``step`` on the peer tier: the store keeps each rank's backup of it even when
+        two newer rounds arrive before the next commit (-1: nothing pinned, a restart's new history)."""
+        ...
+
     def backups_received(self) -> int:
         """How many backups this node's store has committed since it started (moves on every new one)."""
         ...
@@ -150,6 +155,9 @@ class GrpcTransport:
 
     def discard_backup(self, rank: int, newer_than: int = -1) -> None:
         self.server.discard_backup(rank, newer_than)
+
+    def pin_committed(self, step: int) -> None:
+        self.server.pin(step)
 
     def backups_received(self) -> int:
         return self.server.backups_received
@@ -384,6 +392,8 @@ class NodeCheckpointing:
         generation): no second writer touches a rank's sent ring, and their results are ignored.
         """
         self.peer_committed_step = -1  # commits of the history this restart leaves say nothing of the next
+        if self.transport is not None:
+            self.transport.pin_committed(-1)
         self.generation = generation
         self.registered_generation = None
         self.plan = None
@@ -502,8 +512,10 @@ class NodeCheckpointing:
                         self.progress[assignment.rank].last_sent_step = -1
                         self.progress[assignment.rank].send_failures = 0
         elif isinstance(payload, CheckpointStepCommitted):
-            if payload.tier == "peer":
-                self.peer_committed_step = max(self.peer_committed_step, payload.step)
+            if payload.tier == "peer" and payload.step > self.peer_committed_step:
+                self.peer_committed_step = payload.step
+                if self.transport is not None:
+                    self.transport.pin_committed(payload.step)
         elif isinstance(payload, CheckpointScheduleSet):
             self.every_k_steps = payload.every_k_steps
             self.backup_every = payload.backup_every_k_steps

@@ -93,6 +93,10 @@ _CHANNEL_OPTIONS = [
 _CLIENT_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
+BackupCopy = Literal["newest", "previous", "pinned"]
+BACKUP_COPIES: tuple[BackupCopy, ...] = ("newest", "previous", "pinned")
+"""The copies a store may hold of a rank's backup: the newest, the one it replaced, and the committed step's."""
+
 ShardKind = Literal["slot", "backup"]
 
 
@@ -336,6 +340,8 @@ class ShardStoreServer:
         self._server: aio.Server | None = None
         self._rank_locks: dict[int, asyncio.Lock] = {}
         self.backups_received = 0
+        self.pinned_step = -1
+        """The newest peer-committed step of the current history (``pin``; -1: none known)."""
         """Backups committed since start: the agent reports its held backups when this moves."""
         self.on_backup_received: Callable[[], None] | None = None
         """Called (on the server's loop) after each committed backup: wakes the agent's loop."""
@@ -371,11 +377,14 @@ class ShardStoreServer:
     def backup_dir(self) -> Path:
         return self.node_dir / "backup"
 
-    def _sidecar(self, rank: int, previous: bool = False) -> Path:
-        return (self.previous_dir if previous else self.backup_dir) / f"rank{rank}.json"
+    def _copy_dir(self, copy: BackupCopy) -> Path:
+        return {"newest": self.backup_dir, "previous": self.previous_dir, "pinned": self.pinned_dir}[copy]
 
-    def _backup_file(self, rank: int, previous: bool = False) -> Path:
-        return self.previous_dir / f"rank{rank}.shard" if previous else backup_path(self.node_dir, rank)
+    def _sidecar(self, rank: int, copy: BackupCopy = "newest") -> Path:
+        return self._copy_dir(copy) / f"rank{rank}.json"
+
+    def _backup_file(self, rank: int, copy: BackupCopy = "newest") -> Path:
+        return backup_path(self.node_dir, rank) if copy == "newest" else self._copy_dir(copy) / f"rank{rank}.shard"
 
     @property
     def previous_dir(self) -> Path:
@@ -385,6 +394,37 @@ class ShardStoreServer:
         the persistent tier)."""
         return self.backup_dir / "prev"
 
+    @property
+    def pinned_dir(self) -> Path:
+        """A third copy, of the newest peer-committed step only (``pin``): when a fast rank's rounds push its
+        newest and previous backups two rounds past the committed step while a slow rank's delivery lags,
+        the committed step still has every rank's copy somewhere, so a group lost then restores from peers
+        instead of the persistent tier. Replaced by the next commit's."""
+        return self.backup_dir / "pinned"
+
+    def pin(self, step: int) -> None:
+        """The broker committed ``step`` on the peer tier (this history): keep each rank's backup of it when
+        newer rounds push it out, and drop the pinned copies of other steps. Called from the agent's loop.
+        ``step`` -1 (a restart: the next history has committed nothing yet) pins nothing new and drops
+        nothing: the restart's inventory may need the copies held (they go with the next commit, with a
+        newer generation's backup, or with a restore below them)."""
+        self.pinned_step = step
+        if step < 0:
+            return
+        for sidecar in sorted(self.pinned_dir.glob("rank*.json")):
+            match = re.match(r"^rank(\d+)\.json$", sidecar.name)
+            if not match:
+                continue
+            rank = int(match.group(1))
+            try:
+                meta = self._backup_meta(rank, "pinned")
+            except (ValueError, OSError):
+                meta = None
+            if meta is not None and int(meta.get("step", -1)) == step:
+                continue
+            sidecar.unlink(missing_ok=True)
+            self._backup_file(rank, "pinned").unlink(missing_ok=True)
+
     def _sweep_temp_files(self) -> None:
         """Temp files left by an agent that died mid-stream are garbage: nothing refers to them."""
         for entry in self.backup_dir.glob(".rank*.shard.tmp-*"):
@@ -392,9 +432,9 @@ class ShardStoreServer:
 
     # what is held
 
-    def _backup_meta(self, rank: int, previous: bool = False) -> dict[str, Any] | None:
+    def _backup_meta(self, rank: int, copy: BackupCopy = "newest") -> dict[str, Any] | None:
         try:
-            meta = json.loads(self._sidecar(rank, previous).read_text())
+            meta = json.loads(self._sidecar(rank, copy).read_text())
         except FileNotFoundError:
             return None
         if not isinstance(meta, dict):
@@ -402,24 +442,26 @@ class ShardStoreServer:
         return meta
 
     def discard_backup(self, rank: int, newer_than: int = -1) -> None:
-        """Drop the backups held for ``rank`` (newest and previous) whose step is above ``newer_than``
-        (-1: all): each sidecar first, so a half-removed backup is never served. A previous that stays
-        while the newest goes becomes the newest (it is the one a restore to ``newer_than`` fetches)."""
-        for previous in (False, True):
+        """Drop the backups held for ``rank`` (newest, previous and pinned) whose step is above ``newer_than``
+        (-1: all): each sidecar first, so a half-removed backup is never served. A previous (else a pinned
+        copy) that stays while the newest goes becomes the newest (it is the one a restore to
+        ``newer_than`` fetches)."""
+        for copy in BACKUP_COPIES:
             try:
-                meta = self._backup_meta(rank, previous)
+                meta = self._backup_meta(rank, copy)
             except (ValueError, OSError):
                 meta = None  # unreadable: nothing worth keeping
             if newer_than >= 0 and meta is not None and int(meta.get("step", -1)) <= newer_than:
                 continue
-            self._sidecar(rank, previous).unlink(missing_ok=True)
-            self._backup_file(rank, previous).unlink(missing_ok=True)
-        kept = self._backup_file(rank, True)
-        if not self._sidecar(rank).exists() and self._sidecar(rank, True).exists() and kept.exists():
-            sidecar = self._sidecar(rank, True).read_bytes()
-            self._sidecar(rank, True).unlink()
-            os.replace(kept, self._backup_file(rank))
-            write_file_atomic(self._sidecar(rank), sidecar, fsync=self.fsync)
+            self._sidecar(rank, copy).unlink(missing_ok=True)
+            self._backup_file(rank, copy).unlink(missing_ok=True)
+        for copy in ("previous", "pinned"):
+            kept = self._backup_file(rank, copy)
+            if not self._sidecar(rank).exists() and self._sidecar(rank, copy).exists() and kept.exists():
+                sidecar = self._sidecar(rank, copy).read_bytes()
+                self._sidecar(rank, copy).unlink()
+                os.replace(kept, self._backup_file(rank))
+                write_file_atomic(self._sidecar(rank), sidecar, fsync=self.fsync)
 
     def held_shards(self, *, verify: bool = False) -> tuple[list[HeldShard], list[RejectedHeld]]:
         """Every COMPLETE slot and every backup under the node directory, by rank then step.
@@ -445,17 +487,16 @@ class ShardStoreServer:
                     continue
                 held.append(HeldShard(rank, header.step, header.payload_len, header.digest, "slot", self.node_id,
                                       header.generation, path))
-        for previous in (False, True):
-            directory = self.previous_dir if previous else self.backup_dir
-            for sidecar in sorted(directory.glob("rank*.json")):
+        for copy in BACKUP_COPIES:
+            for sidecar in sorted(self._copy_dir(copy).glob("rank*.json")):
                 match = re.match(r"^rank(\d+)\.json$", sidecar.name)
                 if not match:
                     continue
                 rank = int(match.group(1))
                 try:
-                    shard = self._held_backup(rank, verify=verify, previous=previous)
+                    shard = self._held_backup(rank, verify=verify, copy=copy)
                 except _BadBackup as exc:
-                    rejected.append(RejectedHeld(rank, exc.step, "backup", self._backup_file(rank, previous), exc.reason))
+                    rejected.append(RejectedHeld(rank, exc.step, "backup", self._backup_file(rank, copy), exc.reason))
                     continue
                 if shard is not None:
                     held.append(shard)
@@ -463,21 +504,21 @@ class ShardStoreServer:
         return held, rejected
 
     def _held_backup(self, rank: int, *, verify: bool, payload_out: list[bytes] | None = None,
-                     previous: bool = False) -> HeldShard | None:
-        """The backup held for ``rank`` (``previous``: the one before it; None: none); ``_BadBackup`` when
-        it does not check out."""
-        path = self._backup_file(rank, previous)
+                     copy: BackupCopy = "newest") -> HeldShard | None:
+        """The backup held for ``rank`` (``copy``: the newest, the one before it, or the pinned copy of the
+        committed step; None: none); ``_BadBackup`` when it does not check out."""
+        path = self._backup_file(rank, copy)
         try:
-            meta = self._backup_meta(rank, previous)
+            meta = self._backup_meta(rank, copy)
         except (ValueError, OSError) as exc:
-            raise _BadBackup(-1, f"unreadable sidecar {self._sidecar(rank, previous)}: {exc}") from None
+            raise _BadBackup(-1, f"unreadable sidecar {self._sidecar(rank, copy)}: {exc}") from None
         if meta is None:
             return None
         try:
             shard = HeldShard(rank, int(meta["step"]), int(meta["bytes"]), str(meta["sha256"]), "backup",
                               str(meta["owner_node_id"]), int(meta["generation"]), path)
         except (KeyError, TypeError, ValueError) as exc:
-            raise _BadBackup(-1, f"sidecar {self._sidecar(rank, previous)} lacks a field: {exc}") from None
+            raise _BadBackup(-1, f"sidecar {self._sidecar(rank, copy)} lacks a field: {exc}") from None
         try:
             if verify or payload_out is not None:
                 data = path.read_bytes()
@@ -507,16 +548,16 @@ class ShardStoreServer:
                     candidates.append((header.step, 1, path, "slot"))
         reasons: list[str] = []
         if kind in ("", "backup"):
-            for previous in (False, True):
+            for preference, copy in enumerate(BACKUP_COPIES):
                 try:
-                    meta = self._backup_meta(rank, previous)
+                    meta = self._backup_meta(rank, copy)
                 except (ValueError, OSError) as exc:
                     meta = None
-                    reasons.append(f"{'previous ' if previous else ''}backup sidecar unreadable: {exc}")
+                    reasons.append(f"{'' if copy == 'newest' else copy + ' '}backup sidecar unreadable: {exc}")
                 if meta is not None and (step < 0 or meta.get("step") == step) \
                         and owner_node_id in ("", meta.get("owner_node_id")):
-                    candidates.append((int(meta.get("step", -1)), -1 if previous else 0,
-                                       self._backup_file(rank, previous), "backup-previous" if previous else "backup"))
+                    candidates.append((int(meta.get("step", -1)), -1 - preference, self._backup_file(rank, copy),
+                                       "backup" if copy == "newest" else f"backup-{copy}"))
         for found_step, _, path, found_kind in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
             if found_kind == "slot":
                 try:
@@ -531,7 +572,8 @@ class ShardStoreServer:
                                  header.generation, path), payload
             out: list[bytes] = []
             try:
-                shard = self._held_backup(rank, verify=True, payload_out=out, previous=found_kind == "backup-previous")
+                shard = self._held_backup(rank, verify=True, payload_out=out,
+                                          copy="newest" if found_kind == "backup" else found_kind.split("-")[1])  # type: ignore[arg-type]
             except _Abort as exc:
                 reasons.append(exc.reason)
                 continue
@@ -591,11 +633,11 @@ class ShardStoreServer:
         """Before a new backup of ``generation`` replaces the one held for ``rank``: keep the held one as
         the previous (replacing the one there) if it is of the same generation, the same history. One of
         an older generation is an abandoned history (its steps may carry the same numbers with other
-        contents): no previous is kept then. The previous sidecar goes first and the moved one comes
-        last, so no label ever names the wrong bytes."""
+        contents): no previous is kept then. The previous that goes is kept as the pinned copy when it
+        holds the committed step (``pin``). A sidecar goes first and the moved one comes last, so no label
+        ever names the wrong bytes."""
         current_sidecar, current_file = self._sidecar(rank), self._backup_file(rank)
-        self._sidecar(rank, True).unlink(missing_ok=True)
-        self._backup_file(rank, True).unlink(missing_ok=True)
+        self._pin_or_drop_previous(rank, generation)
         try:
             meta = self._backup_meta(rank)
         except (ValueError, OSError):
@@ -603,8 +645,33 @@ class ShardStoreServer:
         if meta is None or int(meta.get("generation", -1)) != generation or not current_file.exists():
             return
         self.previous_dir.mkdir(parents=True, exist_ok=True)
-        os.replace(current_file, self._backup_file(rank, True))
-        os.replace(current_sidecar, self._sidecar(rank, True))
+        os.replace(current_file, self._backup_file(rank, "previous"))
+        os.replace(current_sidecar, self._sidecar(rank, "previous"))
+
+    def _pin_or_drop_previous(self, rank: int, generation: int) -> None:
+        """The previous copy is about to be replaced: keep it as the pinned copy if it is the committed step
+        of this history (replacing any pinned copy of the rank), else drop it. A pinned copy of another
+        generation is an abandoned history: dropped too."""
+        try:
+            previous = self._backup_meta(rank, "previous")
+            pinned = self._backup_meta(rank, "pinned")
+        except (ValueError, OSError):
+            previous = pinned = None
+        if pinned is not None and int(pinned.get("generation", -1)) != generation:
+            self._sidecar(rank, "pinned").unlink(missing_ok=True)
+            self._backup_file(rank, "pinned").unlink(missing_ok=True)
+        keep = (previous is not None and self.pinned_step >= 0 and int(previous.get("step", -1)) == self.pinned_step
+                and int(previous.get("generation", -1)) == generation and self._backup_file(rank, "previous").exists())
+        if keep:
+            self._sidecar(rank, "pinned").unlink(missing_ok=True)
+            self.pinned_dir.mkdir(parents=True, exist_ok=True)
+            sidecar = self._sidecar(rank, "previous").read_bytes()
+            self._sidecar(rank, "previous").unlink()
+            os.replace(self._backup_file(rank, "previous"), self._backup_file(rank, "pinned"))
+            write_file_atomic(self._sidecar(rank, "pinned"), sidecar, fsync=self.fsync)
+            return
+        self._sidecar(rank, "previous").unlink(missing_ok=True)
+        self._backup_file(rank, "previous").unlink(missing_ok=True)
 
     def rank_lock(self, rank: int) -> asyncio.Lock:
         return self._rank_locks.setdefault(rank, asyncio.Lock())

@@ -447,3 +447,45 @@ async def test_a_restore_drops_only_the_backups_above_its_step(store_b: ShardSto
     assert steps() == [12]
     store_b.discard_backup(2)
     assert steps() == []
+
+
+async def test_the_committed_step_stays_pinned_when_two_newer_rounds_push_it_out(store_b: ShardStoreServer,
+                                                                              tmp_path: Path) -> None:
+    """A fast rank's rounds 8 and 16 reach its peer before a slow rank's round 8 commits: without the pin
+    the committed step 4 would leave with round 16 (newest and previous only). Pinned, it stays until the
+    next commit, and is served by step."""
+    payloads = {step: make_payload(200 + step, seed=80 + step) for step in (4, 8, 16, 24)}
+    steps = lambda: [h.step for h in store_b.held_shards(verify=True)[0] if h.rank == 3]  # noqa: E731
+    await put_raw(store_b.address, chunks_for(payloads[4], step=4, rank=3))
+    store_b.pin(4)  # the broker committed step 4 on the peer tier
+    await put_raw(store_b.address, chunks_for(payloads[8], step=8, rank=3))
+    await put_raw(store_b.address, chunks_for(payloads[16], step=16, rank=3))
+    assert steps() == [4, 8, 16]  # newest 16, previous 8, pinned 4
+    dest = tmp_path / "rank3.shard"
+    await fetch_shard(store_b.address, JOB, "node-a", 3, 4, dest, sha256_hex(payloads[4]), TIMEOUT)
+    assert dest.read_bytes() == payloads[4]
+    # A restart pins nothing new and drops nothing (its inventory may need the pinned copy)...
+    store_b.pin(-1)
+    assert steps() == [4, 8, 16]
+    # ...the next commit replaces it: only one pinned copy, of the newest committed step.
+    store_b.pin(8)
+    assert steps() == [8, 16]
+    await put_raw(store_b.address, chunks_for(payloads[24], step=24, rank=3))
+    assert steps() == [8, 16, 24]
+    # A restore below drops the pinned copy above it too; one at or below stays and is served as the newest.
+    store_b.discard_backup(3, newer_than=8)
+    assert steps() == [8]
+    await fetch_shard(store_b.address, JOB, "node-a", 3, -1, dest, "", TIMEOUT)
+    assert dest.read_bytes() == payloads[8]
+
+
+async def test_a_pinned_copy_of_an_abandoned_history_is_dropped(store_b: ShardStoreServer) -> None:
+    old = {step: make_payload(150 + step, seed=90 + step) for step in (2, 4, 6)}
+    for step in (2, 4):
+        await put_raw(store_b.address, chunks_for(old[step], step=step, rank=5))
+    store_b.pin(2)
+    await put_raw(store_b.address, chunks_for(old[6], step=6, rank=5))
+    assert [h.step for h in store_b.held_shards()[0] if h.rank == 5] == [2, 4, 6]
+    # Generation 1 resumed from step 3: its backups are another history, and every older copy goes.
+    await put_raw(store_b.address, chunks_for(make_payload(99, seed=99), step=3, rank=5, generation=1))
+    assert [(h.step, h.generation) for h in store_b.held_shards()[0] if h.rank == 5] == [(3, 1)]
