@@ -178,7 +178,8 @@ def replay_spec_json(request: SdcReplayRequested, result_dir: Path) -> str:
 def replay_answer(request: SdcReplayRequested, node_id: str, request_id: str, ranks: list[int],
                   exits: dict[int, RankExit], result_dir: Path, duration_s: float) -> SdcReplayCompleted:
     """This node's ``SdcReplayCompleted`` from its ranks' exits and result files: ``ran`` only when every
-    local rank exited 0 and wrote its answer; otherwise ``detail`` says which did not, and why."""
+    local rank wrote a readable answer (a rank that crashes after writing it still answered); otherwise
+    ``detail`` says which did not, and why."""
     results: list[SdcGroupResult] = []
     restored: list[int] = []
     problems: list[str] = []
@@ -196,7 +197,7 @@ def replay_answer(request: SdcReplayRequested, node_id: str, request_id: str, ra
                 details.append(str(data["detail"]))
         except FileNotFoundError:
             if exit_ is None:
-                problems.append(f"rank {rank} did not finish in {request.timeout_s:g} s")
+                problems.append(f"rank {rank} did not finish in time (the round's timeout is {request.timeout_s:g} s)")
             else:
                 how = f"exit code {exit_.exit_code}" if exit_.signal is None else exit_.signal
                 last = (exit_.reported_failure or exit_.stderr_tail).strip().splitlines()[-1:] or ["no output"]
@@ -437,6 +438,7 @@ class NodeAgent:
         if payload.round in self.rounds_seen:
             log.info("%s: diagnostics round %d was run already (a redelivered command); ignored", node, payload.round)
             return
+        self.finish_replay(force=True)  # a replay still running ends, answered with what it has
         if self.active_round is not None:
             log.warning("%s: diagnostics round %d supersedes the round still running; ending that one unreported",
                         node, payload.round)
@@ -483,9 +485,12 @@ class NodeAgent:
         self.start_ranks(payload.generation, extra_env={REPLAY_ENV: str(spec_path)})
         if self.checkpointing is not None:
             self.checkpointing.prepare_restart(payload.generation)
+        # The analyzer judges at the request's time + timeout_s: answer by three quarters of that (stopping
+        # the old ranks counts against it), so ranks that are merely slow are heard, not counted missing.
         now_s = time.monotonic()
+        left_s = max(5.0, command.occurred_at.timestamp() + 0.75 * payload.timeout_s - time.time())
         self.replay = ActiveReplay(command, directory, payload.generation, sorted(self.supervisor.ranks), now_s,
-                                   now_s + payload.timeout_s)
+                                   now_s + left_s)
         log.info("%s: replay round %d started as generation %d (%d phase(s)): %s", node, payload.round,
                  payload.generation, len(payload.phases), payload.reason)
 

@@ -340,9 +340,12 @@ class ShardStoreServer:
         self._server: aio.Server | None = None
         self._rank_locks: dict[int, asyncio.Lock] = {}
         self.backups_received = 0
+        """Backups committed since start: the agent reports its held backups when this moves."""
         self.pinned_step = -1
         """The newest peer-committed step of the current history (``pin``; -1: none known)."""
-        """Backups committed since start: the agent reports its held backups when this moves."""
+        self._copies_lock = threading.Lock()
+        """Moves between a rank's copies happen on the server's threads (a backup arriving) and on the agent's
+        (``pin``, ``discard_backup``): one at a time, or a pin could delete the copy a backup just moved."""
         self.on_backup_received: Callable[[], None] | None = None
         """Called (on the server's loop) after each committed backup: wakes the agent's loop."""
 
@@ -408,9 +411,12 @@ class ShardStoreServer:
         ``step`` -1 (a restart: the next history has committed nothing yet) pins nothing new and drops
         nothing: the restart's inventory may need the copies held (they go with the next commit, with a
         newer generation's backup, or with a restore below them)."""
-        self.pinned_step = step
-        if step < 0:
-            return
+        with self._copies_lock:
+            self.pinned_step = step
+            if step >= 0:
+                self._drop_pinned_except(step)
+
+    def _drop_pinned_except(self, step: int) -> None:
         for sidecar in sorted(self.pinned_dir.glob("rank*.json")):
             match = re.match(r"^rank(\d+)\.json$", sidecar.name)
             if not match:
@@ -446,6 +452,10 @@ class ShardStoreServer:
         (-1: all): each sidecar first, so a half-removed backup is never served. A previous (else a pinned
         copy) that stays while the newest goes becomes the newest (it is the one a restore to
         ``newer_than`` fetches)."""
+        with self._copies_lock:
+            self._discard_backup(rank, newer_than)
+
+    def _discard_backup(self, rank: int, newer_than: int) -> None:
         for copy in BACKUP_COPIES:
             try:
                 meta = self._backup_meta(rank, copy)
@@ -636,6 +646,10 @@ class ShardStoreServer:
         contents): no previous is kept then. The previous that goes is kept as the pinned copy when it
         holds the committed step (``pin``). A sidecar goes first and the moved one comes last, so no label
         ever names the wrong bytes."""
+        with self._copies_lock:
+            self._keep_previous_locked(rank, generation)
+
+    def _keep_previous_locked(self, rank: int, generation: int) -> None:
         current_sidecar, current_file = self._sidecar(rank), self._backup_file(rank)
         self._pin_or_drop_previous(rank, generation)
         try:
@@ -652,11 +666,13 @@ class ShardStoreServer:
         """The previous copy is about to be replaced: keep it as the pinned copy if it is the committed step
         of this history (replacing any pinned copy of the rank), else drop it. A pinned copy of another
         generation is an abandoned history: dropped too."""
-        try:
-            previous = self._backup_meta(rank, "previous")
-            pinned = self._backup_meta(rank, "pinned")
-        except (ValueError, OSError):
-            previous = pinned = None
+        def meta(copy: BackupCopy) -> dict[str, Any] | None:
+            try:
+                return self._backup_meta(rank, copy)
+            except (ValueError, OSError):
+                return None  # unreadable: nothing worth keeping
+
+        previous, pinned = meta("previous"), meta("pinned")
         if pinned is not None and int(pinned.get("generation", -1)) != generation:
             self._sidecar(rank, "pinned").unlink(missing_ok=True)
             self._backup_file(rank, "pinned").unlink(missing_ok=True)

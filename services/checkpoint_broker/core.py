@@ -736,7 +736,9 @@ class CheckpointBrokerDecider:
             if p.kind == "decline" or p.generation < job.generation:
                 return job
             if job.restore_below is not None and job.restore_below <= p.step:
-                return job
+                # The resumed history went bad again at or past the limit: it is not past it, so a commit
+                # of it must not lift the limit (the next plan still goes below the first anomaly).
+                return replace(job, restore_below_planned=False) if job.restore_below_planned else job
             return replace(job, restore_below=p.step, restore_below_planned=False,
                            restore_below_reason=f"{p.kind.replace('_', '-')} {p.metric} at step {p.step} "
                                                 f"(rank {p.rank} on {p.node_id})")

@@ -475,7 +475,8 @@ class ControllerDecider:
             return replace(job, rank_links=links)
         if isinstance(p, MetricAnomalyDetected):
             if p.kind != "decline" and p.generation >= job.generation:
-                return replace(job, anomaly_step=p.step if job.incident is None else min(job.anomaly_step, p.step))
+                fresh = job.incident is None or job.anomaly_step < 0
+                return replace(job, anomaly_step=p.step if fresh else min(job.anomaly_step, p.step))
             return job
         if isinstance(p, CheckpointRestorePlanned):
             incident = job.incident
@@ -502,6 +503,7 @@ class ControllerDecider:
                 fingerprint=p.fingerprint, evidence=tuple(p.evidence)))
         if isinstance(p, IncidentResolved):
             return replace(job, incident=None if incident is None or incident.id == p.incident_id else incident,
+                           anomaly_step=-1,
                            stopped=job.stopped or p.outcome == "stopped")
         if isinstance(p, JobStopDecided):
             return replace(job, stopped=True)
@@ -1100,6 +1102,10 @@ class _Plan:
                         f"is the one most groups agree on, which needs at least {MIN_SDC_UNITS} units")
             self.recover(5, frozenset(), f"{reason}; {why}: restart in place from before the anomaly")
             return
+        if self.policy.observe_only:
+            self.hold("diagnose", "observe_only", f"{reason}; observe mode: the replay is decided, not run",
+                      HeldPlan(5, frozenset(), reason))
+            return
         if phases is None:
             phases = [sdc_phase(p) for p in plan_phases([u.name for u in units])]
         round_ = job.sdc_rounds
@@ -1108,8 +1114,9 @@ class _Plan:
                                      units=units, phases=phases, anomaly_step=max(0, job.anomaly_step),
                                      reference=reference, timeout_s=self.policy.sdc_replay_timeout.total_seconds(),
                                      expires_at=self.expires_at,
-                                     reason=f"{reason}: replay step {job.anomaly_step} on {len(units)} units in "
-                                            f"{len(phases)} phase(s) ({', '.join(p.kind for p in phases)})"),
+                                     reason=f"{reason}: replay the step after the checkpoint below the anomaly "
+                                            f"(step {job.anomaly_step}) on {len(units)} units in {len(phases)} "
+                                            f"phase(s) ({', '.join(p.kind for p in phases)})"),
                   key=f"sdc/{round_}")
 
     def recover(self, rung: int, evict: frozenset[str], reason: str, *, rollback: bool = False,

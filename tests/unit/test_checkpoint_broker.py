@@ -519,11 +519,19 @@ def test_after_a_nan_every_plan_takes_a_step_before_it_until_the_resumed_history
     for r, b in sorted(backup.items()):
         session.observe(shards(b, "peer", [(r, 43)], owner=f"n{r}"))
     assert session.state.job(JOB).restore_below == 44
+    # The resumed history going bad again at 44 (the corruption persists): a commit of it must not lift the limit.
+    session.observe(ev(MetricAnomalyDetected(node_id="n1", rank=1, generation=2, kind="non_finite", metric="grad_norm",
+                                             step=44, value_text="inf", reason="grad_norm is inf"), "node/n1"))
+    for r, b in sorted(backup.items()):
+        session.observe(shards(b, "peer", [(r, 44)], owner=f"n{r}"))
+    assert session.state.job(JOB).restore_below == 44
+    plan, _ = plan_events(session, [inventory(f"n{r}", 3, memory={r: [43, 44, 45]}) for r in range(4)])
+    assert plan is not None and plan.step == 43, plan
     # ...the resumed history committing 44 (new, clean) lifts it: the next restart takes the newest again.
     for r, b in sorted(backup.items()):
         session.observe(shards(b, "peer", [(r, 44)], owner=f"n{r}"))
     assert session.state.job(JOB).restore_below is None
-    later = [inventory(f"n{r}", 3, memory={r: [50, 51]}) for r in range(4)]
+    later = [inventory(f"n{r}", 4, memory={r: [50, 51]}) for r in range(4)]
     plan, _ = plan_events(session, later)
     assert plan is not None and plan.step == 51
 

@@ -808,3 +808,21 @@ def test_rung5_decisions_replay_identically_from_the_log() -> None:
     report = verify(ControllerDecider(), job.log)
     assert report.clean, [d.describe() for d in report.divergences]
     assert report.decisions_replayed >= 3  # the replay request, the restart, the eviction among them
+
+
+def test_rung5_observe_mode_runs_no_diagnostics_nor_replay_and_each_incident_replays_its_own_anomaly_step() -> None:
+    job = Job(policy=ControllerPolicy(observe_only=True))
+    registered(job)
+    out = anomaly(job, "non_finite", step=40)
+    assert not of(out, "DiagnosticsRequested") and of(out, "ActionHeld")  # observe mode: not even diagnostics
+    live = Job()
+    registered(live)
+    [first] = of(diagnosed_clean(live, anomaly(live, "non_finite", step=40)), "SdcReplayRequested")
+    out = replay_verdict(live, first, kind="not_reproduced", rounds=1, reason="no group failed")
+    live.restart(out, restore_step=39, step=41)
+    later = live.feed(MetricAnomalyDetected(node_id="n1", rank=2, generation=live.generation, kind="spike",
+                                            metric="grad_norm", step=90, value=50.0, value_text="50",
+                                            reason="grad_norm spike"), "node/n1")
+    [second] = of(diagnosed_clean(live, later), "SdcReplayRequested")
+    assert (first.payload.anomaly_step, second.payload.anomaly_step) == (40, 90)
+    assert second.payload.round == 1 and second.payload.generation > first.payload.generation

@@ -76,5 +76,5 @@ def test_a_crashed_a_late_and_an_unreadable_rank_are_named_and_nothing_counts_as
     answer = replay_answer(REQUEST, "a", "req", [0, 1, 2, 3], exits, tmp_path, 20.0)
     assert not answer.ran and answer.results == []
     assert "rank 1 ended (exit code 1) without an answer: RuntimeError: restore failed" in answer.detail
-    assert "rank 2 did not finish in 20 s" in answer.detail
+    assert "rank 2 did not finish in time (the round's timeout is 20 s)" in answer.detail
     assert "rank 3 wrote an unreadable answer" in answer.detail
