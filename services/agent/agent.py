@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -40,8 +41,6 @@ import signal
 import socket
 import statistics
 import time
-import json
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
