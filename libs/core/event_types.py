@@ -563,8 +563,9 @@ class StandbyRefillRequested(EventPayload):
 
 @event_type("RollbackDecided", version=1, aggregate="job")
 class RollbackDecided(EventPayload):
-    """Rung 4: the failure points at the code; roll back to the last stable version and restart
-    (carried out by hot-update; until a version is known, the restart goes ahead on the same code)."""
+    """Rung 4: the failure points at the code; roll back to the last stable version other than the one
+    failing (``to_version``) and restart: the restart commands that follow name it. With no such version
+    known, the restart goes ahead on the same code."""
 
     incident_id: str
     reason: str
