@@ -37,6 +37,15 @@ from keel.recorder.core import DEFAULT_PROJECTIONS, BatchPlan, Projection, Upser
 log = logging.getLogger(__name__)
 
 _TRANSIENT_DB = (OSError, ConnectionError, OperationalError, InterfaceError, asyncio.TimeoutError)
+_TRANSIENT_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+"""Server states that pass: shutting down, crashed, starting up ("the database system is starting up"),
+too many connections. Class 08 (connection exceptions) passes too."""
+
+
+def transient_db_error(exc: DBAPIError) -> bool:
+    """A database error worth retrying: the connection was lost, or the server is not (yet) accepting it."""
+    sqlstate = str(getattr(exc.orig, "sqlstate", "") or "")
+    return exc.connection_invalidated or sqlstate in _TRANSIENT_SQLSTATES or sqlstate.startswith("08")
 
 
 @dataclass
@@ -146,7 +155,7 @@ class Recorder:
             except _TRANSIENT_DB as exc:
                 self._note_retry(exc)
             except DBAPIError as exc:
-                if not exc.connection_invalidated:
+                if not transient_db_error(exc):
                     raise
                 self._note_retry(exc)
             await asyncio.sleep(delay_s)
