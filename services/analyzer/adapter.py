@@ -6,13 +6,11 @@ analyzer keeps no clock of its own and a replay sees the same deadlines.
 
 from __future__ import annotations
 
-import asyncio
-
 from keel.analyzer.core import AnalyzerDecider, AnalyzerState
 from keel.analyzer.failslow_rounds import FailSlowPolicy
 from keel.core.bus import Bus
 from keel.core.config import Settings
-from keel.core.runner import DeciderRunner
+from keel.core.service import RunnerService
 from keel.core.store import EventStore
 
 
@@ -22,20 +20,8 @@ def decider_from_settings(settings: Settings) -> AnalyzerDecider:
                                           min_flags=a.failslow_min_flags, ratio=a.failslow_ratio))
 
 
-class Analyzer:
+class Analyzer(RunnerService[AnalyzerState]):
     """The running service: ``start()`` (cold start), then ``run(stop)``."""
 
     def __init__(self, bus: Bus, store: EventStore | None, settings: Settings, *, fetch_timeout_s: float = 0.2) -> None:
-        self.decider = decider_from_settings(settings)
-        self.runner: DeciderRunner[AnalyzerState] = DeciderRunner(self.decider, bus, store,
-                                                                  fetch_timeout_s=fetch_timeout_s)
-
-    @property
-    def state(self) -> AnalyzerState:
-        return self.runner.session.state
-
-    async def start(self) -> None:
-        await self.runner.start()
-
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.runner.run(stop)
+        super().__init__(decider_from_settings(settings), bus, store, fetch_timeout_s=fetch_timeout_s)
