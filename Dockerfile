@@ -1,12 +1,12 @@
-# Keel control-plane image: one image, one `keel` entrypoint; the command picks the role
-# (`keel migrate`, `keel service recorder`, `keel service controller`).
+# Keel control-plane image: the control-plane distributions, installed as plain wheels (no editable
+# install, no source tree), without torch. One console script per role:
+#   keel-migrate, keel-recorder, keel-controller, keel-checkpoint-broker, keel-analyzer, keel-hot-update
 #
 #   docker build -t keel:dev .
-#   docker run --rm keel:dev --help
+#   docker run --rm keel:dev keel-controller --help
 #
-# torch is a pinned dependency in pyproject.toml, so `pip install` fetches it from whatever index pip
-# is pointed at. Pass --build-arg PIP_INDEX_URL=... / PIP_EXTRA_INDEX_URL=... to use a mirror or a
-# CPU-only wheel index; the control plane itself never needs a GPU.
+# The node agent, the SDK and the example workload (which need torch) are not in this image: they run on
+# the training nodes. Pass --build-arg PIP_INDEX_URL=... / PIP_EXTRA_INDEX_URL=... to use a mirror.
 FROM python:3.11-slim
 
 ARG PIP_INDEX_URL
@@ -17,30 +17,28 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     KEEL_HOME=/tmp/keel
 
-WORKDIR /app
+WORKDIR /src
 
-# Dependencies first, so that a source-only change reuses the (large) dependency layer: install the
-# project from its metadata alone, then drop the placeholder tree.
-COPY pyproject.toml ./
-RUN mkdir -p libs/core libs/cli services/recorder services/controller \
- && touch libs/core/__init__.py libs/cli/__init__.py services/recorder/__init__.py services/controller/__init__.py \
- && pip install --no-cache-dir . \
- && pip uninstall -y keel \
- && rm -rf libs services build *.egg-info
-
-# The source tree, not the build context as a whole (no .venv, .git or build outputs in the image).
-COPY libs ./libs
-COPY services ./services
-COPY migrations ./migrations
-COPY proto ./proto
-
-# Editable on purpose: the store finds its Alembic migrations (and the event catalogue) relative to the
-# source tree (libs/core/store.py: MIGRATIONS_DIR = <repo>/migrations). A regular wheel install puts the
-# code in site-packages without migrations/, and `keel migrate` would find no scripts.
-RUN pip install --no-cache-dir --no-deps -e . \
+# The distributions the control plane needs, bottom layer first (docs/architecture.md). Every keel-*
+# requirement is satisfied by a folder on this one command line, never by the index (some keel-* names on
+# PyPI are unrelated projects).
+COPY libs/events libs/events
+COPY libs/kernel libs/kernel
+COPY libs/rules libs/rules
+COPY libs/checkpoint libs/checkpoint
+COPY migrations migrations
+COPY libs/infra libs/infra
+COPY services/recorder services/recorder
+COPY services/controller services/controller
+COPY services/checkpoint_broker services/checkpoint_broker
+COPY services/analyzer services/analyzer
+COPY services/hot_update services/hot_update
+RUN pip install --no-cache-dir ./libs/events ./libs/kernel ./libs/rules ./libs/checkpoint ./migrations ./libs/infra \
+        ./services/recorder ./services/controller ./services/checkpoint_broker ./services/analyzer ./services/hot_update \
+ && rm -rf /src \
  && useradd --system --uid 10001 --gid 0 --home-dir /home/keel --create-home --shell /usr/sbin/nologin keel
 
+WORKDIR /home/keel
 USER 10001
 
-ENTRYPOINT ["keel"]
-CMD ["--help"]
+CMD ["keel-controller", "--help"]

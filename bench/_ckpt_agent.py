@@ -6,7 +6,7 @@ A separate process beside the rank, as the node agent is: it watches the rank's 
 agent learns the newest committed step from the rank's report; here it reads the slot headers every
 ``--poll`` seconds), sends every newly committed step to the backup peer with the agent's
 ``ShardSender`` (gRPC ``PutShard``, latest wins, one transfer in flight: steps are skipped, never
-queued), and every ``--persist-every`` steps writes the persistent tier with ``keel.core.ckpt_disk``
+queued), and every ``--persist-every`` steps writes the persistent tier with ``keel.checkpoint.disk``
 (``write_shard``: temp file, fsync, rename; then the manifest, as the broker would for a world of one).
 
 The backup peer is a ``ShardStoreServer`` over ``--peer-dir``, in this same process (on a real
@@ -63,7 +63,7 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
 
 
 def newest_complete_step(node_dir: Path, rank: int) -> int:
-    from keel.core import ckpt_slots
+    from keel.checkpoint import slots as ckpt_slots
 
     newest = -1
     for path in ckpt_slots.list_slots(node_dir).get(rank, []):
@@ -78,9 +78,9 @@ def newest_complete_step(node_dir: Path, rank: int) -> int:
 
 def persist(node_dir: Path, root: Path, job: str, rank: int, step: int) -> dict[str, Any]:
     """The agent's persist of one step (read the slot, verify it, write the shard) and the broker's manifest."""
-    from keel.core import ckpt_disk
-    from keel.core.ckpt_slots import SlotError
     from keel.agent.shard_store import read_committed_slot
+    from keel.checkpoint import disk as ckpt_disk
+    from keel.checkpoint.slots import SlotError
 
     started = time.perf_counter()
     try:
@@ -96,7 +96,7 @@ def persist(node_dir: Path, root: Path, job: str, rank: int, step: int) -> dict[
 
 async def run(args: argparse.Namespace) -> None:
     if args.backup_duty is None:
-        from keel.core.config import CheckpointSettings
+        from keel.infra.config import CheckpointSettings
 
         args.backup_duty = CheckpointSettings().backup_max_duty
     from keel.agent.shard_store import ShardSender, ShardStoreServer, TransferOutcome
@@ -107,7 +107,7 @@ async def run(args: argparse.Namespace) -> None:
     address = await peer.start("127.0.0.1", 0)
     outcomes: list[TransferOutcome] = []
     from keel.agent.checkpointing import SENT_DIR, keep_sent_copy
-    from keel.core.ckpt_slots import SlotError
+    from keel.checkpoint.slots import SlotError
 
     # As the agent does: copy the step into the sent ring, send from there (see keep_sent_copy).
     sender = ShardSender(args.job, "node", args.node_dir / SENT_DIR, on_outcome=outcomes.append,

@@ -115,7 +115,7 @@ class RankSide:
         # Memory tier, as a restart does it: the node agent's inventory hashes the slots (while the new
         # processes start), the broker plans, the agent writes the plan; the rank loads its slot.
         from keel.agent.checkpointing import complete_slots
-        from keel.core import ckpt_slots
+        from keel.checkpoint import slots as ckpt_slots
 
         t0 = time.perf_counter()
         slot, header = complete_slots(self.node_dir, 0)[0]
@@ -144,7 +144,7 @@ class RankSide:
 
         if self.agent.get("address"):
             from keel.agent.shard_store import fetch_shard
-            from keel.core.ckpt_slots import restore_path
+            from keel.checkpoint.slots import restore_path
 
             dest = restore_path(self.node_dir, 0)
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -163,7 +163,7 @@ class RankSide:
 
         persists = (self.ack or {}).get("persists") or []
         if persists and self.args.persist_root is not None:
-            from keel.core import ckpt_disk
+            from keel.checkpoint import disk as ckpt_disk
 
             newest = max(persists, key=lambda p: p["step"])
             path = Path(newest["path"])

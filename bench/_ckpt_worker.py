@@ -213,7 +213,7 @@ class Job:
         walk(sd)
         return total
 
-    def fresh(self) -> "Job":
+    def fresh(self) -> Job:
         """Another model + optimizer of the same shape (a restarted rank), different weights, same process group."""
         other = object.__new__(Job)
         other.torch, other.F, other.cfg = self.torch, self.F, self.cfg
@@ -229,7 +229,7 @@ class Job:
         self.module.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
 
-    def same_weights(self, other: "Job") -> bool:
+    def same_weights(self, other: Job) -> bool:
         a, b = self.module.state_dict(), other.module.state_dict()
         return all(self.torch.equal(a[k], b[k]) for k in a)
 

@@ -39,8 +39,9 @@ STEP_LINE = re.compile(r"^step (\d+) ")
 def ft_available() -> tuple[bool, str]:
     """Whether nvidia-resiliency-ext imports here; the reason when it does not."""
     try:
-        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient  # noqa: F401
         import importlib.metadata
+
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient  # noqa: F401
 
         return True, importlib.metadata.version("nvidia-resiliency-ext")
     except Exception as exc:  # noqa: BLE001 - any import failure means: peer unavailable

@@ -42,7 +42,7 @@ class Servers:
         return self.nats[self.modes[0]]
 
     def start(self) -> None:
-        from keel.core.runtime import NatsServer, PostgresServer, free_port
+        from keel.infra.embedded import NatsServer, PostgresServer, free_port
 
         self.root = scratch_dir(self.prefix)
         external_nats = os.environ.get("KEEL_NATS_URL")

@@ -60,7 +60,7 @@ class Group:
     """(node index, launcher), in start order; a replaced node has several."""
 
     def __post_init__(self) -> None:
-        from keel.core.runtime import free_port
+        from keel.infra.embedded import free_port
 
         self.port = self.port or free_port()
         self.rdzv_id = f"{self.tag}-{uuid.uuid4().hex[:6]}"

@@ -10,7 +10,7 @@ Three measurements, each on real material:
   their dataloader workers, found through ``/proc``. A capture runs ``py-spy dump --pid P --json
   --nonblocking`` (Python frames only, no pause of the training) on all 4 at once and waits for the
   last; ``capture_s_node`` is the median over the trials (``capture_s_node_max`` the worst), with every
-  dump parsed (``keel.analyzer.stacks.parse_pyspy_json``) and each worker classified as a dataloader.
+  dump parsed (``keel.rules.stacks.parse_pyspy_json``) and each worker classified as a dataloader.
   Nodes capture in parallel, so this is also the job's capture time.
 - **Aggregation** (``aggregate_s_16k``, ``aggregate_s_by_ranks``): jobs of 1,024, 4,096, 16,384 and
   65,536 ranks (``--quick``: up to 16,384), DP x PP 8 x TP 2 with 8 ranks per node, every rank a main
@@ -21,7 +21,7 @@ Three measurements, each on real material:
   node. In the scaling series the dumps are parsed once and shared by the ranks; ``aggregate_s_16k``
   parses every rank's dumps from their JSON text separately (distinct objects, as when each rank's
   dump arrives in its own event; the parse time is ``parse_s_16k``, paid where the events are decoded).
-- **SDC localisation** (``replays_by_machines``): ``keel.analyzer.sdc.simulate`` plans the dual-phase
+- **SDC localisation** (``replays_by_machines``): ``keel.rules.sdc.simulate`` plans the dual-phase
   replay for 24, 96 and 1,200 machines and runs it against every possible bad machine; the figure is
   the worst number of replay rounds, beside ``ceil(log2 n)`` for a binary search
   (``binary_search_by_machines``); every machine must be located exactly.
@@ -51,8 +51,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from keel.analyzer.aggregate import Topology, aggregate  # noqa: E402
-from keel.analyzer.sdc import binary_search_rounds, replays_needed, simulate  # noqa: E402
-from keel.analyzer.stacks import classify_role, parse_pyspy_json  # noqa: E402
+from keel.rules.sdc import binary_search_rounds, replays_needed, simulate  # noqa: E402
+from keel.rules.stacks import classify_role, parse_pyspy_json  # noqa: E402
 from tests.fixtures.stacks import make_fixtures as mf  # noqa: E402
 from tests.fixtures.stacks.scenarios import HUNG, replicate  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python -m bench.bus [--quick] [--json PATH] [--window N]
 
-One run starts its own servers (keel.core.runtime, free ports, scratch dirs under /tmp): two NATS
+One run starts its own servers (keel.infra.embedded, free ports, scratch dirs under /tmp): two NATS
 servers — one with JetStream ``sync_interval: always`` (the embedded single-server default:
 acknowledged means on disk) and one with the default sync interval (what a replicated R3 cluster runs,
 where replication carries durability) — and one PostgreSQL. With ``KEEL_NATS_URL`` /
@@ -164,7 +164,7 @@ class Slice:
         return f"bench_{self.tag}"
 
     def bus_settings(self):  # type: ignore[no-untyped-def]
-        from keel.core.config import BusSettings
+        from keel.infra.config import BusSettings
 
         return BusSettings(subject_prefix=f"kb{self.tag}", stream=f"KB{self.tag}", dlq_stream=f"KB{self.tag}_DLQ")
 
@@ -222,9 +222,10 @@ def wire_messages(events: Sequence[Any], prefix: str) -> list[tuple[str, bytes, 
 
 def stream_config(name: str, subjects: str):  # type: ignore[no-untyped-def]
     """The events stream as ``Bus.ensure_streams`` configures it."""
-    from keel.core.bus import NATS_MAX_PAYLOAD_BYTES
-    from keel.core.config import BusSettings
     from nats.js import api
+
+    from keel.infra.bus import NATS_MAX_PAYLOAD_BYTES
+    from keel.infra.config import BusSettings
 
     s = BusSettings()
     return api.StreamConfig(
@@ -248,9 +249,10 @@ async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, ba
     strawman.
     """
     import nats
-    from keel.core.bus import BatchPuller, fetch_batch
-    from keel.core.config import BusSettings
     from nats.js import api
+
+    from keel.infra.bus import BatchPuller, fetch_batch
+    from keel.infra.config import BusSettings
 
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
     js = nc.jetstream()
@@ -403,8 +405,8 @@ class KeelSlice:
         self.recorder: RecorderProcess | None = None
 
     async def __aenter__(self) -> KeelSlice:
-        from keel.core.bus import Bus
-        from keel.core.store import run_migrations
+        from keel.infra.bus import Bus
+        from keel.infra.store import run_migrations
 
         await asyncio.to_thread(run_migrations, self.database_url, self.piece.schema)
         self.bus = await Bus.connect(self.nats_url, self.piece.bus_settings(), name="keel-bench")
@@ -570,15 +572,16 @@ def percentile(sorted_values: Sequence[float], pct: float) -> float:
 
 
 def store_rows(events: Sequence[Any]) -> list[tuple[Any, ...]]:
-    from keel.core.store import event_row
+    from keel.infra.store import event_row
 
     return [event_row(e, seq) for seq, e in enumerate(events, start=1)]
 
 
 async def measure_store(database_url: str, events: Sequence[Any], batch: int) -> dict[str, float]:
     import sqlalchemy as sa
-    from keel.core.store import EVENT_COLUMNS, create_engine, events_table, run_migrations
     from sqlalchemy.dialects.postgresql import insert
+
+    from keel.infra.store import EVENT_COLUMNS, create_engine, events_table, run_migrations
 
     piece = Slice()
     rows = store_rows(events)
@@ -623,7 +626,7 @@ async def seed_replay(conn: Any, count: int) -> None:
     """``count`` fleet events straight into ``events`` (setup, not measured): templates from the
     factory, each copy with its own id and time, ~1% in the old NodeHealthChanged v1 shape so that
     reads exercise the upcaster."""
-    from keel.core.store import EVENT_COLUMNS
+    from keel.infra.store import EVENT_COLUMNS
 
     templates = store_rows(make_events(2400, job="replay"))
     v1 = json.dumps({"node_id": "n0001", "healthy": False, "check": "legacy"}, separators=(",", ":"))
@@ -646,8 +649,8 @@ async def seed_replay(conn: Any, count: int) -> None:
 
 async def measure_replay(database_url: str, count: int) -> dict[str, float]:
     from keel.controller.core import ControllerDecider
-    from keel.core.decider import DeciderSession
-    from keel.core.store import EventStore, create_engine, run_migrations
+    from keel.infra.store import EventStore, create_engine, run_migrations
+    from keel.kernel.decider import DeciderSession
 
     piece = Slice()
     await asyncio.to_thread(run_migrations, database_url, piece.schema)
@@ -699,7 +702,7 @@ def verdict(key: str, value: float) -> tuple[bool, str]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from keel.core.config import RecorderSettings
+    from keel.infra.config import RecorderSettings
 
     sizes = QUICK if args.quick else FULL
     recorder = RecorderSettings()

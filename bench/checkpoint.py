@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from keel.core.config import CheckpointSettings
+from keel.infra.config import CheckpointSettings
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -172,7 +172,7 @@ def run_variant(variant: str, tag: str, args: argparse.Namespace, scratch: Path,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *worker_args]
     else:
         # The others need no elastic agent: one rank with torchrun's environment (saves a second torch import).
-        from keel.core.runtime import free_port
+        from keel.infra.embedded import free_port
 
         cmd = [sys.executable, *worker_args]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",

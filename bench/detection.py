@@ -2,18 +2,18 @@
 
     python -m bench.detection [--quick] [--json PATH] [--keep]
 
-One run starts its own servers (keel.core.runtime: NATS JetStream + PostgreSQL on free ports, scratch
+One run starts its own servers (keel.infra.embedded: NATS JetStream + PostgreSQL on free ports, scratch
 dirs under /tmp; ``KEEL_NATS_URL`` / ``KEEL_DATABASE_URL`` use external ones instead), an in-process
 recorder into a fresh schema, with its own subject prefix and streams, and a local cluster
-(``keel.cli.cluster.cluster_up``): 4 nodes × 2 ranks, each node a separate agent with its own overlay
+(``keel.cluster.local.cluster_up``): 4 nodes × 2 ranks, each node a separate agent with its own overlay
 root, running ``bench._workload`` = the example GPT (``keel.workload.train --size tiny --pp 2``) with
 periodic eval phases and checkpoint phases (the wrapper adds the checkpoint: ``torch.save`` of the
 stage, padded to a fixed duration, then a barrier inside the phase).
 
 Detection time = the detecting event's ``occurred_at`` (the agent's clock, when it noticed) minus the
 ``FaultInjected`` event's ``occurred_at``, **both read back from the event log** (``EventStore.read``).
-The bench injects with ``keel.cli.cluster.apply_fault`` and publishes ``FaultInjected`` itself, stamped
-just *before* the fault is applied (``keel.cli.cluster.inject`` stamps it after connecting to NATS,
+The bench injects with ``keel.cluster.local.apply_fault`` and publishes ``FaultInjected`` itself, stamped
+just *before* the fault is applied (``keel.cluster.local.inject`` stamps it after connecting to NATS,
 which understates detection by the connection time: measured once per run as ``inject_stamp_lag_s``).
 
 What counts as detected, per kind:
@@ -145,7 +145,7 @@ class EventLog:
     """The bench's slice of the bus and store, a recorder, and a tail of the recorded events."""
 
     def __init__(self, servers: Servers) -> None:
-        from keel.core.config import BusSettings, Settings
+        from keel.infra.config import BusSettings, Settings
 
         tag = uuid.uuid4().hex[:10]
         self.settings = Settings(
@@ -166,8 +166,8 @@ class EventLog:
                 "KEEL_DB_SCHEMA": self.settings.db_schema}
 
     async def start(self) -> None:
-        from keel.core.bus import Bus
-        from keel.core.store import EventStore, create_engine, run_migrations
+        from keel.infra.bus import Bus
+        from keel.infra.store import EventStore, create_engine, run_migrations
         from keel.recorder.adapter import Recorder
 
         await asyncio.to_thread(run_migrations, self.servers.database_url, self.settings.db_schema)
@@ -188,7 +188,7 @@ class EventLog:
                 log(f"warning: reading the log: {exc!r}")
             try:
                 await asyncio.wait_for(self._stop.wait(), 0.1)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def wait(self, predicate: Callable[[Any], bool], timeout_s: float, since: int = 0) -> Any | None:
@@ -212,7 +212,7 @@ class EventLog:
         return [r.event for r in self.events if r.event.type == name]
 
     async def publish(self, payload: Any, subject: str, occurred_at: datetime | None = None, producer: str = "cli") -> Any:
-        from keel.core.events import Event, now_utc
+        from keel.events.envelope import Event, now_utc
 
         event = Event.create(payload, job_id=JOB_ID, subject=subject, producer=producer,
                              occurred_at=occurred_at or now_utc())
@@ -267,7 +267,7 @@ class Cluster:
         """Workload-fault windows: injection → the restarted ranks step again (hangs there are expected)."""
 
     def up(self) -> None:
-        from keel.cli.cluster import cluster_nodes, cluster_up
+        from keel.cluster.local import cluster_nodes, cluster_up
 
         wrapper, train = workload_args(self.mode)
         env = {**self.log.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -281,7 +281,7 @@ class Cluster:
         self.nodes = cluster_nodes(self.state)
 
     def down(self) -> None:
-        from keel.cli.cluster import cluster_down
+        from keel.cluster.local import cluster_down
 
         cluster_down(self.directory)
 
@@ -324,9 +324,9 @@ class Cluster:
 
     async def inject(self, kind: str, node: str, rank: int | None = None, params: dict[str, Any] | None = None) -> tuple[str, Any]:
         """Apply the fault and publish ``FaultInjected`` stamped before it was applied."""
-        from keel.cli.cluster import FaultSpec, apply_fault
-        from keel.core.event_types import FaultInjected
-        from keel.core.events import now_utc
+        from keel.cluster.local import FaultSpec, apply_fault
+        from keel.events.envelope import now_utc
+        from keel.events.types import FaultInjected
 
         spec = FaultSpec(kind=kind, node=node, rank=rank, params=params or {})
         fault_id = str(uuid.uuid4())
@@ -338,7 +338,7 @@ class Cluster:
 
     async def publish_injections(self, injections: list[tuple[str, Any]]) -> None:
         for fault_id, (payload, at, node) in injections:
-            from keel.core.events import Event
+            from keel.events.envelope import Event
 
             event = Event.create(payload, event_id=uuid.UUID(fault_id), job_id=JOB_ID, subject=f"node/{node}",
                                  producer="cli", occurred_at=at)
@@ -352,8 +352,8 @@ class Cluster:
 
     async def restart(self, reason: str, timeout_s: float = 180.0) -> float:
         """Restart every node's ranks in place as the next generation; wait until they step again."""
-        from keel.core.event_types import RanksRestartRequested
-        from keel.core.events import now_utc
+        from keel.events.envelope import now_utc
+        from keel.events.types import RanksRestartRequested
 
         t0 = time.monotonic()
         since = len(self.log.events)
@@ -581,16 +581,16 @@ async def workload_round(cluster: Cluster, round_no: int, last: bool, results: l
 
 
 def _now() -> datetime:
-    from keel.core.events import now_utc
+    from keel.events.envelope import now_utc
 
     return now_utc()
 
 
 async def inject_stamp_lag(cluster: Cluster) -> float | None:
-    """How late ``keel.cli.cluster.inject`` stamps ``FaultInjected`` (it connects to NATS first).
+    """How late ``keel.cluster.local.inject`` stamps ``FaultInjected`` (it connects to NATS first).
 
     Injects XID 13 (an application error: ignored by the inspector, changes nothing) through it."""
-    from keel.cli.cluster import FaultSpec, inject
+    from keel.cluster.local import FaultSpec, inject
 
     since = len(cluster.log.events)
     before = _now()
@@ -619,7 +619,7 @@ async def keel_run(mode: Mode, servers: Servers, keep: bool) -> dict[str, Any]:
             f"(step timeout floor {mode.floor or 'default 25s'})")
         steady_since = time.monotonic()
         out["inject_stamp_lag_s"] = await inject_stamp_lag(cluster)
-        log(f"keel.cli.cluster.inject stamps FaultInjected {out['inject_stamp_lag_s']}s after it was called")
+        log(f"keel.cluster.local.inject stamps FaultInjected {out['inject_stamp_lag_s']}s after it was called")
         log(f"hardware faults ({mode.hw_rounds} rounds: one of each kind per round, each on another node)")
         await hardware_trials(cluster, mode.hw_rounds, trials)
         await cluster.wait_phases(steady_since, mode.min_steady_s)
@@ -819,7 +819,7 @@ def print_table(result: dict[str, Any]) -> None:
     for kind in KINDS:
         if result["trials_dropped"][kind] or result["trials_missed"][kind]:
             print(f"{kind}: {result['trials_dropped'][kind]} trial(s) dropped, {result['trials_missed'][kind]} missed")
-    print(f"keel.cli.cluster.inject stamps FaultInjected {fmt(result['inject_stamp_lag_s'])} after being called "
+    print(f"keel.cluster.local.inject stamps FaultInjected {fmt(result['inject_stamp_lag_s'])} after being called "
           f"(the bench stamps before applying the fault)")
     print(f"wall time {result['wall_s']:.0f}s")
 

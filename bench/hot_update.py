@@ -83,8 +83,8 @@ def write_version(root: Path, n: int) -> Path:
 
 async def inplace_trial(stack: KeelStack, i: int, timeout_s: float = 120.0) -> dict[str, Any]:
     from keel.cli.versions import deploy_event
-    from keel.core.config import Settings
-    from keel.core.events import now_utc
+    from keel.events.envelope import now_utc
+    from keel.infra.config import Settings
 
     gen, _ = await stack.steady(min_steps=5)
     source = write_version(stack.work / "sources" / f"v{i}", i)

@@ -92,7 +92,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +281,7 @@ class KeelStack:
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
     async def start(self) -> None:
-        from keel.cli.cluster import cluster_up
+        from keel.cluster.local import cluster_up
 
         (self.work / "home").mkdir(parents=True, exist_ok=True)
         await self.log.start()
@@ -306,13 +306,13 @@ class KeelStack:
                                 persist_root=self.work / "checkpoints")
 
     async def stop(self) -> None:
-        from keel.cli.cluster import cluster_down
+        from keel.cluster.local import cluster_down
 
         try:
             await asyncio.to_thread(cluster_down, self.directory)
         except Exception as exc:  # noqa: BLE001 - keep stopping the rest
             log(f"warning: cluster down: {exc!r}")
-        for name, process in self.services.items():
+        for _name, process in self.services.items():
             if process.poll() is None:
                 process.terminate()
                 try:
@@ -366,7 +366,7 @@ class KeelStack:
                    and (r.event.occurred_at - resolved_at).total_seconds() > 0.5 for r in recorded[last + 1:])
 
     def ready_standbys(self) -> set[str]:
-        from keel.cli.cluster import load_cluster
+        from keel.cluster.local import load_cluster
 
         passed = {e.payload.node_id for e in self.events("StandbyChecked") if e.payload.passed}
         promoted = {e.payload.node_id for e in self.events("StandbyPromoted") if e.payload.outcome == "promoted"}
@@ -376,7 +376,7 @@ class KeelStack:
     def warm_nodes(self) -> tuple[int, int]:
         """(nodes whose zygote is ready, nodes in service): each agent forks ranks and rounds from one
         zygote that imported torch once (a replacement node's agent starts its own)."""
-        from keel.cli.cluster import load_cluster
+        from keel.cluster.local import load_cluster
 
         nodes = [n["node_id"] for n in load_cluster(self.directory)["nodes"] if not n.get("evicted")]
         ready = sum(1 for n in nodes if (self.directory / "nodes" / n / "warm" / "zygote.ready").exists())
@@ -403,13 +403,13 @@ class KeelStack:
     async def inject(self, spec: Any) -> None:
         """``keel inject``'s two steps, done here as ``bench.detection`` does: write the node's fault file
         and publish ``FaultInjected`` (stamped before the file is written) on the bench's own connection
-        (``keel.cli.cluster.inject`` connects to NATS per call). A promoted standby is a training node."""
+        (``keel.cluster.local.inject`` connects to NATS per call). A promoted standby is a training node."""
         import dataclasses
         import uuid
 
-        from keel.cli.cluster import apply_fault, cluster_nodes, load_cluster
-        from keel.core.event_types import FaultInjected
-        from keel.core.events import Event, now_utc
+        from keel.cluster.local import apply_fault, cluster_nodes, load_cluster
+        from keel.events.envelope import Event, now_utc
+        from keel.events.types import FaultInjected
 
         node = dataclasses.replace(cluster_nodes(load_cluster(self.directory))[spec.node], standby=False)
         fault_id = str(uuid.uuid4())
@@ -438,13 +438,13 @@ class KeelStack:
 
 
 async def keel_trial(stack: KeelStack, kind: str, i: int, timeout_s: float) -> dict[str, Any]:
-    from keel.cli.cluster import FaultSpec, kill_node
+    from keel.cluster.local import FaultSpec, kill_node
 
     gen, current = await stack.steady(standby=kind in ("node-lost", "hang"))
     rank = rank_for(i)
     node = stack.node_of_rank(rank, gen)
     target = current + AHEAD
-    since = datetime.now(timezone.utc)
+    since = datetime.now(UTC)
     trial: dict[str, Any] = {"kind": kind, "trial": i, "generation": gen, "rank": rank if kind != "node-lost" else None,
                              "node": node}
     if kind == "node-lost":
@@ -551,7 +551,7 @@ def _phases(marks: dict[str, float | None], *spec: tuple[str, str]) -> dict[str,
 
 def keel_ettr(stack: KeelStack) -> dict[str, Any] | None:
     """``keel ettr``'s view of the run: lost time by incident and phase, from the job's events."""
-    from keel.controller.ettr import compute_ettr
+    from keel.rules.ettr import compute_ettr
 
     events = [r.event for r in stack.log.events if r.event.job_id == JOB_ID]
     report = compute_ettr(events)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from keel.core.bus import Bus
-from keel.core.config import BusSettings, RecorderSettings, Settings
-from keel.core.runtime import NatsServer, PostgresServer, free_port
-from keel.core.store import EventStore, create_engine, run_migrations
+from keel.infra.bus import Bus
+from keel.infra.config import BusSettings, RecorderSettings, Settings
+from keel.infra.embedded import NatsServer, PostgresServer, free_port
+from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from keel.core.event_types import NodeHealthChanged, NodeRegistered
-from keel.core.events import Event
+from keel.events.envelope import Event
+from keel.events.types import NodeHealthChanged, NodeRegistered
 
 T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
 

@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from keel.core.event_types import (
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
     CheckResult,
     DiagnosticsCompleted,
     DiagnosticsRequested,
@@ -39,7 +40,6 @@ from keel.core.event_types import (
     RankStarted,
     RestartDecided,
 )
-from keel.core.events import Event, EventPayload
 
 T0 = datetime(2026, 11, 29, 9, 0, tzinfo=UTC)
 JOB = "job1"

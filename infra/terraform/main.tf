@@ -41,11 +41,24 @@ locals {
   # the controller is one logical instance per cluster by design.
   services = {
     recorder = {
-      args      = ["service", "recorder"]
+      command   = ["keel-recorder"]
       resources = var.recorder_resources
     }
     controller = {
-      args      = ["service", "controller"]
+      command   = ["keel-controller"]
+      resources = var.controller_resources
+    }
+    # The other deciders are as small as the controller: they fold the same log and decide in memory.
+    checkpoint-broker = {
+      command   = ["keel-checkpoint-broker"]
+      resources = var.controller_resources
+    }
+    analyzer = {
+      command   = ["keel-analyzer"]
+      resources = var.controller_resources
+    }
+    hot-update = {
+      command   = ["keel-hot-update"]
       resources = var.controller_resources
     }
   }
@@ -200,7 +213,7 @@ resource "kubernetes_job_v1" "migrate" {
           name              = "migrate"
           image             = var.image
           image_pull_policy = var.image_pull_policy
-          args              = ["migrate"]
+          command           = ["keel-migrate"]
 
           env_from {
             config_map_ref {
@@ -312,7 +325,7 @@ resource "kubernetes_deployment_v1" "service" {
           name              = each.key
           image             = var.image
           image_pull_policy = var.image_pull_policy
-          args              = each.value.args
+          command           = each.value.command
 
           env_from {
             config_map_ref {

@@ -154,7 +154,7 @@ variable "controller_observe_only" {
 }
 
 variable "extra_settings" {
-  description = "Further KEEL_* settings for every Keel container, e.g. { KEEL_RECORDER__BATCH_SIZE = \"500\" }. Names follow KEEL_<SECTION>__<FIELD> (libs/core/config.py); unknown names fail at start."
+  description = "Further KEEL_* settings for every Keel container, e.g. { KEEL_RECORDER__BATCH_SIZE = \"500\" }. Names follow KEEL_<SECTION>__<FIELD> (libs/infra/keel/infra/config.py); unknown names fail at start."
   type        = map(string)
   default     = {}
 

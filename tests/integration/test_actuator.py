@@ -13,10 +13,9 @@ import pytest
 from keel.actuator.adapter import ActuatorService
 from keel.actuator.core import eviction_outcome, refill_count
 from keel.actuator.local import LocalActuator, _standby_argv
-from keel.cli.cluster import _alive, cluster_down, cluster_up, load_cluster
-from keel.core.event_types import NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested
-from keel.core.events import Event, now_utc
-
+from keel.cluster.local import alive, cluster_down, cluster_up, load_cluster
+from keel.events.envelope import Event, now_utc
+from keel.events.types import NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested
 from tests.integration.test_crashes import service_env
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
@@ -77,7 +76,7 @@ async def test_local_actuator_evicts_refuses_stale_commands_and_refills_the_pool
         reports = await wait_events(keel_env, "act", ["NodeEvicted"], 2, 60)
         outcomes = {e.payload.node_id: e.payload.outcome for e in reports}
         assert outcomes == {"n00": "expired", "n01": "evicted"}, [e.payload for e in reports]
-        assert _alive(pids["n00"]) and not _alive(pids["n01"])
+        assert alive(pids["n00"]) and not alive(pids["n01"])
         assert {n["node_id"]: n.get("evicted", False) for n in load_cluster(directory)["nodes"]} == {
             "n00": False, "n01": True}
         # A refill towards 1 standby starts one, which registers itself as a standby; a second request

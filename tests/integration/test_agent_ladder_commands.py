@@ -15,11 +15,11 @@ import pytest
 from keel.agent.agent import NodeAgent
 from keel.agent.inspector_adapter import classify
 from keel.agent.launch_spec import LaunchSpec
-from keel.cli.cluster import FaultSpec, NodeInfo, apply_fault, rendezvous_base_port, seed_overlay_root
-from keel.core.config import BusSettings
-from keel.core.event_types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
-from keel.core.events import Event, EventPayload, now_utc
-from keel.core.outbox import Outbox
+from keel.cluster.local import FaultSpec, NodeInfo, apply_fault, rendezvous_base_port, seed_overlay_root
+from keel.events.envelope import Event, EventPayload, now_utc
+from keel.events.types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
+from keel.infra.config import BusSettings
+from keel.infra.outbox import Outbox
 
 pytestmark = pytest.mark.integration
 
@@ -158,7 +158,7 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
 def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agents, scratch_dir: Path) -> None:
     import dataclasses
 
-    from keel.core.event_types import CodeRef
+    from keel.events.types import CodeRef
 
     launch = scratch_dir / "launch.py"
     launch.write_text("import time; time.sleep(120)\n")

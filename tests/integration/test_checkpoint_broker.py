@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint_broker.adapter import CLOCK, PERSISTER, CheckpointBroker
 from keel.checkpoint_broker.core import CheckpointBrokerDecider
-from keel.core import ckpt_disk
-from keel.core.bus import fetch_batch
-from keel.core.config import CheckpointSettings, Settings
-from keel.core.decider import DeciderSession
-from keel.core.event_types import (
+from keel.events.envelope import Event, decode_event
+from keel.events.types import (
     CheckpointInventoryReported,
     CheckpointRanksRegistered,
     CheckpointShardsStored,
@@ -26,8 +24,9 @@ from keel.core.event_types import (
     RankGroups,
     ShardRecord,
 )
-from keel.core.events import Event, decode_event
-
+from keel.infra.bus import fetch_batch
+from keel.infra.config import CheckpointSettings, Settings
+from keel.kernel.decider import DeciderSession
 from tests.factories import T0
 
 pytestmark = pytest.mark.integration

@@ -28,10 +28,10 @@ import pytest
 import torch
 from torch import nn
 
-from keel.core import ckpt_slots
-from keel.core.protocol import node_local_pb2 as pb
-from keel.core.runtime import free_port
-from keel.sdk import CheckpointMismatchError, Checkpointer, Session, SessionConfig
+from keel.checkpoint import slots as ckpt_slots
+from keel.infra.embedded import free_port
+from keel.protocol import node_local_pb2 as pb
+from keel.sdk import Checkpointer, CheckpointMismatchError, Session, SessionConfig
 from keel.sdk.checkpoint import CheckpointError
 from keel.sdk.shard import decode_shard
 from keel.workload.data import ShardedSampler
@@ -463,7 +463,7 @@ def test_session_step_done_snapshots_and_reports_the_complete_step(shm: Path) ->
         try:
             while True:
                 reports.append(pb.RankReport.FromString(agent.recv(65536)))
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             pass
         steps = [r.checkpoint_step for r in reports if r.HasField("checkpoint_step")]
         assert steps and steps[-1] == 2 and sorted(set(steps)) == [0, 1, 2]

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from keel.core.bus import Bus
-from keel.core.config import BusSettings
-from keel.core.event_types import NodeRegistered
-from keel.core.events import Event, now_utc
-from keel.core.runtime import free_port
-from keel.core.store import EventStore, create_engine
-
+from keel.events.envelope import Event, now_utc
+from keel.events.types import NodeRegistered
+from keel.infra.bus import Bus
+from keel.infra.config import BusSettings
+from keel.infra.embedded import free_port
+from keel.infra.store import EventStore, create_engine
 from tests.factories import health_event
 
 pytestmark = pytest.mark.integration

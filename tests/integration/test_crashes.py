@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from keel.core.bus import Bus, PublishFailed
-from keel.core.config import Settings
-from keel.core.store import EventStore, create_engine, run_migrations
-from keel.core.runtime import NatsServer, PostgresServer
+from keel.infra.bus import Bus, PublishFailed
+from keel.infra.config import Settings
+from keel.infra.embedded import NatsServer, PostgresServer
+from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
-
 from tests.conftest import Servers, isolated_settings
 from tests.factories import fleet_events
 

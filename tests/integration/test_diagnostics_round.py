@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from keel.agent.diagnostics import CHECKS, LOCAL_CHECKS, NodeReport, RoundProcess, RoundRequest, nic_baseline
-from keel.cli.cluster import FaultSpec, NodeInfo, apply_fault, rendezvous_base_port, seed_overlay_root
+from keel.cluster.local import FaultSpec, NodeInfo, apply_fault, rendezvous_base_port, seed_overlay_root
 
 pytestmark = pytest.mark.integration
 

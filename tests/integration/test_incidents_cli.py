@@ -13,11 +13,10 @@ from datetime import timedelta
 import pytest
 
 from keel.cli.incidents import LookupFailed, load_ettr, load_timeline
-from keel.controller.ettr import compute_ettr
-from keel.core.event_types import ApprovalRequested, IncidentOpened, NodeRegistered
-from keel.core.events import Event, now_utc
-from keel.core.store import append_events, event_row
-
+from keel.events.envelope import Event, now_utc
+from keel.events.types import ApprovalRequested, IncidentOpened, NodeRegistered
+from keel.infra.store import append_events, event_row
+from keel.rules.ettr import compute_ettr
 from tests.incident_factories import JOB, at, incident_log
 from tests.integration.test_crashes import service_env
 

@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 
 from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slot_files, plan_file
+from keel.checkpoint import disk as ckpt_disk
+from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
 from keel.checkpoint_broker.core import CheckpointBrokerDecider
-from keel.core import ckpt_disk
-from keel.core.ckpt_slots import HEADER_BYTES, SlotWriter, read_header, slot_path
-from keel.core.decider import DeciderSession
-from keel.core.event_types import (
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
@@ -40,7 +40,7 @@ from keel.core.event_types import (
     CheckpointStepCommitted,
     CheckpointTierFallback,
 )
-from keel.core.events import Event, EventPayload
+from keel.kernel.decider import DeciderSession
 
 JOB = "job-nc"
 WAIT_S = 10.0

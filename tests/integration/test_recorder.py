@@ -10,12 +10,11 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from keel.core.bus import HEADER_DLQ_REASON, HEADER_DLQ_STREAM_SEQ, HEADER_DLQ_SUBJECT, fetch_batch
-from keel.core.config import RecorderSettings
-from keel.core.event_types import NodeEvicted
-from keel.core.events import Event
-from keel.core.store import metadata
-
+from keel.events.envelope import Event
+from keel.events.types import NodeEvicted
+from keel.infra.bus import HEADER_DLQ_REASON, HEADER_DLQ_STREAM_SEQ, HEADER_DLQ_SUBJECT, fetch_batch
+from keel.infra.config import RecorderSettings
+from keel.infra.store import metadata
 from tests.factories import T0, fleet_events, health_event
 
 pytestmark = pytest.mark.integration

@@ -10,10 +10,9 @@ from datetime import timedelta
 import pytest
 
 from keel.controller.core import ControllerDecider, ControllerPolicy
-from keel.core.event_types import NodeEvictionDecided, NodeRegistered
-from keel.core.events import Event
-from keel.core.runner import DeciderRunner
-
+from keel.events.envelope import Event
+from keel.events.types import NodeEvictionDecided, NodeRegistered
+from keel.infra.runner import DeciderRunner
 from tests.factories import T0, health_event
 from tests.integration.test_crashes import service_env
 

@@ -1,4 +1,4 @@
-"""Integration tests for keel.core.runtime: real nats-server and PostgreSQL processes.
+"""Integration tests for keel.infra.embedded: real nats-server and PostgreSQL processes.
 
 Every test uses free ports and its own directory from tempfile.mkdtemp under /tmp, made
 world-traversable (0755) because, when the tests run as root, PostgreSQL runs as `nobody` and
@@ -18,8 +18,8 @@ import asyncpg
 import nats
 import pytest
 
-from keel.core import runtime as rt
-from keel.core.runtime import (
+from keel.infra import embedded as rt
+from keel.infra.embedded import (
     DataDirLockedError,
     EmbeddedRuntime,
     NatsServer,

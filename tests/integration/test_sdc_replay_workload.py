@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from keel.analyzer.rung5 import judge_round, verdict_fields
-from keel.core.event_types import SdcGroupResult, SdcPhase, SdcReplayCompleted, SdcReplayRequested, SdcUnit
+from keel.events.types import SdcGroupResult, SdcPhase, SdcReplayCompleted, SdcReplayRequested, SdcUnit
+from keel.rules.sdc_replay import judge_round, verdict_fields
 
 pytestmark = pytest.mark.integration
 

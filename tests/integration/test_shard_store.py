@@ -32,9 +32,9 @@ from keel.agent.shard_store import (
     TransferRejected,
     fetch_shard,
 )
-from keel.core.ckpt_slots import SlotWriter, backup_path, sha256_hex, slot_path
-from keel.core.protocol import shard_store_pb2 as pb
-from keel.core.protocol import shard_store_pb2_grpc as pb_grpc
+from keel.checkpoint.slots import SlotWriter, backup_path, sha256_hex, slot_path
+from keel.protocol import shard_store_pb2 as pb
+from keel.protocol import shard_store_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "job-s"
@@ -100,7 +100,7 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Iproto/keel/checkpoint/v1", f"--python_out={tmp_path}",
                     f"--grpc_python_out={tmp_path}", "proto/keel/checkpoint/v1/shard_store.proto"], cwd=ROOT, check=True)
     grpc_code = (tmp_path / "shard_store_pb2_grpc.py").read_text().replace(
-        "\nimport shard_store_pb2 as", "\nfrom keel.core.protocol import shard_store_pb2 as")
+        "\nimport shard_store_pb2 as", "\nfrom keel.protocol import shard_store_pb2 as")
     generated = ROOT / "libs/core/protocol"
     assert (tmp_path / "shard_store_pb2.py").read_text() == (generated / "shard_store_pb2.py").read_text(), "run `make proto`"
     assert grpc_code == (generated / "shard_store_pb2_grpc.py").read_text(), "run `make proto`"

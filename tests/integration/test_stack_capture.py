@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from keel.agent.stack_capture import capture_ranks, process_tree, split_parts
-from keel.core.event_types import CapturedProcess, CapturedThread
+from keel.events.types import CapturedProcess, CapturedThread
 
 pytestmark = pytest.mark.integration
 

@@ -191,7 +191,7 @@ def _version(root: Path, version: str, helper: str = "helper_k7") -> Path:
 
 
 def test_ranks_run_the_commanded_code_version_never_a_stale_module_of_the_zygote(scratch_dir: Path) -> None:
-    from keel.core.event_types import CodeRef
+    from keel.events.types import CodeRef
 
     # The zygote imported a module named like one a version ships (here via its preload list).
     old = scratch_dir / "old"

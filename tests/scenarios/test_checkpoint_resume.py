@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.cli.cluster import cluster_down, cluster_status, cluster_up, kill_node, start_node
-from keel.core.event_types import RanksRestartRequested
-from keel.core.events import Event, now_utc
-from keel.core.runtime import free_port
+from keel.cluster.local import cluster_down, cluster_status, cluster_up, kill_node, start_node
+from keel.events.envelope import Event, now_utc
+from keel.events.types import RanksRestartRequested
+from keel.infra.embedded import free_port
 from keel.sdk.shard import decode_shard
-
 from tests.integration.test_crashes import service_env, start_service_process
 from tests.scenarios.test_cluster_faults import stop_process
 

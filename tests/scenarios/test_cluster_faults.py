@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 
-from keel.cli.cluster import FaultSpec, cluster_down, cluster_status, cluster_up, inject
-from keel.core.event_types import RanksRestartRequested
-from keel.core.events import Event, now_utc
-from keel.core.runtime import free_port
-
+from keel.cluster.local import FaultSpec, cluster_down, cluster_status, cluster_up, inject
+from keel.events.envelope import Event, now_utc
+from keel.events.types import RanksRestartRequested
+from keel.infra.embedded import free_port
 from tests.integration.test_crashes import service_env, start_service_process
 
 

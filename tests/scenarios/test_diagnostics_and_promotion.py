@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from keel.cli.cluster import FaultSpec, cluster_down, cluster_up, inject, kill_node, start_node
-from keel.core.event_types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
-from keel.core.events import Event, EventPayload, now_utc
-
+from keel.cluster.local import FaultSpec, cluster_down, cluster_up, inject, kill_node, start_node
+from keel.events.envelope import Event, EventPayload, now_utc
+from keel.events.types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
 from tests.integration.test_crashes import service_env, start_service_process
 from tests.scenarios.test_cluster_faults import stop_process
 
@@ -113,7 +112,7 @@ async def test_diagnostics_stop_the_ranks_report_per_node_and_a_restart_resumes(
     for node in NODES:
         completed[node] = await ladder.wait_for(["DiagnosticsCompleted"], lambda e, n=node: e.payload.node_id == n, 45,
                                                 f"the diagnostics results of {node}")
-    for node, event in completed.items():
+    for event in completed.values():
         assert event.correlation_id == command.id and event.causation_id == command.id, event
         p = event.payload
         assert (p.request_id, p.round, p.passed, p.suspects) == (str(command.id), 1, True, []), p

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from keel.cli.cluster import FaultSpec
-from keel.core.events import Event
-from keel.core.runtime import free_port
-
+from keel.cluster.local import FaultSpec
+from keel.infra.embedded import free_port
 from tests.integration.test_crashes import service_env
 from tests.scenarios.test_checkpoint_resume import losses_of
 from tests.scenarios.test_ladder import Stack

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from keel.cli.cluster import FaultSpec, cluster_down, cluster_up, inject, load_cluster
-from keel.core.events import Event
-
+from keel.cluster.local import FaultSpec, cluster_down, cluster_up, inject, load_cluster
+from keel.events.envelope import Event
 from tests.integration.test_crashes import service_env, start_service_process
 from tests.scenarios.test_cluster_faults import stop_process
 

@@ -16,7 +16,7 @@ from keel.analyzer.aggregate import (
     covering_group,
     format_ranks,
 )
-from keel.analyzer.stacks import Frame, MissingEvidence, ProcessStacks, process_from_pyspy
+from keel.rules.stacks import Frame, MissingEvidence, ProcessStacks, process_from_pyspy
 from keel.workload.train import topology as workload_topology
 from tests.fixtures.stacks.scenarios import (
     FIXTURES,

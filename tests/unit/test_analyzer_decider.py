@@ -11,9 +11,8 @@ from pathlib import Path
 
 from keel.agent.stack_capture import captured_threads
 from keel.analyzer.core import AnalyzerDecider
-from keel.analyzer.stacks import classify_role, parse_pyspy_json
-from keel.core.decider import DeciderSession
-from keel.core.event_types import (
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
     CapturedProcess,
     MissingProcess,
     RankStarted,
@@ -22,7 +21,8 @@ from keel.core.event_types import (
     StacksRequested,
     TimerTicked,
 )
-from keel.core.events import Event, EventPayload
+from keel.kernel.decider import DeciderSession
+from keel.rules.stacks import classify_role, parse_pyspy_json
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "stacks"
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 
 from keel.analyzer.core import AnalyzerDecider
 from keel.analyzer.failslow_rounds import FailSlowPolicy
-from keel.core.decider import DeciderSession
-from keel.core.event_types import CheckpointRanksRegistered, FailSlowConvicted, NodeHeartbeat, RankGroups, TimerTicked
-from keel.core.events import Event, EventPayload
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import CheckpointRanksRegistered, FailSlowConvicted, NodeHeartbeat, RankGroups, TimerTicked
+from keel.kernel.decider import DeciderSession
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 POLICY = FailSlowPolicy(interval=timedelta(seconds=10), rounds=5, min_flags=2)

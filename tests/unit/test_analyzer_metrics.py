@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from keel.analyzer.metrics import (
+from keel.rules.metrics import (
     MetricSample,
     MetricSettings,
     detect,

@@ -8,12 +8,18 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from keel.analyzer.core import AnalyzerDecider
-from keel.analyzer.rung5 import judge_round, machine_units, verdict_fields
-from keel.analyzer.sdc import plan_phases
-from keel.analyzer.rung5 import sdc_phase
-from keel.core.decider import DeciderSession
-from keel.core.event_types import SdcGroupResult, SdcPhase, SdcReplayAnalyzed, SdcReplayCompleted, SdcReplayRequested, TimerTicked
-from keel.core.events import Event, EventPayload
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
+    SdcGroupResult,
+    SdcPhase,
+    SdcReplayAnalyzed,
+    SdcReplayCompleted,
+    SdcReplayRequested,
+    TimerTicked,
+)
+from keel.kernel.decider import DeciderSession
+from keel.rules.sdc import plan_phases
+from keel.rules.sdc_replay import judge_round, machine_units, sdc_phase, verdict_fields
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 GOOD = hashlib.sha256(b"clean gradients").hexdigest()
@@ -145,10 +151,10 @@ def test_decider_judges_once_when_every_node_answered_with_the_incident_id() -> 
     session = DeciderSession(AnalyzerDecider())
     req = request(["n0", "n1", "n2", "n3"])
     req_event = ev(req, T0, incident)
-    session.observe(req_event).emitted
+    session.observe(req_event)
     replies = answers(req, {"n1"})
     out = []
-    for i, (node, reply) in enumerate(sorted(replies.items())):
+    for i, (_node, reply) in enumerate(sorted(replies.items())):
         out += session.observe(ev(reply.model_copy(update={"request_id": str(req_event.id)}), T0 + timedelta(seconds=i + 1))).emitted
     verdicts = [e for e in out if isinstance(e.payload, SdcReplayAnalyzed)]
     assert len(verdicts) == 1 and verdicts[0].payload.kind == "found" and verdicts[0].payload.unit == "n1"
@@ -162,8 +168,8 @@ def test_decider_judges_at_the_deadline_without_the_silent_node() -> None:
     session = DeciderSession(AnalyzerDecider())
     req = request(["n0", "n1", "n2", "n3"])
     req_event = ev(req, T0)
-    session.observe(req_event).emitted
-    for node, reply in sorted(answers(req, set(), silent=frozenset({"n3"})).items()):
+    session.observe(req_event)
+    for _node, reply in sorted(answers(req, set(), silent=frozenset({"n3"})).items()):
         assert not [e for e in session.observe(ev(reply.model_copy(update={"request_id": str(req_event.id)}), T0)).emitted
                     if isinstance(e.payload, SdcReplayAnalyzed)]
     early = session.observe(ev(TimerTicked(now=T0 + timedelta(seconds=30)), T0 + timedelta(seconds=30))).emitted

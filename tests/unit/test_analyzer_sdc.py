@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from keel.analyzer.sdc import (
+from keel.rules.sdc import (
     Phase,
     PhaseResult,
     binary_search_rounds,

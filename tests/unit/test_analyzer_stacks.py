@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from keel.analyzer.stacks import (
+from keel.rules.stacks import (
     TRUNCATION_MARKER,
     Frame,
     MissingEvidence,

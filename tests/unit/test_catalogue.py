@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from keel.core.catalogue import CATALOGUE_PATH, build_catalogue, render
-from keel.core.events import REGISTRY
+from keel.events.catalogue import CATALOGUE_PATH, build_catalogue, render
+from keel.events.envelope import REGISTRY
 
 
 def test_checked_in_catalogue_is_up_to_date() -> None:

@@ -21,8 +21,8 @@ from keel.checkpoint_broker.core import (
     ranks_text,
     young_interval,
 )
-from keel.core.decider import DeciderSession
-from keel.core.event_types import (
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
@@ -43,7 +43,7 @@ from keel.core.event_types import (
     ShardRecord,
     TimerTicked,
 )
-from keel.core.events import Event, EventPayload
+from keel.kernel.decider import DeciderSession
 
 T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
 JOB = "job1"
@@ -663,9 +663,9 @@ class FakeBus:
 
 
 async def test_manifest_waits_for_every_shard_file_then_reports_the_persisted_step(tmp_path) -> None:
+    from keel.checkpoint import disk as ckpt_disk
     from keel.checkpoint_broker.adapter import CheckpointBroker
-    from keel.core import ckpt_disk
-    from keel.core.config import CheckpointSettings, Settings
+    from keel.infra.config import CheckpointSettings, Settings
 
     now = [T0]
     settings = Settings(home=tmp_path, checkpoint=CheckpointSettings(persist_root=tmp_path / "p", retention=1))

@@ -1,4 +1,4 @@
-"""The persistent checkpoint tier (keel.core.ckpt_disk) and `keel checkpoints ls`: real files only."""
+"""The persistent checkpoint tier (keel.checkpoint.disk) and `keel checkpoints ls`: real files only."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.cli.main import main as keel_main
-from keel.core.ckpt_disk import (
+from keel.checkpoint.disk import (
     CheckpointCorrupt,
     CheckpointError,
     CheckpointNotFound,
@@ -31,7 +30,8 @@ from keel.core.ckpt_disk import (
     write_manifest,
     write_shard,
 )
-from keel.core.event_types import ShardRecord
+from keel.cli.main import main as keel_main
+from keel.events.types import ShardRecord
 
 JOB = "job-a"
 
@@ -214,7 +214,7 @@ def test_file_size_limit_failure_keeps_the_last_committed_checkpoint(tmp_path: P
     script = textwrap.dedent(f"""
         import resource, sys
         from pathlib import Path
-        from keel.core.ckpt_disk import PersistError, write_shard
+        from keel.checkpoint.disk import PersistError, write_shard
         resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024))
         try:
             write_shard(Path({str(tmp_path)!r}), {JOB!r}, 2, 0, b"y" * (300 * 1024))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from keel.agent.inspector import InspectorCore, default_probes
-from keel.cli.cluster import ClusterError, FaultSpec, NodeInfo, apply_fault, inject, load_scenario, seed_overlay_root
-from keel.core.config import Settings
+from keel.cluster.local import ClusterError, FaultSpec, NodeInfo, apply_fault, inject, load_scenario, seed_overlay_root
+from keel.infra.config import Settings
 
 T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
 

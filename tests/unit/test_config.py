@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from keel.core.config import ConfigError, load_settings
-from keel.core.units import format_duration, parse_duration, parse_size
+from keel.events.units import format_duration, parse_duration, parse_size
+from keel.infra.config import ConfigError, load_settings
 
 
 def test_defaults() -> None:

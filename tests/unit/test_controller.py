@@ -14,8 +14,8 @@ import pytest
 
 from keel.controller.core import ControllerDecider, ControllerPolicy, diagnostics_verdict
 from keel.controller.standby import failure_probability, plan_standby_pool
-from keel.core.decider import DeciderSession
-from keel.core.event_types import (
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
     ApprovalGiven,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
@@ -30,15 +30,15 @@ from keel.core.event_types import (
     NodeRegistered,
     RankExited,
     RankGroups,
+    RankStarted,
     SdcPhase,
     SdcReplayAnalyzed,
     StacksAnalyzed,
-    RankStarted,
     StandbyChecked,
     TimerTicked,
 )
-from keel.core.events import Event, EventPayload
-from keel.core.replay import verify
+from keel.kernel.decider import DeciderSession
+from keel.kernel.replay import verify
 
 T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 TRACEBACK = 'Traceback (most recent call last):\n  File "/job/train.py", line 42, in step\n    y = model(x)\n{err}\n'

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import uuid
 from datetime import UTC, datetime, timedelta
 
 from keel.controller.core import ControllerDecider, ControllerPolicy
-from keel.core.decider import DeciderSession, decision_id
-from keel.core.event_types import NodeEvicted, NodeEvictionDecided, NodeHealthChanged, NodeRegistered
-from keel.core.events import Event
+from keel.events.envelope import Event
+from keel.events.types import NodeEvicted, NodeEvictionDecided, NodeHealthChanged, NodeRegistered
+from keel.kernel.decider import DeciderSession, decision_id
 
 T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
 

@@ -28,7 +28,6 @@ from keel.agent.diagnostics import (
     gpu_faults,
     gpus_of,
     link_faults,
-    timed_iterations,
     load_request,
     matmul_error,
     merge_reports,
@@ -37,11 +36,12 @@ from keel.agent.diagnostics import (
     read_links,
     round_port,
     simulated_gpus,
+    timed_iterations,
 )
 from keel.agent.inspector.gpu import NvmlSnapshot
 from keel.agent.launch_spec import LaunchSpec
-from keel.cli.cluster import FaultSpec, NodeInfo, apply_fault, seed_overlay_root
-from keel.core.event_types import CheckResult
+from keel.cluster.local import FaultSpec, NodeInfo, apply_fault, seed_overlay_root
+from keel.events.types import CheckResult
 
 ALL = ["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keel.controller.ettr import PHASES, compute_ettr
-from keel.core.event_types import (
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
     CheckpointRestorePlanned,
     DiagnosticsRequested,
     FaultInjected,
@@ -19,7 +19,7 @@ from keel.core.event_types import (
     RankStarted,
     RestartDecided,
 )
-from keel.core.events import Event, EventPayload
+from keel.rules.ettr import PHASES, compute_ettr
 
 T0 = datetime(2026, 11, 29, 8, 0, tzinfo=UTC)
 

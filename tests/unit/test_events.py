@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from keel.core.event_types import NodeHealthChanged, NodeRegistered
-from keel.core.events import REGISTRY, Event, InvalidEvent, decode_event, decode_wire
+from keel.events.envelope import REGISTRY, Event, InvalidEvent, decode_event, decode_wire
+from keel.events.types import NodeHealthChanged, NodeRegistered
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 MAX = 256 * 1024
@@ -103,6 +104,6 @@ def test_create_sets_type_and_version_from_the_payload_and_normalises_time_to_ut
 
 def test_events_are_frozen() -> None:
     event = decode_event(json.dumps(valid_envelope()).encode(), max_bytes=MAX)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         event.job_id = "other"  # type: ignore[misc]
     assert isinstance(event.id, uuid.UUID)

@@ -11,12 +11,11 @@ import uuid
 from datetime import timedelta
 
 from keel.controller.core import ControllerDecider
-from keel.core.decider import DeciderSession
-from keel.core.event_types import LAUNCH_VERSION, CodeVersionApplied, CodeVersionRegistered
-from keel.core.events import Event, EventPayload
-from keel.core.replay import verify
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import LAUNCH_VERSION, CodeVersionApplied, CodeVersionRegistered
 from keel.hot_update.core import HotUpdateDecider, HotUpdatePolicy
-
+from keel.kernel.decider import DeciderSession
+from keel.kernel.replay import verify
 from tests.unit.test_controller import Job, of, types
 
 POLICY = HotUpdatePolicy(stable_steps=50, stable_time=timedelta(minutes=10))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from keel.cli.versions import deploy_event, summarise
-from keel.core.config import Settings
-from keel.core.event_types import CodeVersionRegistered, CodeVersionRejected
+from keel.events.types import CodeVersionRegistered, CodeVersionRejected
 from keel.hot_update.versions import VersionRejected, snapshot, tree_digest, validate
+from keel.infra.config import Settings
 
 NOW = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 

@@ -31,10 +31,9 @@ from keel.cli.incidents import (
     timeline_json,
 )
 from keel.cli.main import main
-from keel.controller.ettr import compute_ettr
-from keel.core.event_types import ActionHeld, ApprovalGiven, ApprovalRequested, IncidentOpened, JobStopDecided
-from keel.core.events import Event
-
+from keel.events.envelope import Event
+from keel.events.types import ActionHeld, ApprovalGiven, ApprovalRequested, IncidentOpened, JobStopDecided
+from keel.rules.ettr import compute_ettr
 from tests.incident_factories import JOB, at, incident_log
 
 

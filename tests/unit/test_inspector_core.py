@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from keel.agent.inspector import InspectorCore, InspectorPolicy, Observation
-from keel.core.event_types import NodeHealthChanged
+from keel.events.types import NodeHealthChanged
 
 T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
 POLICY = InspectorPolicy()

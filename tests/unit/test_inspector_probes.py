@@ -10,8 +10,21 @@ from pathlib import Path
 import pytest
 
 from keel.agent.inspector import (
-    DiskSpaceProbe, FileKmsgReader, GpuProbe, InspectorCore, InspectorPolicy, KernelLogProbe, LoadProbe, NicProbe,
-    Observation, OomProbe, OverlayNvmlSource, PressureProbe, PynvmlSource, default_probes, parse_kmsg_line,
+    DiskSpaceProbe,
+    FileKmsgReader,
+    GpuProbe,
+    InspectorCore,
+    InspectorPolicy,
+    KernelLogProbe,
+    LoadProbe,
+    NicProbe,
+    Observation,
+    OomProbe,
+    OverlayNvmlSource,
+    PressureProbe,
+    PynvmlSource,
+    default_probes,
+    parse_kmsg_line,
 )
 from keel.agent.inspector.gpu import NvmlSnapshot
 

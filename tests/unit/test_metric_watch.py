@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from keel.agent.metric_watch import MetricWatch
-from keel.analyzer.metrics import MetricSample
+from keel.rules.metrics import MetricSample
 
 
 def steps(n: int, *, start: int = 0, loss: float = 2.0, tokens: float = 1000.0) -> list[MetricSample]:

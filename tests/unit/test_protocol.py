@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from keel.core.protocol import node_local_pb2
+from keel.protocol import node_local_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,7 +17,7 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
          "proto/keel/agent/v1/node_local.proto"],
         cwd=ROOT, check=True,
     )
-    assert (tmp_path / "node_local_pb2.py").read_text() == (ROOT / "libs/core/protocol/node_local_pb2.py").read_text(), \
+    assert (tmp_path / "node_local_pb2.py").read_text() == (ROOT / "libs/protocol/keel/protocol/node_local_pb2.py").read_text(), \
         "run `make proto`"
 
 

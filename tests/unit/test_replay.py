@@ -5,9 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 from keel.controller.core import ControllerDecider, ControllerPolicy
-from keel.core.decider import DeciderSession
-from keel.core.replay import verify
-
+from keel.kernel.decider import DeciderSession
+from keel.kernel.replay import verify
 from tests.unit.test_decider_and_controller import T0, health, registered
 
 
@@ -15,7 +14,7 @@ def recorded_log(policy: ControllerPolicy) -> list:
     """What a live run would have written: inputs followed by the decisions they caused."""
     session = DeciderSession(ControllerDecider(policy))
     log = []
-    for index, event in enumerate(
+    for _index, event in enumerate(
         [*registered(*(f"n{i}" for i in range(20))), health("n1"), health("n2", confidence="low"),
          health("n3", at=T0 + timedelta(seconds=3)), health("n1")]
     ):

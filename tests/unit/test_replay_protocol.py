@@ -1,4 +1,4 @@
-"""The replay protocol between a node agent and its ranks (``keel.sdk.replay``, ``keel.agent.agent``): the
+"""The replay protocol between a node agent and its ranks (``keel.protocol.replay``, ``keel.agent.agent``): the
 spec file maps units to global ranks, malformed specs are refused with a reason, and the agent's answer
 says which rank did not answer and why - a crash, a timeout, an unreadable file - never "clean"."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from keel.agent.agent import replay_answer, replay_spec_json
 from keel.agent.supervisor import RankExit
-from keel.core.event_types import SdcPhase, SdcReplayRequested, SdcUnit
-from keel.sdk.replay import REPLAY_ENV, ReplaySpecError, parse_spec, replay_spec, write_result
+from keel.events.types import SdcPhase, SdcReplayRequested, SdcUnit
+from keel.protocol.replay import REPLAY_ENV, ReplaySpecError, parse_spec, replay_spec, write_result
 
 REQUEST = SdcReplayRequested(
     round=2, generation=5, nodes=["a", "b", "c"], anomaly_step=30, timeout_s=20, reason="test",

@@ -1,0 +1,91 @@
+"""`keel run`: the node agent as a torchrun-compatible launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from keel.infra.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
+    from keel.agent.agent import NodeAgent
+    from keel.agent.inspector_adapter import build_watcher, classify
+    from keel.agent.launch_spec import LaunchError, parse_launch_args
+    from keel.infra.outbox import Outbox
+
+    supervised = "--keel-supervised" in argv
+    argv = [a for a in argv if a != "--keel-supervised"]
+    try:
+        spec = parse_launch_args(argv)
+    except LaunchError as exc:
+        print(f"keel run: {exc}", file=sys.stderr)
+        return 2
+    outbox = Outbox(nats_url, settings.bus, name=f"keel-agent-{spec.node_id}") if nats_url else None
+    if outbox is None:
+        log.warning("keel run: no NATS configured (KEEL_NATS_URL or `keel up`): supervising without reporting")
+    try:
+        watcher = build_watcher(spec, settings.inspector)
+    except (TypeError, ValueError) as exc:
+        print(f"keel run: inspector settings: {exc}", file=sys.stderr)
+        return 2
+    from pydantic import ValidationError
+
+    from keel.agent.diagnostics import DiagnosticsPolicy
+
+    try:
+        diagnostics_policy = DiagnosticsPolicy.model_validate(settings.diagnostics)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        print(f"keel run: diagnostics settings: {problems}", file=sys.stderr)
+        return 2
+    checkpointing = None
+    if spec.ckpt_dir is not None:
+        checkpointing = build_checkpointing(spec, settings, supervised=supervised)
+    agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
+                      checkpointing=checkpointing, diagnostics_policy=diagnostics_policy,
+                      metric_settings=settings.analyzer.metric_settings())
+    if checkpointing is not None:
+        checkpointing.emit = agent.emit
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        outbox_stop = asyncio.Event()
+        publisher = asyncio.create_task(outbox.run(outbox_stop)) if outbox else None
+        result = await agent.run(stop)
+        if outbox is not None and publisher is not None:
+            if outbox.connected.is_set():
+                await outbox.flush(timeout_s=10)
+            outbox_stop.set()
+            await publisher
+            await outbox.close()
+        log.info("keel run: %s", result.reason)
+        return result.exit_code
+
+    return asyncio.run(main())
+
+
+def build_checkpointing(spec, settings: Settings, *, supervised: bool):  # type: ignore[no-untyped-def]
+    """The node's checkpoint duties: its shard store (gRPC, on ``--keel-store-address``) and the
+    persistent tier (``--keel-persist-root``, else the configured ``checkpoint.persist_root``, if any)."""
+    from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing
+
+    assert spec.ckpt_dir is not None
+    transport = GrpcTransport(spec.job_id, spec.node_id, spec.ckpt_dir, bind=spec.store_address,
+                              advertise=spec.store_advertise)
+    persist_root = spec.persist_root or settings.checkpoint.resolved_persist_root(settings.home)
+    log.info("%s: shard store on %s, slots in %s, persistent tier %s", spec.node_id, transport.address,
+             spec.ckpt_dir, persist_root)
+    return NodeCheckpointing(
+        job_id=spec.job_id, node_id=spec.node_id,
+        local_ranks=[spec.global_rank(i) for i in range(spec.nproc_per_node)], world_size=spec.world_size,
+        node_dir=spec.ckpt_dir, agent_dir=spec.agent_dir, emit=lambda *a, **k: None, transport=transport,
+        persist_root=persist_root, report_interval=settings.checkpoint.report_interval, supervised=supervised,
+    )

@@ -1,0 +1,478 @@
+"""`keel cluster up|down|status` and `keel inject`: a local multi-node cluster and fault injection.
+
+A local cluster runs N node agents on this machine, each a separate node with its own id, fault
+domain, agent directory and *overlay root*: the files its health probes read (``proc/pressure``,
+``proc/vmstat``, ``sys/class/net``, ``dev/kmsg``, ``run/keel/nvml.json`` — simulated GPUs, since the
+machine has none). Hardware faults are injected by changing those files, exactly as the kernel or the
+driver would change the real ones; workload faults are written to the node's fault file, which the
+training processes' SDK reads. Every injection is also published as a ``FaultInjected`` event, so
+detection latency is measured from the log. ``nic-down`` takes ``interface`` (default ``eth0``) and
+``flaps``: with ``flaps=N`` the link is not left down but went down and up N times (``carrier_changes``
++= 2N), a soft signal the inspector tolerates and stop-time diagnostics catch.
+
+Standbys run idle with the job's training command (``--keel-standby``): a ``StandbyPromotionRequested``
+gives one any node's slice of ranks (``keel.agent.agent``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from keel.events.envelope import Event, now_utc
+from keel.events.types import FaultInjected
+from keel.events.units import parse_duration
+from keel.infra.bus import Bus
+from keel.infra.config import Settings
+from keel.infra.embedded import free_port
+
+WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
+HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
+FAULT_KINDS = WORKLOAD_FAULTS | HARDWARE_FAULTS
+SIMULATED_NIC = "eth0"
+
+
+class ClusterError(RuntimeError):
+    """A user-facing cluster or injection error."""
+
+
+# -- cluster state ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    standby: bool
+    agent_dir: Path
+    root: Path
+    pid: int
+
+    @property
+    def fault_file(self) -> Path:
+        return self.agent_dir / "fault.json"
+
+
+def cluster_dir(settings: Settings, override: str | None = None) -> Path:
+    return Path(override) if override else settings.home / "cluster"
+
+
+def load_cluster(directory: Path) -> dict[str, Any]:
+    state_file = directory / "cluster.json"
+    if not state_file.exists():
+        raise ClusterError(f"no local cluster in {directory}: run `keel cluster up` first")
+    return json.loads(state_file.read_text())
+
+
+def cluster_nodes(state: dict[str, Any]) -> dict[str, NodeInfo]:
+    return {
+        n["node_id"]: NodeInfo(n["node_id"], n["standby"], Path(n["agent_dir"]), Path(n["root"]), n["pid"])
+        for n in state["nodes"]
+    }
+
+
+def atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def seed_overlay_root(root: Path, gpus: int) -> None:
+    """The files a simulated node's probes read: a calm host (no pressure, no load: copying this
+    machine's live values would freeze whatever load it had at that moment into every node), this
+    machine's vmstat counters, a simulated NIC and simulated GPUs."""
+    calm_psi = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    for relative, text in (("proc/pressure/memory", calm_psi), ("proc/pressure/cpu", calm_psi),
+                           ("proc/pressure/io", calm_psi), ("proc/loadavg", "0.00 0.00 0.00 1/100 1\n")):
+        target = root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    try:
+        (root / "proc/vmstat").write_text(Path("/proc/vmstat").read_text())
+    except OSError:
+        (root / "proc/vmstat").write_text("oom_kill 0\n")
+    nic = root / "sys/class/net" / SIMULATED_NIC
+    nic.mkdir(parents=True, exist_ok=True)
+    (nic / "operstate").write_text("up\n")
+    (nic / "carrier").write_text("1\n")
+    (nic / "carrier_changes").write_text("0\n")
+    (root / "dev").mkdir(parents=True, exist_ok=True)
+    (root / "dev/kmsg").write_text("")
+    devices = [
+        {"index": i, "uuid": f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'{root}/{i}')}",
+         "name": "Simulated GPU (keel local cluster)", "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0",
+         "temperature_c": 40, "ecc": {"volatile_sbe": 0, "volatile_dbe": 0, "aggregate_sbe": 0, "aggregate_dbe": 0},
+         "remapped_rows": {"correctable": 0, "uncorrectable": 0, "pending": False, "failure": False},
+         "retired_pages_pending": False, "throttle_reasons": 0, "xids": [], "lost": False, "error": None}
+        for i in range(gpus)
+    ]
+    atomic_write(root / "run/keel/nvml.json", json.dumps({"device_count": gpus, "devices": devices}, indent=1))
+
+
+def cluster_up(
+    settings: Settings,
+    directory: Path,
+    *,
+    nodes: int,
+    standby: int,
+    nproc_per_node: int,
+    job_id: str,
+    command: list[str],
+    nats_url: str | None,
+    extra_env: dict[str, str] | None = None,
+    probe_interval: str = "1s",
+    heartbeat_interval: str = "5s",
+    persist_root: Path | None = None,
+) -> dict[str, Any]:
+    """Start ``nodes`` agents running ``command`` (and ``standby`` idle ones). Returns the state written.
+
+    Each node gets its own shared-memory checkpoint folder under one ``/dev/shm/keel-cluster-*`` root
+    (removed by ``cluster_down``; ``kill_node`` removes one node's, as losing the machine would) and
+    the persistent tier under ``persist_root`` (default ``<directory>/checkpoints``).
+    """
+    if (directory / "cluster.json").exists():
+        state = json.loads((directory / "cluster.json").read_text())
+        if any(alive(n["pid"]) for n in state["nodes"]):
+            raise ClusterError(f"a local cluster already runs in {directory}; `keel cluster down` first")
+    if not command:
+        raise ClusterError("no training command: keel cluster up --nodes N -- [-m module | script.py] [args]")
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    master_port = rendezvous_base_port()
+    shm_root = Path("/dev/shm") / f"keel-cluster-{uuid.uuid4().hex[:10]}"
+    persist_root = persist_root or directory / "checkpoints"
+    env = dict(os.environ, **(extra_env or {}))
+    if nats_url:
+        env["KEEL_NATS_URL"] = nats_url
+    node_states = []
+    for index in range(nodes + standby):
+        is_standby = index >= nodes
+        node_id = f"s{index - nodes:02d}" if is_standby else f"n{index:02d}"
+        agent_dir = directory / "nodes" / node_id
+        root = agent_dir / "root"
+        seed_overlay_root(root, gpus=nproc_per_node)
+        argv = [
+            sys.executable, "-m", "keel.cli.main", "run",
+            "--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
+            "--node-rank", str(min(index, nodes - 1)), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+            "--keel-job-id", job_id, "--keel-node-id", node_id, "--keel-fault-domain", f"domain-{index}",
+            "--keel-agent-dir", str(agent_dir), "--keel-root", str(root),
+            "--keel-probe-interval", probe_interval, "--keel-heartbeat-interval", heartbeat_interval,
+            "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
+            "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
+        ]
+        # A standby carries the training command too: promoted, it runs the ranks of the slice it takes.
+        argv += ["--keel-standby", *command] if is_standby else list(command)
+        process = spawn_agent(argv, env, agent_dir)
+        node_states.append({"node_id": node_id, "standby": is_standby, "agent_dir": str(agent_dir),
+                            "root": str(root), "pid": process.pid, "ckpt_dir": str(shm_root / node_id),
+                            "argv": argv})
+    state = {"job_id": job_id, "nodes": node_states, "master_port": master_port, "nproc_per_node": nproc_per_node,
+             "command": command, "started_at": now_utc().isoformat(), "shm_root": str(shm_root),
+             "persist_root": str(persist_root), "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
+    atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return state
+
+
+def rendezvous_base_port(offsets: tuple[int, ...] = (0, 1, 2, 3, 500, 501, 502)) -> int:
+    """A free base port for a cluster's rendezvous, below the kernel's ephemeral port range.
+
+    Restart generation g rendezvous on ``base + g`` and diagnostics round r on ``base + 500 + r``. A base
+    inside the ephemeral range (what binding port 0 gives) leaves those ports free for the kernel to
+    hand out as the source port of any outgoing connection (gloo pairs, gRPC, NATS, PostgreSQL clients);
+    a restart then fails with EADDRINUSE. Below the range, only another listener can take them.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = low - max(offsets) - 100
+    if top <= 10_000:
+        return free_port()
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10_000, top)
+        if all(_can_listen(base + offset) for offset in offsets):
+            return base
+    return free_port()
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def spawn_agent(argv: list[str], env: dict[str, str], agent_dir: Path) -> subprocess.Popen:
+    with open(agent_dir / "agent.log", "ab") as log:
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _node_entry(state: dict[str, Any], node_id: str) -> dict[str, Any]:
+    for node in state["nodes"]:
+        if node["node_id"] == node_id:
+            return node
+    raise ClusterError(f"no node {node_id!r} in this cluster (nodes: {[n['node_id'] for n in state['nodes']]})")
+
+
+def kill_node(directory: Path, node_id: str) -> None:
+    """Lose a node as a machine is lost: SIGKILL its agent and ranks, and wipe its shared memory."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    for pid in ranks_of(Path(node["agent_dir"]), zygotes=True):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if alive(node["pid"]):
+        os.killpg(node["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(node["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(node["ckpt_dir"], ignore_errors=True)
+
+
+def start_node(directory: Path, node_id: str) -> int:
+    """Start a fresh agent for ``node_id`` (a replacement machine with empty shared memory). It joins as
+    an idle standby with the node's rank slice and starts ranks on the next restart command (or on a
+    promotion, which may give it any slice). Returns its pid."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    if alive(node["pid"]):
+        raise ClusterError(f"node {node_id} is still running (pid {node['pid']}); kill it first")
+    argv = list(node["argv"])
+    if "--keel-standby" not in argv:
+        argv.insert(argv.index("--keel-supervised") + 1, "--keel-standby")
+    env = dict(os.environ, **state.get("env", {}))
+    process = spawn_agent(argv, env, Path(node["agent_dir"]))
+    node["pid"] = process.pid
+    atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return process.pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
+    """Stop every agent (each stops its ranks); SIGKILL what remains. Idempotent."""
+    if not (directory / "cluster.json").exists():
+        return []
+    nodes = json.loads((directory / "cluster.json").read_text())["nodes"]
+    for node in nodes:
+        if alive(node["pid"]):
+            os.kill(node["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(alive(n["pid"]) for n in nodes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for node in nodes:
+        if alive(node["pid"]):
+            os.killpg(node["pid"], signal.SIGKILL)
+    for node in nodes:  # ranks (and zygotes) live in their own process groups: make sure none is left behind
+        for pid in ranks_of(Path(node["agent_dir"]), zygotes=True):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    shm_root = json.loads((directory / "cluster.json").read_text()).get("shm_root")
+    if shm_root:
+        shutil.rmtree(shm_root, ignore_errors=True)
+    return [n["node_id"] for n in nodes]
+
+
+def ranks_of(agent_dir: Path, *, zygotes: bool = False) -> list[int]:
+    """The node's rank processes (found by the agent socket in their environment); with ``zygotes``, its
+    warm zygote too (named ``keel-zygote``; its forked ranks inherit its environment but not its name)."""
+    from keel.protocol.processes import ZYGOTE_NAME
+
+    pids = []
+    marker = f"KEEL_AGENT_SOCKET={agent_dir / 'agent.sock'}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker not in (proc / "environ").read_bytes():
+                continue
+            if not zygotes and (proc / "comm").read_text().strip() == ZYGOTE_NAME:
+                continue
+            pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def cluster_status(directory: Path) -> dict[str, Any]:
+    state = load_cluster(directory)
+    for node in state["nodes"]:
+        node["running"] = alive(node["pid"])
+        node["ranks"] = ranks_of(Path(node["agent_dir"]))
+    return state
+
+
+# -- fault injection -------------------------------------------------------------------------------
+
+
+class FaultSpec(BaseModel):
+    """One fault: which, where, with what parameters; ``at`` is the offset in a scenario."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
+    node: str
+    rank: int | None = Field(default=None, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    at: timedelta = timedelta(0)
+
+    @field_validator("at", mode="before")
+    @classmethod
+    def _duration(cls, value: Any) -> timedelta:
+        return parse_duration(value)
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    faults: list[FaultSpec] = Field(min_length=1)
+
+
+def load_scenario(path: Path) -> Scenario:
+    """Parse a scenario file; ``ClusterError`` names the file, the fault and the field on any problem."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ClusterError(f"scenario {path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ClusterError(f"scenario {path}: not valid YAML: {exc}") from None
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()[:5]
+        )
+        raise ClusterError(f"scenario {path}: {problems}") from None
+
+
+def apply_fault(node: NodeInfo, fault: FaultSpec, fault_id: str) -> str:
+    """Change the node's files to produce ``fault``; returns what was done, for humans."""
+    if fault.kind in WORKLOAD_FAULTS:
+        if node.standby:
+            raise ClusterError(f"{node.node_id} is a standby: it runs no training process to {fault.kind}")
+        atomic_write(node.fault_file, json.dumps({"id": fault_id, "kind": fault.kind, "rank": fault.rank,
+                                                   "params": fault.params}))
+        target = f"rank {fault.rank}" if fault.rank is not None else "every rank"
+        return f"{fault.kind} for {target} of {node.node_id} via {node.fault_file}"
+    root = node.root
+    if fault.kind in ("gpu-lost", "xid"):
+        nvml_path = root / "run/keel/nvml.json"
+        snapshot = json.loads(nvml_path.read_text())
+        index = int(fault.params.get("gpu", fault.rank if fault.rank is not None else 0))
+        devices = {d["index"]: d for d in snapshot["devices"]}
+        if index not in devices:
+            raise ClusterError(f"{node.node_id} has no GPU {index} (it has {sorted(devices)})")
+        device = devices[index]
+        if fault.kind == "gpu-lost":
+            device["lost"], device["error"] = True, "GPU is lost"
+            detail = f"GPU {index} of {node.node_id} fell off the bus"
+        else:
+            xid = int(fault.params.get("xid", 79))
+            device["xids"].append({"seq": len(device["xids"]) + 1, "xid": xid, "data": 0})
+            detail = f"XID {xid} on GPU {index} of {node.node_id}"
+        atomic_write(nvml_path, json.dumps(snapshot, indent=1))
+        return detail
+    if fault.kind == "nic-down":
+        nic = root / "sys/class/net" / str(fault.params.get("interface", SIMULATED_NIC))
+        if not nic.is_dir():
+            raise ClusterError(f"{node.node_id} has no interface {nic.name}")
+        changes = int((nic / "carrier_changes").read_text().strip() or 0)
+        flaps = int(fault.params.get("flaps", 0))
+        if flaps < 0:
+            raise ClusterError(f"nic-down flaps must be >= 0, got {flaps}")
+        if flaps:
+            # A flap: the link went down and came back up, `flaps` times; it is up again now. The
+            # inspector reports it as a soft, low-confidence signal (no rung-1 eviction); stop-time
+            # diagnostics on this node fail the inter-node check (keel.agent.diagnostics).
+            (nic / "carrier_changes").write_text(f"{changes + 2 * flaps}\n")
+            return f"{nic.name} of {node.node_id} flapped {flaps}x"
+        (nic / "operstate").write_text("down\n")
+        (nic / "carrier").write_text("0\n")
+        (nic / "carrier_changes").write_text(f"{changes + 1}\n")
+        return f"{nic.name} of {node.node_id} is down"
+    if fault.kind == "sdc":
+        # Silent data corruption: the node's hardware flips one bit of every gradient its ranks compute
+        # (``keel.sdk.faults.SimulatedCorruption``), from the next step on and after every restart. The
+        # inspector and stop-time diagnostics see nothing; only numbers (a NaN, a spike) and a rung-5 replay do.
+        bit, index = int(fault.params.get("bit", 30)), int(fault.params.get("index", 0))
+        if not 0 <= bit < 32 or index < 0:
+            raise ClusterError(f"sdc needs bit in 0..31 and index >= 0, got bit {bit}, index {index}")
+        ranks = [fault.rank] if fault.rank is not None else None
+        atomic_write(root / "run/keel/sdc.json", json.dumps({"bit": bit, "index": index, "ranks": ranks}))
+        target = f"rank {fault.rank}" if fault.rank is not None else "every rank"
+        return f"bit {bit} of gradient element {index} flips on {target} of {node.node_id}, silently"
+    if fault.kind == "disk-full":
+        total = 100 * 1024**3
+        atomic_write(root / "run/keel/disk.json", json.dumps({"/": {"free_bytes": 0, "total_bytes": total}}))
+        return f"/ of {node.node_id} is full"
+    raise ClusterError(f"unknown fault kind {fault.kind!r}")  # pydantic's Literal makes this unreachable
+
+
+async def publish_injection(nats_url: str, settings: Settings, job_id: str, node: NodeInfo, fault: FaultSpec,
+                            fault_id: str, detail: str, injected_at: datetime) -> None:
+    bus = await Bus.connect(nats_url, settings.bus, name="keel-inject")
+    try:
+        event = Event.create(
+            FaultInjected(kind=fault.kind, node_id=node.node_id, rank=fault.rank,
+                          params={**fault.params, "detail": detail, "fault_id": fault_id}),
+            event_id=uuid.UUID(fault_id), job_id=job_id, subject=f"node/{node.node_id}", producer="cli",
+            occurred_at=injected_at,
+        )
+        await bus.publish(event)
+    finally:
+        await bus.close()
+
+
+def inject(settings: Settings, directory: Path, faults: list[FaultSpec], nats_url: str | None) -> list[str]:
+    """Apply faults in order, each at its ``at`` offset from now; publish each as an event."""
+    state = load_cluster(directory)
+    nodes = cluster_nodes(state)
+    unknown = sorted({f.node for f in faults} - set(nodes))
+    if unknown:
+        raise ClusterError(f"no node {', '.join(unknown)} in the local cluster (nodes: {', '.join(sorted(nodes))})")
+    done = []
+    start = time.monotonic()
+    for fault in sorted(faults, key=lambda f: f.at):
+        delay_s = fault.at.total_seconds() - (time.monotonic() - start)
+        if delay_s > 0:
+            time.sleep(delay_s)
+        fault_id = str(uuid.uuid4())
+        injected_at = now_utc()  # before the fault exists: detection is measured from here
+        detail = apply_fault(nodes[fault.node], fault, fault_id)
+        if nats_url:
+            asyncio.run(publish_injection(nats_url, settings, state["job_id"], nodes[fault.node], fault, fault_id,
+                                          detail, injected_at))
+        done.append(detail)
+    return done

@@ -1,0 +1,981 @@
+"""Every Keel event type, in one module, named in the past tense.
+
+Adding a type: define a frozen payload model here, register it with ``@event_type``, add a golden
+fixture under ``tests/golden/<Type>/v<N>.json`` and regenerate the catalogue (``keel events schema
+--write``). Changing a payload's shape: bump its version, keep the old shape as a golden fixture and add
+an ``@upcaster`` from the old version. Never change a released version in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AwareDatetime, Field
+
+from keel.events.envelope import EventPayload, event_type, upcaster
+
+Confidence = Literal["low", "medium", "high"]
+HealthStatus = Literal["healthy", "degraded", "failed"]
+
+
+@event_type("JobRegistered", version=1, aggregate="job")
+class JobRegistered(EventPayload):
+    """A training job became known to Keel with its initial node set."""
+
+    nodes: list[str] = Field(min_length=1)
+    world_size: int = Field(ge=1)
+    registered_by: str
+
+
+@event_type("NodeRegistered", version=1, aggregate="node")
+class NodeRegistered(EventPayload):
+    """A node agent announced itself (an active node of the job, or an idle warm standby)."""
+
+    node_id: str
+    host: str
+    standby: bool = False
+    fault_domain: str = ""
+
+
+@event_type("NodeHealthChanged", version=2, aggregate="node")
+class NodeHealthChanged(EventPayload):
+    """The inspector's verdict on one node changed (state changes only, never every sample).
+
+    v1 carried a single ``healthy`` flag; v2 says which component and check, how sure it is, and
+    whether the fault is fatal (a high-confidence fatal fault is rung 1 of the ladder).
+    """
+
+    node_id: str
+    status: HealthStatus
+    component: Literal["gpu", "host", "kernel", "nic", "disk", "rank", "unknown"]
+    check: str
+    confidence: Confidence
+    is_fatal: bool
+    detail: str = ""
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+@upcaster("NodeHealthChanged", from_version=1)
+def _node_health_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 could not say what failed or how sure it was: treat "unhealthy" as a failed, medium-confidence,
+    # non-fatal signal so an old event never triggers an immediate eviction on replay.
+    healthy = bool(payload.get("healthy"))
+    return {
+        "node_id": payload["node_id"],
+        "status": "healthy" if healthy else "failed",
+        "component": "unknown",
+        "check": payload.get("check", "legacy"),
+        "confidence": "medium",
+        "is_fatal": False,
+        "detail": payload.get("detail", ""),
+        "evidence": {},
+    }
+
+
+@event_type("TimerTicked", version=1, aggregate="clock")
+class TimerTicked(EventPayload):
+    """Time as an input: the clock service's tick, recorded so a replay sees the time the live run saw."""
+
+    now: AwareDatetime
+
+
+@event_type("NodeEvictionDecided", version=1, aggregate="node")
+class NodeEvictionDecided(EventPayload):
+    """The controller decided to evict a node. A command: executors ignore it after ``expires_at``."""
+
+    node_id: str
+    rung: int = Field(ge=1, le=6)
+    reason: str
+    evidence: list[str] = Field(default_factory=list)
+    """Ids of the events that caused the decision."""
+    expires_at: AwareDatetime
+    observe_only: bool = False
+
+
+@event_type("NodeEvicted", version=1, aggregate="node")
+class NodeEvicted(EventPayload):
+    """An actuator carried out an eviction (or reports why it could not)."""
+
+    node_id: str
+    decision_id: str
+    actuator: str
+    outcome: Literal["evicted", "expired", "failed", "skipped_observe_only"]
+    detail: str = ""
+
+
+
+# -- node agent, ranks and fault injection (node agent issue) ---------------------------------------
+
+ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent", "success"]
+FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
+
+
+@event_type("NodeHeartbeat", version=2, aggregate="node")
+class NodeHeartbeat(EventPayload):
+    """Periodic liveness of a node agent and a summary of its ranks (not every sample)."""
+
+    node_id: str
+    standby: bool = False
+    ranks_alive: int = Field(ge=0)
+    ranks_expected: int = Field(ge=0)
+    last_step: int = -1
+    step_time_p50_s: float | None = None
+    """Median step time over the last interval, across this node's ranks."""
+    health: HealthStatus = "healthy"
+    rank_compute_time_p50_s: dict[int, float] = Field(default_factory=dict)
+    """Per rank: its median time per step outside collectives over the last interval (absent: the
+    loop marks no collective waits). Every rank of a synchronous job steps as slowly as the slowest;
+    only a fail-slow rank also computes longer than the peers doing the same work."""
+
+
+@upcaster("NodeHeartbeat", from_version=1)
+def _node_heartbeat_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "rank_compute_time_p50_s": {}}  # v1 did not measure it
+
+
+@event_type("RankStarted", version=1, aggregate="rank")
+class RankStarted(EventPayload):
+    """The agent started one training process. ``generation`` counts in-place restarts of the job."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    local_rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    pid: int
+    generation: int = Field(ge=0)
+
+
+@event_type("RankExited", version=1, aggregate="rank")
+class RankExited(EventPayload):
+    """A training process ended, with its exit status, the tail of its stderr and a classification."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    pid: int
+    generation: int = Field(ge=0)
+    exit_code: int | None
+    signal: str | None = None
+    classification: ExitClass
+    error_type: str = ""
+    """The exception class or error marker found in stderr (``TypeError``, ``NCCL error``, ``OOM``...)."""
+    stderr_tail: str = ""
+    reason: str = ""
+    """Why the classifier chose ``classification``."""
+
+
+class CodeRef(EventPayload):
+    """The code a restarted rank runs: a registered version (``CodeVersionRegistered``), or the job's
+    launch command (``version_id`` ``LAUNCH_VERSION``, no path: what the agent was started with)."""
+
+    version_id: str
+    path: str = ""
+    """The version's directory in the version store (shared by the control plane and the agents)."""
+    entry: list[str] = Field(default_factory=list)
+    """The program: ``["train.py"]`` (relative to ``path``) or ``["-m", "pkg.mod"]``; the launch's own
+    arguments follow it. Empty: the launch command's program."""
+    digest: str = ""
+
+
+LAUNCH_VERSION = "launch"
+"""The version id of the code a job was launched with (before any deploy)."""
+
+
+@event_type("RanksRestartRequested", version=2, aggregate="node")
+class RanksRestartRequested(EventPayload):
+    """A command: restart this node's ranks in place as ``generation``. Ignored after ``expires_at``.
+
+    v2: ``code``, the version the restarted ranks run (None: whatever the node runs now)."""
+
+    node_id: str
+    generation: int = Field(ge=1)
+    reason: str
+    expires_at: AwareDatetime
+    code: CodeRef | None = None
+
+
+@upcaster("RanksRestartRequested", from_version=1)
+def _ranks_restart_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "code": None}  # v1 never changed the code
+
+
+@event_type("RanksRestarted", version=1, aggregate="node")
+class RanksRestarted(EventPayload):
+    """The agent carried out (or refused) a restart command."""
+
+    node_id: str
+    command_id: str
+    generation: int = Field(ge=0)
+    outcome: Literal["restarted", "expired", "failed", "stale_generation"]
+    detail: str = ""
+
+
+@event_type("FaultInjected", version=1, aggregate="node")
+class FaultInjected(EventPayload):
+    """``keel inject`` broke something on purpose; detection latency is measured from this event."""
+
+    kind: FaultKind
+    node_id: str
+    rank: int | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    injected_by: str = "keel inject"
+
+
+# -- checkpointing (issue 4) -------------------------------------------------------------------------
+#
+# Tiers, fastest first: "memory" (the rank's own node, shared memory), "peer" (the committed copy a
+# backup node holds in its shared memory), "disk" (the persistent tier: a local or shared filesystem).
+
+CheckpointTier = Literal["memory", "peer", "disk"]
+
+
+class RankGroups(EventPayload):
+    """One rank's parallel groups (lists of global ranks, the rank itself included)."""
+
+    rank: int = Field(ge=0)
+    dp: list[int] = Field(default_factory=list)
+    pp: list[int] = Field(default_factory=list)
+    tp: list[int] = Field(default_factory=list)
+
+
+@event_type("CheckpointRanksRegistered", version=1, aggregate="node")
+class CheckpointRanksRegistered(EventPayload):
+    """A node's ranks registered their Checkpointer: their parallel groups, and where the node's shard
+    store listens (``host:port`` of its gRPC ``ShardStore``) so peers can send it backups."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    store_address: str
+    ranks: list[RankGroups] = Field(min_length=1)
+
+
+class BackupAssignment(EventPayload):
+    rank: int = Field(ge=0)
+    node_id: str
+    backup_node_id: str
+    backup_address: str
+    fallback: str = ""
+    """Why this backup is weaker than the rule ("" when no parallel group has ranks on both the rank's
+    node and the backup node, so evicting any one group leaves a copy of the shard)."""
+
+
+@event_type("CheckpointBackupAssigned", version=2, aggregate="job")
+class CheckpointBackupAssigned(EventPayload):
+    """The broker chose (or re-chose) each rank's backup peer: a node outside the rank's DP, PP and TP
+    groups and not its own node; ``fallback`` explains any assignment that could not meet that."""
+
+    assignments: list[BackupAssignment] = Field(min_length=1)
+    reason: str
+    every_k_steps: int | None = Field(default=None, ge=1)
+    backup_every_k_steps: int | None = Field(default=None, ge=1)
+    """The schedule in force (``CheckpointScheduleSet``), when one was set: an agent that started after it
+    (a replacement node) learns which steps the others back up and persist from its assignments."""
+
+
+
+@upcaster("CheckpointBackupAssigned", from_version=1)
+def _backup_assigned_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 did not carry the schedule: an old placement says nothing about it.
+    return {**payload, "every_k_steps": None, "backup_every_k_steps": None}
+
+class ShardRecord(EventPayload):
+    rank: int = Field(ge=0)
+    step: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    digest: str  # hex SHA-256 of the shard payload
+    owner_node_id: str = ""  # for tier "peer": the node whose rank this is; "" otherwise
+    write_s: float = Field(default=0.0, ge=0)  # for tier "disk": seconds this shard took to write
+    send_s: float = Field(default=0.0, ge=0)  # for tier "memory": seconds the rank's last backup transfer took
+
+
+@event_type("CheckpointShardsStored", version=1, aggregate="node")
+class CheckpointShardsStored(EventPayload):
+    """A node holds verified shards in one tier (its ranks' own snapshots, backups it holds for peers,
+    or shards it persisted). Sent at most once per report interval per tier, newest step only."""
+
+    node_id: str
+    tier: CheckpointTier
+    shards: list[ShardRecord] = Field(min_length=1)
+
+
+@event_type("CheckpointStepCommitted", version=1, aggregate="job")
+class CheckpointStepCommitted(EventPayload):
+    """Every rank's shard of ``step`` is present and verified in ``tier``: restorable from there."""
+
+    tier: CheckpointTier
+    step: int = Field(ge=0)
+    ranks: int = Field(ge=1)
+    bytes: int = Field(ge=0)
+
+
+@event_type("CheckpointScheduleSet", version=1, aggregate="job")
+class CheckpointScheduleSet(EventPayload):
+    """The persistent tier's interval: every ``every_k_steps`` steps, from Young's formula
+    K = sqrt(2 * save_cost * MTBF) / step_time, clamped to the configured floor and ceiling."""
+
+    every_k_steps: int = Field(ge=1)
+    backup_every_k_steps: int = Field(default=1, ge=1)
+    """Backups go to the peers only for steps that are multiples of this, the same on every node (so the
+    peer tier holds one step of every rank): the smallest power of two that keeps each transfer within
+    ``backup_max_duty`` of the wall time."""
+    save_cost_s: float = Field(ge=0)
+    mtbf_s: float = Field(gt=0)
+    step_time_s: float = Field(ge=0)
+    reason: str
+
+
+@event_type("CheckpointPersisted", version=1, aggregate="job")
+class CheckpointPersisted(EventPayload):
+    """Step ``step`` is on the persistent tier: every shard written and its manifest written last,
+    atomically. ``save_cost_s``: the slowest node's write time (the C of Young's formula)."""
+
+    step: int = Field(ge=0)
+    path: str
+    """The manifest file (``<root>/<job>/step-<s:09d>/manifest.json``)."""
+    manifest_digest: str
+    bytes: int = Field(ge=0)
+    save_cost_s: float = Field(ge=0)
+
+
+class InventoryEntry(EventPayload):
+    rank: int = Field(ge=0)
+    tier: Literal["memory", "peer"]
+    step: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    digest: str
+
+
+class RejectedShard(EventPayload):
+    rank: int = Field(ge=0)
+    tier: CheckpointTier
+    step: int = Field(ge=-1)
+    reason: str
+
+
+@event_type("CheckpointInventoryReported", version=1, aggregate="node")
+class CheckpointInventoryReported(EventPayload):
+    """Before a restart as ``generation``, a node lists the shards it holds in memory and for peers,
+    each verified against its digest; ``rejected`` lists the ones that failed and why."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    entries: list[InventoryEntry] = Field(default_factory=list)
+    rejected: list[RejectedShard] = Field(default_factory=list)
+    ranks: list[int] = Field(default_factory=list)
+    """The ranks this node will run as ``generation`` (a replacement node names the ranks it takes
+    over); empty: the broker uses ``RankStarted`` of that generation, else the last registration."""
+
+
+class RestoreSource(EventPayload):
+    rank: int = Field(ge=0)
+    tier: CheckpointTier
+    node_id: str  # the node holding the shard (for "disk": "" - the shared path is read directly)
+    address: str = ""  # that node's shard store, for "peer"
+    path: str = ""  # for "disk": the shard file
+    digest: str
+    bytes: int = Field(ge=0)
+
+
+@event_type("CheckpointRestorePlanned", version=1, aggregate="job")
+class CheckpointRestorePlanned(EventPayload):
+    """The broker's plan for the ranks of ``generation``: resume after ``step`` (``-1``: start fresh),
+    each rank's shard from the fastest tier that holds it verified."""
+
+    generation: int = Field(ge=0)
+    step: int = Field(ge=-1)
+    sources: list[RestoreSource] = Field(default_factory=list)
+    reason: str
+
+
+@event_type("CheckpointTierFallback", version=1, aggregate="job")
+class CheckpointTierFallback(EventPayload):
+    """A restore (or a backup) could not use the faster tier and took a slower one, and why."""
+
+    generation: int = Field(ge=0)
+    rank: int = Field(ge=-1)  # -1: the whole job
+    step: int = Field(ge=-1)
+    from_tier: CheckpointTier
+    to_tier: CheckpointTier | Literal["none"]
+    reason: str
+
+
+@event_type("CheckpointBackupFailed", version=1, aggregate="node")
+class CheckpointBackupFailed(EventPayload):
+    """A node could not send a rank's shard to its backup peer (peer dead, refused, verification)."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    backup_node_id: str
+    reason: str
+
+
+# -- controller: the escalation ladder, diagnostics, standbys, guardrails (issue 5) -----------------
+#
+# An incident's id is the id of its ``IncidentOpened`` event; every decision the controller takes
+# about it, and every event an agent emits in answer to those commands, carries it as
+# ``correlation_id``, so ``keel timeline INCIDENT`` is one query.
+
+IncidentKind = Literal["hardware", "crash", "hang", "user_code", "lost_node", "diagnostics", "fail_slow",
+                      "metric_anomaly", "code_update"]
+DiagnosticCheck = Literal["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
+
+
+@event_type("IncidentOpened", version=2, aggregate="job")
+class IncidentOpened(EventPayload):
+    """The controller saw a fault that interrupts the job and took it on: every later decision about
+    it carries this event's id as ``correlation_id``."""
+
+    kind: IncidentKind
+    node_id: str = ""
+    """The suspect node when the first signal names one ("" when nothing does yet)."""
+    ranks: list[int] = Field(default_factory=list)
+    generation: int = Field(ge=0)
+    """The generation the fault hit."""
+    last_step: int = -1
+    """The newest step the job had reached when the fault was seen (recovery means getting back there)."""
+    fingerprint: str = ""
+    """What makes two failures "the same" (see ``keel.controller.guardrails.failure_fingerprint``)."""
+    reason: str
+    evidence: list[str] = Field(default_factory=list)
+
+
+@upcaster("IncidentOpened", from_version=1)
+def _incident_opened_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload)  # v2 only added the kind "code_update" (a planned restart onto a new code version)
+
+
+@event_type("IncidentResolved", version=1, aggregate="job")
+class IncidentResolved(EventPayload):
+    """The job is stepping again after an incident (or the controller gave up on it and paged)."""
+
+    incident_id: str
+    outcome: Literal["recovered", "stopped", "superseded"]
+    rung: int = Field(ge=0, le=6)
+    """The highest rung the incident needed (0: it resolved itself)."""
+    generation: int = Field(ge=0)
+    reason: str
+
+
+@event_type("DiagnosticsRequested", version=1, aggregate="job")
+class DiagnosticsRequested(EventPayload):
+    """A command (rung 2): the listed nodes stop their ranks and run stop-time diagnostics together.
+
+    ``round`` numbers the requests of a job: agents rendezvous for the inter-node check on the job's
+    master address at ``master_port + 500 + round``, so rounds never share store keys."""
+
+    round: int = Field(ge=0)
+    nodes: list[str] = Field(min_length=1)
+    checks: list[DiagnosticCheck] = Field(min_length=1)
+    timeout_s: float = Field(gt=0)
+    """Each node reports within this; a node that does not is named by the controller's timeout."""
+    expires_at: AwareDatetime
+    reason: str
+
+
+class CheckResult(EventPayload):
+    check: DiagnosticCheck
+    passed: bool
+    skipped: bool = False
+    """The check cannot run here (the GPU self-test on a machine without a GPU): neither pass nor fail."""
+    detail: str = ""
+    bandwidth_gbps: float | None = None
+    duration_s: float = Field(default=0.0, ge=0)
+
+
+@event_type("DiagnosticsCompleted", version=1, aggregate="node")
+class DiagnosticsCompleted(EventPayload):
+    """One node's stop-time diagnostic results for a ``DiagnosticsRequested`` round."""
+
+    node_id: str
+    request_id: str
+    round: int = Field(ge=0)
+    passed: bool
+    results: list[CheckResult] = Field(default_factory=list)
+    suspects: list[str] = Field(default_factory=list)
+    """Nodes this node's collective checks point at (a peer that never joined, or sent wrong data)."""
+    detail: str = ""
+
+
+@event_type("StandbyChecked", version=1, aggregate="node")
+class StandbyChecked(EventPayload):
+    """A warm standby ran its self-check (the same diagnostics, alone): only a passing one counts."""
+
+    node_id: str
+    passed: bool
+    results: list[CheckResult] = Field(default_factory=list)
+    detail: str = ""
+
+
+@event_type("StandbyPromotionRequested", version=2, aggregate="node")
+class StandbyPromotionRequested(EventPayload):
+    """A command: the standby ``node_id`` takes over ``replaces_node_id``'s slice of ranks (``node_rank``)
+    and starts them as ``generation``, restoring from the peer copies. Ignored after ``expires_at``."""
+
+    node_id: str
+    replaces_node_id: str
+    node_rank: int = Field(ge=0)
+    ranks: list[int] = Field(min_length=1)
+    generation: int = Field(ge=1)
+    reason: str
+    expires_at: AwareDatetime
+    code: CodeRef | None = None
+    """v2: the code version the promoted ranks run (None: the standby's launch command)."""
+
+
+@upcaster("StandbyPromotionRequested", from_version=1)
+def _promotion_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "code": None}
+
+
+@event_type("StandbyPromoted", version=1, aggregate="node")
+class StandbyPromoted(EventPayload):
+    """The standby's agent carried out (or refused) a promotion command."""
+
+    node_id: str
+    command_id: str
+    replaces_node_id: str
+    generation: int = Field(ge=0)
+    outcome: Literal["promoted", "expired", "failed", "not_standby"]
+    detail: str = ""
+
+
+@event_type("StandbyPoolSized", version=1, aggregate="job")
+class StandbyPoolSized(EventPayload):
+    """The warm-standby pool's target size changed: the 99th percentile of a binomial model of
+    concurrent node failures (``keel.controller.standby``); the actuator refills towards it."""
+
+    target: int = Field(ge=0)
+    ready: int = Field(ge=0)
+    job_nodes: int = Field(ge=0)
+    failure_probability: float = Field(ge=0, le=1)
+    reason: str
+
+
+@event_type("StandbyRefillRequested", version=1, aggregate="job")
+class StandbyRefillRequested(EventPayload):
+    """A command to the actuator: bring the pool back to ``target`` ready standbys (asynchronously)."""
+
+    count: int = Field(ge=1)
+    target: int = Field(ge=0)
+    reason: str
+    expires_at: AwareDatetime
+
+
+@event_type("RollbackDecided", version=1, aggregate="job")
+class RollbackDecided(EventPayload):
+    """Rung 4: the failure points at the code; roll back to the last stable version other than the one
+    failing (``to_version``) and restart: the restart commands that follow name it. With no such version
+    known, the restart goes ahead on the same code."""
+
+    incident_id: str
+    reason: str
+    fingerprint: str = ""
+    to_version: str = ""
+    """The last stable code version ("" when none is known yet)."""
+    evidence: list[str] = Field(default_factory=list)
+    expires_at: AwareDatetime
+
+
+@event_type("JobStopDecided", version=1, aggregate="job")
+class JobStopDecided(EventPayload):
+    """Rung 6 (or a guardrail): stop the job and page a human; nothing is restarted automatically."""
+
+    incident_id: str
+    rung: int = Field(ge=1, le=6)
+    reason: str
+    page: bool = True
+    evidence: list[str] = Field(default_factory=list)
+
+
+class Promotion(EventPayload):
+    standby_node_id: str
+    replaces_node_id: str
+    ranks: list[int] = Field(min_length=1)
+
+
+@event_type("RestartDecided", version=2, aggregate="job")
+class RestartDecided(EventPayload):
+    """The ladder's recovery for an incident: evict ``evict``, promote standbys into their ranks, roll
+    back the code if ``rollback``, and restart every other node in place as ``generation``. The commands
+    (``NodeEvictionDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``) follow it.
+
+    v2: ``code_version``, the version the restarted ranks run ("" : unchanged); ``rung`` 0 is a planned
+    restart onto a new code version (an urgent deploy or a lazy one's deadline), not a failure."""
+
+    incident_id: str
+    rung: int = Field(ge=0, le=6)
+    generation: int = Field(ge=1)
+    evict: list[str] = Field(default_factory=list)
+    promotions: list[Promotion] = Field(default_factory=list)
+    restart_nodes: list[str] = Field(default_factory=list)
+    rollback: bool = False
+    fingerprint: str = ""
+    reason: str
+    code_version: str = ""
+    code_changed: bool = False
+    """The restart swaps the code the ranks run (a rollout or a rollback) rather than keeping it."""
+
+
+@upcaster("RestartDecided", from_version=1)
+def _restart_decided_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "code_version": "", "code_changed": False}
+
+
+@event_type("ActionHeld", version=1, aggregate="job")
+class ActionHeld(EventPayload):
+    """A guardrail held back the recovery the ladder chose (observe mode, a tripped breaker, an approval
+    not yet given, no ready standby), with the plan it held (rung, nodes to evict, rollback) and why."""
+
+    incident_id: str
+    action: Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
+    guardrail: Literal["observe_only", "eviction_breaker", "restart_budget", "approval", "no_standby"]
+    reason: str
+    rung: int = Field(default=0, ge=0, le=6)
+    evict: list[str] = Field(default_factory=list)
+    rollback: bool = False
+
+
+@event_type("ApprovalRequested", version=1, aggregate="job")
+class ApprovalRequested(EventPayload):
+    """An action of a kind configured to need a human's approval waits for ``keel approve`` / ``keel deny``."""
+
+    incident_id: str
+    action: Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
+    reason: str
+    expires_at: AwareDatetime
+
+
+@event_type("ApprovalGiven", version=1, aggregate="job")
+class ApprovalGiven(EventPayload):
+    """A human's answer to an ``ApprovalRequested`` (by its event id)."""
+
+    request_id: str
+    approved: bool
+    by: str
+    comment: str = ""
+
+
+@event_type("NodeCordoned", version=1, aggregate="node")
+class NodeCordoned(EventPayload):
+    """A human took a node out of service (or put it back, ``cordoned=False``). The controller never
+    undoes a human's cordon: it neither promotes nor restarts onto a cordoned node."""
+
+    node_id: str
+    cordoned: bool = True
+    by: str
+    reason: str = ""
+
+
+# -- the analyzer: stack aggregation (rung 3) -------------------------------------------------------
+
+
+@event_type("StacksRequested", version=1, aggregate="job")
+class StacksRequested(EventPayload):
+    """A command (rung 3): the listed nodes capture the stacks of every training process (each rank and its
+    children: dataloader workers, checkpoint helpers) with py-spy, without stopping them, and answer with
+    ``StacksCaptured``. ``round`` numbers the job's capture rounds."""
+
+    round: int = Field(ge=0)
+    nodes: list[str] = Field(min_length=1)
+    native: bool = False
+    """Also native frames (py-spy ``--native``: slower, pauses the process)."""
+    timeout_s: float = Field(gt=0)
+    """Nodes answer within this; the analyzer judges without those that do not (missing evidence)."""
+    expires_at: AwareDatetime
+    reason: str
+
+
+class CapturedThread(EventPayload):
+    name: str = ""
+    os_thread_id: int | None = None
+    """The OS thread id (the process id for the main thread)."""
+    active: bool = False
+    frames: list[str] = Field(default_factory=list)
+    """Normalised frames (``function (file:line)``), outermost first."""
+
+
+class CapturedProcess(EventPayload):
+    pid: int
+    parent_pid: int | None = None
+    rank: int | None = None
+    """The rank this process belongs to (itself or its parent rank)."""
+    role: Literal["rank", "dataloader", "checkpoint", "other"] = "rank"
+    threads: list[CapturedThread] = Field(default_factory=list)
+
+
+class MissingProcess(EventPayload):
+    """A process of a rank that could not be seen, and why (py-spy failed, it vanished, none running)."""
+
+    rank: int = Field(ge=0)
+    pid: int | None = None
+    role: Literal["rank", "dataloader", "checkpoint", "other"] = "rank"
+    """``rank``: the rank's own process (then the rank is not seen at all); else a child of it."""
+    reason: str
+
+
+class RankTopology(EventPayload):
+    rank: int = Field(ge=0)
+    tp: list[int] = Field(default_factory=list)
+    pp: list[int] = Field(default_factory=list)
+    dp: list[int] = Field(default_factory=list)
+
+
+@event_type("StacksCaptured", version=1, aggregate="node")
+class StacksCaptured(EventPayload):
+    """One node's answer to a ``StacksRequested`` (possibly in ``parts``, to stay within the event size):
+    the stacks of its training processes, the parallel groups of its ranks, and what it could not see
+    (``missing``: a py-spy failure, a process that vanished, a rank with no process) - never silently
+    left out."""
+
+    node_id: str
+    request_id: str
+    round: int = Field(ge=0)
+    processes: list[CapturedProcess] = Field(default_factory=list)
+    ranks: list[RankTopology] = Field(default_factory=list)
+    missing: list[MissingProcess] = Field(default_factory=list)
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1)
+    duration_s: float = Field(default=0.0, ge=0)
+
+
+@event_type("StacksAnalyzed", version=1, aggregate="job")
+class StacksAnalyzed(EventPayload):
+    """The analyzer's verdict on one capture round: the outlier ranks, the smallest parallel group covering
+    them (what rung 3 evicts, deliberately over-evicting), and the evidence: the dominant stack, each
+    outlier's stack, and what could not be seen. ``conclusive`` false: no group is named (the reason says
+    why: every rank alike, a tie, too much missing evidence); the controller falls back to rung 2."""
+
+    request_id: str
+    round: int = Field(ge=0)
+    conclusive: bool
+    outlier_ranks: list[int] = Field(default_factory=list)
+    outlier_nodes: list[str] = Field(default_factory=list)
+    group_kind: Literal["tp", "pp", "dp", "node", "groups", "job", "none"] = "none"
+    group_ranks: list[int] = Field(default_factory=list)
+    group_nodes: list[str] = Field(default_factory=list)
+    dominant_stack: list[str] = Field(default_factory=list)
+    outlier_stacks: dict[str, list[str]] = Field(default_factory=dict)
+    """Rank (as a string) -> the frames that set it apart."""
+    missing: list[str] = Field(default_factory=list)
+    reason: str
+
+
+@event_type("FailSlowConvicted", version=1, aggregate="job")
+class FailSlowConvicted(EventPayload):
+    """The analyzer's fail-slow rounds convicted a group: over the last ``rounds`` rounds (one every
+    ``interval_s``) it was flagged most often, at least ``flags`` times. The evidence of each round is in
+    ``round_evidence`` (the per-node compute times it saw, the nodes it flagged). The controller evicts
+    ``group_nodes`` (rung 3: a slow node costs every rank its time, and no crash will ever say so)."""
+
+    group_kind: Literal["tp", "pp", "dp", "node", "groups", "job"]
+    group_ranks: list[int] = Field(default_factory=list)
+    group_nodes: list[str] = Field(min_length=1)
+    outlier_ranks: list[int] = Field(default_factory=list)
+    rounds: int = Field(ge=1)
+    flags: int = Field(ge=1)
+    interval_s: float = Field(gt=0)
+    round_evidence: list[str] = Field(default_factory=list)
+    """One line per judged round, oldest first: the compute times it compared and what it flagged."""
+    reason: str
+
+
+@event_type("MetricAnomalyDetected", version=1, aggregate="node")
+class MetricAnomalyDetected(EventPayload):
+    """A node agent's check of its ranks' per-step metrics (``keel.rules.metrics``) found an anomaly:
+    a NaN or infinite loss or gradient norm (``non_finite``), a loss or gradient-norm spike over
+    ``spike_factor`` x the moving median (``spike``), or throughput below its own history (``decline``).
+    Once per rank, kind and metric per generation. ``value`` is None when not finite (``value_text``
+    says which: nan, inf, -inf)."""
+
+    node_id: str
+    rank: int = Field(ge=0)
+    generation: int = Field(ge=0)
+    kind: Literal["non_finite", "spike", "decline"]
+    metric: Literal["loss", "grad_norm", "mfu", "tokens_per_s"]
+    step: int = Field(ge=0)
+    value: float | None = None
+    value_text: str
+    baseline: float | None = None
+    reason: str
+
+
+# -- rung 5: locating silent data corruption by dual-phase replay ---------------------------------------
+
+SdcPhaseKind = Literal["contiguous", "strided", "split"]
+
+
+class SdcUnit(EventPayload):
+    """A "machine" of the replay: the smallest set of nodes that holds whole model replicas (a node, or
+    the nodes one pipeline or TP group spans). Replays shrink DP by whole units; evicting the unit
+    evicts its nodes."""
+
+    name: str
+    nodes: list[str] = Field(min_length=1)
+    ranks: list[int] = Field(min_length=1)
+
+
+class SdcPhase(EventPayload):
+    """One replay round: ``groups`` (lists of unit names) replay side by side, each a scaled-down job.
+    ``suspects``: the units under test (a split phase pads its groups with units that passed)."""
+
+    index: int = Field(ge=1)
+    kind: SdcPhaseKind
+    groups: list[list[str]] = Field(min_length=1)
+    suspects: list[str] = Field(default_factory=list)
+
+
+@event_type("SdcReplayRequested", version=1, aggregate="job")
+class SdcReplayRequested(EventPayload):
+    """A command (rung 5): every listed node stops its ranks and starts them as ``generation`` in replay
+    mode. They restore the checkpoint the broker plans (below the anomaly's step), replay the next step
+    once per phase on the same recorded batch (every replica the same one), and compare their gradients
+    bitwise inside each group of the phase. ``round`` numbers the job's replay requests."""
+
+    round: int = Field(ge=0)
+    generation: int = Field(ge=1)
+    nodes: list[str] = Field(min_length=1)
+    units: list[SdcUnit] = Field(min_length=1)
+    phases: list[SdcPhase] = Field(min_length=1)
+    anomaly_step: int = Field(ge=0)
+    reference: str = ""
+    """The result an earlier round of the same localisation settled on ("": this round's majority)."""
+    timeout_s: float = Field(gt=0)
+    expires_at: AwareDatetime
+    reason: str
+
+
+class SdcGroupResult(EventPayload):
+    """One rank's view of its group in one phase: the digest of the gradients the group agreed on
+    (SHA-256 over every member's, when all are bitwise equal) or ``consistent`` false when they differ."""
+
+    phase: int = Field(ge=1)
+    group: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    consistent: bool
+    digest: str = ""
+    detail: str = ""
+
+
+@event_type("SdcReplayCompleted", version=1, aggregate="node")
+class SdcReplayCompleted(EventPayload):
+    """One node's answer to an ``SdcReplayRequested``: its ranks' group results, or ``ran`` false with
+    the reason (a rank crashed, the restore failed, the command expired)."""
+
+    node_id: str
+    request_id: str
+    round: int = Field(ge=0)
+    ran: bool
+    restored_step: int = -1
+    results: list[SdcGroupResult] = Field(default_factory=list)
+    detail: str = ""
+    duration_s: float = Field(default=0.0, ge=0)
+
+
+class SdcPhaseOutcome(EventPayload):
+    phase: int = Field(ge=1)
+    kind: SdcPhaseKind
+    failed_groups: list[int] = Field(default_factory=list)
+    evidence: list[str] = Field(default_factory=list)
+    """Per failing group: why (members disagree, or its result differs from the reference)."""
+
+
+@event_type("SdcReplayAnalyzed", version=1, aggregate="job")
+class SdcReplayAnalyzed(EventPayload):
+    """The analyzer's verdict on a replay round (``keel.rules.sdc``): ``found`` names the unit (and its
+    nodes, what rung 5 evicts); ``ambiguous`` carries the ``next_phase`` to run; ``several`` names every
+    unit that failed alone; ``not_reproduced`` / ``inconsistent`` / ``incomplete`` name nothing."""
+
+    request_id: str
+    round: int = Field(ge=0)
+    kind: Literal["found", "ambiguous", "several", "not_reproduced", "inconsistent", "incomplete"]
+    unit: str = ""
+    nodes: list[str] = Field(default_factory=list)
+    """The nodes to evict (of the found unit, or of every unit for ``several``)."""
+    candidates: list[str] = Field(default_factory=list)
+    phases: list[SdcPhaseOutcome] = Field(default_factory=list)
+    reference_digest: str = ""
+    next_phase: SdcPhase | None = None
+    rounds: int = Field(default=0, ge=0)
+    """Replay phases used so far in this localisation (all rounds of the incident)."""
+    missing: list[str] = Field(default_factory=list)
+    reason: str
+
+
+# -- hot-update: code versions, rollouts, stability -------------------------------------------------
+
+RolloutMode = Literal["urgent", "lazy"]
+
+
+@event_type("CodeVersionRegistered", version=1, aggregate="code")
+class CodeVersionRegistered(EventPayload):
+    """``keel deploy`` snapshotted, validated and registered a code version for a job. Content-addressed:
+    ``version_id`` is derived from ``digest`` (SHA-256 over the snapshot's paths, modes and bytes).
+    ``urgent``: restart onto it now; ``lazy``: at the job's next restart of any cause, forced at
+    ``deadline``."""
+
+    version_id: str
+    digest: str
+    source: str
+    """What was deployed: a directory, a git revision (``REPO@REV``) or a wheel file."""
+    source_kind: Literal["directory", "git", "wheel"]
+    path: str
+    """The snapshot in the version store (read-only to the job)."""
+    entry: list[str] = Field(min_length=1)
+    """The program inside the version: ``["train.py"]`` or ``["-m", "pkg.mod"]``."""
+    mode: RolloutMode
+    deadline: AwareDatetime | None = None
+    """A lazy version is applied by this time even if nothing restarts the job."""
+    by: str
+    why: str = ""
+    checks: list[str] = Field(default_factory=list)
+    """What validation checked, in order (exists, imports, entry point resolves...)."""
+
+
+@event_type("CodeVersionRejected", version=1, aggregate="code")
+class CodeVersionRejected(EventPayload):
+    """A deploy failed validation: nothing was registered, no rank will ever run it."""
+
+    source: str
+    digest: str = ""
+    entry: list[str] = Field(default_factory=list)
+    mode: RolloutMode
+    by: str
+    why: str = ""
+    reason: str
+    """Which check failed and its output."""
+
+
+@event_type("CodeRolloutRequested", version=1, aggregate="job")
+class CodeRolloutRequested(EventPayload):
+    """Hot-update asks the controller to restart the job onto ``version_id`` now: the version is urgent, or
+    a lazy version's deadline passed with no restart to ride on. At most one rollout is in flight."""
+
+    version_id: str
+    trigger: Literal["urgent", "deadline"]
+    reason: str
+
+
+@event_type("CodeVersionApplied", version=1, aggregate="node")
+class CodeVersionApplied(EventPayload):
+    """A node agent started its ranks of ``generation`` on a code version (in place: same agent, node store
+    and in-memory checkpoints)."""
+
+    node_id: str
+    version_id: str
+    generation: int = Field(ge=0)
+    path: str = ""
+    warm: bool = True
+    """Forked from the node's zygote (False: fresh interpreters, e.g. the zygote had imported a module
+    the version ships)."""
+    detail: str = ""
+
+
+@event_type("CodeVersionStable", version=1, aggregate="job")
+class CodeVersionStable(EventPayload):
+    """A version ran ``steps`` steps (or ``ran_s`` seconds) since it was applied without an incident that
+    could be its fault: rung 4 rolls back to the newest such version."""
+
+    version_id: str
+    steps: int = Field(ge=0)
+    ran_s: float = Field(ge=0)
+    reason: str

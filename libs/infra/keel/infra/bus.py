@@ -1,0 +1,390 @@
+"""The NATS JetStream adapter: the only code in Keel that talks to NATS.
+
+Contracts:
+
+- ``publish`` / ``publish_many`` set ``Nats-Msg-Id`` to the event id and return only once JetStream
+  acknowledged every message (with ``sync_interval: always``, acknowledged means on disk). Transient
+  errors (timeouts, no responders, a reconnect) are retried with capped exponential backoff, a bounded
+  number of times, then raised as ``PublishFailed``.
+- Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
+- ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
+  original raw bytes, the headers say why and where it came from.
+
+Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 2 GiB per stream (reserved up front by
+JetStream), ``replicas`` 1 (3 in production clusters) — the stream is a durable
+buffer in front of Postgres, which keeps history for good; ``duplicate_window`` 2 min for dedup on
+``Nats-Msg-Id``; ``max_msg_size`` 1 MiB (NATS's max_payload) so that an oversized event still reaches
+the recorder and is dead-lettered with a reason rather than silently refused to the publisher's
+successor; the event limit itself is ``max_event_bytes`` (256 KiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from keel.events.envelope import Event
+from keel.infra.config import BusSettings
+
+log = logging.getLogger(__name__)
+
+NATS_MAX_PAYLOAD_BYTES = 1024 * 1024
+HEADER_DLQ_REASON = "Keel-Dlq-Reason"
+HEADER_DLQ_SUBJECT = "Keel-Dlq-Original-Subject"
+HEADER_DLQ_STREAM_SEQ = "Keel-Dlq-Stream-Seq"
+
+_TRANSIENT = (
+    asyncio.TimeoutError,
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.ServerError,
+)
+
+
+class PublishFailed(RuntimeError):
+    """JetStream did not acknowledge a publish after every retry."""
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    stream_seq: int
+    duplicate: bool
+
+
+class Bus:
+    """One connection to NATS plus the JetStream context, for one subject prefix."""
+
+    def __init__(self, nc: NatsClient, settings: BusSettings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=settings.publish_timeout.total_seconds())
+        self.settings = settings
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel") -> Bus:
+        """Connect (retrying while the server starts) and make sure both streams exist."""
+        async def quiet_error(error: Exception) -> None:
+            # nats-py logs every failed (re)connect with a traceback; callers report unreachability once.
+            log.debug("nats %s: %r", name, error)
+
+        nc = await nats.connect(
+            url,
+            name=name,
+            error_cb=quiet_error,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.2,
+            connect_timeout=2,
+            allow_reconnect=True,
+            pending_size=64 * 1024 * 1024,
+        )
+        bus = cls(nc, settings)
+        await bus.ensure_streams()
+        return bus
+
+    async def close(self) -> None:
+        # Not drain(): draining waits on in-flight pull requests until their expiry.
+        if not self.nc.is_closed:
+            try:
+                await self.nc.flush(timeout=2)
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
+                pass
+            await self.nc.close()
+
+    @property
+    def events_subjects(self) -> str:
+        return f"{self.settings.subject_prefix}.>"
+
+    @property
+    def dlq_prefix(self) -> str:
+        return f"{self.settings.subject_prefix}_dlq"
+
+    def subject_for(self, event: Event) -> str:
+        """``<prefix>.<job>.<aggregate kind>.<type>``."""
+        return f"{self.settings.subject_prefix}.{event.job_id}.{event.aggregate_kind}.{event.type}"
+
+    async def ensure_streams(self) -> None:
+        s = self.settings
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=s.stream,
+                subjects=[self.events_subjects],
+                storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS,
+                max_age=s.max_age.total_seconds(),
+                max_bytes=s.max_bytes,
+                max_msg_size=NATS_MAX_PAYLOAD_BYTES,
+                duplicate_window=s.duplicate_window.total_seconds(),
+                discard=api.DiscardPolicy.OLD,
+                num_replicas=s.replicas,
+            )
+        )
+        await self._ensure_stream(
+            api.StreamConfig(
+                name=s.dlq_stream,
+                subjects=[f"{self.dlq_prefix}.>"],
+                storage=api.StorageType.FILE,
+                max_age=s.max_age.total_seconds(),
+                max_bytes=s.max_bytes,
+                duplicate_window=s.duplicate_window.total_seconds(),
+                num_replicas=s.replicas,
+            )
+        )
+
+    async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        try:
+            await self.js.stream_info(config.name)
+            await self.js.update_stream(config)
+        except nats.js.errors.NotFoundError:
+            await self.js.add_stream(config)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    async def publish(self, event: Event) -> PublishResult:
+        """Publish one event and wait for its acknowledgement (retrying transient errors)."""
+        return await self.publish_raw(self.subject_for(event), event.to_json(), msg_id=str(event.id))
+
+    async def publish_raw(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> PublishResult:
+        """Publish bytes as they are (tests and the dead-letter path use this directly)."""
+        all_headers = {api.Header.MSG_ID: msg_id, **(headers or {})}
+        delay_s = self.settings.retry_backoff_initial.total_seconds()
+        last_error: BaseException | None = None
+        for attempt in range(1, self.settings.publish_attempts + 1):
+            try:
+                ack = await self.js.publish(subject, data, headers=all_headers)
+                return PublishResult(ack.seq, bool(ack.duplicate))
+            except _TRANSIENT as exc:
+                last_error = exc
+                log.warning("publish to %s failed (attempt %d): %r", subject, attempt, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+        raise PublishFailed(f"publish to {subject} not acknowledged after {self.settings.publish_attempts} attempts: {last_error!r}")
+
+    async def publish_many(self, events: Sequence[Event], *, max_in_flight: int = 256) -> list[PublishResult]:
+        """Publish many events with up to ``max_in_flight`` unacknowledged; returns once all are acked.
+
+        A sliding window: the next event goes out as soon as any acknowledgement comes back. An
+        acknowledgement that does not come within ``publish_timeout`` counts as a failure; failures
+        are retried as a group with backoff, then raised as ``PublishFailed``.
+        """
+        results: list[PublishResult | None] = [None] * len(events)
+        pending = list(range(len(events)))
+        timeout_s = self.settings.publish_timeout.total_seconds()
+        delay_s = self.settings.retry_backoff_initial.total_seconds()
+        prefix = self.settings.subject_prefix
+        msg_id = api.Header.MSG_ID
+        for attempt in range(1, self.settings.publish_attempts + 1):
+            failed: list[int] = []
+            slots = asyncio.Semaphore(max_in_flight)
+            in_flight: dict[asyncio.Future, int] = {}
+
+            def release(_future: asyncio.Future, slots: asyncio.Semaphore = slots) -> None:
+                slots.release()
+
+            for index in pending:
+                if slots.locked():
+                    try:
+                        await asyncio.wait_for(slots.acquire(), timeout_s)
+                    except TimeoutError:
+                        break  # acknowledgements stopped coming: settle below, retry the rest
+                else:
+                    await slots.acquire()
+                event = events[index]
+                try:
+                    future = await self.js.publish_async(
+                        f"{prefix}.{event.job_id}.{event.aggregate_kind}.{event.type}",
+                        event.to_json(),
+                        headers={msg_id: str(event.id)},
+                    )
+                except _TRANSIENT:
+                    slots.release()
+                    failed.append(index)
+                    continue
+                future.add_done_callback(release)
+                in_flight[future] = index
+            sent = set(in_flight.values()) | set(failed)
+            failed += [index for index in pending if index not in sent]
+            if in_flight:
+                done, not_done = await asyncio.wait(in_flight, timeout=timeout_s)
+                for future in not_done:
+                    future.cancel()
+                    failed.append(in_flight[future])
+                for future in done:
+                    error = future.exception()
+                    if error is None:
+                        ack = future.result()
+                        results[in_flight[future]] = PublishResult(ack.seq, bool(ack.duplicate))
+                    elif isinstance(error, (*_TRANSIENT, nats.js.errors.APIError)):
+                        failed.append(in_flight[future])
+                    else:
+                        raise error
+            if not failed:
+                return [r for r in results if r is not None]
+            log.warning("%d of %d publishes not acknowledged (attempt %d); retrying", len(failed), len(pending), attempt)
+            pending = sorted(failed)
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+        raise PublishFailed(f"{len(pending)} events not acknowledged after {self.settings.publish_attempts} attempts")
+
+    # -- consuming -----------------------------------------------------------------------------
+
+    async def pull_consumer(
+        self,
+        durable: str,
+        *,
+        filter_subject: str | None = None,
+        filter_subjects: list[str] | None = None,
+        ack_all: bool = False,
+        max_deliver: int | None = None,
+        max_ack_pending: int = 20_000,
+    ) -> BatchPuller:
+        """A durable pull consumer on the events stream (created if missing, from the first message).
+
+        ``filter_subjects``: several subjects (NATS 2.10+), instead of one ``filter_subject``.
+        ``max_deliver`` bounds redelivery (``-1``: unbounded, for the recorder, which must never give
+        up on an event); by default ``BusSettings.max_deliver``.
+        """
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_policy=api.AckPolicy.ALL if ack_all else api.AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait.total_seconds(),
+            max_deliver=self.settings.max_deliver if max_deliver is None else max_deliver,
+            filter_subject=None if filter_subjects else (filter_subject or self.events_subjects),
+            filter_subjects=filter_subjects or None,
+            max_ack_pending=max_ack_pending,
+        )
+        try:
+            await self.js.add_consumer(self.settings.stream, config)  # idempotent for the same config
+        except nats.js.errors.BadRequestError as exc:
+            # It exists with another configuration (say an older ack_wait). Recreating it would lose
+            # its position, so keep it and say so.
+            log.warning("consumer %s exists with other settings (%s); using it as it is", durable, exc.description)
+        puller = BatchPuller(self.nc, self.settings.stream, durable)
+        await puller.start()
+        return puller
+
+    async def dead_letter(self, msg: Msg, reason: str) -> PublishResult:
+        """Copy ``msg`` (raw bytes) to the dead-letter stream with the reason; the caller then acks it."""
+        seq = msg.metadata.sequence.stream if msg.reply else 0
+        tail = msg.subject.split(".", 1)[1] if "." in msg.subject else msg.subject
+        headers = {
+            HEADER_DLQ_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
+            HEADER_DLQ_SUBJECT: msg.subject,
+            HEADER_DLQ_STREAM_SEQ: str(seq),
+        }
+        return await self.publish_raw(f"{self.dlq_prefix}.{tail}", msg.data, msg_id=f"dlq-{self.settings.stream}-{seq}", headers=headers)
+
+
+class BatchPuller:
+    """Pulls batches from a durable JetStream consumer with one inbox subscription.
+
+    nats-py's ``PullSubscription.fetch`` waits for each message through its own task and costs about
+    90 µs of CPU per message here, more than everything else the recorder does. This puller sends the
+    pull requests itself (the JetStream API: ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<consumer>``) and
+    collects deliveries in a callback:
+
+    1. a ``no_wait`` request for up to ``batch`` messages returns what is there at once;
+    2. only when nothing was there, a long poll for *one* message (``expires`` = the timeout), so the
+       call returns as soon as anything arrives, then another ``no_wait`` request for the rest.
+
+    Deliveries that arrive after a call returned (a long poll answered late) are kept for the next
+    call, never dropped. Messages are nats-py ``Msg`` objects: ``ack()``/``nak()``/``term()`` work.
+    """
+
+    def __init__(self, nc: NatsClient, stream: str, durable: str) -> None:
+        self._nc = nc
+        self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._inbox = ""
+        self._buffer: list[Msg] = []
+        self._arrived = asyncio.Event()
+        self._request_done = asyncio.Event()
+        self._target = 0
+        self._sub = None
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._on_message, pending_msgs_limit=-1,
+                                             pending_bytes_limit=-1)
+
+    async def _on_message(self, msg: Msg) -> None:
+        if not msg.reply:  # a status: 404 no messages, 408 request expired, 409 ...; 100 heartbeat
+            status = msg.headers.get(api.Header.STATUS, "") if msg.headers else ""
+            if status != "100":
+                self._request_done.set()
+            return
+        self._buffer.append(msg)
+        self._arrived.set()
+        if len(self._buffer) >= self._target:  # a fully served request ends without a status
+            self._request_done.set()
+
+    async def _request(self, batch: int, *, no_wait: bool, expires_s: float | None = None) -> None:
+        request: dict[str, object] = {"batch": batch}
+        if no_wait:
+            request["no_wait"] = True
+        if expires_s is not None:
+            request["expires"] = int(expires_s * 1_000_000_000)
+        self._request_done.clear()
+        self._target = len(self._buffer) + batch
+        await self._nc.publish(self._api, json.dumps(request).encode(), reply=self._inbox)
+
+    async def _wait(self, event: asyncio.Event, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def fetch(self, batch: int, timeout_s: float) -> list[Msg]:
+        """Up to ``batch`` messages; ``[]`` when none arrived within ``timeout_s``."""
+        if not self._buffer:
+            await self._request(batch, no_wait=True)
+            await self._wait(self._request_done, timeout_s)
+        if not self._buffer:
+            self._arrived.clear()
+            await self._request(1, no_wait=False, expires_s=timeout_s)
+            if await self._wait(self._arrived, timeout_s + 0.05) and len(self._buffer) < batch:
+                await self._request(batch - len(self._buffer), no_wait=True)
+                await self._wait(self._request_done, timeout_s)
+        taken, self._buffer = self._buffer[:batch], self._buffer[batch:]
+        return taken
+
+    async def unsubscribe(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+
+def stream_sequence(msg: Msg) -> int:
+    """The stream sequence of a JetStream delivery, read from its reply subject.
+
+    Cheaper than ``msg.metadata`` (which parses everything on every access). Reply subjects are
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>...`` or, with a domain and account hash,
+    ``$JS.ACK.<domain>.<hash>.<stream>.<consumer>.<delivered>.<stream seq>...``.
+    """
+    tokens = msg.reply.split(".")
+    return int(tokens[5] if len(tokens) == 9 else tokens[7])
+
+
+async def fetch_batch(sub: BatchPuller | JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:
+    """Fetch up to ``batch`` messages; an empty list when none arrived within ``timeout_s``."""
+    if isinstance(sub, BatchPuller):
+        return await sub.fetch(batch, timeout_s)
+    try:
+        return await sub.fetch(batch, timeout=timeout_s)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return []

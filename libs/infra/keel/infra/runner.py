@@ -1,0 +1,121 @@
+"""The one service loop: fetch -> evolve/decide -> publish -> ack. No service writes its own.
+
+Cold start: the runner folds the recorded log from Postgres (evolve only, no decisions), remembering
+the last JetStream sequence it folded and which inputs already have recorded decisions. Then it
+consumes its durable pull consumer live. A redelivered message at or below the folded sequence is not
+evolved twice; if its decision is already recorded it is only acknowledged.
+
+A message is acknowledged only after the decisions it caused are acknowledged by JetStream. A failure
+to publish propagates (crash-only): the service restarts, rebuilds from the log and sees the input again.
+Malformed messages are terminated here (never redelivered); the recorder dead-letters them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from keel.events.envelope import Event, InvalidEvent, decode_event
+from keel.infra.bus import Bus, fetch_batch, stream_sequence
+from keel.infra.store import EventStore
+from keel.kernel.decider import Decider, DeciderSession, StepResult, materialise
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S")
+
+
+@dataclass
+class RunnerStats:
+    handled: int = 0
+    decisions: int = 0
+    emitted: int = 0
+    malformed: int = 0
+    skipped_redelivered: int = 0
+
+
+class DeciderRunner(Generic[S]):
+    def __init__(
+        self,
+        decider: Decider[S],
+        bus: Bus,
+        store: EventStore | None,
+        *,
+        consumer: str | None = None,
+        job_id: str | None = None,
+        batch_size: int = 256,
+        fetch_timeout_s: float = 0.5,
+    ) -> None:
+        self.session: DeciderSession[S] = DeciderSession(decider)
+        self.bus = bus
+        self.store = store
+        self.consumer = consumer or decider.name
+        self.job_id = job_id
+        self.batch_size = batch_size
+        self.fetch_timeout_s = fetch_timeout_s
+        self.stats = RunnerStats()
+        self._folded_js_seq = 0
+        self._decided_causes: set[uuid.UUID] = set()
+        self._sub = None
+
+    async def start(self) -> None:
+        if self.store is not None:
+            async for recorded in self.store.read(job_id=self.job_id):
+                self.session.rebuild([recorded.event])
+                if recorded.js_seq:
+                    self._folded_js_seq = max(self._folded_js_seq, recorded.js_seq)
+                event = recorded.event
+                if event.producer == self.session.decider.name and event.causation_id:
+                    self._decided_causes.add(event.causation_id)
+        subject = f"{self.bus.settings.subject_prefix}.{self.job_id or '*'}.>"
+        self._sub = await self.bus.pull_consumer(self.consumer, filter_subject=subject)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        if self._sub is None:
+            await self.start()
+        while not stop.is_set():
+            await self.run_once()
+
+    async def run_once(self) -> int:
+        assert self._sub is not None, "call start() first"
+        msgs = await fetch_batch(self._sub, self.batch_size, self.fetch_timeout_s)
+        for msg in msgs:
+            try:
+                event = decode_event(msg.data, max_bytes=self.bus.settings.max_event_bytes)
+            except InvalidEvent as exc:
+                log.warning("%s: ignoring malformed message on %s: %s", self.consumer, msg.subject, exc.reason)
+                self.stats.malformed += 1
+                await msg.term()
+                continue
+            seq = stream_sequence(msg)
+            if seq <= self._folded_js_seq and (
+                event.producer == self.session.decider.name or event.id in self._decided_causes
+            ):
+                self.stats.skipped_redelivered += 1
+                await msg.ack()
+                continue
+            result = self.session.observe(event) if seq > self._folded_js_seq else self._decide_only(event)
+            if result is not None and result.decision is not None:
+                self.stats.decisions += 1
+                log.info("%s decided on %s %s: %s", self.consumer, event.type, event.id, result.decision.reason)
+                if result.emitted:
+                    await self.bus.publish_many(result.emitted)
+                    self.stats.emitted += len(result.emitted)
+            await msg.ack()
+            self.stats.handled += 1
+        return len(msgs)
+
+    def _decide_only(self, event: Event) -> StepResult[S] | None:
+        # Folded during the cold start but never decided on (the service died in between): decide on
+        # the current state without evolving the event a second time.
+        decider = self.session.decider
+        if event.producer == decider.name or not decider.interested_in(event):
+            return None
+        decision = decider.decide(self.session.state, event)
+        emitted = materialise(decider.name, event, decision)
+        for produced in emitted:
+            self.session.state = decider.evolve(self.session.state, produced)
+        return StepResult(decision, emitted)

@@ -1,0 +1,142 @@
+"""The one service host: the shared start-up of every service (``keel service NAME`` or ``keel-NAME``).
+
+Every decider service is run the same way: bring the schema up to date, connect to NATS, open the
+event store, rebuild the decider's state from the log (``start``), say so, then consume live until
+``stop`` (``run``); the bus and the engine are closed whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+from keel.infra.bus import Bus
+from keel.infra.config import ConfigError, Settings, load_settings, resolve_endpoints
+from keel.infra.runner import DeciderRunner
+from keel.infra.store import EventStore, create_engine, run_migrations
+from keel.kernel.decider import Decider
+
+log = logging.getLogger(__name__)
+
+S = TypeVar("S")
+
+
+class DeciderService(Protocol):
+    async def start(self) -> None: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+class RunnerService(Generic[S]):
+    """A decider service with no I/O of its own: the shared runner alone (cold start from the store, then
+    live events). ``start()``, then ``run(stop)``."""
+
+    def __init__(self, decider: Decider[S], bus: Bus, store: EventStore | None, *, fetch_timeout_s: float = 0.2) -> None:
+        self.decider = decider
+        self.runner: DeciderRunner[S] = DeciderRunner(decider, bus, store, fetch_timeout_s=fetch_timeout_s)
+
+    @property
+    def state(self) -> S:
+        return self.runner.session.state
+
+    async def start(self) -> None:
+        await self.runner.start()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.runner.run(stop)
+
+
+async def serve_decider(
+    name: str,
+    build: Callable[[Bus, EventStore], DeciderService],
+    settings: Settings,
+    nats_url: str,
+    database_url: str,
+    stop: asyncio.Event,
+    on_ready: Callable[[], None] = lambda: None,
+    describe: Callable[[Any], str] = lambda _: "",
+) -> None:
+    """Run the service ``build`` makes until ``stop`` is set; ``on_ready`` once it consumes live.
+    ``describe``: an extra clause for the "consuming live" log line."""
+    await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
+    bus = await Bus.connect(nats_url, settings.bus, name=f"keel-{name}")
+    engine = create_engine(database_url, settings.db_schema)
+    service = build(bus, EventStore(engine))
+    try:
+        await service.start()
+        extra = describe(service)
+        log.info("%s: state rebuilt from the log%s; consuming live", name, f"; {extra}" if extra else "")
+        on_ready()
+        await service.run(stop)
+    finally:
+        await bus.close()
+        await engine.dispose()
+
+
+ServeFn = Callable[[Settings, str, str, asyncio.Event, Callable[[], None]], Coroutine[Any, Any, None]]
+"""``serve(settings, nats_url, database_url, stop, on_ready)``: what every service's ``main`` module exports."""
+
+READY_FILE_ENV = "KEEL_SERVICE_READY_FILE"
+
+
+def run_service(serve: ServeFn, settings: Settings, nats_url: str, database_url: str) -> None:
+    """Run ``serve`` in the foreground until SIGTERM or SIGINT; write ``$KEEL_SERVICE_READY_FILE`` (this
+    process's pid) once it consumes live, so a supervisor (``keel up``) knows it is ready."""
+    ready_file = os.environ.get(READY_FILE_ENV)
+
+    def on_ready() -> None:
+        if ready_file:
+            Path(ready_file).write_text(f"{os.getpid()}\n")
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(settings, nats_url, database_url, stop, on_ready)
+
+    asyncio.run(runner())
+
+
+def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None) -> int:
+    """The console script of one service distribution (``keel-controller`` and the like): settings from
+    ``--config``/``KEEL_CONFIG`` and ``KEEL_*``, the servers from ``KEEL_NATS_URL``/``KEEL_DATABASE_URL``
+    (or a running ``keel up``), then ``run_service``. Exit status 2 on a configuration error."""
+    parser = argparse.ArgumentParser(prog=f"keel-{name}", description=f"Run Keel's {name} service until SIGTERM.")
+    parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings(Path(args.config) if args.config else None)
+        nats_url, database_url = resolve_endpoints(settings)
+    except ConfigError as exc:
+        print(f"keel-{name}: {exc}", file=sys.stderr)
+        return 2
+    run_service(serve, settings, nats_url, database_url)
+    return 0
+
+
+def migrate_main(argv: Sequence[str] | None = None) -> int:
+    """``keel-migrate``: bring the event store's schema to the latest revision, then exit (0 done, 2 a
+    configuration error). The services also migrate on start; this makes a failing migration visible alone."""
+    parser = argparse.ArgumentParser(prog="keel-migrate", description="Bring Keel's event store schema up to date.")
+    parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(Path(args.config) if args.config else None)
+        _, database_url = resolve_endpoints(settings)
+    except ConfigError as exc:
+        print(f"keel-migrate: {exc}", file=sys.stderr)
+        return 2
+    run_migrations(database_url, settings.db_schema)
+    print(f"keel-migrate: schema {settings.db_schema} is at the latest revision")
+    return 0

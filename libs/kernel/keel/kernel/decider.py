@@ -1,0 +1,133 @@
+"""The Decider shape every service core has, and the pure fold that runs it.
+
+A decider is three pure functions over immutable state::
+
+    initial_state() -> S
+    evolve(state, event) -> S                 # learn from any event, including one's own decisions
+    decide(state, event) -> Decision          # what to do about this event, and why
+
+``decide`` returns ``Proposal``s (payload + subject + a stable key). ``materialise`` turns them into
+events whose ids are uuid5(causation id, decider, type, key): processing a redelivered input yields the
+same ids, so JetStream dedup and the Postgres primary key make every decision idempotent. A decision
+event's ``occurred_at`` is its cause's ``occurred_at`` — decision cores never read the clock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from keel.events.envelope import Event, EventPayload
+
+S = TypeVar("S")
+
+DECISION_NAMESPACE = uuid.UUID("6f1c2a4e-6a7e-4d1c-9b7a-6b6565c0de00")
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One event a decider wants emitted. ``key`` distinguishes several proposals of one type per cause."""
+
+    payload: EventPayload
+    subject: str
+    key: str = ""
+    correlation_id: uuid.UUID | None = None
+    """The incident this decision belongs to; None: the cause's correlation (or the cause itself)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a decider concluded about one input: the events to emit (possibly none) and why."""
+
+    reason: str
+    proposals: tuple[Proposal, ...] = ()
+
+    @staticmethod
+    def nothing(reason: str) -> Decision:
+        return Decision(reason=reason)
+
+
+class Decider(Protocol[S]):
+    """A service core. ``name`` is the producer name on every event it emits."""
+
+    name: str
+
+    def initial_state(self) -> S: ...
+
+    def evolve(self, state: S, event: Event) -> S: ...
+
+    def decide(self, state: S, event: Event) -> Decision: ...
+
+    def interested_in(self, event: Event) -> bool:
+        """Whether ``decide`` has anything to say about this event type (others are only evolved)."""
+        ...
+
+
+def decision_id(causation_id: uuid.UUID, decider: str, event_type: str, key: str) -> uuid.UUID:
+    """Deterministic id of a decision event: the same cause and decision always give the same id."""
+    return uuid.uuid5(DECISION_NAMESPACE, f"{causation_id}|{decider}|{event_type}|{key}")
+
+
+def materialise(decider_name: str, cause: Event, decision: Decision) -> list[Event]:
+    """The events a decision emits, with deterministic ids, causation and correlation filled in."""
+    events = []
+    for proposal in decision.proposals:
+        name = proposal.payload.event_name
+        events.append(
+            Event.create(
+                proposal.payload,
+                event_id=decision_id(cause.id, decider_name, name, proposal.key or proposal.subject),
+                job_id=cause.job_id,
+                subject=proposal.subject,
+                producer=decider_name,
+                occurred_at=cause.occurred_at,
+                causation_id=cause.id,
+                correlation_id=proposal.correlation_id or cause.correlation_id or cause.id,
+            )
+        )
+    return events
+
+
+@dataclass
+class StepResult(Generic[S]):
+    decision: Decision | None
+    emitted: list[Event] = field(default_factory=list)
+
+
+class DeciderSession(Generic[S]):
+    """A decider's state while it runs, live or in replay. The one loop body every service uses.
+
+    ``observe(event)``: evolve, decide if interested, evolve the emitted decisions at once, and
+    remember their ids so that when they come back through the stream (or the log) they are not
+    evolved twice. The decider's own past decisions are evolved, never decided on again.
+    """
+
+    def __init__(self, decider: Decider[S], state: S | None = None) -> None:
+        self.decider = decider
+        self.state: S = decider.initial_state() if state is None else state
+        self._awaiting_echo: set[uuid.UUID] = set()
+
+    def rebuild(self, events: Iterable[Event]) -> None:
+        """Cold start: evolve over history without deciding anything."""
+        for event in events:
+            self.state = self.decider.evolve(self.state, event)
+
+    def observe(self, event: Event) -> StepResult[S]:
+        if event.id in self._awaiting_echo:
+            self._awaiting_echo.discard(event.id)
+            return StepResult(None)
+        self.state = self.decider.evolve(self.state, event)
+        if event.producer == self.decider.name or not self.decider.interested_in(event):
+            return StepResult(None)
+        decision = self.decider.decide(self.state, event)
+        emitted = materialise(self.decider.name, event, decision)
+        for produced in emitted:
+            self.state = self.decider.evolve(self.state, produced)
+            self._awaiting_echo.add(produced.id)
+        return StepResult(decision, emitted)
+
+    def forget_echoes(self) -> None:
+        """Drop remembered decision ids (call when their echoes cannot arrive any more)."""
+        self._awaiting_echo.clear()

@@ -1,0 +1,281 @@
+"""ETTR and incidents from the event log (pure): how much of a job's wall time was productive, and where
+every lost minute went.
+
+An *incident* starts at the fault (``FaultInjected`` when the fault was injected on purpose, else the
+first failure signal) and ends when the job is back at the step it had reached when the fault hit.
+Its lost time is split into phases, each from one event to the next:
+
+- detection:    fault -> first failure signal (``RankExited`` with a failure classification, or a failed
+                fatal ``NodeHealthChanged``);
+- localisation: signal -> the controller's first decision or command (``DiagnosticsRequested``,
+                ``RestartDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``,
+                ``NodeEvictionDecided``; an observe-only eviction does not count);
+- failover:     command -> the first rank of the new generation started (``RankStarted``);
+- restore:      started -> the new generation stepping past its restore point (``NodeHeartbeat.last_step``
+                above the ``CheckpointRestorePlanned`` step, or above -1 with no plan);
+- recompute:    stepping -> back at the step reached when the fault hit.
+
+A phase whose closing event never came is charged up to the end of the log (the job is still down).
+A later mark implies the earlier ones (the controller cannot decide before it detected; ranks that
+step again were restarted), so a missing or late mark takes the time of the next one that came: the
+phases never overlap and always add up to the incident's lost time.
+
+ETTR = 1 - sum(lost) / (end - start of the job). ``EttrReport.window(length)`` gives the same figures
+over the last ``length`` of the log (``EttrWindow``: lost time clipped to the window). Everything
+comes from events' ``occurred_at``: the same log always gives the same report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from keel.events.envelope import Event
+
+__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "PHASES", "compute_ettr"]
+
+PHASES = ("detection", "localisation", "failover", "restore", "recompute")
+_MARKS = ("detected", "decided", "restarted", "resumed", "recovered")
+"""The mark that closes each phase, in the order of ``PHASES``."""
+_FAILURE_CLASSES = {"user_code", "infrastructure", "unknown"}
+_COMMANDS = {"RanksRestartRequested", "NodeEvictionDecided", "RestartDecided", "DiagnosticsRequested",
+             "StandbyPromotionRequested"}
+INPUT_TYPES = frozenset({"RankStarted", "FaultInjected", "RankExited", "NodeHealthChanged",
+                         "CheckpointRestorePlanned", "NodeHeartbeat", *_COMMANDS})
+"""The event types ``compute_ettr`` reads; every other event only moves the end of the log (a reader
+may fetch only these and pass the time of the job's last event as ``until``: the same report)."""
+
+
+@dataclass
+class Incident:
+    started_at: datetime
+    cause: str
+    step_at_fault: int
+    generation_at_fault: int
+    marks: dict[str, datetime] = field(default_factory=dict)
+    """detected, decided, restarted, resumed, recovered: when each happened."""
+    restore_step: int | None = None
+    restarted_nodes: set[str] = field(default_factory=set)
+    """Nodes that started ranks of a generation newer than the fault's."""
+
+    @property
+    def recovered_at(self) -> datetime | None:
+        return self.marks.get("recovered")
+
+    def phase_intervals(self, end: datetime) -> dict[str, tuple[datetime, datetime]]:
+        """Each phase as ``(from, to)``, contiguous from ``started_at`` to the recovery (or ``end``).
+
+        A missing mark, or one later than a mark after it (a command before a late detection event),
+        takes the time of the next mark that came: each bound is the earliest of its own and every
+        later mark, and never before the start. An unfinished phase runs to ``end``.
+        """
+        bounds: list[datetime] = []
+        upper = end
+        for mark in reversed(_MARKS):
+            at = self.marks.get(mark)
+            if at is not None and at < upper:
+                upper = at
+            bounds.append(max(upper, self.started_at))
+        bounds.append(self.started_at)
+        bounds.reverse()
+        return {name: pair for name, pair in zip(PHASES, zip(bounds, bounds[1:]), strict=True)}
+
+    def phases(self, end: datetime) -> dict[str, timedelta]:
+        """Each phase's duration (they add up to ``lost(end)``); an unfinished one runs to ``end``."""
+        return {name: b - a for name, (a, b) in self.phase_intervals(end).items()}
+
+    def lost(self, end: datetime) -> timedelta:
+        return (self.recovered_at or end) - self.started_at
+
+    def to_json(self, end: datetime) -> dict[str, Any]:
+        return {"started_at": self.started_at.isoformat(), "cause": self.cause, "step_at_fault": self.step_at_fault,
+                "recovered": self.recovered_at is not None, "lost_s": self.lost(end).total_seconds(),
+                "phases_s": {k: v.total_seconds() for k, v in self.phases(end).items()},
+                "marks": {k: v.isoformat() for k, v in self.marks.items()}, "restore_step": self.restore_step}
+
+
+@dataclass(frozen=True)
+class EttrReport:
+    started_at: datetime
+    ended_at: datetime
+    incidents: tuple[Incident, ...]
+    generations: tuple[tuple[datetime, int], ...] = ()
+    """Each generation change: when the first rank of a newer generation started, and the generation."""
+    restart_requests: tuple[tuple[datetime, int], ...] = ()
+    """Each ``RanksRestartRequested`` generation: when the first command for it came, and the generation."""
+
+    @property
+    def wall(self) -> timedelta:
+        return self.ended_at - self.started_at
+
+    @property
+    def lost(self) -> timedelta:
+        return sum((i.lost(self.ended_at) for i in self.incidents), timedelta(0))
+
+    @property
+    def ettr(self) -> float:
+        wall = self.wall.total_seconds()
+        return 1.0 if wall <= 0 else max(0.0, 1.0 - self.lost.total_seconds() / wall)
+
+    def lost_by_phase(self) -> dict[str, timedelta]:
+        totals = {p: timedelta(0) for p in PHASES}
+        for incident in self.incidents:
+            for phase, spent in incident.phases(self.ended_at).items():
+                totals[phase] += spent
+        return totals
+
+    @property
+    def generation(self) -> int:
+        """The newest generation started (0 when the job never restarted)."""
+        return self.generations[-1][1] if self.generations else 0
+
+    def window(self, length: timedelta) -> EttrWindow:
+        """The figures over the last ``length`` of the log (``[ended_at - length, ended_at]``, never
+        before the job started): each incident's and each phase's lost time clipped to the window."""
+        if length <= timedelta(0):
+            raise ValueError(f"an ETTR window must be longer than 0 s, got {length}")
+        start = max(self.started_at, self.ended_at - length)
+        end = self.ended_at
+        lost: list[tuple[int, timedelta]] = []
+        by_phase = {p: timedelta(0) for p in PHASES}
+        for index, incident in enumerate(self.incidents):
+            spent = _overlap(incident.started_at, incident.recovered_at or end, start, end)
+            if spent <= timedelta(0) and not start <= incident.started_at <= end:
+                continue
+            lost.append((index, spent))
+            for phase, (a, b) in incident.phase_intervals(end).items():
+                by_phase[phase] += _overlap(a, b, start, end)
+        return EttrWindow(
+            length=length, started_at=start, ended_at=end, lost_by_incident=tuple(lost), lost_by_phase=by_phase,
+            generation_changes=sum(1 for at, _ in self.generations if start <= at <= end),
+            restart_requests=sum(1 for at, _ in self.restart_requests if start <= at <= end),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"started_at": self.started_at.isoformat(), "ended_at": self.ended_at.isoformat(),
+                "wall_s": self.wall.total_seconds(), "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
+                "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase().items()},
+                "generation": self.generation, "generation_changes": len(self.generations),
+                "restart_requests": len(self.restart_requests),
+                "incidents": [i.to_json(self.ended_at) for i in self.incidents]}
+
+
+@dataclass(frozen=True)
+class EttrWindow:
+    """ETTR over ``[started_at, ended_at]``, the last ``length`` of a report (shorter when the job is)."""
+
+    length: timedelta
+    started_at: datetime
+    ended_at: datetime
+    lost_by_incident: tuple[tuple[int, timedelta], ...]
+    """(index into ``EttrReport.incidents``, lost time inside the window) for each incident the window
+    touches, in the report's order."""
+    lost_by_phase: dict[str, timedelta]
+    generation_changes: int
+    restart_requests: int
+
+    @property
+    def wall(self) -> timedelta:
+        return self.ended_at - self.started_at
+
+    @property
+    def lost(self) -> timedelta:
+        return sum((spent for _, spent in self.lost_by_incident), timedelta(0))
+
+    @property
+    def ettr(self) -> float:
+        wall = self.wall.total_seconds()
+        return 1.0 if wall <= 0 else max(0.0, 1.0 - self.lost.total_seconds() / wall)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"length_s": self.length.total_seconds(), "started_at": self.started_at.isoformat(),
+                "ended_at": self.ended_at.isoformat(), "wall_s": self.wall.total_seconds(),
+                "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
+                "lost_by_incident_s": [{"incident": i, "lost_s": t.total_seconds()} for i, t in self.lost_by_incident],
+                "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase.items()},
+                "generation_changes": self.generation_changes, "restart_requests": self.restart_requests}
+
+
+def _overlap(a: datetime, b: datetime, start: datetime, end: datetime) -> timedelta:
+    return max(timedelta(0), min(b, end) - max(a, start))
+
+
+def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> EttrReport | None:
+    """The report for one job's events (in log order); None before the job's first rank started.
+
+    ``until`` moves the end of the log later (an incident still open is charged up to it)."""
+    started_at: datetime | None = None
+    last_at: datetime | None = None
+    max_step = -1
+    generation = 0
+    incidents: list[Incident] = []
+    generations: list[tuple[datetime, int]] = []
+    requested: dict[int, datetime] = {}
+    open_: Incident | None = None
+    for event in events:
+        p, kind, at = event.payload, event.type, event.occurred_at
+        last_at = at if last_at is None or at > last_at else last_at
+        if kind == "RankStarted":
+            if started_at is None:
+                started_at = at
+            if open_ is not None and p.generation > open_.generation_at_fault:
+                open_.marks.setdefault("restarted", at)
+                open_.restarted_nodes.add(p.node_id)
+            if p.generation > generation:
+                generations.append((at, p.generation))
+            generation = max(generation, p.generation)
+            continue
+        if kind == "RanksRestartRequested":
+            requested.setdefault(p.generation, at)
+        if started_at is None:
+            continue
+        if kind == "FaultInjected" and open_ is None:
+            open_ = Incident(at, f"injected {p.kind} on {p.node_id}", max_step, generation)
+            incidents.append(open_)
+        elif kind == "IncidentOpened" and p.kind == "code_update" and open_ is None:
+            # A planned restart onto a new code version: no failure, but the time it takes is lost all the same.
+            open_ = Incident(at, f"planned restart: {p.reason[:120]}", max_step, generation)
+            incidents.append(open_)
+            open_.marks.setdefault("detected", at)
+        elif _is_failure_signal(kind, p):
+            if open_ is None:
+                open_ = Incident(at, _describe(kind, p), max_step, generation)
+                incidents.append(open_)
+            open_.marks.setdefault("detected", at)
+        elif kind in _COMMANDS and open_ is not None and not getattr(p, "observe_only", False):
+            open_.marks.setdefault("decided", at)
+        elif kind == "CheckpointRestorePlanned" and open_ is not None and p.generation > open_.generation_at_fault:
+            open_.restore_step = p.step
+        elif kind == "NodeHeartbeat" and not p.standby:
+            step = p.last_step
+            # Only a node that started the new generation speaks for it: another's heartbeat may still
+            # carry the step its old ranks reached before they were stopped.
+            if open_ is not None and "restarted" in open_.marks and p.node_id in open_.restarted_nodes:
+                floor = open_.restore_step if open_.restore_step is not None else -1
+                if step > floor:
+                    open_.marks.setdefault("resumed", at)
+                if step >= open_.step_at_fault and "resumed" in open_.marks:
+                    open_.marks["recovered"] = at
+                    open_ = None
+            max_step = max(max_step, step)
+    if started_at is None or last_at is None:
+        return None
+    end = max(until, last_at) if until is not None else last_at
+    return EttrReport(started_at, end, tuple(incidents), tuple(generations),
+                      tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])))
+
+
+def _is_failure_signal(kind: str, p: Any) -> bool:
+    if kind == "RankExited":
+        return p.classification in _FAILURE_CLASSES
+    if kind == "NodeHealthChanged":
+        return p.status == "failed" and p.is_fatal
+    return False
+
+
+def _describe(kind: str, p: Any) -> str:
+    if kind == "RankExited":
+        return f"rank {p.rank} on {p.node_id} exited ({p.classification}{': ' + p.error_type if p.error_type else ''})"
+    return f"{p.component} {p.check} failed on {p.node_id}"

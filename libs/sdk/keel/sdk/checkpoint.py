@@ -1,0 +1,844 @@
+"""Every-step, in-memory checkpoints of a rank's whole training state, off the critical path.
+
+    ckpt = keel.sdk.Checkpointer(session, model=model, optimizer=optimizer, scheduler=scheduler,
+                                 sampler=sampler, groups={"dp": [...], "pp": [...], "tp": [...]})
+    start = ckpt.restore() + 1                 # in the setup phase; -1 + 1 = 0 for a fresh start
+    for step in range(start, steps):
+        ...                                    # forward, backward
+        optimizer.step()                       # pre-hook: waits for the copy of step - 1
+        scheduler.step()
+        ckpt.snapshot(step)                    # or let session.step_done(step) call it
+    ckpt.close()
+
+``snapshot(step)`` captures the small state (scheduler, sampler, RNGs, scalars) into JSON at once and
+keeps *references* to the model's parameters and the optimizer's state tensors, which nothing changes
+until the next ``optimizer.step`` (other tensors, e.g. BatchNorm statistics that the forward pass
+updates, are cloned). A daemon thread then copies the tensors into ring slot ``step % slots`` of
+``$KEEL_CKPT_DIR`` (``keel.checkpoint.slots``: WRITING, payload, SHA-256, COMPLETE) and reports the step
+to the node agent. A pre-hook on ``optimizer.step`` waits for that copy, so the copy overlaps the next
+forward and backward (``Tensor.copy_`` and ``hashlib`` release the GIL) and the state it reads is never
+modified under it. CUDA tensors are first copied on a side stream into a pinned host buffer.
+
+Contract: between ``snapshot(s)`` and the next ``optimizer.step``, parameters and optimizer state are
+changed only by ``optimizer.step`` (call ``wait()`` before changing them any other way).
+
+``restore()`` loads, in this order: the agent's restore plan (``$KEEL_RESTORE_PLAN``), an explicit file,
+the newest verified slot of ``ckpt_dir`` (the newest step every rank holds, when torch.distributed is
+initialised), or nothing. A checkpoint of another rank, topology or model is refused with
+``CheckpointMismatchError`` before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+
+from keel.checkpoint import slots as ckpt_slots
+from keel.events.units import parse_duration
+from keel.sdk import shard
+
+if TYPE_CHECKING:
+    from keel.sdk.session import Session
+
+__all__ = [
+    "Stateful",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointStats",
+    "Checkpointer",
+    "DEFAULT_RESTORE_TIMEOUT",
+]
+
+_log = logging.getLogger("keel.sdk")
+
+DEFAULT_RESTORE_TIMEOUT = timedelta(seconds=120)
+_PLAN_POLL_S = 0.05
+_SLOT_HEADROOM_BYTES = 64 * 1024  # plus 10 %: small layout changes reuse the slot files
+_STATS_WINDOW = 100_000  # snapshots kept for stats()
+_COMMON_CANDIDATES = 16  # own steps offered per rank when agreeing on a common one (same on every rank)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read (failed copy, missing plan, bad digest, bad file)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another rank, topology, model or optimizer: refused, nothing was loaded."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CheckpointStats:
+    """Per-snapshot measurements, oldest first (the last ``_STATS_WINDOW`` snapshots).
+
+    ``capture_s``: the synchronous part of ``snapshot``; ``wait_s``: time the training thread waited for
+    the copy (in the ``optimizer.step`` pre-hook, or in the next ``snapshot`` / ``close``);
+    ``blocking_s = capture_s + wait_s``; ``copy_s``: the background copy into the slot (staging wait
+    included); ``hash_s``: its SHA-256; ``nbytes``: payload size.
+    """
+
+    snapshots: int
+    capture_s: tuple[float, ...]
+    wait_s: tuple[float, ...]
+    blocking_s: tuple[float, ...]
+    copy_s: tuple[float, ...]
+    hash_s: tuple[float, ...]
+    nbytes: tuple[int, ...]
+
+    def mean(self, name: str) -> float:
+        values = getattr(self, name)
+        return sum(values) / len(values) if values else 0.0
+
+    def p99(self, name: str) -> float:
+        values = sorted(getattr(self, name))
+        return values[max(0, math.ceil(0.99 * len(values)) - 1)] if values else 0.0
+
+    def summary(self) -> dict[str, float]:
+        """``{"snapshots", "bytes", "<name>_mean", "<name>_p99"}`` for every duration, in seconds."""
+        out: dict[str, float] = {"snapshots": self.snapshots, "bytes": self.nbytes[-1] if self.nbytes else 0}
+        for name in ("capture_s", "wait_s", "blocking_s", "copy_s", "hash_s"):
+            out[name.removesuffix("_s") + "_mean_s"] = self.mean(name)
+            out[name.removesuffix("_s") + "_p99_s"] = self.p99(name)
+        return out
+
+
+@dataclass
+class _Job:
+    step: int
+    slot: int
+    layout: shard.ShardLayout
+    head: bytes
+    sources: list[Any]  # tensors / arrays to copy (held alive until done)
+    events: list[Any]  # torch.cuda.Event to wait for before copying (staged CUDA tensors)
+    capture_s: float
+    # The captured leaves themselves: a CUDA clone read by the side stream must not go back to the caching
+    # allocator (and be reused by the next step's kernels) before the copy is done.
+    keepalive: list[Any] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    copy_s: float = 0.0
+    hash_s: float = 0.0
+
+
+class _Slot:
+    """One ring slot file, mapped; its typed destination views are made once per layout."""
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        self.writer = ckpt_slots.SlotWriter(path, capacity)
+        self._reserve(path, capacity)
+        self.payload = self.writer.payload_view()
+        self.layout: shard.ShardLayout | None = None
+        self.views: list[Any] | None = None
+
+    @staticmethod
+    def _reserve(path: Path, capacity: int) -> None:
+        # Allocate the tmpfs pages now: a full /dev/shm then fails here with ENOSPC instead of killing
+        # the process with SIGBUS in the middle of a copy into the mapping.
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, ckpt_slots.HEADER_BYTES + capacity)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):  # no fallocate here: nothing to reserve
+                raise
+        finally:
+            os.close(fd)
+
+    def views_for(self, layout: shard.ShardLayout) -> list[Any]:
+        if self.layout is not layout:
+            self.views = None
+            # Zero the payload once per layout, so that the padding between tensors is deterministic.
+            self.payload[: layout.nbytes] = bytes(layout.nbytes)
+            self.views = layout.destinations(self.payload)
+            self.layout = layout
+        assert self.views is not None
+        return self.views
+
+    def close(self) -> None:
+        self.views = None
+        self.layout = None
+        try:
+            self.payload.release()
+            self.writer.close()
+        except BufferError:  # a view still referenced somewhere: the mapping goes with the process
+            _log.debug("slot %s still has exported views; leaving it mapped", self.writer.path)
+
+
+class _CudaStager:
+    """Copies the CUDA tensors of a snapshot into one pinned host buffer on a side stream per device.
+
+    The copies start after the work already queued on each device's current stream (the optimizer step)
+    and run while the next step is queued; the copy thread waits for the returned events.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._buffer: torch.Tensor | None = None
+
+    def stage(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        cuda = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_cuda]
+        if not cuda:
+            return list(leaves), []
+        offsets, total = {}, 0
+        for i in cuda:
+            offsets[i] = total
+            total = (total + leaves[i].numel() * leaves[i].element_size() + 63) // 64 * 64
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=True)
+        sources, events = list(leaves), []
+        for device in sorted({leaves[i].device.index for i in cuda}):
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for i in cuda:
+                    t = leaves[i]
+                    if t.device.index != device:
+                        continue
+                    n = t.numel() * t.element_size()
+                    dst = self._buffer[offsets[i] : offsets[i] + n].view(t.dtype).reshape(t.shape)
+                    dst.copy_(t, non_blocking=True)
+                    sources[i] = dst
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        return sources, events
+
+
+def _own_copy(obj: Any) -> Any:
+    """``obj`` with every tensor and array copied: for state that may change before the copy thread reads it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return {k: _own_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_own_copy(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_own_copy(v) for v in obj)
+    return obj
+
+
+def _env_duration(name: str, default: timedelta) -> timedelta:
+    text = os.environ.get(name)
+    return parse_duration(text) if text else default
+
+
+class Checkpointer:
+    """Snapshots a rank's training state every step into shared-memory ring slots; restores it.
+
+    ``model`` / ``optimizer`` / ``scheduler`` / ``scaler`` / ``sampler`` and the ``extra`` objects are
+    anything with ``state_dict()`` / ``load_state_dict()``; every RNG (Python, NumPy, torch CPU, CUDA)
+    is captured too. ``groups``: this rank's parallel groups ``{"dp", "pp", "tp"}`` (default: one group
+    of every rank for ``dp``, just this rank for ``pp`` and ``tp``). ``rank`` / ``world_size`` default to
+    the session's, then torch.distributed's, then ``RANK`` / ``WORLD_SIZE``. ``ckpt_dir`` defaults to
+    ``$KEEL_CKPT_DIR``; with neither, snapshots are off (``enabled`` is false) but ``restore`` from a plan
+    or a file, ``save_file`` and ``load_file`` still work.
+
+    With a ``session``, the Checkpointer attaches itself: ``session.step_done(step)`` then snapshots
+    ``step`` (unless ``snapshot(step)`` was already called) and reports carry the newest complete step.
+    Methods are for the training thread only.
+    """
+
+    def __init__(
+        self,
+        session: Session | None = None,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Stateful | None = None,
+        scaler: Stateful | None = None,
+        sampler: Stateful | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        groups: Mapping[str, Sequence[int]] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        slots: int = 2,
+        generation: int | None = None,
+    ) -> None:
+        if model is None and optimizer is None and not extra:
+            raise ValueError("Checkpointer needs at least a model, an optimizer or an extra stateful object")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.session = session
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler, self.sampler = scheduler, scaler, sampler
+        self.extra: dict[str, Stateful] = dict(extra or {})
+        for name, obj in [("scheduler", scheduler), ("scaler", scaler), ("sampler", sampler), *self.extra.items()]:
+            if obj is not None and not isinstance(obj, Stateful):
+                raise TypeError(f"{name} has no state_dict()/load_state_dict(): {type(obj).__name__}")
+        self.rank, self.world_size = self._identity(session, rank, world_size)
+        groups = dict(groups or {})
+        self.groups: dict[str, list[int]] = {
+            "dp": [int(r) for r in groups.get("dp", range(self.world_size))],
+            "pp": [int(r) for r in groups.get("pp", [self.rank])],
+            "tp": [int(r) for r in groups.get("tp", [self.rank])],
+        }
+        for name, members in self.groups.items():
+            if self.rank not in members:
+                raise ValueError(f"rank {self.rank} is not in its own {name} group {members}")
+        self.topology = {**{k: len(v) for k, v in self.groups.items()}, "groups": self.groups}
+        env_dir = os.environ.get("KEEL_CKPT_DIR") or None
+        self.ckpt_dir: Path | None = Path(ckpt_dir) if ckpt_dir else (Path(env_dir) if env_dir else None)
+        self.slots = slots
+        if generation is None:
+            generation = session.config.generation if session is not None else int(os.environ.get("KEEL_GENERATION", "0"))
+        self.generation = generation
+        self.copy_hook: Callable[[int], None] | None = None
+        """Test hook: called in the copy thread with the step, after WRITING and before the copy."""
+        self.restored_from: str | None = None
+        self._restore_called = False
+        self.last_complete_step = -1
+
+        self._slots: dict[int, _Slot] = {}
+        self._layout: shard.ShardLayout | None = None
+        self._optim_structure: tuple[tuple[int, ...], dict[str, Any]] | None = None
+        self._inflight: _Job | None = None
+        self._last_snapshot_step: int | None = None
+        self._stager = _CudaStager() if torch.cuda.is_available() else None
+        self._stats: dict[str, deque[float]] = {
+            k: deque(maxlen=_STATS_WINDOW) for k in ("capture_s", "wait_s", "blocking_s", "copy_s", "hash_s", "nbytes")
+        }
+        self._snapshots = 0
+        self._closed = False
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._hook: Any = None
+        if self.enabled:
+            self._worker = threading.Thread(target=self._copy_loop, name="keel-ckpt-copy", daemon=True)
+            self._worker.start()
+            if optimizer is not None:
+                self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+            if session is not None:
+                session.attach_checkpointer(self)
+
+    @staticmethod
+    def _identity(session: Session | None, rank: int | None, world_size: int | None) -> tuple[int, int]:
+        dist_up = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if rank is None:
+            rank = (session.config.rank if session is not None
+                    else torch.distributed.get_rank() if dist_up else int(os.environ.get("RANK", "0")))
+        if world_size is None:
+            world_size = (session.config.world_size if session is not None
+                          else torch.distributed.get_world_size() if dist_up else int(os.environ.get("WORLD_SIZE", "1")))
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        return rank, world_size
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ``snapshot`` writes slots (a ``ckpt_dir`` is set)."""
+        return self.ckpt_dir is not None
+
+    # -- the state tree ----------------------------------------------------------------------------------------
+
+    def state_tree(self, *, for_snapshot: bool = False) -> dict[str, Any]:
+        """The whole state as one tree. ``for_snapshot``: copy every tensor that may change before the
+        next ``optimizer.step`` (all but parameters and optimizer state, which are kept by reference)."""
+        copy = _own_copy if for_snapshot else (lambda x: x)
+        tree: dict[str, Any] = {}
+        if self.model is not None:
+            params: dict[str, Any] = {}
+            for key, value in self.model.state_dict(keep_vars=True).items():
+                if isinstance(value, nn.Parameter):
+                    params[key] = value.detach()
+                else:  # buffers (updated by the forward pass) and extra state
+                    params[key] = copy(value.detach() if isinstance(value, torch.Tensor) else value)
+            tree["model"] = params
+        if self.optimizer is not None:
+            tree["optimizer"] = self.optimizer.state_dict()
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler)):
+            if obj is not None:
+                tree[name] = copy(obj.state_dict())
+        if self.extra:
+            tree["extra"] = {name: copy(obj.state_dict()) for name, obj in self.extra.items()}
+        rng: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        tree["rng"] = rng
+        return tree
+
+    def _structure(self) -> dict[str, Any]:
+        """What ``restore`` checks besides the tensors: the registered parts and the optimizer's params."""
+        out: dict[str, Any] = {"components": sorted(self._components())}
+        if self.optimizer is not None:
+            groups = self.optimizer.param_groups
+            key = tuple(len(g["params"]) for g in groups)
+            if self._optim_structure is None or self._optim_structure[0] != key:
+                rows = [[list(p.shape), str(p.dtype)] for g in groups for p in g["params"]]
+                fp = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+                self._optim_structure = (key, {"group_sizes": list(key), "params_fingerprint": fp})
+            out["optimizer"] = self._optim_structure[1]
+        return out
+
+    def _components(self) -> list[str]:
+        names = [n for n, o in (("model", self.model), ("optimizer", self.optimizer), ("scheduler", self.scheduler),
+                                ("scaler", self.scaler), ("sampler", self.sampler)) if o is not None]
+        return names + (["extra"] if self.extra else [])
+
+    # -- snapshots ---------------------------------------------------------------------------------------------
+
+    def snapshot(self, step: int) -> None:
+        """Snapshot the state after ``step`` (call after ``optimizer.step`` and ``scheduler.step``).
+
+        Returns once the small state is captured; the copy into slot ``step % slots`` runs in the
+        background. A second call for the same step does nothing; no-op when not ``enabled``.
+        """
+        if not self.enabled or self._closed or step == self._last_snapshot_step:
+            return
+        if not self._restore_called and os.environ.get("KEEL_RESTORE_PLAN"):
+            # Under an agent the slots may still hold what the restore plan points at: writing one
+            # before restoring could overwrite the very snapshot this rank is to resume from.
+            raise CheckpointError(f"rank {self.rank}: snapshot({step}) before restore(): under a Keel agent, "
+                                  "call restore() first (it may resume from these slots)")
+        self._wait_inflight()
+        t0 = time.perf_counter()
+        captured = shard.capture_state(self.state_tree(for_snapshot=True))
+        layout = self._layout
+        if layout is None or not layout.fits(captured):
+            layout = self._plan(captured, None)
+        extra_meta = {"structure": self._structure()}
+        head = layout.encode_head(captured, step=step, rank=self.rank, world_size=self.world_size,
+                                  topology=self.topology, extra_meta=extra_meta)
+        if len(head) > layout.data_offset:  # the meta outgrew its reserve: re-plan with more room
+            layout = self._plan(captured, len(head))
+            head = layout.encode_head(captured, step=step, rank=self.rank, world_size=self.world_size,
+                                      topology=self.topology, extra_meta=extra_meta)
+        self._layout = layout
+        sources, events = (self._stager.stage(captured.leaves) if self._stager is not None
+                           else (captured.leaves, []))
+        job = _Job(step, step % self.slots, layout, head, sources, events, capture_s=time.perf_counter() - t0,
+                   keepalive=captured.leaves if events else [])
+        self._last_snapshot_step = step
+        self._inflight = job
+        self._queue.put(job)
+
+    def _plan(self, captured: shard.CapturedState, meta_len: int | None) -> shard.ShardLayout:
+        if meta_len is None:  # size the meta reserve from this step's meta, with room to grow
+            probe = shard.ShardLayout.plan(captured, 0)
+            meta_len = len(probe.encode_head(captured, step=0, rank=self.rank, world_size=self.world_size,
+                                             topology=self.topology, extra_meta={"structure": self._structure()}))
+        return shard.ShardLayout.plan(captured, meta_len + meta_len // 4 + 4096)
+
+    def wait(self) -> None:
+        """Block until the in-flight copy (if any) is complete. Raises ``CheckpointError`` if it failed."""
+        self._wait_inflight()
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._wait_inflight()
+
+    def _wait_inflight(self) -> None:
+        job = self._inflight
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        job.done.wait()
+        waited_s = time.perf_counter() - t0
+        self._inflight = None
+        for name, value in (("capture_s", job.capture_s), ("wait_s", waited_s), ("blocking_s", job.capture_s + waited_s),
+                            ("copy_s", job.copy_s), ("hash_s", job.hash_s), ("nbytes", job.layout.nbytes)):
+            self._stats[name].append(value)
+        self._snapshots += 1
+        if job.error is not None:
+            raise CheckpointError(f"rank {self.rank}: checkpoint of step {job.step} failed: {job.error!r}") from job.error
+
+    def _copy_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._copy(job)
+            except BaseException as exc:  # reported to the training thread by _wait_inflight
+                _log.error("keel checkpoint of step %d failed: %r", job.step, exc)
+                job.error = exc
+            finally:
+                job.sources = job.keepalive = []  # drop the references before signalling
+                job.done.set()
+
+    def _copy(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        for event in job.events:
+            event.synchronize()
+        slot = self._slot(job.slot, job.layout.nbytes)
+        slot.writer.begin(job.step, self.generation)
+        if self.copy_hook is not None:
+            self.copy_hook(job.step)
+        n = shard.write_payload(slot.payload, job.layout, job.head, job.sources, slot.views_for(job.layout))
+        t1 = time.perf_counter()
+        digest = ckpt_slots.sha256_hex(slot.payload[:n])
+        slot.writer.complete(job.step, n, digest, self.generation)
+        job.copy_s, job.hash_s = t1 - t0, time.perf_counter() - t1
+        self.last_complete_step = job.step
+        if self.session is not None:
+            self.session.checkpoint_completed(job.step)
+
+    def _slot(self, index: int, nbytes: int) -> _Slot:
+        slot = self._slots.get(index)
+        if slot is None or slot.writer.capacity < nbytes:
+            if slot is not None:
+                slot.close()
+            assert self.ckpt_dir is not None
+            capacity = nbytes + nbytes // 10 + _SLOT_HEADROOM_BYTES
+            slot = self._slots[index] = _Slot(ckpt_slots.slot_path(self.ckpt_dir, self.rank, index), capacity)
+        return slot
+
+    def stats(self) -> CheckpointStats:
+        """Measurements of the snapshots whose copy the training thread has waited for."""
+        s = self._stats
+        return CheckpointStats(self._snapshots, tuple(s["capture_s"]), tuple(s["wait_s"]), tuple(s["blocking_s"]),
+                               tuple(s["copy_s"]), tuple(s["hash_s"]), tuple(int(x) for x in s["nbytes"]))
+
+    def close(self) -> None:
+        """Wait for the in-flight copy, stop the copy thread, unmap the slots. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._wait_inflight()
+        finally:
+            self._closed = True
+            if self._hook is not None:
+                self._hook.remove()
+            if self._worker is not None:
+                self._queue.put(None)
+                self._worker.join(timeout=10.0)
+            for slot in self._slots.values():
+                slot.close()
+            self._slots.clear()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- files -------------------------------------------------------------------------------------------------
+
+    def save_file(self, path: str | os.PathLike[str], *, step: int) -> int:
+        """Write the current full state as a shard file (atomically). Returns its size in bytes.
+
+        The same state always gives the same bytes, so two files can be compared bitwise.
+        """
+        payload = shard.encode_state(self.state_tree(), step=step, rank=self.rank, world_size=self.world_size,
+                                     topology=self.topology, extra_meta={"structure": self._structure()})
+        ckpt_slots.write_file_atomic(Path(path), payload)
+        return len(payload)
+
+    def load_file(self, path: str | os.PathLike[str], *, digest: str | None = None) -> int:
+        """Load a slot file or a shard file (verified against ``digest`` if given); returns its step."""
+        return self._load_verified(Path(path), digest, trusted=False)
+
+    def _load_verified(self, path: Path, digest: str | None, *, trusted: bool) -> int:
+        """Load ``path`` (a slot or a shard file), memory-mapped, checking its SHA-256 while it decodes.
+
+        A slot's payload is checked against its header's digest (and ``digest``, if given); a shard file
+        against ``digest`` when given. ``trusted``: a slot the node agent verified at its inventory and
+        that nobody has written since (the plan's ``verified_by: agent``): only the header is compared.
+        The hash runs in a thread beside decoding and loading (both release the GIL); a mismatch raises
+        ``CheckpointError`` after loading, so the caller must not train on: the state is then undefined.
+        """
+        import mmap
+
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+        if mapped is None:
+            raise CheckpointError(f"checkpoint {path} is empty")
+        view = memoryview(mapped)
+        payload: memoryview | None = None
+        try:
+            if view[:8] == ckpt_slots.MAGIC:
+                try:
+                    header = ckpt_slots.parse_header(view, str(path))
+                except ckpt_slots.SlotError as exc:
+                    raise CheckpointError(str(exc)) from None
+                if not header.complete:
+                    raise CheckpointError(f"slot {path} is not complete (state {header.state}, step {header.step})")
+                end = ckpt_slots.HEADER_BYTES + header.payload_len
+                if end > size:
+                    raise CheckpointError(f"slot {path}: truncated payload ({size - ckpt_slots.HEADER_BYTES} of "
+                                          f"{header.payload_len} bytes)")
+                if digest is not None and header.digest != digest:
+                    raise CheckpointError(f"{path}: slot digest {header.digest[:12]} is not the expected {digest[:12]}")
+                payload, expected, source = view[ckpt_slots.HEADER_BYTES:end], header.digest, f"slot {path} (step {header.step})"
+            else:
+                payload, expected, source = view, digest, f"shard {path}"
+                trusted = False
+            hashed: dict[str, str] = {}
+            hasher = None
+            if expected is not None and not trusted:
+                def hash_payload(data: memoryview = payload) -> None:
+                    hashed["digest"] = ckpt_slots.sha256_hex(data)
+
+                hasher = threading.Thread(target=hash_payload, name="keel-restore-hash")
+                hasher.start()
+            def mismatch() -> CheckpointError | None:
+                if hasher is None:
+                    return None
+                hasher.join()
+                if hashed.get("digest") == expected:
+                    return None
+                return CheckpointError(f"{source}: digest mismatch (expected {str(expected)[:12]}, actual "
+                                       f"{hashed.get('digest', '?')[:12]}); the loaded state must not be used")
+
+            try:
+                step = self._load_payload(payload, source)
+            except CheckpointError as exc:
+                corrupt = mismatch()  # a corrupt payload fails to decode first: name the root cause
+                raise (corrupt or exc) from (exc if corrupt else None)
+            corrupt = mismatch()
+            if corrupt is not None:
+                raise corrupt
+            return step
+        finally:
+            # Decoding copies every tensor, but a transient numpy view may still be alive: then the map
+            # is unmapped when the last reference goes, not here.
+            try:
+                if payload is not None:
+                    payload.release()
+                view.release()
+                mapped.close()
+            except BufferError:
+                pass
+
+    # -- restore -----------------------------------------------------------------------------------------------
+
+    def restore(self, path: str | os.PathLike[str] | None = None, *, timeout: timedelta | None = None) -> int:
+        """Load the newest usable checkpoint; returns its step (resume at step + 1), or -1 to start fresh.
+
+        Sources in order: the plan file ``$KEEL_RESTORE_PLAN`` (waited for up to ``timeout``, default
+        ``$KEEL_RESTORE_TIMEOUT`` or 120 s; its ``step = -1`` means fresh), then ``path`` (a slot or shard
+        file), then the newest COMPLETE slot of ``ckpt_dir`` whose digest verifies (with torch.distributed
+        initialised, the newest step that every rank holds: then a collective call), else fresh. A torn or
+        corrupt slot is skipped with a warning. Raises ``CheckpointMismatchError`` for a checkpoint of
+        another rank, topology or model, ``CheckpointError`` for a plan or file that cannot be used.
+        """
+        self._restore_called = True
+        plan_path = os.environ.get("KEEL_RESTORE_PLAN")
+        if plan_path:
+            return self._restore_from_plan(Path(plan_path), timeout or _env_duration("KEEL_RESTORE_TIMEOUT",
+                                                                                  DEFAULT_RESTORE_TIMEOUT))
+        if path is not None:
+            return self.load_file(path)
+        if self.ckpt_dir is not None:
+            return self._restore_from_slots()
+        return -1
+
+    def _restore_from_plan(self, plan_path: Path, timeout: timedelta) -> int:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not plan_path.exists():
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"rank {self.rank}: restore plan {plan_path} did not appear within "
+                                      f"{timeout.total_seconds():.0f} s")
+            time.sleep(_PLAN_POLL_S)
+        try:
+            plan = json.loads(plan_path.read_text())
+            step = int(plan["step"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"restore plan {plan_path} is not valid: {exc!r}") from None
+        if step < 0:
+            _log.info("keel restore: plan %s says start fresh", plan_path)
+            return -1
+        entry = (plan.get("shards") or {}).get(str(self.rank))
+        if not isinstance(entry, dict) or "path" not in entry:
+            raise CheckpointError(f"restore plan {plan_path} (step {step}) has no shard for rank {self.rank}")
+        if entry.get("error"):
+            raise CheckpointError(f"restore plan {plan_path} (step {step}): rank {self.rank}'s shard could not be "
+                                  f"staged: {entry['error']}")
+        loaded = self._load_verified(Path(entry["path"]), entry.get("digest") or None,
+                                     trusted=entry.get("verified_by") == "agent")
+        self.restored_from = f"{self.restored_from} via plan {plan_path.name} (tier {entry.get('tier', '?')})"
+        if loaded != step:
+            raise CheckpointError(f"{self.restored_from} holds step {loaded}, the plan says {step}")
+        return loaded
+
+    def _restore_from_slots(self) -> int:
+        assert self.ckpt_dir is not None
+        complete: dict[int, Path] = {}
+        for slot_file in ckpt_slots.list_slots(self.ckpt_dir).get(self.rank, []):
+            try:
+                header = ckpt_slots.read_header(slot_file)
+            except ckpt_slots.SlotError as exc:
+                _log.warning("keel restore: rank %d: slot skipped: %s", self.rank, exc)
+                continue
+            if not header.complete:
+                _log.warning("keel restore: rank %d: %s skipped: not complete (state %d, step %d)",
+                             self.rank, slot_file, header.state, header.step)
+                continue
+            complete[header.step] = slot_file
+        # Verify only what would be loaded, newest first (hashing every slot costs as much as loading).
+        verified: dict[int, Path] = {}
+        for step_ in sorted(complete, reverse=True):
+            try:
+                ckpt_slots.read_payload(complete[step_], verify=True)
+            except ckpt_slots.SlotError as exc:
+                _log.warning("keel restore: rank %d: slot skipped: %s", self.rank, exc)
+                continue
+            verified[step_] = complete[step_]
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1):
+                break  # alone: the newest verified slot is the answer
+        steps = set(verified)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            steps = self._common_steps(steps)
+        elif self.world_size > 1:
+            _log.warning("keel restore: rank %d restores its own newest slot without agreeing with the other "
+                         "ranks (torch.distributed is not initialised)", self.rank)
+        if not steps:
+            if verified:
+                _log.warning("keel restore: rank %d: no step held by every rank (own: %s); starting fresh",
+                             self.rank, sorted(verified))
+            return -1
+        step = max(steps)
+        if step != max(verified):
+            _log.warning("keel restore: rank %d: newest own step %d is not held by every rank; using %d",
+                         self.rank, max(verified), step)
+        loaded = self._load_verified(verified[step], None, trusted=True)  # verified just above
+        self.last_complete_step = loaded
+        if self.session is not None:
+            self.session.checkpoint_completed(loaded)
+        return loaded
+
+    def _common_steps(self, steps: set[int]) -> set[int]:
+        """The steps every rank holds (a collective over the default group)."""
+        dist = torch.distributed
+        width = _COMMON_CANDIDATES
+        own = sorted(steps)[-width:]
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.full((width,), -1, dtype=torch.int64, device=device)
+        if own:
+            mine[: len(own)] = torch.tensor(own, dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        common = set(own)
+        for t in gathered:
+            common &= {int(s) for s in t.tolist() if s >= 0}
+        return common
+
+    def _load_payload(self, payload: bytes | memoryview, source: str) -> int:
+        try:
+            meta, tree = shard.decode_shard(payload)
+        except shard.ShardFormatError as exc:
+            raise CheckpointError(f"{source}: {exc}") from None
+        self._check_compatible(meta, tree, source)
+        self._apply(tree, source)
+        self.restored_from = source
+        _log.info("keel restore: rank %d loaded step %d from %s", self.rank, meta["step"], source)
+        return int(meta["step"])
+
+    def _check_compatible(self, meta: dict[str, Any], tree: Any, source: str) -> None:
+        def refuse(what: str) -> None:
+            raise CheckpointMismatchError(f"{source} does not fit this run: {what}")
+
+        if meta["rank"] != self.rank:
+            refuse(f"it is rank {meta['rank']}'s shard, this is rank {self.rank}")
+        if meta["world_size"] != self.world_size:
+            refuse(f"world size {meta['world_size']} in the checkpoint, {self.world_size} now")
+        saved_groups = (meta.get("topology") or {}).get("groups") or {}
+        diffs = [f"{k} {saved_groups.get(k)} -> {v}" for k, v in self.groups.items() if saved_groups.get(k) != v]
+        if diffs:
+            refuse("parallel groups differ (checkpoint -> now): " + ", ".join(diffs))
+        if not isinstance(tree, dict):
+            refuse("the state is not a dict")
+        saved = sorted(k for k in tree if k != "rng")
+        if saved != sorted(self._components()):
+            refuse(f"components differ: checkpoint has {saved}, this run registers {sorted(self._components())}")
+        if self.model is not None:
+            problems = _diff_tensors(tree["model"], self.model.state_dict())
+            if problems:
+                refuse("model differs: " + "; ".join(problems))
+        if self.optimizer is not None:
+            saved_opt = ((meta.get("structure") or {}).get("optimizer")) or {}
+            now_opt = self._structure()["optimizer"]
+            if saved_opt and saved_opt != now_opt:
+                refuse(f"optimizer parameters differ: checkpoint groups {saved_opt.get('group_sizes')} (shapes "
+                       f"{str(saved_opt.get('params_fingerprint'))[:12]}), now {now_opt['group_sizes']} "
+                       f"(shapes {now_opt['params_fingerprint'][:12]})")
+
+    def _apply(self, tree: dict[str, Any], source: str) -> None:
+        parts: list[tuple[str, Any, Any]] = []
+        if self.model is not None:
+            parts.append(("model", self.model, tree["model"]))
+        if self.optimizer is not None:  # before the scheduler, which reads and sets the groups' lr
+            parts.append(("optimizer", self.optimizer, tree["optimizer"]))
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler)):
+            if obj is not None:
+                parts.append((name, obj, tree[name]))
+        for name, obj in self.extra.items():
+            if name not in tree["extra"]:
+                raise CheckpointMismatchError(f"{source} has no state for extra object {name!r}")
+            parts.append((f"extra[{name!r}]", obj, tree["extra"][name]))
+        for name, obj, state in parts:
+            try:
+                obj.load_state_dict(state)
+            except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+                raise CheckpointMismatchError(f"{source}: loading {name} failed: {exc}") from exc
+        rng = tree.get("rng") or {}
+        if "python" in rng:
+            random.setstate(rng["python"])
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            states = rng["cuda"]
+            if len(states) != torch.cuda.device_count():
+                _log.warning("keel restore: %d CUDA RNG states saved, %d devices now; restoring the first ones",
+                             len(states), torch.cuda.device_count())
+            for device, state in enumerate(states[: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(state, device)
+
+
+def _diff_tensors(saved: Any, current: Mapping[str, Any], limit: int = 5) -> list[str]:
+    """What differs between a saved and a current ``state_dict``: missing and unexpected keys, shapes, dtypes."""
+    if not isinstance(saved, dict):
+        return [f"saved state is a {type(saved).__name__}"]
+    problems = []
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing:
+        problems.append(f"missing in checkpoint {missing[:limit]}" + (" ..." if len(missing) > limit else ""))
+    if unexpected:
+        problems.append(f"not in this model {unexpected[:limit]}" + (" ..." if len(unexpected) > limit else ""))
+    changed = []
+    for key, now in current.items():
+        old = saved.get(key)
+        if isinstance(now, torch.Tensor) and isinstance(old, torch.Tensor):
+            if old.shape != now.shape or old.dtype != now.dtype:
+                changed.append(f"{key}: {str(old.dtype).removeprefix('torch.')}{list(old.shape)} in checkpoint, "
+                               f"{str(now.dtype).removeprefix('torch.')}{list(now.shape)} now")
+    if changed:
+        problems.append(", ".join(changed[:limit]) + (" ..." if len(changed) > limit else ""))
+    return problems

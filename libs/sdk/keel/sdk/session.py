@@ -1,0 +1,418 @@
+"""The Keel session: what a training loop reports to its node agent, and the injected-fault hooks.
+
+Call order::
+
+    session = keel.sdk.init()                 # first, before init_process_group (reads the env)
+    with session.phase("setup"):
+        ...                                   # init_process_group, build model, restore
+    with session.phase("step"):
+        for step in range(start, steps):
+            loss = compute(...) * session.nan_factor()  # inside the step; 1.0 unless a nan fault fires
+            ...                                          # backward
+            session.corrupt(local_grads)                 # before the all-reduce; a no-op off a local cluster
+            ...                                          # all-reduce, optimizer.step
+            session.step_done(step, loss=..., grad_norm=..., tokens=...)   # once per step, last
+            if eval_due:
+                with session.phase("eval"):
+                    ...
+    session.done()                            # after a clean finish only
+
+Every phase change and every ``step_done`` sends a report at once; a daemon heartbeat thread re-sends
+the current state every ``KEEL_HEARTBEAT_INTERVAL`` (default ``"1s"``), so the agent sees a process
+that is alive but makes no progress (stuck in a collective, or hung by an injected fault) as the same
+step reported again and again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from keel.events.units import parse_duration
+from keel.protocol import node_local_pb2 as pb
+from keel.sdk.faults import SDC_FILE_ENV, FaultFileWatcher, InjectedFault, SimulatedCorruption
+from keel.sdk.transport import DatagramSender
+
+if TYPE_CHECKING:
+    from keel.sdk.checkpoint import Checkpointer
+
+__all__ = ["PHASES", "SessionConfig", "Session", "init"]
+
+_log = logging.getLogger("keel.sdk")
+
+PHASES: dict[str, int] = {
+    "setup": pb.PHASE_SETUP,
+    "step": pb.PHASE_STEP,
+    "checkpoint": pb.PHASE_CHECKPOINT,
+    "eval": pb.PHASE_EVAL,
+    "done": pb.PHASE_DONE,
+}
+DEFAULT_HEARTBEAT_INTERVAL = timedelta(seconds=1)
+OOM_CAP_BYTES = 256 * 1024**2
+"""An injected ``oom`` allocates at most this much before raising ``MemoryError``."""
+_OOM_CHUNK_BYTES = 16 * 1024**2
+_HANG_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What the node agent tells a rank through its environment (see ``from_env``)."""
+
+    job_id: str = ""
+    node_id: str = ""
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    generation: int = 0
+    agent_socket: str | None = None
+    fault_file: str | None = None
+    sdc_file: str | None = None
+    heartbeat_interval: timedelta = DEFAULT_HEARTBEAT_INTERVAL
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SessionConfig:
+        """Read ``KEEL_JOB_ID``, ``KEEL_NODE_ID``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+        ``KEEL_GENERATION``, ``KEEL_AGENT_SOCKET``, ``KEEL_FAULT_FILE``, ``KEEL_SIMULATED_SDC_FILE`` and
+        ``KEEL_HEARTBEAT_INTERVAL``
+        (a duration with a unit, e.g. ``"500ms"``). Unset means: local run, rank 0 of 1, no agent."""
+        env = os.environ if env is None else env
+        interval_text = env.get("KEEL_HEARTBEAT_INTERVAL")
+        interval = parse_duration(interval_text) if interval_text else DEFAULT_HEARTBEAT_INTERVAL
+        if interval <= timedelta(0):
+            raise ValueError(f"KEEL_HEARTBEAT_INTERVAL must be positive, got {interval_text!r}")
+        return cls(
+            job_id=env.get("KEEL_JOB_ID", ""),
+            node_id=env.get("KEEL_NODE_ID", ""),
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            generation=int(env.get("KEEL_GENERATION", "0")),
+            agent_socket=env.get("KEEL_AGENT_SOCKET") or None,
+            fault_file=env.get("KEEL_FAULT_FILE") or None,
+            sdc_file=env.get(SDC_FILE_ENV) or None,
+            heartbeat_interval=interval,
+        )
+
+
+class Session:
+    """One training process's link to its node agent. Create with ``keel.sdk.init()``.
+
+    Without ``agent_socket`` it reports nothing and starts no thread (a plain ``torchrun`` run), but
+    still measures steps and still applies faults from ``fault_file``. Not meant to be shared between
+    processes; ``step_done`` and ``phase`` are called from the training thread only.
+    """
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()  # guards the report state below and seq
+        self._seq = 0
+        self._phase = pb.PHASE_SETUP
+        self._step = -1
+        self._step_time_s = 0.0
+        self._compute_time_s = 0.0
+        self._wait_s = 0.0
+        self._loss = 0.0
+        self._grad_norm = 0.0
+        self._tokens_per_s = 0.0
+        self._mark_s = time.monotonic()
+        self._injected_sleep_s = 0.0
+        self._slow_fraction = 0.0
+        self._nan_at_step: int | None = None
+        self._pending: list[InjectedFault] = []
+        self._closed = False
+        self._sender = DatagramSender(config.agent_socket) if config.agent_socket else None
+        self._faults = (
+            FaultFileWatcher(config.fault_file, rank=config.rank, generation=config.generation) if config.fault_file else None
+        )
+        self._corruption = SimulatedCorruption(config.sdc_file, config.rank)
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._error = ""
+        self._checkpointer: Checkpointer | None = None
+        self._checkpoint_step: int | None = None
+        self._checkpoint_groups_json = ""
+        if self._sender is not None:
+            self._send_report()
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="keel-heartbeat", daemon=True)
+            self._heartbeat.start()
+            self._chain_excepthook()
+
+    def _chain_excepthook(self) -> None:
+        """On an uncaught exception, after the traceback is printed, tell the agent at once: a dying
+        torch process can take seconds to shut its process groups down, and the agent should not
+        wait for the exit to know the rank failed."""
+        previous = sys.excepthook
+
+        def report_failure(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            previous(exc_type, exc, tb)
+            sys.stderr.flush()
+            if self._closed or issubclass(exc_type, KeyboardInterrupt):
+                return
+            with self._lock:
+                self._phase = pb.PHASE_FAILED
+                # The traceback's tail, not just its last line: the agent classifies the exit from it when
+                # the stderr it captured was cut short or muddled by output after the traceback.
+                self._error = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+            self._send_report()
+
+        sys.excepthook = report_failure
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    @property
+    def reports_sent(self) -> int:
+        return self._sender.sent if self._sender else 0
+
+    @property
+    def reports_dropped(self) -> int:
+        """Reports the agent could not take (socket missing, nobody bound, buffer full)."""
+        return self._sender.dropped if self._sender else 0
+
+    @property
+    def current_phase(self) -> str:
+        return pb.Phase.Name(self._phase).removeprefix("PHASE_").lower()
+
+    @property
+    def last_step(self) -> int:
+        """The last step passed to ``step_done``; ``-1`` before the first."""
+        return self._step
+
+    def _send_report(self) -> None:
+        if self._sender is None:
+            return
+        cfg = self.config
+        with self._lock:
+            self._seq += 1
+            report = pb.RankReport(
+                job_id=cfg.job_id,
+                node_id=cfg.node_id,
+                rank=cfg.rank,
+                local_rank=cfg.local_rank,
+                pid=os.getpid(),
+                generation=cfg.generation,
+                seq=self._seq,
+                sent_at_unix_s=time.time(),
+                phase=self._phase,
+                step=self._step,
+                step_time_s=self._step_time_s,
+                compute_time_s=self._compute_time_s,
+                loss=self._loss,
+                grad_norm=self._grad_norm,
+                tokens_per_s=self._tokens_per_s,
+                error=self._error,
+                checkpoint_step=self._checkpoint_step,
+                checkpoint_groups_json=self._checkpoint_groups_json,
+            )
+            payload = report.SerializeToString()
+        self._sender.send(payload)
+
+    def _heartbeat_loop(self) -> None:
+        interval_s = self.config.heartbeat_interval.total_seconds()
+        while not self._stop.wait(interval_s):  # waits without holding the GIL
+            self._send_report()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Report ``name`` (``setup``, ``step``, ``checkpoint``, ``eval``) now; on exit report the phase
+        that was current before. Phases nest. Entering or leaving a phase restarts the step clock, so
+        the time of an eval or checkpoint is not counted as step time."""
+        if name not in PHASES or name == "done":
+            raise ValueError(f"unknown phase {name!r}; expected one of setup, step, checkpoint, eval")
+        previous = self._phase
+        self._set_phase(PHASES[name])
+        try:
+            yield
+        finally:
+            self._set_phase(previous)
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Mark a collective (all-reduce, a pipeline send or receive, a barrier): the time inside is
+        waiting for peers, not this rank's own work. Reports then carry ``compute_time_s``, the step's
+        time outside such waits: every rank of a synchronous job takes as long per step as the slowest,
+        but only the slow one computes longer, which is how the analyzer finds a fail-slow node."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._wait_s += time.monotonic() - started
+
+    def _set_phase(self, phase: int) -> None:
+        with self._lock:
+            self._phase = phase
+        self._mark_s = time.monotonic()
+        self._injected_sleep_s = 0.0
+        self._wait_s = 0.0
+        self._send_report()
+
+    def attach_checkpointer(self, checkpointer: Checkpointer) -> None:
+        """From now on ``step_done(step)`` first calls ``checkpointer.snapshot(step)`` (a no-op if the loop
+        already did), and reports carry the checkpointer's parallel groups. Called by ``Checkpointer``."""
+        self._checkpointer = checkpointer
+        with self._lock:
+            self._checkpoint_groups_json = json.dumps(checkpointer.groups, sort_keys=True)
+
+    def checkpoint_completed(self, step: int) -> None:
+        """Report that the slot of ``step`` is COMPLETE; thread-safe (the checkpoint copy thread calls it)."""
+        with self._lock:
+            self._checkpoint_step = step
+        self._send_report()
+
+    def step_done(
+        self, step: int, *, loss: float | None = None, grad_norm: float | None = None, tokens: int | None = None
+    ) -> None:
+        """Record that ``step`` finished; call once per step, after ``optimizer.step``.
+
+        With an attached ``Checkpointer``, first snapshots ``step`` (counted in the step's time).
+
+        ``step_time_s`` is the time since the previous ``step_done`` or phase change (an injected
+        ``slow`` fault's delay included), ``tokens_per_s`` is ``tokens / step_time_s``. ``tokens`` is what
+        this rank's data-parallel replica processed in the step. Sends a report, then checks the fault
+        file (one ``stat``) and applies a due fault, which may raise, block forever, or sleep.
+        """
+        if self._checkpointer is not None:
+            self._checkpointer.snapshot(step)
+        now = time.monotonic()
+        # Reported: the whole step, an injected slowdown included (that is what a slow rank looks like).
+        # The slowdown itself is based on the step without it, so it does not compound.
+        step_time_s = max(now - self._mark_s, 0.0)
+        work_time_s = max(step_time_s - self._injected_sleep_s, 0.0)
+        compute_time_s = max(step_time_s - self._wait_s, 0.0) if self._wait_s > 0 else 0.0
+        self._mark_s = now
+        self._injected_sleep_s = 0.0
+        self._wait_s = 0.0
+        with self._lock:
+            self._step = step
+            self._step_time_s = step_time_s
+            self._compute_time_s = compute_time_s
+            if loss is not None:
+                self._loss = float(loss)
+            if grad_norm is not None:
+                self._grad_norm = float(grad_norm)
+            self._tokens_per_s = tokens / step_time_s if tokens and step_time_s > 0 else 0.0
+        if self._nan_at_step is not None and step >= self._nan_at_step:
+            self._nan_at_step = None
+        self._send_report()
+        self._apply_faults(step, work_time_s)
+
+    def done(self) -> None:
+        """Report ``done`` (silence after it is not a hang) and stop the heartbeat. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._phase = pb.PHASE_DONE
+        self._send_report()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the heartbeat and close the socket without reporting ``done`` (e.g. after an error)."""
+        self._closed = True
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=1.0)
+        if self._sender is not None:
+            self._sender.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.done()
+        else:
+            self.close()
+
+    # -- injected faults ---------------------------------------------------------------------------
+
+    def corrupt(self, local_gradients: Any) -> bool:
+        """Apply this node's simulated silent data corruption (``keel inject sdc`` on a local cluster) to
+        this rank's gradients, in place, before they are reduced: True when a bit was flipped. Call it
+        in training and in a rung-5 replay alike (the defect is the hardware's, not the step's)."""
+        return self._corruption.apply(local_gradients)
+
+    def nan_factor(self) -> float:
+        """``1.0``, or ``nan`` during the step an injected ``nan`` fault targets.
+
+        Multiply the loss (last pipeline stage) or the stage's output activations by it inside the
+        step, so that the NaN comes out of the real forward and backward passes.
+        """
+        if self._nan_at_step is not None and self._step + 1 >= self._nan_at_step:
+            return math.nan
+        return 1.0
+
+    def _apply_faults(self, step: int, step_time_s: float) -> None:
+        if self._faults is not None:
+            fault = self._faults.poll()
+            if fault is not None:
+                _log.warning("keel fault %s (%s) received by rank %d at step %d", fault.id, fault.kind, self.config.rank, step)
+                self._pending.append(fault)
+        if self._pending:
+            # A fault with at_step = s makes step s the first one that does not complete normally: it is
+            # applied here, after step s - 1.
+            due = [f for f in self._pending if f.at_step is None or step + 1 >= f.at_step]
+            self._pending = [f for f in self._pending if f not in due]
+            for fault in due:
+                self._apply(fault, step)
+        if self._slow_fraction > 0:
+            delay_s = self._slow_fraction * step_time_s
+            self._injected_sleep_s = delay_s
+            time.sleep(delay_s)
+
+    def _apply(self, fault: InjectedFault, step: int) -> None:
+        rank = self.config.rank
+        where = f"fault {fault.id} on rank {rank} after step {step}"
+        if fault.kind == "crash":
+            print(f"keel injected crash: {where}", file=sys.stderr, flush=True)
+            raise RuntimeError(f"keel injected crash ({where})")
+        if fault.kind == "oom":
+            print(f"keel injected oom: {where}", file=sys.stderr, flush=True)
+            _injected_oom(OOM_CAP_BYTES)
+        if fault.kind == "hang":
+            print(f"keel injected hang: {where}", file=sys.stderr, flush=True)
+            _injected_hang()
+        if fault.kind == "slow":
+            self._slow_fraction = float(fault.params.get("fraction", 0.3))
+            print(f"keel injected slow x{1 + self._slow_fraction:.2f}: {where}", file=sys.stderr, flush=True)
+        if fault.kind == "nan":
+            self._nan_at_step = step + 1
+            print(f"keel injected nan into step {step + 1}: {where}", file=sys.stderr, flush=True)
+
+
+def _injected_hang() -> None:
+    """Block forever: this rank stops participating, its peers wait in their recv / all-reduce.
+
+    A sleep loop rather than one long wait so that py-spy shows this frame; the heartbeat thread keeps
+    reporting the last step, which is what a rank stuck in a collective looks like to the agent.
+    """
+    while True:
+        time.sleep(_HANG_POLL_S)
+
+
+def _injected_oom(cap_bytes: int) -> None:
+    """Allocate (and touch) memory in chunks up to ``cap_bytes``, then raise ``MemoryError``."""
+    hoard: list[bytearray] = []
+    try:
+        while len(hoard) * _OOM_CHUNK_BYTES < cap_bytes:
+            hoard.append(bytearray(_OOM_CHUNK_BYTES))
+    finally:
+        hoard.clear()
+    raise MemoryError(f"keel injected oom after allocating {cap_bytes // 1024**2} MiB")
+
+
+def init(env: Mapping[str, str] | None = None) -> Session:
+    """Create the process's session from the environment the agent (or torchrun) set; see
+    ``SessionConfig.from_env``. Call once per process, before the training loop."""
+    return Session(SessionConfig.from_env(env))

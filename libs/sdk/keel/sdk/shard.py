@@ -1,0 +1,505 @@
+"""The shard payload: one rank's training state as one self-describing byte string, without pickle.
+
+Layout (all integers little-endian)::
+
+    b"KEELSHRD" | u32 format version | u64 meta length | meta JSON (UTF-8) | zero padding | tensor bytes
+
+Tensor bytes start at a 64-byte boundary and every tensor starts 64-byte aligned; the meta's ``tensors``
+entries give each one's absolute ``offset`` in the payload, ``nbytes``, ``dtype``, ``shape`` and ``kind``
+(``torch`` or ``numpy``), so a writer may leave more than the minimal padding after the meta (the
+Checkpointer reserves room there so that the tensor region does not move when the meta grows by a few
+bytes from one step to the next).
+
+Meta keys: ``format``, ``step``, ``rank``, ``world_size``, ``topology``, ``fingerprint`` (SHA-256 over
+the path, kind, dtype and shape of every tensor and array in the tree), any extra keys the writer adds,
+``tree`` and ``tensors``. The tree is JSON in which every JSON object is a tagged value, so a user's
+dict can never be confused with an encoding:
+
+- ``None``, ``bool``, ``int``, finite ``float``, ``str`` and ``list`` are plain JSON (Python's ``json``
+  keeps ``int`` vs ``float`` and writes floats with ``repr``, which reads back bit for bit);
+- ``{"t": "dict", "v": [[key, value], ...]}`` keeps key types (an optimizer's ``state`` has int keys)
+  and order; ``{"t": "tuple", "v": [...]}``; ``{"t": "float", "v": "nan" | "inf" | "-inf"}``;
+  ``{"t": "bytes" | "bytearray", "v": base64}``; ``{"t": "np", "dtype": ..., "v": base64}`` (a NumPy
+  scalar); ``{"t": "tensor" | "ndarray", "i": index into tensors}``.
+
+Anything else (a sparse or quantized tensor, an object array, a custom class) is refused with
+``ShardFormatError`` naming where in the tree it is. The format carries no checksum of its own: the
+container does (the slot header's digest, the restore plan's digest, the persistent manifest).
+
+Fast path for a writer that snapshots every step (``keel.sdk.checkpoint``): ``capture_state`` walks the
+tree once (tensors are kept by reference), ``ShardLayout.plan`` fixes every tensor's offset once and is
+reused while ``layout.fits(captured)``, ``layout.encode_head`` re-encodes only the small meta JSON, and
+``write_payload`` copies the tensors with ``Tensor.copy_`` (which releases the GIL) into views of a
+pre-allocated buffer made once by ``layout.destinations``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "ALIGN",
+    "ShardFormatError",
+    "TensorSpec",
+    "CapturedState",
+    "ShardLayout",
+    "capture_state",
+    "write_payload",
+    "encode_state",
+    "decode_shard",
+    "read_meta",
+    "tree_fingerprint",
+]
+
+MAGIC = b"KEELSHRD"
+FORMAT_VERSION = 1
+ALIGN = 64
+_PREFIX = struct.Struct("<8sIQ")  # magic, format version, meta length
+
+Leaf = torch.Tensor | np.ndarray
+Path = tuple[Any, ...]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+for _name, _dtype in _TORCH_DTYPES.items():
+    # Aliases (torch.float / torch.float32): keep the canonical spelling, the one str(dtype) uses.
+    if str(_dtype) == f"torch.{_name}":
+        _DTYPE_NAMES[_dtype] = _name
+
+
+class ShardFormatError(ValueError):
+    """A value that the shard format cannot hold, or bytes that are not a valid (complete) shard."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _path_text(path: Path) -> str:
+    return "tree" + "".join(f"[{key!r}]" for key in path)
+
+
+class TensorSpec(NamedTuple):
+    """What the layout needs to know about one tensor or array: ``kind`` is ``torch`` or ``numpy``."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class CapturedState:
+    """A state tree walked once: its JSON form (tensors replaced by references), the tensors and arrays
+    themselves (by reference, not copied), and the signature that decides whether a layout still fits."""
+
+    tree_json: Any
+    leaves: list[Leaf]
+    paths: list[Path]
+    specs: list[TensorSpec]
+
+    @property
+    def signature(self) -> tuple[tuple[Path, TensorSpec], ...]:
+        return tuple(zip(self.paths, self.specs))
+
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _torch_spec(t: torch.Tensor, path: Path) -> TensorSpec:
+    if t.layout is not torch.strided:
+        raise ShardFormatError(f"{_path_text(path)}: {t.layout} tensors are not supported (densify it first)")
+    if t.is_quantized:
+        raise ShardFormatError(f"{_path_text(path)}: quantized tensors are not supported (dequantize it first)")
+    if t.is_meta:
+        raise ShardFormatError(f"{_path_text(path)}: a meta tensor has no data to save")
+    if type(t) not in _TENSOR_TYPES:
+        raise ShardFormatError(f"{_path_text(path)}: tensor subclass {type(t).__name__} is not supported")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise ShardFormatError(f"{_path_text(path)}: unsupported dtype {t.dtype}")
+    return TensorSpec("torch", name, tuple(t.shape), t.nbytes)
+
+
+def _numpy_spec(a: np.ndarray, path: Path) -> TensorSpec:
+    if a.dtype.hasobject or a.dtype.fields is not None or a.dtype.kind == "V":
+        raise ShardFormatError(f"{_path_text(path)}: numpy dtype {a.dtype} is not supported (object or structured)")
+    return TensorSpec("numpy", a.dtype.str, tuple(int(d) for d in a.shape), int(a.nbytes))
+
+
+def _non_finite(x: float) -> dict[str, str]:
+    return {"t": "float", "v": "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")}
+
+
+def capture_state(tree: Any) -> CapturedState:
+    """Walk ``tree`` into its JSON form; tensors and arrays are kept by reference (not copied).
+
+    Raises ``ShardFormatError`` naming the path of the first value the format cannot hold. Runs every
+    step on the training thread, hence the exact-type fast paths before the general ``isinstance`` chain.
+    """
+    leaves: list[Leaf] = []
+    paths: list[Path] = []
+    specs: list[TensorSpec] = []
+    int_only = {int}
+
+    def leaf(value: Leaf, spec: TensorSpec, path: Path, tag: str) -> dict[str, Any]:
+        leaves.append(value)
+        paths.append(path)
+        specs.append(spec)
+        return {"t": tag, "i": len(leaves) - 1}
+
+    def seq(obj: list[Any] | tuple[Any, ...], path: Path) -> list[Any]:
+        # A long run of plain ints (Python's RNG state: 625 of them) is already JSON.
+        if len(obj) >= 8 and set(map(type, obj)) <= int_only:
+            return list(obj)
+        return [enc(v, path + (i,)) for i, v in enumerate(obj)]
+
+    def enc(obj: Any, path: Path) -> Any:
+        kind = type(obj)
+        if kind is str or kind is int or kind is bool or obj is None:
+            return obj
+        if kind is float:
+            return obj if math.isfinite(obj) else _non_finite(obj)
+        if kind in _TENSOR_TYPES:
+            return leaf(obj, _torch_spec(obj, path), path, "tensor")
+        if kind is dict or isinstance(obj, dict):
+            items = []
+            for key, value in obj.items():
+                if type(key) is not str and type(key) is not int and key is not None \
+                        and not isinstance(key, (str, int, float, tuple)):
+                    raise ShardFormatError(f"{_path_text(path)}: dict key {key!r} of type {type(key).__name__} "
+                                           "is not supported")
+                items.append([enc(key, path + ("<key>",)), enc(value, path + (key,))])
+            return {"t": "dict", "v": items}
+        if kind is list or (isinstance(obj, list)):
+            return seq(obj, path)
+        # The general chain. Order matters: bool before int, numpy scalars (np.float64 is a float) before float.
+        if isinstance(obj, (bool, str)):
+            return bool(obj) if isinstance(obj, bool) else str(obj)
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, np.generic):
+            if obj.dtype.hasobject or obj.dtype.kind == "V":
+                raise ShardFormatError(f"{_path_text(path)}: numpy scalar of dtype {obj.dtype} is not supported")
+            return {"t": "np", "dtype": obj.dtype.str, "v": base64.b64encode(obj.tobytes()).decode("ascii")}
+        if isinstance(obj, float):
+            return float(obj) if math.isfinite(obj) else _non_finite(obj)
+        if isinstance(obj, torch.Tensor):
+            return leaf(obj, _torch_spec(obj, path), path, "tensor")
+        if isinstance(obj, np.ndarray):
+            return leaf(obj, _numpy_spec(obj, path), path, "ndarray")
+        if isinstance(obj, tuple):
+            if hasattr(obj, "_fields"):
+                raise ShardFormatError(f"{_path_text(path)}: namedtuple {type(obj).__name__} is not supported")
+            return {"t": "tuple", "v": seq(obj, path)}
+        if isinstance(obj, (bytes, bytearray)):
+            tag = "bytes" if isinstance(obj, bytes) else "bytearray"
+            return {"t": tag, "v": base64.b64encode(bytes(obj)).decode("ascii")}
+        raise ShardFormatError(f"{_path_text(path)}: cannot store a value of type {type(obj).__module__}."
+                               f"{type(obj).__qualname__}")
+
+    return CapturedState(enc(tree, ()), leaves, paths, specs)
+
+
+def _fingerprint(paths: Sequence[Path], specs: Sequence[TensorSpec]) -> str:
+    rows = [[list(p), s.kind, s.dtype, list(s.shape)] for p, s in zip(paths, specs)]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":"), default=repr).encode()).hexdigest()
+
+
+def tree_fingerprint(tree: Any) -> str:
+    """SHA-256 over the path, kind, dtype and shape of every tensor and array in ``tree`` (in order)."""
+    captured = capture_state(tree)
+    return _fingerprint(captured.paths, captured.specs)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each tensor goes in the payload. Fixed for a tree signature; reused while it ``fits``.
+
+    ``data_offset`` (64-aligned) leaves ``meta_capacity`` bytes for the meta JSON after the 20-byte prefix;
+    ``nbytes`` is the payload size (the end of the last tensor).
+    """
+
+    signature: tuple[tuple[Path, TensorSpec], ...]
+    offsets: tuple[int, ...]
+    data_offset: int
+    nbytes: int
+    fingerprint: str
+    tensors_json: str  # the meta's "tensors" list, encoded once per layout
+
+    @classmethod
+    def plan(cls, captured: CapturedState, meta_capacity: int) -> ShardLayout:
+        data_offset = _align(_PREFIX.size + max(0, meta_capacity))
+        offsets, cursor = [], data_offset
+        for spec in captured.specs:
+            offsets.append(cursor)
+            cursor = _align(cursor + spec.nbytes)
+        nbytes = offsets[-1] + captured.specs[-1].nbytes if offsets else data_offset
+        entries = [{"offset": off, "nbytes": s.nbytes, "dtype": s.dtype, "shape": list(s.shape), "kind": s.kind}
+                   for off, s in zip(offsets, captured.specs)]
+        return cls(
+            signature=captured.signature,
+            offsets=tuple(offsets),
+            data_offset=data_offset,
+            nbytes=nbytes,
+            fingerprint=_fingerprint(captured.paths, captured.specs),
+            tensors_json=json.dumps(entries, separators=(",", ":")),
+        )
+
+    @property
+    def meta_capacity(self) -> int:
+        return self.data_offset - _PREFIX.size
+
+    def fits(self, captured: CapturedState) -> bool:
+        """Whether ``captured`` has exactly the tensors (paths, dtypes, shapes) this layout was planned for."""
+        return captured.signature == self.signature
+
+    def encode_head(self, captured: CapturedState, *, step: int, rank: int, world_size: int,
+                    topology: dict[str, Any], extra_meta: dict[str, Any] | None = None) -> bytes:
+        """The prefix and meta JSON for ``captured`` (which must ``fit``). May be longer than
+        ``data_offset``: the caller then plans a layout with more ``meta_capacity``."""
+        meta: dict[str, Any] = {
+            "format": FORMAT_VERSION,
+            "step": int(step),
+            "rank": int(rank),
+            "world_size": int(world_size),
+            "topology": topology,
+            "fingerprint": self.fingerprint,
+        }
+        if extra_meta:
+            meta.update(extra_meta)
+        meta["tree"] = captured.tree_json
+        try:
+            text = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+        except ValueError as exc:  # a non-finite float in extra_meta or topology
+            raise ShardFormatError(f"meta is not valid JSON: {exc}") from None
+        body = (text[:-1] + ',"tensors":' + self.tensors_json + "}").encode()
+        return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(body)) + body
+
+    def destinations(self, buf: memoryview | bytearray) -> list[Leaf | None]:
+        """Typed views of ``buf`` (writable, at least ``nbytes`` long) where each tensor goes; ``None``
+        for empty tensors. Make them once per buffer: they hold an export of ``buf`` until dropped."""
+        views: list[Leaf | None] = []
+        for (_, spec), offset in zip(self.signature, self.offsets):
+            if spec.nbytes == 0:
+                views.append(None)
+            elif spec.kind == "torch":
+                dtype = _TORCH_DTYPES[spec.dtype]
+                numel = spec.nbytes // dtype.itemsize
+                views.append(torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).reshape(spec.shape))
+            else:
+                dt = np.dtype(spec.dtype)
+                views.append(np.frombuffer(buf, dtype=dt, count=spec.nbytes // dt.itemsize, offset=offset)
+                             .reshape(spec.shape))
+        return views
+
+
+def write_payload(buf: memoryview | bytearray, layout: ShardLayout, head: bytes, sources: Sequence[Leaf],
+                  destinations: Sequence[Leaf | None] | None = None) -> int:
+    """Write one payload into ``buf``: ``head``, zero padding up to ``layout.data_offset``, then each source
+    copied to its place. Returns the payload length (``layout.nbytes``).
+
+    ``sources`` are the captured leaves (or stand-ins with the same dtype and shape, e.g. pinned host
+    copies of CUDA tensors); ``destinations`` are ``layout.destinations(buf)`` if the caller keeps them.
+    Bytes between tensors are left as they are (zero in a fresh buffer).
+    """
+    if len(head) > layout.data_offset:
+        raise ShardFormatError(f"meta of {len(head)} bytes does not fit the layout's {layout.data_offset}")
+    if len(buf) < layout.nbytes:
+        raise ShardFormatError(f"buffer of {len(buf)} bytes is smaller than the payload's {layout.nbytes}")
+    buf[: len(head)] = head
+    buf[len(head) : layout.data_offset] = bytes(layout.data_offset - len(head))
+    dsts = layout.destinations(buf) if destinations is None else destinations
+    for dst, src in zip(dsts, sources):
+        if dst is None:
+            continue
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)  # releases the GIL; handles strided and conjugated sources
+        else:
+            np.copyto(dst, src, casting="no")
+    return layout.nbytes
+
+
+def encode_state(tree: Any, *, step: int, rank: int, world_size: int, topology: dict[str, Any],
+                 extra_meta: dict[str, Any] | None = None) -> bytearray:
+    """The whole payload for ``tree`` in a new buffer, with the minimal padding after the meta: the same
+    state always encodes to the same bytes."""
+    captured = capture_state(tree)
+    capacity = 0
+    while True:  # the offsets are in the meta, so its length depends on them: converges in 2-3 rounds
+        layout = ShardLayout.plan(captured, capacity)
+        head = layout.encode_head(captured, step=step, rank=rank, world_size=world_size, topology=topology,
+                                  extra_meta=extra_meta)
+        if len(head) <= layout.data_offset:
+            break
+        capacity = len(head) - _PREFIX.size
+    out = bytearray(layout.nbytes)
+    write_payload(out, layout, head, captured.leaves)  # its views of ``out`` are dropped on return
+    return out
+
+
+# -- decoding --------------------------------------------------------------------------------------------------
+
+
+def read_meta(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The meta of a shard (tree still in its JSON form). Raises ``ShardFormatError`` for bytes that are
+    not a shard, are truncated, or carry a meta that is not valid JSON."""
+    return _read_meta(_byte_view(buf))[0]
+
+
+def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _read_meta(view: memoryview) -> tuple[dict[str, Any], int]:
+    """The meta and where the tensor region may start (the first 64-byte boundary after the meta)."""
+    if len(view) < _PREFIX.size:
+        raise ShardFormatError(f"truncated shard: {len(view)} bytes, the prefix alone is {_PREFIX.size}")
+    magic, version, meta_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise ShardFormatError(f"not a Keel shard (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise ShardFormatError(f"shard format version {version}; this Keel reads version {FORMAT_VERSION}")
+    if _PREFIX.size + meta_len > len(view):
+        raise ShardFormatError(f"truncated shard: meta of {meta_len} bytes, only {len(view) - _PREFIX.size} "
+                               "bytes follow the prefix")
+    try:
+        meta = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + meta_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ShardFormatError(f"corrupt shard: meta is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ShardFormatError(f"corrupt shard: meta is a JSON {type(meta).__name__}, not an object")
+    for key, kind in (("step", int), ("rank", int), ("world_size", int), ("fingerprint", str), ("tensors", list)):
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise ShardFormatError(f"corrupt shard: meta field {key!r} missing or not {kind.__name__}")
+    if "tree" not in meta:
+        raise ShardFormatError("corrupt shard: meta has no 'tree'")
+    return meta, _align(_PREFIX.size + meta_len)
+
+
+def _tensor_spec_from_meta(i: int, entry: Any, data_start: int, total: int) -> tuple[TensorSpec, int]:
+    if not isinstance(entry, dict):
+        raise ShardFormatError(f"corrupt shard: tensors[{i}] is not an object")
+    offset, nbytes, dtype, shape, kind = (entry.get(k) for k in ("offset", "nbytes", "dtype", "shape", "kind"))
+    if not (isinstance(offset, int) and isinstance(nbytes, int) and isinstance(dtype, str)
+            and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and kind in ("torch", "numpy") and nbytes >= 0):
+        raise ShardFormatError(f"corrupt shard: tensors[{i}] = {entry!r} is malformed")
+    if kind == "torch":
+        if dtype not in _TORCH_DTYPES:
+            raise ShardFormatError(f"corrupt shard: tensors[{i}] has unknown torch dtype {dtype!r}")
+        itemsize = _TORCH_DTYPES[dtype].itemsize
+    else:
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError:
+            raise ShardFormatError(f"corrupt shard: tensors[{i}] has unknown numpy dtype {dtype!r}") from None
+        if np_dtype.hasobject:
+            raise ShardFormatError(f"corrupt shard: tensors[{i}] has an object dtype")
+        itemsize = np_dtype.itemsize
+    if math.prod(shape) * itemsize != nbytes:
+        raise ShardFormatError(f"corrupt shard: tensors[{i}] has {nbytes} bytes for shape {shape} of {dtype}")
+    if offset % ALIGN or offset < data_start:
+        raise ShardFormatError(f"corrupt shard: tensors[{i}] offset {offset} is not 64-aligned after the meta")
+    if offset + nbytes > total:
+        raise ShardFormatError(f"truncated shard: tensors[{i}] needs bytes [{offset}, {offset + nbytes}) "
+                               f"but the payload has {total}")
+    return TensorSpec(kind, dtype, tuple(shape), nbytes), offset
+
+
+def _load_leaf(view: memoryview, spec: TensorSpec, offset: int) -> Leaf:
+    if spec.kind == "numpy":
+        dt = np.dtype(spec.dtype)
+        if spec.nbytes == 0:
+            return np.empty(spec.shape, dtype=dt)
+        return np.frombuffer(view, dtype=dt, count=spec.nbytes // dt.itemsize, offset=offset).reshape(spec.shape).copy()
+    dtype = _TORCH_DTYPES[spec.dtype]
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=dtype)
+    raw = np.frombuffer(view, dtype=np.uint8, count=spec.nbytes, offset=offset).copy()  # owned, writable
+    return torch.from_numpy(raw).view(dtype).reshape(spec.shape)
+
+
+def decode_shard(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], Any]:
+    """``(meta, tree)`` from a payload; the tree's tensors and arrays own their memory (copies).
+
+    ``meta`` is the meta without ``tree`` (``tensors`` kept). Raises ``ShardFormatError`` when the bytes
+    are not a shard, are truncated, or are inconsistent (bad references, a fingerprint that does not
+    match the tree).
+    """
+    view = _byte_view(buf)
+    meta, data_start = _read_meta(view)
+    entries = [_tensor_spec_from_meta(i, e, data_start, len(view)) for i, e in enumerate(meta["tensors"])]
+    paths: list[Path] = []
+    specs: list[TensorSpec] = []
+
+    def dec(obj: Any, path: Path) -> Any:
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, list):
+            return [dec(v, path + (i,)) for i, v in enumerate(obj)]
+        if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+            raise ShardFormatError(f"corrupt shard: {_path_text(path)} is an untagged JSON object")
+        tag = obj["t"]
+        try:
+            if tag == "dict":
+                out: dict[Any, Any] = {}
+                for key_json, value_json in obj["v"]:
+                    key = dec(key_json, path + ("<key>",))
+                    try:
+                        out[key] = dec(value_json, path + (key,))
+                    except TypeError:
+                        raise ShardFormatError(f"corrupt shard: {_path_text(path)} has an unhashable key") from None
+                return out
+            if tag == "tuple":
+                return tuple(dec(v, path + (i,)) for i, v in enumerate(obj["v"]))
+            if tag == "float":
+                return float(obj["v"]) if obj["v"] in ("nan", "inf", "-inf") else _bad(path, obj)
+            if tag in ("bytes", "bytearray"):
+                raw = base64.b64decode(obj["v"], validate=True)
+                return raw if tag == "bytes" else bytearray(raw)
+            if tag == "np":
+                return np.frombuffer(base64.b64decode(obj["v"], validate=True), dtype=np.dtype(obj["dtype"]))[0]
+            if tag in ("tensor", "ndarray"):
+                index = obj["i"]
+                if not isinstance(index, int) or not 0 <= index < len(entries):
+                    raise ShardFormatError(f"corrupt shard: {_path_text(path)} refers to tensor {index!r} "
+                                           f"of {len(entries)}")
+                spec, offset = entries[index]
+                if (spec.kind == "torch") != (tag == "tensor"):
+                    raise ShardFormatError(f"corrupt shard: {_path_text(path)} is a {tag} but tensors[{index}] "
+                                           f"is {spec.kind}")
+                paths.append(path)
+                specs.append(spec)
+                return _load_leaf(view, spec, offset)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            if isinstance(exc, ShardFormatError):
+                raise
+            raise ShardFormatError(f"corrupt shard: {_path_text(path)} = {obj!r:.200}: {exc}") from None
+        raise ShardFormatError(f"corrupt shard: {_path_text(path)} has unknown tag {tag!r}")
+
+    tree = dec(meta.pop("tree"), ())
+    actual = _fingerprint(paths, specs)
+    if actual != meta["fingerprint"]:
+        raise ShardFormatError(f"corrupt shard: fingerprint mismatch (meta says {meta['fingerprint'][:12]}, the "
+                               f"tree's tensors give {actual[:12]})")
+    return meta, tree
+
+
+def _bad(path: Path, obj: Any) -> Any:
+    raise ShardFormatError(f"corrupt shard: {_path_text(path)} = {obj!r:.200} is not a valid value")

@@ -1,0 +1,48 @@
+"""``keel service actuator --cluster-dir DIR``: carry out evictions and standby refills on a local cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from keel.actuator.adapter import ActuatorService
+from keel.actuator.local import LocalActuator
+from keel.infra.bus import Bus
+from keel.infra.config import Settings
+from keel.infra.service import service_main
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings, nats_url: str, cluster_dir: Path, stop: asyncio.Event,
+                on_ready: Callable[[], None] = lambda: None) -> None:
+    bus = await Bus.connect(nats_url, settings.bus, name="keel-actuator")
+    service = ActuatorService(bus, LocalActuator(cluster_dir))
+    try:
+        await service.start()
+        log.info("actuator (local, %s): consuming commands", cluster_dir)
+        on_ready()
+        await service.run(stop)
+    finally:
+        await bus.close()
+
+
+def main() -> int:
+    """``keel-actuator``: the local actuator over the cluster in ``$KEEL_CLUSTER_DIR`` (default
+    ``<home>/cluster``)."""
+    import os
+
+    from keel.cluster.local import cluster_dir
+
+    def serve_local(settings: Settings, nats_url: str, _database_url: str, stop: asyncio.Event,
+                    on_ready: Callable[[], None]) -> Coroutine[Any, Any, None]:
+        return serve(settings, nats_url, cluster_dir(settings, os.environ.get("KEEL_CLUSTER_DIR")), stop, on_ready)
+
+    return service_main("actuator", serve_local)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""The agent's end of the node-local channel: a Unix datagram socket receiving ``RankReport``s.
+
+Reports are tracked per (rank, generation): the latest phase and step, when the last report arrived
+and when the step last advanced (agent clock, UTC), and recent step times for timeout calibration.
+Malformed datagrams are counted and dropped; they never stop the agent.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from keel.protocol import node_local_pb2
+from keel.rules.metrics import MetricSample
+
+log = logging.getLogger(__name__)
+
+PHASE_NAMES = {
+    node_local_pb2.PHASE_UNSPECIFIED: "setup",
+    node_local_pb2.PHASE_SETUP: "setup",
+    node_local_pb2.PHASE_STEP: "step",
+    node_local_pb2.PHASE_CHECKPOINT: "checkpoint",
+    node_local_pb2.PHASE_EVAL: "eval",
+    node_local_pb2.PHASE_DONE: "done",
+    node_local_pb2.PHASE_FAILED: "failed",
+}
+
+
+@dataclass
+class RankState:
+    rank: int
+    pid: int
+    generation: int
+    phase: str = "setup"
+    step: int = -1
+    first_report_at: datetime | None = None
+    last_report_at: datetime | None = None
+    last_progress_at: datetime | None = None
+    step_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    compute_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    metric_samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=300))
+    """Per step: loss, gradient norm and tokens/s as reported (``keel.rules.metrics.MetricSample``)."""
+    """Per step: the time outside collectives (only when the loop marks its collective waits)."""
+    loss: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    error: str = ""
+    """With phase ``failed``: the uncaught exception the rank reported."""
+    last_seq: int = 0
+    dropped: int = 0
+    """Reports the rank sent that never arrived (gaps in ``seq``)."""
+    checkpoint_step: int = -1
+    """The newest step whose shared-memory snapshot the rank completed (-1: none)."""
+    groups: dict[str, list[int]] | None = None
+    """The rank's parallel groups (``dp``, ``pp``, ``tp``: global ranks), once its Checkpointer exists."""
+
+
+class RankChannel:
+    """Binds the socket and folds incoming reports into ``ranks`` (keyed by global rank)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ranks: dict[int, RankState] = {}
+        self.malformed = 0
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+
+    def drain(self, now: datetime, generation: int) -> int:
+        """Read every datagram waiting; ignore reports of other generations. Returns how many were read."""
+        count = 0
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return count
+            count += 1
+            try:
+                report = node_local_pb2.RankReport.FromString(data)
+            except DecodeError:
+                self.malformed += 1
+                continue
+            if report.generation != generation:
+                continue
+            self.apply(report, now)
+
+    def apply(self, report: node_local_pb2.RankReport, now: datetime) -> None:
+        state = self.ranks.get(report.rank)
+        if state is None or state.pid != report.pid or state.generation != report.generation:
+            state = RankState(rank=report.rank, pid=report.pid, generation=report.generation, first_report_at=now)
+            self.ranks[report.rank] = state
+        if report.seq and report.seq <= state.last_seq:
+            return  # reordered or duplicated datagram
+        if state.last_seq and report.seq > state.last_seq + 1:
+            state.dropped += report.seq - state.last_seq - 1
+        state.last_seq = report.seq
+        state.last_report_at = now
+        phase = PHASE_NAMES.get(report.phase, "setup")
+        if phase != state.phase:
+            state.last_progress_at = now  # entering a checkpoint or eval restarts the clock
+        state.phase = phase
+        if report.step > state.step:
+            if state.step >= 0 and report.step_time_s > 0:
+                state.step_times_s.append(report.step_time_s)
+                if report.compute_time_s > 0:
+                    state.compute_times_s.append(report.compute_time_s)
+            state.metric_samples.append(MetricSample(step=report.step, loss=report.loss, grad_norm=report.grad_norm,
+                                                     tokens_per_s=report.tokens_per_s or None, rank=report.rank))
+            state.step = report.step
+            state.last_progress_at = now
+        elif state.last_progress_at is None:
+            state.last_progress_at = now
+        state.loss = report.loss
+        state.grad_norm = report.grad_norm
+        state.tokens_per_s = report.tokens_per_s
+        if report.error:
+            state.error = report.error
+        if report.HasField("checkpoint_step") and report.checkpoint_step > state.checkpoint_step:
+            state.checkpoint_step = report.checkpoint_step
+        if report.checkpoint_groups_json and state.groups is None:
+            state.groups = _parse_groups(report.checkpoint_groups_json, report.rank)
+
+    def forget_generation_before(self, generation: int) -> None:
+        self.ranks = {r: s for r, s in self.ranks.items() if s.generation >= generation}
+
+
+def _parse_groups(text: str, rank: int) -> dict[str, list[int]] | None:
+    """``{"dp": [...], "pp": [...], "tp": [...]}`` from a rank, or None (logged) when malformed."""
+    try:
+        raw = json.loads(text)
+        groups = {kind: [int(r) for r in raw.get(kind, [rank])] for kind in ("dp", "pp", "tp")}
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.warning("rank %d sent malformed checkpoint groups %r: %s", rank, text[:200], exc)
+        return None
+    return groups

@@ -1,0 +1,78 @@
+"""The controller's I/O: the shared decider loop plus the clock.
+
+- Decisions: ``DeciderRunner`` over the controller core (cold start from the store, then live).
+- Clock: every ``controller.clock_interval`` a ``TimerTicked(now)`` per job whose rules depend on time
+  (a running job's heartbeat silence, a diagnostics deadline), published like any event, so the
+  core - and a replay - sees exactly the time the live run saw. The core never reads the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import datetime
+
+from keel.controller.core import ControllerDecider, ControllerPolicy, ControllerState
+from keel.events.envelope import Event, now_utc
+from keel.events.types import TimerTicked
+from keel.infra.bus import Bus
+from keel.infra.config import Settings
+from keel.infra.runner import DeciderRunner
+from keel.infra.store import EventStore
+
+log = logging.getLogger(__name__)
+
+CLOCK = "controller-clock"
+
+
+def decider_from_settings(settings: Settings) -> ControllerDecider:
+    c = settings.controller
+    return ControllerDecider(ControllerPolicy(
+        command_ttl=c.command_ttl, observe_only=c.observe_only, diagnostics_timeout=c.diagnostics_timeout,
+        diagnostics_ack_timeout=c.diagnostics_ack_timeout, stack_analysis=c.stack_analysis,
+        stacks_timeout=c.stacks_timeout, stacks_verdict_timeout=c.stacks_verdict_timeout,
+        sdc_replay=c.sdc_replay, sdc_replay_timeout=c.sdc_replay_timeout,
+        node_silence_timeout=c.node_silence_timeout, eviction_window=c.eviction_window,
+        max_evictions=c.max_evictions, max_eviction_fraction=c.max_eviction_fraction,
+        restart_window=c.restart_window, restart_budget=c.restart_budget, max_same_failure=c.max_same_failure,
+        approval_required=frozenset(c.approval_required), standby_min=c.standby_min,
+        standby_replacement_window=c.standby_replacement_window))
+
+
+class Controller:
+    """The running service: ``start()`` (cold start), then ``run(stop)``."""
+
+    def __init__(self, bus: Bus, store: EventStore | None, settings: Settings, *,
+                 clock: Callable[[], datetime] = now_utc, fetch_timeout_s: float = 0.2) -> None:
+        self.decider = decider_from_settings(settings)
+        self.runner = DeciderRunner(self.decider, bus, store, fetch_timeout_s=fetch_timeout_s)
+        self.bus = bus
+        self.clock = clock
+        self.tick_interval_s = settings.controller.clock_interval.total_seconds()
+        self.ticks = 0
+
+    @property
+    def state(self) -> ControllerState:
+        return self.runner.session.state
+
+    async def start(self) -> None:
+        await self.runner.start()
+
+    async def tick_clock(self) -> list[Event]:
+        now = self.clock()
+        ticks = [Event.create(TimerTicked(now=now), job_id=job_id, subject="clock/controller", producer=CLOCK,
+                              occurred_at=now) for job_id in self.decider.needs_clock(self.state)]
+        if ticks:
+            await self.bus.publish_many(ticks)
+            self.ticks += len(ticks)
+        return ticks
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while not stop.is_set():
+            await self.runner.run_once()
+            if loop.time() >= next_tick:
+                next_tick = loop.time() + self.tick_interval_s
+                await self.tick_clock()

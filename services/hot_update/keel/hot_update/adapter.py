@@ -1,0 +1,25 @@
+"""Hot-update's I/O: the shared decider loop (cold start from the store, then live events).
+
+Time comes from the controller's recorded ``TimerTicked`` events (it ticks every running job), so this
+service keeps no clock of its own and a replay sees the same deadlines.
+"""
+
+from __future__ import annotations
+
+from keel.hot_update.core import HotUpdateDecider, HotUpdatePolicy, HotUpdateState
+from keel.infra.bus import Bus
+from keel.infra.config import Settings
+from keel.infra.service import RunnerService
+from keel.infra.store import EventStore
+
+
+def decider_from_settings(settings: Settings) -> HotUpdateDecider:
+    h = settings.hot_update
+    return HotUpdateDecider(HotUpdatePolicy(stable_steps=h.stable_steps, stable_time=h.stable_time))
+
+
+class HotUpdate(RunnerService[HotUpdateState]):
+    """The running service: ``start()`` (cold start), then ``run(stop)``."""
+
+    def __init__(self, bus: Bus, store: EventStore | None, settings: Settings, *, fetch_timeout_s: float = 0.2) -> None:
+        super().__init__(decider_from_settings(settings), bus, store, fetch_timeout_s=fetch_timeout_s)

@@ -1,0 +1,74 @@
+"""Recorder core: pure projection logic and batch classification. No I/O here.
+
+A projection turns newly recorded events into row upserts for a read model. The adapter applies them
+in the same transaction as the events themselves, so a read model is never ahead of or behind the log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from keel.events.envelope import Event
+from keel.events.types import NodeEvicted, NodeHealthChanged
+
+
+@dataclass(frozen=True)
+class Upsert:
+    """Set ``values`` on the row of ``table`` identified by ``key`` (insert it if missing)."""
+
+    table: str
+    key: tuple[tuple[str, Any], ...]
+    values: tuple[tuple[str, Any], ...]
+    only_if_newer: str | None = None
+    """A column among ``values``: update an existing row only if this value is not older than the
+    stored one (redelivered events arrive out of order; a read model must not go back in time)."""
+    order: Any = None
+    """That column's value, to merge several upserts of one batch in time order."""
+
+
+class Projection(Protocol):
+    name: str
+
+    def project(self, events: list[Event]) -> list[Upsert]:
+        """Row changes for these newly recorded events, in order; later upserts win."""
+        ...
+
+
+@dataclass
+class NodeStatusProjection:
+    """``node_status``: each node's latest health and whether it was evicted."""
+
+    name: str = "node_status"
+
+    def project(self, events: list[Event]) -> list[Upsert]:
+        upserts = []
+        for event in events:
+            payload = event.payload
+            key = (("job_id", event.job_id), ("node_id", getattr(payload, "node_id", "")))
+            if isinstance(payload, NodeHealthChanged):
+                values = (
+                    ("health", payload.status),
+                    ("detail", f"{payload.component}/{payload.check}: {payload.detail}".strip()),
+                    ("last_event_id", event.id),
+                    ("updated_at", event.occurred_at),
+                )
+            elif isinstance(payload, NodeEvicted) and payload.outcome == "evicted":
+                values = (("evicted", True), ("last_event_id", event.id), ("updated_at", event.occurred_at))
+            else:
+                continue
+            upserts.append(Upsert("node_status", key, values, only_if_newer="updated_at", order=event.occurred_at))
+        return upserts
+
+
+@dataclass
+class BatchPlan:
+    """How the adapter should treat one fetched batch."""
+
+    accepted: list[tuple[int, dict[str, Any], Event]] = field(default_factory=list)
+    """(stream sequence, envelope as sent, event) for every valid message, in stream order."""
+    rejected: list[tuple[int, str]] = field(default_factory=list)
+    """(stream sequence, reason) for every message to dead-letter."""
+
+
+DEFAULT_PROJECTIONS: tuple[Projection, ...] = (NodeStatusProjection(),)
