@@ -1,4 +1,4 @@
-"""The one service loop: fetch -> evolve/decide -> publish -> ack. No service writes its own.
+"""The decider loop: fetch -> evolve/decide -> publish -> ack, on the shared consumer (``keel.infra.consumer``).
 
 Cold start: the runner folds the recorded log from Postgres (evolve only, no decisions), remembering
 the last JetStream sequence it folded and which inputs already have recorded decisions. Then it
@@ -18,8 +18,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from keel.events.envelope import Event, InvalidEvent, decode_event
-from keel.infra.bus import Bus, fetch_batch, stream_sequence
+from keel.events.envelope import Event
+from keel.infra.bus import Bus
+from keel.infra.consumer import EventConsumer
 from keel.infra.store import EventStore
 from keel.kernel.decider import Decider, DeciderSession, StepResult, materialise
 
@@ -38,6 +39,9 @@ class RunnerStats:
 
 
 class DeciderRunner(Generic[S]):
+    """One decider on the shared consumer loop (``keel.infra.consumer``): cold start from the store, then
+    live. ``start()``, then ``run(stop)`` (or ``run_once()`` per batch)."""
+
     def __init__(
         self,
         decider: Decider[S],
@@ -54,12 +58,12 @@ class DeciderRunner(Generic[S]):
         self.store = store
         self.consumer = consumer or decider.name
         self.job_id = job_id
-        self.batch_size = batch_size
-        self.fetch_timeout_s = fetch_timeout_s
         self.stats = RunnerStats()
         self._folded_js_seq = 0
         self._decided_causes: set[uuid.UUID] = set()
-        self._sub = None
+        subject = f"{bus.settings.subject_prefix}.{job_id or '*'}.>"
+        self._events = EventConsumer(bus, self.consumer, [subject], batch_size=batch_size,
+                                     fetch_timeout_s=fetch_timeout_s)
 
     async def start(self) -> None:
         if self.store is not None:
@@ -70,43 +74,34 @@ class DeciderRunner(Generic[S]):
                 event = recorded.event
                 if event.producer == self.session.decider.name and event.causation_id:
                     self._decided_causes.add(event.causation_id)
-        subject = f"{self.bus.settings.subject_prefix}.{self.job_id or '*'}.>"
-        self._sub = await self.bus.pull_consumer(self.consumer, filter_subject=subject)
+        await self._events.start()
 
     async def run(self, stop: asyncio.Event) -> None:
-        if self._sub is None:
+        if not self._events.started:
             await self.start()
         while not stop.is_set():
             await self.run_once()
 
     async def run_once(self) -> int:
-        assert self._sub is not None, "call start() first"
-        msgs = await fetch_batch(self._sub, self.batch_size, self.fetch_timeout_s)
-        for msg in msgs:
-            try:
-                event = decode_event(msg.data, max_bytes=self.bus.settings.max_event_bytes)
-            except InvalidEvent as exc:
-                log.warning("%s: ignoring malformed message on %s: %s", self.consumer, msg.subject, exc.reason)
-                self.stats.malformed += 1
-                await msg.term()
-                continue
-            seq = stream_sequence(msg)
-            if seq <= self._folded_js_seq and (
-                event.producer == self.session.decider.name or event.id in self._decided_causes
-            ):
-                self.stats.skipped_redelivered += 1
-                await msg.ack()
-                continue
-            result = self.session.observe(event) if seq > self._folded_js_seq else self._decide_only(event)
-            if result is not None and result.decision is not None:
-                self.stats.decisions += 1
-                log.info("%s decided on %s %s: %s", self.consumer, event.type, event.id, result.decision.reason)
-                if result.emitted:
-                    await self.bus.publish_many(result.emitted)
-                    self.stats.emitted += len(result.emitted)
-            await msg.ack()
-            self.stats.handled += 1
-        return len(msgs)
+        assert self._events.started, "call start() first"
+        count = await self._events.run_once(self._handle)
+        self.stats.malformed = self._events.stats.malformed
+        return count
+
+    async def _handle(self, event: Event, seq: int) -> None:
+        if seq <= self._folded_js_seq and (
+            event.producer == self.session.decider.name or event.id in self._decided_causes
+        ):
+            self.stats.skipped_redelivered += 1
+            return
+        result = self.session.observe(event) if seq > self._folded_js_seq else self._decide_only(event)
+        if result is not None and result.decision is not None:
+            self.stats.decisions += 1
+            log.info("%s decided on %s %s: %s", self.consumer, event.type, event.id, result.decision.reason)
+            if result.emitted:
+                await self.bus.publish_many(result.emitted)
+                self.stats.emitted += len(result.emitted)
+        self.stats.handled += 1
 
     def _decide_only(self, event: Event) -> StepResult[S] | None:
         # Folded during the cold start but never decided on (the service died in between): decide on

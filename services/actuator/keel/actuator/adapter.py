@@ -14,9 +14,10 @@ from collections.abc import Callable
 from datetime import datetime
 
 from keel.actuator.core import Actuator, ActuatorError, eviction_outcome, refill_count
-from keel.events.envelope import Event, InvalidEvent, decode_event, now_utc
+from keel.events.envelope import Event, now_utc
 from keel.events.types import NodeEvicted, NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested
-from keel.infra.bus import Bus, fetch_batch
+from keel.infra.bus import Bus
+from keel.infra.consumer import EventConsumer
 from keel.kernel.decider import decision_id
 
 log = logging.getLogger(__name__)
@@ -29,45 +30,37 @@ class ActuatorService:
         self.producer = f"actuator-{actuator.name}"
         self.fetch_timeout_s = fetch_timeout_s
         self.carried_out: list[str] = []
-        self._sub = None
+        prefix, job = bus.settings.subject_prefix, job_id or "*"
+        self._commands = EventConsumer(bus, self.producer, [f"{prefix}.{job}.node.NodeEvictionDecided",
+                                                            f"{prefix}.{job}.node.StandbyPromotionRequested",
+                                                            f"{prefix}.{job}.job.StandbyRefillRequested"],
+                                       fetch_timeout_s=fetch_timeout_s)
 
     async def start(self) -> None:
-        prefix, job = self.bus.settings.subject_prefix, self.job_id or "*"
-        self._sub = await self.bus.pull_consumer(
-            self.producer, filter_subjects=[f"{prefix}.{job}.node.NodeEvictionDecided",
-                                            f"{prefix}.{job}.node.StandbyPromotionRequested",
-                                            f"{prefix}.{job}.job.StandbyRefillRequested"])
+        await self._commands.start()
 
     async def run(self, stop: asyncio.Event) -> None:
-        if self._sub is None:
+        if not self._commands.started:
             await self.start()
-        while not stop.is_set():
-            await self.run_once()
+        await self._commands.run(self._handle, stop)
 
     async def run_once(self) -> int:
-        assert self._sub is not None
-        msgs = await fetch_batch(self._sub, 16, self.fetch_timeout_s)
-        for msg in msgs:
+        assert self._commands.started, "call start() first"
+        return await self._commands.run_once(self._handle)
+
+    async def _handle(self, command: Event, _seq: int) -> None:
+        if isinstance(command.payload, NodeEvictionDecided):
+            await self._evict(command, command.payload)
+        elif isinstance(command.payload, StandbyRefillRequested):
+            await self._refill(command, command.payload)
+        elif isinstance(command.payload, StandbyPromotionRequested):
+            # Bookkeeping, not an action (the standby's agent carries the promotion out): the node no
+            # longer counts as a standby, so the refill in the same decision starts a new one.
             try:
-                command = decode_event(msg.data, max_bytes=self.bus.settings.max_event_bytes)
-            except InvalidEvent as exc:
-                log.warning("%s: malformed command on %s: %s", self.producer, msg.subject, exc.reason)
-                await msg.term()
-                continue
-            if isinstance(command.payload, NodeEvictionDecided):
-                await self._evict(command, command.payload)
-            elif isinstance(command.payload, StandbyRefillRequested):
-                await self._refill(command, command.payload)
-            elif isinstance(command.payload, StandbyPromotionRequested):
-                # Bookkeeping, not an action (the standby's agent carries the promotion out): the node no
-                # longer counts as a standby, so the refill in the same decision starts a new one.
-                try:
-                    await asyncio.to_thread(self.actuator.mark_promoted, command.payload.node_id)
-                except (ActuatorError, OSError) as exc:
-                    log.warning("%s: could not record the promotion of %s: %s", self.producer,
-                                command.payload.node_id, exc)
-            await msg.ack()
-        return len(msgs)
+                await asyncio.to_thread(self.actuator.mark_promoted, command.payload.node_id)
+            except (ActuatorError, OSError) as exc:
+                log.warning("%s: could not record the promotion of %s: %s", self.producer,
+                            command.payload.node_id, exc)
 
     async def _evict(self, command: Event, payload: NodeEvictionDecided) -> None:
         now = self.clock()

@@ -28,8 +28,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from keel.events.envelope import InvalidEvent, decode_wire
-from keel.infra.bus import Bus, fetch_batch, stream_sequence
+from keel.infra.bus import Bus, stream_sequence
 from keel.infra.config import RecorderSettings
+from keel.infra.consumer import EventConsumer
 from keel.infra.store import append_events, event_row, metadata, record_dead_letter, save_tracking
 from keel.recorder.core import DEFAULT_PROJECTIONS, BatchPlan, Projection, Upsert
 
@@ -71,12 +72,13 @@ class Recorder:
         self.settings = settings
         self.projections = list(projections)
         self.stats = RecorderStats()
-        self._sub = None
-
-    async def start(self) -> None:
         # Explicit acks, never AckAll: after a crash, the dead process's unacknowledged deliveries are
         # still outstanding, and an AckAll from the successor would acknowledge them unrecorded.
-        self._sub = await self.bus.pull_consumer(self.settings.consumer, max_deliver=-1)
+        self._events = EventConsumer(bus, settings.consumer, batch_size=settings.batch_size,
+                                     fetch_timeout_s=settings.fetch_timeout.total_seconds(), max_deliver=-1)
+
+    async def start(self) -> None:
+        await self._events.start()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Record until ``stop`` is set. Returns after the batch in hand is durable and acknowledged.
@@ -86,7 +88,7 @@ class Recorder:
         ``stop`` is set is still recorded (it has been delivered; leaving it unacknowledged would hold
         it back for ``ack_wait`` after a restart).
         """
-        if self._sub is None:
+        if not self._events.started:
             await self.start()
         fetching = asyncio.create_task(self._fetch())
         try:
@@ -106,8 +108,8 @@ class Recorder:
         return await self._record(await self._fetch())
 
     async def _fetch(self) -> list[Msg]:
-        assert self._sub is not None, "call start() first"
-        return await fetch_batch(self._sub, self.settings.batch_size, self.settings.fetch_timeout.total_seconds())
+        assert self._events.started, "call start() first"
+        return await self._events.fetch()
 
     async def _record(self, msgs: list[Msg]) -> int:
         if not msgs:

@@ -1,0 +1,93 @@
+"""The one consumer loop: fetch a batch from a durable JetStream consumer -> decode -> handle -> ack.
+
+Every process that consumes events uses it: the decider runner (controller, broker, analyzer, hot-update),
+the actuator and the node agent hand it a handler per event; the recorder, which writes whole batches in
+one transaction, takes the raw batches from ``fetch``.
+
+The contract, the same for every consumer:
+- A message that is not a valid event (``decode_event`` refuses it) is logged and terminated: never
+  redelivered, never handed to the handler. The recorder dead-letters it with the reason.
+- A message is acknowledged only after its handler returns. A handler that raises leaves the message
+  unacknowledged and the exception propagates (crash-only: the process restarts and sees it again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from keel.events.envelope import Event, InvalidEvent, decode_event
+from keel.infra.bus import BatchPuller, Bus, fetch_batch, stream_sequence
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Event, int], Awaitable[None]]
+"""``handle(event, stream_sequence)``: called once per valid message, in stream order; ack follows."""
+
+
+@dataclass
+class ConsumerStats:
+    handled: int = 0
+    malformed: int = 0
+
+
+class EventConsumer:
+    """A durable pull consumer on the events stream (``durable``), filtered to ``filter_subjects`` (all of
+    the stream when empty). ``start()`` creates or binds it; ``run_once(handle)`` handles one batch;
+    ``run(handle, stop)`` loops until ``stop``; ``fetch()`` returns a raw batch for batch consumers."""
+
+    def __init__(self, bus: Bus, durable: str, filter_subjects: list[str] | None = None, *, batch_size: int = 16,
+                 fetch_timeout_s: float = 0.5, max_deliver: int | None = None) -> None:
+        self.bus = bus
+        self.durable = durable
+        self.filter_subjects = list(filter_subjects or [])
+        self.batch_size = batch_size
+        self.fetch_timeout_s = fetch_timeout_s
+        self.max_deliver = max_deliver
+        self.stats = ConsumerStats()
+        self._sub: BatchPuller | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._sub is not None
+
+    async def start(self) -> None:
+        if len(self.filter_subjects) == 1:
+            self._sub = await self.bus.pull_consumer(self.durable, filter_subject=self.filter_subjects[0],
+                                                     max_deliver=self.max_deliver)
+        else:
+            self._sub = await self.bus.pull_consumer(self.durable, filter_subjects=self.filter_subjects or None,
+                                                     max_deliver=self.max_deliver)
+
+    async def fetch(self, batch_size: int | None = None, timeout_s: float | None = None) -> list[Msg]:
+        """Up to ``batch_size`` raw messages; an empty list when none came within the fetch timeout."""
+        if self._sub is None:
+            await self.start()
+        assert self._sub is not None
+        return await fetch_batch(self._sub, batch_size or self.batch_size,
+                                 self.fetch_timeout_s if timeout_s is None else timeout_s)
+
+    async def run_once(self, handle: Handler) -> int:
+        """Handle one batch; returns how many messages it held (malformed ones included)."""
+        msgs = await self.fetch()
+        for msg in msgs:
+            try:
+                event = decode_event(msg.data, max_bytes=self.bus.settings.max_event_bytes)
+            except InvalidEvent as exc:
+                log.warning("%s: ignoring malformed message on %s: %s", self.durable, msg.subject, exc.reason)
+                self.stats.malformed += 1
+                await msg.term()
+                continue
+            await handle(event, stream_sequence(msg))
+            await msg.ack()
+            self.stats.handled += 1
+        return len(msgs)
+
+    async def run(self, handle: Handler, stop: asyncio.Event) -> None:
+        """Handle batches until ``stop`` is set (the batch in hand is finished first)."""
+        while not stop.is_set():
+            await self.run_once(handle)
