@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from keel.checkpoint import disk as ckpt_disk
-from keel.checkpoint_broker.adapter import CLOCK, PERSISTER, CheckpointBroker
+from keel.checkpoint_broker.adapter import PERSISTER, CheckpointBroker
 from keel.checkpoint_broker.core import CheckpointBrokerDecider
 from keel.events.envelope import Event, decode_event
 from keel.events.types import (
+    CLOCK_PRODUCER,
     CheckpointInventoryReported,
     CheckpointRanksRegistered,
     CheckpointShardsStored,
@@ -25,6 +26,7 @@ from keel.events.types import (
     ShardRecord,
 )
 from keel.infra.bus import fetch_batch
+from keel.infra.clock import JobClock
 from keel.infra.config import CheckpointSettings, Settings
 from keel.kernel.decider import DeciderSession
 from tests.factories import T0
@@ -178,9 +180,25 @@ def memory_entry(rank: int, step: int) -> InventoryEntry:
     return InventoryEntry(rank=rank, tier="memory", step=step, bytes=10, digest=f"{rank}{step}".ljust(64, "0"))
 
 
+async def run_job_clock(keel_env, interval: timedelta) -> JobClock:  # type: ignore[no-untyped-def]
+    """The one job clock, as the controller's process runs it, ticking this test's job."""
+    clock = JobClock(keel_env.bus, lambda: [JOB], interval)
+    stop = asyncio.Event()
+    keel_env.stops.append(stop)
+
+    async def tick() -> None:
+        while not stop.is_set():
+            await clock.tick()
+            await asyncio.sleep(interval.total_seconds())
+
+    keel_env.tasks.append(asyncio.create_task(tick()))
+    return clock
+
+
 async def test_restore_plans_when_every_inventory_arrived_or_after_the_timeout(keel_env, scratch_dir) -> None:
     observer = await Observer(keel_env).start()
     await start_broker(keel_env, scratch_dir / "persist")
+    await run_job_clock(keel_env, timedelta(seconds=1))
     await keel_env.bus.publish_many(registrations())
     await observer.wait_for(of_type("CheckpointBackupAssigned"))
 
@@ -191,13 +209,13 @@ async def test_restore_plans_when_every_inventory_arrived_or_after_the_timeout(k
     assert plan.payload.step == 41 and {s.tier for s in plan.payload.sources} == {"memory"}
     assert not [e for e in observer.seen if e.type == "CheckpointTierFallback"]
 
-    # Generation 2: n3 never answers. After the 1 s wait the broker's clock ticks and it plans with
+    # Generation 2: n3 never answers. After the 1 s wait the job clock ticks and the broker plans with
     # what arrived; n3's rank has no copy anywhere, so the job starts fresh and says why.
     await keel_env.bus.publish_many([inventory(f"n{r}", 2, [memory_entry(r, 50)], 20) for r in range(3)])
     [fresh] = await observer.wait_for(of_type("CheckpointRestorePlanned", generation=2), timeout_s=30)
     assert fresh.payload.step == -1 and "absent: n3" in fresh.payload.reason
     ticks = [e for e in observer.seen if e.type == "TimerTicked"]
-    assert ticks and all(t.producer == CLOCK for t in ticks)
+    assert ticks and all(t.producer == CLOCK_PRODUCER for t in ticks)
     assert fresh.causation_id in {t.id for t in ticks}
     [job_level] = await observer.wait_for(of_type("CheckpointTierFallback", generation=2))
     assert (job_level.payload.rank, job_level.payload.to_tier) == (-1, "none")

@@ -13,6 +13,7 @@ from keel.agent.stack_capture import captured_threads
 from keel.analyzer.core import AnalyzerDecider
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
+    CLOCK_PRODUCER,
     CapturedProcess,
     MissingProcess,
     RankStarted,
@@ -91,14 +92,14 @@ def test_a_rank_hung_in_a_pipeline_stage_is_found_and_its_pipeline_named() -> No
     assert v.outlier_stacks and v.dominant_stack
     # Judged once: a late duplicate part and the deadline change nothing.
     assert job.capture("n1", "pipeline") == []
-    assert job.feed(TimerTicked(now=T0 + timedelta(seconds=30)), "clock/controller", producer="controller-clock") == []
+    assert job.feed(TimerTicked(now=T0 + timedelta(seconds=30)), "clock/j", producer=CLOCK_PRODUCER) == []
 
 
 def test_a_silent_node_is_missing_evidence_at_the_deadline_never_healthy() -> None:
     job = Round()
     job.capture("n0", "hang", drop_rank=1)
-    assert job.feed(TimerTicked(now=T0 + timedelta(seconds=5)), "clock/controller", producer="controller-clock") == []
-    [verdict] = job.feed(TimerTicked(now=T0 + timedelta(seconds=11)), "clock/controller", producer="controller-clock")
+    assert job.feed(TimerTicked(now=T0 + timedelta(seconds=5)), "clock/j", producer=CLOCK_PRODUCER) == []
+    [verdict] = job.feed(TimerTicked(now=T0 + timedelta(seconds=11)), "clock/j", producer=CLOCK_PRODUCER)
     v = verdict.payload
     assert any(m.startswith("rank 2: n1 sent no stacks") for m in v.missing), v.missing
     assert any(m.startswith("rank 1 (pid 99): n0: py-spy failed") for m in v.missing), v.missing

@@ -10,7 +10,14 @@ from datetime import UTC, datetime, timedelta
 from keel.analyzer.core import AnalyzerDecider
 from keel.analyzer.failslow_rounds import FailSlowPolicy
 from keel.events.envelope import Event, EventPayload
-from keel.events.types import CheckpointRanksRegistered, FailSlowConvicted, NodeHeartbeat, RankGroups, TimerTicked
+from keel.events.types import (
+    CLOCK_PRODUCER,
+    CheckpointRanksRegistered,
+    FailSlowConvicted,
+    NodeHeartbeat,
+    RankGroups,
+    TimerTicked,
+)
 from keel.kernel.decider import DeciderSession
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
@@ -46,7 +53,7 @@ class Job:
                            * (1 + slow.get(node, 0.0)) for r in ranks}
                 self.feed(NodeHeartbeat(node_id=node, ranks_alive=len(ranks), ranks_expected=len(ranks),
                                         rank_compute_time_p50_s=compute), f"node/{node}")
-            emitted += self.feed(TimerTicked(now=self.now), "clock/j", producer="controller")
+            emitted += self.feed(TimerTicked(now=self.now), "clock/j", producer=CLOCK_PRODUCER)
         return [e for e in emitted if isinstance(e.payload, FailSlowConvicted)]
 
 

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from keel.analyzer.core import AnalyzerDecider
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
+    CLOCK_PRODUCER,
     SdcGroupResult,
     SdcPhase,
     SdcReplayAnalyzed,
@@ -143,7 +144,8 @@ def test_nobody_ran_is_incomplete() -> None:
 def ev(payload: EventPayload, at: datetime, correlation: uuid.UUID | None = None) -> Event:
     subject = (f"node/{payload.node_id}" if isinstance(payload, SdcReplayCompleted)
                else "clock/j" if isinstance(payload, TimerTicked) else "job/j")
-    return Event.create(payload, job_id="j", subject=subject, producer="test", occurred_at=at, correlation_id=correlation)
+    producer = CLOCK_PRODUCER if isinstance(payload, TimerTicked) else "test"
+    return Event.create(payload, job_id="j", subject=subject, producer=producer, occurred_at=at, correlation_id=correlation)
 
 
 def test_decider_judges_once_when_every_node_answered_with_the_incident_id() -> None:

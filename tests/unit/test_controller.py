@@ -16,6 +16,7 @@ from keel.controller.core import ControllerDecider, ControllerPolicy, diagnostic
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
+    CLOCK_PRODUCER,
     ApprovalGiven,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
@@ -127,7 +128,7 @@ class Job:
 
     def tick(self, after_s: float) -> list[Event]:
         self.now += timedelta(seconds=after_s)
-        return self.feed(TimerTicked(now=self.now), "clock/controller", producer="controller-clock", dt=0)
+        return self.feed(TimerTicked(now=self.now), "clock/j", producer=CLOCK_PRODUCER, dt=0)
 
 
 def of(events: list[Event], kind: str) -> list[Event]:
@@ -826,3 +827,21 @@ def test_rung5_observe_mode_runs_no_diagnostics_nor_replay_and_each_incident_rep
     [second] = of(diagnosed_clean(live, later), "SdcReplayRequested")
     assert (first.payload.anomaly_step, second.payload.anomaly_step) == (40, 90)
     assert second.payload.round == 1 and second.payload.generation > first.payload.generation
+
+
+def test_only_the_job_clock_moves_time_a_tick_from_anyone_else_is_ignored() -> None:
+    # The diagnostics deadline (20 s) passes only on the job clock's ticks. A tick another producer
+    # publishes (a second clock, a hostile client) must neither conclude the round nor change the state.
+    job = Job(policy=ControllerPolicy(diagnostics_timeout=timedelta(seconds=20)))
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    for node in ["n0", "n1", "n2"]:
+        job.diagnostics(node, request)
+    job.now += timedelta(seconds=25)
+    state_before = job.session.state
+    for producer in ("checkpoint-broker-clock", "intruder", "controller"):
+        assert job.feed(TimerTicked(now=job.now), "clock/j", producer=producer, dt=0) == []
+    assert job.session.state is state_before
+    # A log recorded before the clock had its own name ticked as "controller-clock": still time.
+    out = job.feed(TimerTicked(now=job.now), "clock/j", producer="controller-clock", dt=0)
+    [restart] = of(out, "RestartDecided")
+    assert restart.payload.evict == ["n3"]

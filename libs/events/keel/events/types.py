@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import AwareDatetime, Field
 
-from keel.events.envelope import EventPayload, event_type, upcaster
+from keel.events.envelope import Event, EventPayload, event_type, upcaster
 
 Confidence = Literal["low", "medium", "high"]
 HealthStatus = Literal["healthy", "degraded", "failed"]
@@ -74,9 +74,23 @@ def _node_health_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
 
 @event_type("TimerTicked", version=1, aggregate="clock")
 class TimerTicked(EventPayload):
-    """Time as an input: the clock service's tick, recorded so a replay sees the time the live run saw."""
+    """Time as an input: the job clock's tick, recorded so a replay sees the time the live run saw. Only
+    ticks produced by the one job clock (``CLOCK_PRODUCER``) are time; deciders ignore any other."""
 
     now: AwareDatetime
+
+
+CLOCK_PRODUCER = "clock"
+"""The producer of the one ``TimerTicked`` clock per job (``keel.infra.clock.JobClock``)."""
+LEGACY_CLOCK_PRODUCERS = frozenset({"controller-clock"})
+"""Producers that were the job clock in logs recorded before it had a name of its own (still time)."""
+
+
+def is_foreign_tick(event: Event) -> bool:
+    """A ``TimerTicked`` that did not come from the job clock: not time for any decider (a second clock, or
+    a client publishing ticks, must not be able to move a decider's time)."""
+    return event.type == TimerTicked.event_name and event.producer != CLOCK_PRODUCER \
+        and event.producer not in LEGACY_CLOCK_PRODUCERS
 
 
 @event_type("NodeEvictionDecided", version=1, aggregate="node")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from keel.events.envelope import Event
+from keel.events.types import is_foreign_tick
 from keel.infra.bus import Bus
 from keel.infra.consumer import EventConsumer
 from keel.infra.store import EventStore
@@ -61,9 +62,9 @@ class DeciderRunner(Generic[S]):
         self.stats = RunnerStats()
         self._folded_js_seq = 0
         self._decided_causes: set[uuid.UUID] = set()
-        subject = f"{bus.settings.subject_prefix}.{job_id or '*'}.>"
-        self._events = EventConsumer(bus, self.consumer, [subject], batch_size=batch_size,
-                                     fetch_timeout_s=fetch_timeout_s)
+        self.batch_size = batch_size
+        self.fetch_timeout_s = fetch_timeout_s
+        self._events: EventConsumer | None = None
 
     async def start(self) -> None:
         if self.store is not None:
@@ -74,16 +75,19 @@ class DeciderRunner(Generic[S]):
                 event = recorded.event
                 if event.producer == self.session.decider.name and event.causation_id:
                     self._decided_causes.add(event.causation_id)
+        subject = f"{self.bus.settings.subject_prefix}.{self.job_id or '*'}.>"
+        self._events = EventConsumer(self.bus, self.consumer, [subject], batch_size=self.batch_size,
+                                     fetch_timeout_s=self.fetch_timeout_s)
         await self._events.start()
 
     async def run(self, stop: asyncio.Event) -> None:
-        if not self._events.started:
+        if self._events is None:
             await self.start()
         while not stop.is_set():
             await self.run_once()
 
     async def run_once(self) -> int:
-        assert self._events.started, "call start() first"
+        assert self._events is not None, "call start() first"
         count = await self._events.run_once(self._handle)
         self.stats.malformed = self._events.stats.malformed
         return count
@@ -107,7 +111,7 @@ class DeciderRunner(Generic[S]):
         # Folded during the cold start but never decided on (the service died in between): decide on
         # the current state without evolving the event a second time.
         decider = self.session.decider
-        if event.producer == decider.name or not decider.interested_in(event):
+        if event.producer == decider.name or not decider.interested_in(event) or is_foreign_tick(event):
             return None
         decision = decider.decide(self.session.state, event)
         emitted = materialise(decider.name, event, decision)

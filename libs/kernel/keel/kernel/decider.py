@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from keel.events.envelope import Event, EventPayload
+from keel.events.types import is_foreign_tick
 
 S = TypeVar("S")
 
@@ -112,9 +113,12 @@ class DeciderSession(Generic[S]):
     def rebuild(self, events: Iterable[Event]) -> None:
         """Cold start: evolve over history without deciding anything."""
         for event in events:
-            self.state = self.decider.evolve(self.state, event)
+            if not is_foreign_tick(event):
+                self.state = self.decider.evolve(self.state, event)
 
     def observe(self, event: Event) -> StepResult[S]:
+        if is_foreign_tick(event):
+            return StepResult(None)  # time comes from the one job clock only
         if event.id in self._awaiting_echo:
             self._awaiting_echo.discard(event.id)
             return StepResult(None)

@@ -1,6 +1,6 @@
 """The analyzer's I/O: the shared decider loop (cold start from the store, then live events).
 
-Time comes from the controller's recorded ``TimerTicked`` events (it ticks every running job), so the
+Time comes from the job clock's recorded ``TimerTicked`` events (keel.infra.clock: it ticks every running job), so the
 analyzer keeps no clock of its own and a replay sees the same deadlines.
 """
 

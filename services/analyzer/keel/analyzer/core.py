@@ -2,7 +2,7 @@
 
 - ``StacksRequested`` (the controller's) opens a round: its nodes, and a deadline ``timeout_s`` after it.
 - ``StacksCaptured`` (agents', possibly in parts) fills the round. When every node's every part is in,
-  the round is judged; so it is on the first ``TimerTicked`` (the controller's recorded clock) past the
+  the round is judged; so it is on the first ``TimerTicked`` (the job clock, keel.infra.clock) past the
   deadline, with the nodes that did not answer listed as missing evidence.
 - ``RankStarted`` events tell where each rank runs (and the world size): the ranks of a node that sent
   nothing are then known, and reported as missing evidence.

@@ -8,7 +8,7 @@ Inputs, per job:
 - ``CheckpointRanksRegistered``: each rank's DP group. Ranks of one DP group run the same stage and
   shard, so their compute times are comparable; ranks of different pipeline stages are not (a heavier
   stage is not a slow node). Without groups, all ranks form one pool.
-- ``TimerTicked`` (the controller's recorded clock): every ``interval`` one round compares the fresh
+- ``TimerTicked`` (the job clock, keel.infra.clock): every ``interval`` one round compares the fresh
   samples of each pool (``step_time_outliers``), maps the flagged ranks to their nodes and adds the
   round (``FailSlowRounds``); after ``rounds`` rounds ``conclusion`` convicts the group flagged most.
 

@@ -1,4 +1,4 @@
-"""The checkpoint broker's I/O: the decider loop, the persistent tier's manifests and the clock.
+"""The checkpoint broker's I/O: the decider loop and the persistent tier's manifests.
 
 - Decisions: the shared ``DeciderRunner`` (cold start from the store, then the job's live events).
 - Manifests: when the core commits a step on the "disk" tier (every rank's shard reported stored), this
@@ -7,8 +7,8 @@
   (the newest ``retention`` manifests stay). A crash in between is repaired on the next start: the
   rebuilt state still lists the step as awaiting its manifest, and an existing manifest that matches
   is reused, so the event (a deterministic id) says what is on disk.
-- Clock: while a restore plan waits for inventories, a ``TimerTicked`` every ``report_interval``, so
-  the timeout is an event the core (and a replay) sees.
+- Time: a restore plan that waits for inventories times out on the job clock's ``TimerTicked``
+  (``keel.infra.clock``, hosted by the controller), so the timeout is an event the core (and a replay) sees.
 
 The adapter's own events carry producers other than the decider's name: they are facts, not
 decisions, and the core decides on them like any input (a measured save cost changes Young's K).
@@ -27,7 +27,7 @@ from pathlib import Path
 from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint_broker.core import BrokerPolicy, BrokerState, CheckpointBrokerDecider, DiskCommit
 from keel.events.envelope import Event, now_utc
-from keel.events.types import CheckpointPersisted, TimerTicked
+from keel.events.types import CheckpointPersisted
 from keel.infra.bus import Bus
 from keel.infra.config import Settings
 from keel.infra.runner import DeciderRunner
@@ -37,7 +37,6 @@ from keel.kernel.decider import decision_id
 log = logging.getLogger(__name__)
 
 PERSISTER = "checkpoint-persister"
-CLOCK = "checkpoint-broker-clock"
 MANIFEST_RETRY_S = 30.0
 """How long a shard file that is not visible yet (a shared filesystem's attribute cache) is looked for,
 once per ``report_interval``, before the step is given up (it stays incomplete: never a checkpoint)."""
@@ -48,7 +47,6 @@ class BrokerStats:
     manifests_written: int = 0
     manifests_reused: int = 0
     manifest_failures: int = 0
-    ticks: int = 0
     removed_dirs: int = 0
 
 
@@ -75,12 +73,12 @@ class CheckpointBroker:
         self.bus = bus
         self.persist_root: Path = settings.checkpoint.resolved_persist_root(settings.home)
         self.retention = settings.checkpoint.retention
-        self.tick_interval_s = settings.checkpoint.report_interval.total_seconds()
+        # A shard file not visible yet is looked for again at most once per report interval.
+        self.manifest_retry_interval_s = settings.checkpoint.report_interval.total_seconds()
         self.clock = clock
         self.stats = BrokerStats()
         self._manifest_done: set[tuple[str, int]] = set()
         self._manifest_failures: dict[tuple[str, int], tuple[datetime, datetime]] = {}  # first, last attempt
-        self._last_tick: dict[str, datetime] = {}
 
     @property
     def state(self) -> BrokerState:
@@ -97,7 +95,6 @@ class CheckpointBroker:
     async def run_once(self) -> int:
         handled = await self.runner.run_once()
         await self.write_manifests()
-        await self.tick_clock()
         return handled
 
     # -- the persistent tier ----------------------------------------------------------------------
@@ -112,7 +109,7 @@ class CheckpointBroker:
                     continue
                 now = self.clock()
                 first, last = self._manifest_failures.get(key, (None, None))
-                if last is not None and (now - last).total_seconds() < self.tick_interval_s:
+                if last is not None and (now - last).total_seconds() < self.manifest_retry_interval_s:
                     continue
                 try:
                     manifest, reused = await asyncio.to_thread(self._write_manifest, job_id, job.world_size, commit)
@@ -170,21 +167,3 @@ class CheckpointBroker:
             causation_id=cause,
             correlation_id=cause,
         )
-
-    # -- the clock --------------------------------------------------------------------------------
-
-    async def tick_clock(self) -> list[Event]:
-        """A ``TimerTicked`` per job whose restore plan waits, at most every ``report_interval``."""
-        now = self.clock()
-        ticks = []
-        for job_id in self.decider.pending_restores(self.state):
-            last = self._last_tick.get(job_id)
-            if last is not None and (now - last).total_seconds() < self.tick_interval_s:
-                continue
-            self._last_tick[job_id] = now
-            ticks.append(Event.create(TimerTicked(now=now), job_id=job_id, subject="clock/checkpoint-broker",
-                                      producer=CLOCK, occurred_at=now))
-        if ticks:
-            await self.bus.publish_many(ticks)
-            self.stats.ticks += len(ticks)
-        return ticks

@@ -1,9 +1,9 @@
-"""The controller's I/O: the shared decider loop plus the clock.
+"""The controller's I/O: the shared decider loop plus the job clock.
 
 - Decisions: ``DeciderRunner`` over the controller core (cold start from the store, then live).
-- Clock: every ``controller.clock_interval`` a ``TimerTicked(now)`` per job whose rules depend on time
-  (a running job's heartbeat silence, a diagnostics deadline), published like any event, so the
-  core - and a replay - sees exactly the time the live run saw. The core never reads the clock.
+- Clock: the one job clock (``keel.infra.clock``) runs in this process: every ``controller.clock_interval``
+  a ``TimerTicked(now)`` per live job (``ControllerDecider.needs_clock``), published like any event, so
+  every decider - and a replay - sees exactly the time the live run saw. No core reads the clock.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from datetime import datetime
 
 from keel.controller.core import ControllerDecider, ControllerPolicy, ControllerState
 from keel.events.envelope import Event, now_utc
-from keel.events.types import TimerTicked
 from keel.infra.bus import Bus
+from keel.infra.clock import JobClock
 from keel.infra.config import Settings
 from keel.infra.runner import DeciderRunner
 from keel.infra.store import EventStore
 
 log = logging.getLogger(__name__)
-
-CLOCK = "controller-clock"
-
 
 def decider_from_settings(settings: Settings) -> ControllerDecider:
     c = settings.controller
@@ -50,7 +47,12 @@ class Controller:
         self.bus = bus
         self.clock = clock
         self.tick_interval_s = settings.controller.clock_interval.total_seconds()
-        self.ticks = 0
+        self.job_clock = JobClock(bus, lambda: self.decider.needs_clock(self.state),
+                                  settings.controller.clock_interval, clock=clock)
+
+    @property
+    def ticks(self) -> int:
+        return self.job_clock.ticks
 
     @property
     def state(self) -> ControllerState:
@@ -60,13 +62,8 @@ class Controller:
         await self.runner.start()
 
     async def tick_clock(self) -> list[Event]:
-        now = self.clock()
-        ticks = [Event.create(TimerTicked(now=now), job_id=job_id, subject="clock/controller", producer=CLOCK,
-                              occurred_at=now) for job_id in self.decider.needs_clock(self.state)]
-        if ticks:
-            await self.bus.publish_many(ticks)
-            self.ticks += len(ticks)
-        return ticks
+        """One round of the job clock (every live job gets a tick)."""
+        return await self.job_clock.tick()
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()

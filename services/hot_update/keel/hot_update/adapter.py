@@ -1,6 +1,6 @@
 """Hot-update's I/O: the shared decider loop (cold start from the store, then live events).
 
-Time comes from the controller's recorded ``TimerTicked`` events (it ticks every running job), so this
+Time comes from the job clock's recorded ``TimerTicked`` events (keel.infra.clock: it ticks every running job), so this
 service keeps no clock of its own and a replay sees the same deadlines.
 """
 

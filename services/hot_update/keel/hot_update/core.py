@@ -7,7 +7,7 @@ Per job, folded from the log:
 - The controller is the only one that restarts ranks. Every restart it decides carries the pending version
   (``RestartDecided.code_version``, ``code_changed``): a lazy version rides on the next restart of any
   cause. Until the agents report it running (``CodeVersionApplied``) that version is *in flight*.
-- An urgent version, or a lazy one whose ``deadline`` passed (time from the controller's recorded
+- An urgent version, or a lazy one whose ``deadline`` passed (time from the job clock's recorded
   ``TimerTicked``) with nothing to ride on, makes this decider ask for a restart now:
   ``CodeRolloutRequested``. At most one rollout is in flight per job: a request waits until the version
   in flight is applied.

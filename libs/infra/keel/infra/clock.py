@@ -1,0 +1,52 @@
+"""The job clock: one ``TimerTicked`` per job and interval, the only source of time for every decider.
+
+Decision cores never read the clock; what depends on time (a node gone silent, a diagnostics deadline, a
+restore plan waiting for inventories, a hot-update deadline, a fail-slow round) is decided on a recorded
+tick, so a replay sees exactly the time the live run saw. There is one clock per job, not one per service:
+ticks from any other producer are ignored by every decider (``keel.events.types.is_foreign_tick``). The
+controller's process hosts it, because the controller knows which jobs are live.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+
+from keel.events.envelope import Event, now_utc
+from keel.events.types import CLOCK_PRODUCER, TimerTicked
+from keel.infra.bus import Bus
+
+log = logging.getLogger(__name__)
+
+
+def tick_event(job_id: str, now: datetime) -> Event:
+    """The job clock's tick for ``job_id`` at ``now``."""
+    return Event.create(TimerTicked(now=now), job_id=job_id, subject=f"clock/{job_id}", producer=CLOCK_PRODUCER,
+                        occurred_at=now)
+
+
+class JobClock:
+    """Publishes a tick for each job ``jobs()`` names, at most once per ``interval``. ``due(now)`` says
+    whether an interval has passed since the last round; ``tick()`` runs one round."""
+
+    def __init__(self, bus: Bus, jobs: Callable[[], Iterable[str]], interval: timedelta, *,
+                 clock: Callable[[], datetime] = now_utc) -> None:
+        self.bus = bus
+        self.jobs = jobs
+        self.interval = interval
+        self.clock = clock
+        self.ticks = 0
+        self._last_round: datetime | None = None
+
+    def due(self, now: datetime) -> bool:
+        return self._last_round is None or now - self._last_round >= self.interval
+
+    async def tick(self) -> list[Event]:
+        now = self.clock()
+        self._last_round = now
+        ticks = [tick_event(job_id, now) for job_id in self.jobs()]
+        if ticks:
+            await self.bus.publish_many(ticks)
+            self.ticks += len(ticks)
+        return ticks
