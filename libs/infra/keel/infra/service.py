@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 S = TypeVar("S")
 
 
-class DeciderService(Protocol):
+class Service(Protocol):
+    """What the host runs: ``start()`` (cold start: rebuild state, bind the consumer), then ``run(stop)``
+    until ``stop`` is set (the batch in hand is finished and acknowledged first)."""
+
     async def start(self) -> None: ...
 
     async def run(self, stop: asyncio.Event) -> None: ...
@@ -53,31 +56,38 @@ class RunnerService(Generic[S]):
         await self.runner.run(stop)
 
 
-async def serve_decider(
+async def serve_service(
     name: str,
-    build: Callable[[Bus, EventStore], DeciderService],
+    build: Callable[[Bus, EventStore | None], Service],
     settings: Settings,
     nats_url: str,
-    database_url: str,
+    database_url: str | None,
     stop: asyncio.Event,
     on_ready: Callable[[], None] = lambda: None,
     describe: Callable[[Any], str] = lambda _: "",
 ) -> None:
-    """Run the service ``build`` makes until ``stop`` is set; ``on_ready`` once it consumes live.
-    ``describe``: an extra clause for the "consuming live" log line."""
-    await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
-    bus = await Bus.connect(nats_url, settings.bus, name=f"keel-{name}")
-    engine = create_engine(database_url, settings.db_schema)
-    service = build(bus, EventStore(engine))
+    """The one start-up of every service: migrate the event store and open it (when ``database_url`` is
+    given: every service but the actuator, which reads no log), connect to NATS, ``build`` the service,
+    ``start()`` it, call ``on_ready`` once it consumes live, ``run(stop)``; the bus and the engine are
+    closed whatever happens. ``describe``: an extra clause for the "consuming live" log line."""
+    engine = None
+    if database_url is not None:
+        await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
+        engine = create_engine(database_url, settings.db_schema)
     try:
-        await service.start()
-        extra = describe(service)
-        log.info("%s: state rebuilt from the log%s; consuming live", name, f"; {extra}" if extra else "")
-        on_ready()
-        await service.run(stop)
+        bus = await Bus.connect(nats_url, settings.bus, name=f"keel-{name}")
+        try:
+            service = build(bus, EventStore(engine) if engine is not None else None)
+            await service.start()
+            extra = describe(service)
+            log.info("%s: started%s; consuming live", name, f"; {extra}" if extra else "")
+            on_ready()
+            await service.run(stop)
+        finally:
+            await bus.close()
     finally:
-        await bus.close()
-        await engine.dispose()
+        if engine is not None:
+            await engine.dispose()
 
 
 ServeFn = Callable[[Settings, str, str, asyncio.Event, Callable[[], None]], Coroutine[Any, Any, None]]

@@ -10,24 +10,17 @@ from typing import Any
 
 from keel.actuator.adapter import ActuatorService
 from keel.actuator.local import LocalActuator
-from keel.infra.bus import Bus
 from keel.infra.config import Settings
-from keel.infra.service import service_main
+from keel.infra.service import serve_service, service_main
 
 log = logging.getLogger(__name__)
 
 
 async def serve(settings: Settings, nats_url: str, cluster_dir: Path, stop: asyncio.Event,
                 on_ready: Callable[[], None] = lambda: None) -> None:
-    bus = await Bus.connect(nats_url, settings.bus, name="keel-actuator")
-    service = ActuatorService(bus, LocalActuator(cluster_dir))
-    try:
-        await service.start()
-        log.info("actuator (local, %s): consuming commands", cluster_dir)
-        on_ready()
-        await service.run(stop)
-    finally:
-        await bus.close()
+    """Carry out commands on the local cluster in ``cluster_dir`` until ``stop`` is set."""
+    await serve_service("actuator", lambda bus, _store: ActuatorService(bus, LocalActuator(cluster_dir)), settings,
+                        nats_url, None, stop, on_ready, describe=lambda _: f"local cluster in {cluster_dir}")
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from keel.checkpoint_broker.adapter import CheckpointBroker, decider_from_settings
 from keel.infra.config import Settings
-from keel.infra.service import serve_decider, service_main
+from keel.infra.service import serve_service, service_main
 
 __all__ = ["serve", "decider_from_settings"]
 
@@ -20,7 +20,7 @@ async def serve(
     on_ready: Callable[[], None] = lambda: None,
 ) -> None:
     """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
-    await serve_decider("checkpoint-broker", lambda bus, store: CheckpointBroker(bus, store, settings), settings,
+    await serve_service("checkpoint-broker", lambda bus, store: CheckpointBroker(bus, store, settings), settings,
                         nats_url, database_url, stop, on_ready,
                         describe=lambda broker: f"persistent tier at {broker.persist_root}")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from keel.hot_update.adapter import HotUpdate, decider_from_settings
 from keel.infra.config import Settings
-from keel.infra.service import serve_decider, service_main
+from keel.infra.service import serve_service, service_main
 
 __all__ = ["serve", "decider_from_settings"]
 
@@ -16,7 +16,7 @@ async def serve(
     settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None
 ) -> None:
     """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
-    await serve_decider("hot-update", lambda bus, store: HotUpdate(bus, store, settings), settings, nats_url,
+    await serve_service("hot-update", lambda bus, store: HotUpdate(bus, store, settings), settings, nats_url,
                         database_url, stop, on_ready)
 
 

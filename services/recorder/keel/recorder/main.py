@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 from keel.infra.bus import Bus
 from keel.infra.config import Settings
-from keel.infra.service import service_main
-from keel.infra.store import create_engine, run_migrations
+from keel.infra.service import serve_service, service_main
+from keel.infra.store import EventStore
 from keel.recorder.adapter import Recorder
 
 log = logging.getLogger(__name__)
@@ -19,18 +19,13 @@ async def serve(
     settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None
 ) -> None:
     """Run until ``stop`` is set; ``on_ready`` is called once the service consumes live."""
-    await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
-    bus = await Bus.connect(nats_url, settings.bus, name="keel-recorder")
-    engine = create_engine(database_url, settings.db_schema)
-    recorder = Recorder(bus, engine, settings.recorder)
-    try:
-        await recorder.start()
-        log.info("recorder: consuming %s into %s", bus.events_subjects, settings.db_schema)
-        on_ready()
-        await recorder.run(stop)
-    finally:
-        await bus.close()
-        await engine.dispose()
+
+    def build(bus: Bus, store: EventStore | None) -> Recorder:
+        assert store is not None  # the host opens the store whenever it is given a database
+        return Recorder(bus, store.engine, settings.recorder)
+
+    await serve_service("recorder", build, settings, nats_url, database_url, stop, on_ready,
+                        describe=lambda recorder: f"recording {recorder.bus.events_subjects} into {settings.db_schema}")
 
 
 def main() -> int:
