@@ -204,7 +204,7 @@ def ranks_text(ranks: Collection[int]) -> str:
     if not ordered:
         return "none"
     parts, start, prev = [], ordered[0], ordered[0]
-    for r in ordered[1:] + [None]:  # type: ignore[list-item]
+    for r in ordered[1:] + [None]:
         if r is not None and r == prev + 1:
             prev = r
             continue

@@ -267,8 +267,8 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
         current = job.backups.get(p.rank)
         if current is None or current.backup_node_id != p.backup_node_id:
             return job  # about an assignment already replaced
-        avoid = job.avoid.get(p.rank, frozenset()) | {p.backup_node_id}
-        return replace(job, avoid={**job.avoid, p.rank: avoid})
+        failed = job.avoid.get(p.rank, frozenset()) | {p.backup_node_id}
+        return replace(job, avoid={**job.avoid, p.rank: failed})
     if isinstance(p, NodeEvictionDecided):
         if p.observe_only:
             return job
