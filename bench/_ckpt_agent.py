@@ -135,9 +135,9 @@ async def run(args: argparse.Namespace) -> None:
         write_json(sync_ack, {"seq": seq})
 
     # As shipped: backups only for steps that are multiples of the broker's interval (checkpoint
-    # backup_max_duty; keel.checkpoint_broker.core.backup_interval), from the slowest measured transfer
+    # backup_max_duty; keel.checkpoint_broker.schedule.backup_interval), from the slowest measured transfer
     # and the step time; the newest such step, one transfer in flight.
-    from keel.checkpoint_broker.core import backup_interval
+    from keel.checkpoint_broker.schedule import backup_interval
 
     backup_every, seen_outcomes, last_step_seen, step_seen_at, step_time = 1, 0, -1, time.monotonic(), 0.0
     while True:

@@ -682,7 +682,7 @@ def calibrate(work: Path, persists: int) -> tuple[dict[str, Any], Chain]:
 
 def young(save_cost_s: float, step_time_s: float) -> tuple[int, float, float]:
     """Young's interval: (N steps, N raw, interval seconds) for ``MTBF_S``."""
-    from keel.checkpoint_broker.core import young_interval
+    from keel.checkpoint_broker.schedule import young_interval
 
     n, raw = young_interval(save_cost_s, MTBF_S, step_time_s, 1, 10**9)
     return n, raw, math.sqrt(2 * save_cost_s * MTBF_S)

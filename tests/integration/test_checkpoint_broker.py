@@ -14,7 +14,7 @@ import pytest
 
 from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint_broker.adapter import PERSISTER, CheckpointBroker
-from keel.checkpoint_broker.core import CheckpointBrokerDecider
+from keel.checkpoint_broker.decider import CheckpointBrokerDecider
 from keel.events.envelope import Event, decode_event
 from keel.events.types import (
     CLOCK_PRODUCER,

@@ -27,7 +27,7 @@ import pytest
 from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slot_files, plan_file
 from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
-from keel.checkpoint_broker.core import CheckpointBrokerDecider
+from keel.checkpoint_broker.decider import CheckpointBrokerDecider
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointBackupAssigned,

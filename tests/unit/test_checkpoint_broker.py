@@ -9,18 +9,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keel.checkpoint_broker.core import (
-    BrokerPolicy,
-    CheckpointBrokerDecider,
-    PersistedStep,
-    RankSite,
-    backup_interval,
-    mtbf_estimate,
-    place_backups,
-    plan_restore,
-    ranks_text,
-    young_interval,
-)
+from keel.checkpoint_broker.decider import CheckpointBrokerDecider
+from keel.checkpoint_broker.placement import place_backups, ranks_text
+from keel.checkpoint_broker.restore import plan_restore
+from keel.checkpoint_broker.schedule import backup_interval, mtbf_estimate, young_interval
+from keel.checkpoint_broker.state import BrokerPolicy, PersistedStep, RankSite
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointBackupAssigned,

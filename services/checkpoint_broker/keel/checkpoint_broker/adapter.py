@@ -1,17 +1,17 @@
 """The checkpoint broker's I/O: the decider loop and the persistent tier's manifests.
 
 - Decisions: the shared ``DeciderRunner`` (cold start from the store, then the job's live events).
-- Manifests: when the core commits a step on the "disk" tier (every rank's shard reported stored), this
+- Manifests: when the decider commits a step on the "disk" tier (every rank's shard reported stored), this
   adapter checks every shard file's size, writes ``<persist_root>/<job>/step-<s:09d>/manifest.json``
   last and atomically (``keel.checkpoint.disk``), reports ``CheckpointPersisted`` and applies retention
   (the newest ``retention`` manifests stay). A crash in between is repaired on the next start: the
   rebuilt state still lists the step as awaiting its manifest, and an existing manifest that matches
   is reused, so the event (a deterministic id) says what is on disk.
 - Time: a restore plan that waits for inventories times out on the job clock's ``TimerTicked``
-  (``keel.infra.clock``, hosted by the controller), so the timeout is an event the core (and a replay) sees.
+  (``keel.infra.clock``, hosted by the controller), so the timeout is an event the decider (and a replay) sees.
 
 The adapter's own events carry producers other than the decider's name: they are facts, not
-decisions, and the core decides on them like any input (a measured save cost changes Young's K).
+decisions, and the decider decides on them like any input (a measured save cost changes Young's K).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from datetime import datetime
 from pathlib import Path
 
 from keel.checkpoint import disk as ckpt_disk
-from keel.checkpoint_broker.core import BrokerPolicy, BrokerState, CheckpointBrokerDecider, DiskCommit
+from keel.checkpoint_broker.decider import CheckpointBrokerDecider
+from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, DiskCommit
 from keel.events.envelope import Event, now_utc
 from keel.events.types import CheckpointPersisted
 from keel.infra.bus import Bus

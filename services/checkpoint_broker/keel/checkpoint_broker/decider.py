@@ -1,0 +1,91 @@
+"""The checkpoint broker's decider: pure decisions over the event log (no I/O, no clock, no randomness).
+
+Four decisions per job, each with a reason (docs/checkpointing.md), each in its own module:
+
+- **Placement** (``placement``): every rank's backup peer on a node that shares no parallel group with
+  the rank's node -> ``CheckpointBackupAssigned``.
+- **Commits** (``restore.decide_commit``): the newest step every rank has a shard of in a tier ->
+  ``CheckpointStepCommitted``.
+- **Schedule** (``schedule``): the persistent tier's interval K from Young's formula and the backup
+  interval -> ``CheckpointScheduleSet`` when either changes.
+- **Restore** (``restore.decide_restore``): once every node's inventory for a generation arrived (or the
+  wait timed out), where each rank restores from -> ``CheckpointRestorePlanned`` and its fallbacks.
+
+The state and its fold are ``state``. The manifest of a disk-committed step is written by the adapter
+(I/O); it reads ``JobState.pending_manifests`` and reports ``CheckpointPersisted``, which the fold takes
+back in.
+"""
+
+from __future__ import annotations
+
+from keel.checkpoint_broker.placement import decide_placement
+from keel.checkpoint_broker.restore import decide_commit, decide_restore
+from keel.checkpoint_broker.schedule import decide_schedule
+from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, fold
+from keel.events.envelope import Event
+from keel.events.types import (
+    CheckpointBackupFailed,
+    CheckpointInventoryReported,
+    CheckpointPersisted,
+    CheckpointRanksRegistered,
+    CheckpointShardsStored,
+    NodeEvicted,
+    NodeEvictionDecided,
+    NodeHeartbeat,
+    RankExited,
+    RankStarted,
+    TimerTicked,
+)
+from keel.kernel.decider import Decision
+
+INPUTS = frozenset({
+    CheckpointRanksRegistered.event_name, CheckpointBackupFailed.event_name, CheckpointShardsStored.event_name,
+    CheckpointInventoryReported.event_name, CheckpointPersisted.event_name, NodeHeartbeat.event_name,
+    RankExited.event_name, RankStarted.event_name, NodeEvictionDecided.event_name, NodeEvicted.event_name,
+    TimerTicked.event_name,
+})
+"""Event types ``decide`` has something to say about; all of them are in ``state.FOLDED`` too."""
+
+
+class CheckpointBrokerDecider:
+    """The checkpoint broker: placement, commits, schedule and restore plans, per job."""
+
+    name = "checkpoint-broker"
+
+    def __init__(self, policy: BrokerPolicy | None = None) -> None:
+        self.policy = policy or BrokerPolicy()
+
+    def initial_state(self) -> BrokerState:
+        return BrokerState()
+
+    def interested_in(self, event: Event) -> bool:
+        return event.type in INPUTS
+
+    def evolve(self, state: BrokerState, event: Event) -> BrokerState:
+        return fold(state, event, self.policy)
+
+    def decide(self, state: BrokerState, event: Event) -> Decision:
+        """Every sub-decision ``event`` concerns, in a fixed order: their reasons joined, their proposals
+        concatenated (one event can place backups and re-plan the schedule, say)."""
+        job = state.job(event.job_id)
+        p = event.payload
+        parts: list[Decision] = []
+        subject = f"job/{event.job_id}"
+        if isinstance(p, (CheckpointRanksRegistered, CheckpointBackupFailed, NodeEvictionDecided, NodeEvicted)):
+            parts.append(decide_placement(job, p, subject))
+        if isinstance(p, CheckpointShardsStored):
+            parts.append(decide_commit(job, p, subject))
+        if isinstance(p, (NodeHeartbeat, CheckpointPersisted, RankExited, NodeEvictionDecided)) or (
+                isinstance(p, CheckpointShardsStored) and any(r.send_s > 0 for r in p.shards)):
+            parts.append(decide_schedule(job, event, self.policy, subject))
+        if isinstance(p, (CheckpointInventoryReported, RankStarted, TimerTicked)):
+            now = p.now if isinstance(p, TimerTicked) else event.occurred_at
+            parts.append(decide_restore(job, now, self.policy, subject))
+        reasons = [part.reason for part in parts if part.reason]
+        proposals = tuple(proposal for part in parts for proposal in part.proposals)
+        return Decision(reason="; ".join(reasons) or f"{event.type}: nothing to decide", proposals=proposals)
+
+    def pending_restores(self, state: BrokerState) -> list[str]:
+        """Jobs with a restore plan waiting for inventories. A query only: the job clock (``keel.infra.clock``)
+        ticks every live job, so no adapter needs it to drive time any more."""
+        return sorted(j for j, job in state.jobs.items() if any(g not in job.planned for g in job.restores))

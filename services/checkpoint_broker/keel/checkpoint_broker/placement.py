@@ -1,0 +1,274 @@
+"""Backup placement: which node holds each rank's backup copy (the "peer" tier), and why.
+
+Every rank's backup goes to a node that shares no parallel group (DP, PP or TP) with the rank's node,
+load spread evenly; ``place_backups`` documents the fallback order when no such node exists, and each
+``BackupAssignment.fallback`` says which one was taken. Re-placement (a backup peer failed, a node left,
+a rank moved) keeps every assignment that is still as good as the best available, so only the affected
+ranks move.
+
+``place_backups`` and ``ranks_text`` are pure maths over plain values; ``decide_placement`` is the
+decider's placement decision (``CheckpointBackupAssigned``) over a job's state. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+
+from keel.checkpoint_broker.schedule import announced_schedule
+from keel.checkpoint_broker.state import JobState, RankSite
+from keel.events.envelope import EventPayload
+from keel.events.types import (
+    BackupAssignment,
+    CheckpointBackupAssigned,
+    CheckpointBackupFailed,
+    CheckpointRanksRegistered,
+    NodeEvicted,
+    NodeEvictionDecided,
+)
+from keel.kernel.decider import Decision, Proposal
+
+# Placement levels, best first. Only ISOLATED guarantees that evicting any single parallel group (every
+# node hosting one of its ranks) leaves a copy of every shard.
+ISOLATED, DISJOINT, SHARES_DP, OWN_NODE_ONLY = 0, 1, 2, 3
+
+Signature = tuple[str, frozenset[str], frozenset[str]]
+"""A rank's node, the nodes of its DP/PP/TP peers, the nodes of its PP/TP peers."""
+
+
+class _Topology:
+    """Which nodes host which ranks, and which node pairs some parallel group spans."""
+
+    def __init__(self, sites: Sequence[RankSite]) -> None:
+        self.node_of = {s.rank: s.node_id for s in sites}
+        self.hosts: dict[str, set[int]] = {}
+        for s in sites:
+            self.hosts.setdefault(s.node_id, set()).add(s.rank)
+        # Every distinct group once (members of one group list it alike), with the nodes it runs on.
+        self.group_nodes: dict[tuple[int, ...], frozenset[str]] = {}
+        self.group_kind: dict[tuple[int, ...], str] = {}
+        self.group_members: dict[tuple[int, ...], frozenset[int]] = {}
+        for s in sites:
+            for kind in ("dp", "pp", "tp"):
+                members = getattr(s, kind)
+                if members not in self.group_nodes:
+                    self.group_members[members] = frozenset(members)
+                    self.group_nodes[members] = frozenset(self.node_of[m] for m in members if m in self.node_of)
+                    self.group_kind[members] = kind.upper()
+        self.linked: dict[str, set[str]] = {}
+        for nodes in self.group_nodes.values():
+            for node in nodes:
+                self.linked.setdefault(node, set()).update(nodes)
+        self._spans: dict[tuple[str, str], str] = {}
+        self._signatures: dict[tuple[object, ...], Signature] = {}
+        self._interned: dict[Signature, Signature] = {}
+
+    def signature(self, site: RankSite) -> Signature:
+        """What a rank's candidate levels depend on: its node, the nodes of its DP/PP/TP peers and
+        those of its PP/TP peers. Ranks with one signature rank every candidate alike (one object)."""
+        key = (site.node_id, site.dp, site.pp, site.tp)
+        if key not in self._signatures:
+            dp, pp, tp = (self.group_nodes[g] for g in (site.dp, site.pp, site.tp))
+            value = (site.node_id, dp | pp | tp, pp | tp)
+            self._signatures[key] = self._interned.setdefault(value, value)
+        return self._signatures[key]
+
+    def shared_ranks(self, site: RankSite, backup: str) -> list[int]:
+        """The rank's DP/PP/TP peers running on ``backup``."""
+        groups = [self.group_members[g] for g in (site.dp, site.pp, site.tp)]
+        return sorted(m for m in self.hosts.get(backup, ()) if m != site.rank and any(m in g for g in groups))
+
+    def level(self, signature: Signature, candidate: str) -> int | None:
+        """How good ``candidate`` is as a backup for ranks of ``signature`` (``None``: their own node). O(1)."""
+        node, any_peer, pp_tp_peer = signature
+        if candidate == node:
+            return None
+        if candidate not in self.linked.get(node, ()):
+            return ISOLATED
+        if candidate not in any_peer:
+            return DISJOINT
+        if candidate not in pp_tp_peer:
+            return SHARES_DP
+        return OWN_NODE_ONLY
+
+    def spanning_group(self, a: str, b: str) -> str:
+        if (a, b) not in self._spans:
+            found = min((members for members, nodes in self.group_nodes.items()
+                         if len(members) > 1 and a in nodes and b in nodes), default=None, key=sorted)
+            self._spans[(a, b)] = (f"{self.group_kind[found]} group {ranks_text(found)}" if found is not None
+                                   else "a parallel group")
+        return self._spans[(a, b)]
+
+    def fallback_text(self, site: RankSite, backup: str, level: int) -> str:
+        r, node = site.rank, site.node_id
+        if level == ISOLATED:
+            return ""
+        if level == DISJOINT:
+            return (f"every other node shares a parallel group with {node}: {backup} holds none of rank {r}'s "
+                    f"DP/PP/TP peers, but the {self.spanning_group(node, backup)} spans both nodes, so evicting "
+                    f"that group would lose both copies of rank {r}")
+        shared = self.shared_ranks(site, backup)
+        if level == SHARES_DP:
+            return (f"every other node holds a DP, PP or TP peer of rank {r}; {backup} shares only its DP group "
+                    f"(ranks {ranks_text(shared)}), never its PP or TP group")
+        return (f"every other node holds a PP or TP peer of rank {r}; {backup} is only not its own node "
+                f"(shares ranks {ranks_text(shared)}): losing that group loses both copies")
+
+
+def place_backups(
+    ranks: Sequence[RankSite],
+    nodes: Mapping[str, str],
+    *,
+    current: Mapping[int, BackupAssignment] | None = None,
+    avoid: Mapping[int, Collection[str]] | None = None,
+) -> list[BackupAssignment]:
+    """Every rank's backup node among ``nodes`` (node id -> shard store address), sorted by rank.
+
+    Preference, per rank (``fallback`` says why whenever the first could not be met):
+
+    0. a node sharing no parallel group with the rank's node (no DP, PP or TP group has ranks on both):
+       evicting any single group then leaves a copy of every shard;
+    1. a node hosting none of the rank's own DP, PP and TP peers;
+    2. a node hosting none of its PP and TP peers (sharing only the DP group, whose replicas hold the
+       same parameters anyway);
+    3. any node but its own.
+
+    Among equally good nodes: the one holding the fewest backups, then the first after the rank's node
+    in sorted order (so ranks of one node spread over several peers). Deterministic.
+
+    ``current``: assignments kept when still valid (the backup node is in ``nodes``, not the rank's node,
+    not in ``avoid`` and as good as the best available), so re-placement moves only the affected ranks.
+    ``avoid``: per rank, nodes not to use unless nothing else is left (a failed backup peer). A rank with
+    no other node (a single-node job) gets no assignment.
+    """
+    current = current or {}
+    avoid = avoid or {}
+    topo = _Topology(ranks)
+    ring = sorted(set(nodes) | {s.node_id for s in ranks})
+    load: Counter[str] = Counter()
+    result: dict[int, BackupAssignment] = {}
+    # Candidate lists depend only on a rank's signature (and its avoided nodes): computed once per
+    # signature, as (best level, the nodes of that level in ring order from the rank's node).
+    cache: dict[tuple[object, ...], tuple[int, list[str], dict[str, int]]] = {}
+
+    def options(site: RankSite) -> tuple[int, list[str], dict[str, int]] | None:
+        avoided = frozenset(avoid.get(site.rank, ()))
+        signature = topo.signature(site)
+        key = (id(signature), avoided)  # signatures are interned by the topology
+        if key not in cache:
+            origin = ring.index(site.node_id)
+            in_ring_order = [n for n in ring[origin + 1:] + ring[:origin] if n in nodes]
+            levels = {n: lvl for n in in_ring_order if (lvl := topo.level(signature, n)) is not None}
+            usable = {n: lvl for n, lvl in levels.items() if n not in avoided} or levels
+            if not usable:
+                return None
+            best = min(usable.values())
+            cache[key] = (best, [n for n, lvl in usable.items() if lvl == best], usable)
+        return cache[key]
+
+    def assignment(site: RankSite, backup: str, level: int) -> BackupAssignment:
+        return BackupAssignment(rank=site.rank, node_id=site.node_id, backup_node_id=backup,
+                                backup_address=nodes[backup], fallback=topo.fallback_text(site, backup, level))
+
+    to_place: list[tuple[int, int, RankSite, list[str], int]] = []
+    for site in sorted(ranks, key=lambda s: s.rank):
+        kept = current.get(site.rank)
+        if kept is not None and kept.node_id == site.node_id and kept.backup_node_id in nodes:
+            level = topo.level(topo.signature(site), kept.backup_node_id)
+            if level == ISOLATED and kept.backup_node_id not in avoid.get(site.rank, ()):
+                keep = True  # nothing is better: no need to look at the other nodes
+            else:
+                found = options(site) if level is not None else None
+                keep = found is not None and kept.backup_node_id in found[2] and level is not None and level <= found[0]
+            if keep and level is not None:
+                result[site.rank] = assignment(site, kept.backup_node_id, level)
+                load[kept.backup_node_id] += 1
+                continue
+        found = options(site)
+        if found is not None:
+            best, pool, _ = found
+            to_place.append((len(pool), site.rank, site, pool, best))
+
+    # The most constrained ranks first, so the freer ones fill in around them. ``min`` returns the
+    # first of equally loaded nodes: the next one after the rank's node in ring order.
+    for _, _, site, pool, best in sorted(to_place, key=lambda item: (item[0], item[1])):
+        chosen = min(pool, key=load.__getitem__)
+        result[site.rank] = assignment(site, chosen, best)
+        load[chosen] += 1
+    return [result[r] for r in sorted(result)]
+
+
+def ranks_text(ranks: Collection[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    ordered = sorted(set(ranks))
+    if not ordered:
+        return "none"
+    parts, start, prev = [], ordered[0], ordered[0]
+    for r in ordered[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
+
+
+# -- the decision ------------------------------------------------------------------------------------
+
+
+def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
+    """Place or move backups after a registration, a failed backup or a node leaving the job.
+
+    Waits until every rank of the job registered. An empty reason: nothing to say about ``p``."""
+    if not job.all_registered:
+        if not isinstance(p, CheckpointRanksRegistered):
+            return Decision("")
+        known = sum(1 for r in range(job.world_size) if r in job.sites)
+        return Decision(f"placement waits for every rank to register ({known} of {job.world_size})")
+    candidates = job.backup_candidates()
+    if isinstance(p, CheckpointRanksRegistered) and _same_as_before(job, p, candidates):
+        # The common re-registration (ranks restarted in place): nothing moved, so skip the
+        # placement (costly on large jobs) and remind the node of its assignments.
+        resent = sorted((job.backups[g.rank] for g in p.ranks), key=lambda a: a.rank)
+        reason = f"{p.node_id} registered again, unchanged: its {len(resent)} assignment(s) re-sent"
+        payload = CheckpointBackupAssigned(assignments=resent, reason=reason, **announced_schedule(job.schedule))
+        return Decision(reason, (Proposal(payload, subject=subject, key="placement"),))
+    placed = place_backups(list(job.sites.values()), candidates, current=job.backups, avoid=job.avoid)
+    changed = [a for a in placed if job.backups.get(a.rank) != a]
+    registering = p.node_id if isinstance(p, CheckpointRanksRegistered) else None
+    # A registering node's agent may have restarted: tell it its assignments again.
+    resent = [a for a in placed if a.node_id == registering and a not in changed]
+    unplaced = sorted(set(job.sites) - {a.rank for a in placed})
+    note = f"; no other live node for ranks {ranks_text(unplaced)}" if unplaced else ""
+    if not changed and not resent:
+        asked = isinstance(p, CheckpointBackupFailed | CheckpointRanksRegistered)
+        return Decision(f"placement unchanged{note}" if asked else "")
+    if isinstance(p, CheckpointBackupFailed):
+        why = f"{p.node_id} could not back up rank {p.rank} on {p.backup_node_id} ({p.reason})"
+    elif isinstance(p, (NodeEvictionDecided, NodeEvicted)):
+        why = f"{p.node_id} leaves the job"
+    elif job.backups:
+        why = f"{p.node_id} registered its ranks"  # type: ignore[attr-defined]
+    else:
+        why = f"all {job.world_size} ranks registered"
+    moved = ranks_text([a.rank for a in changed])
+    weaker = sum(1 for a in changed if a.fallback)
+    reason = (f"{why}: {len(changed)} backup(s) placed or moved (ranks {moved})"
+              + (f", {weaker} with a fallback" if weaker else "")
+              + (f", {len(resent)} re-sent to {registering}" if resent else "") + note)
+    assignments = sorted(changed + resent, key=lambda a: a.rank)
+    payload = CheckpointBackupAssigned(assignments=assignments, reason=reason, **announced_schedule(job.schedule))
+    return Decision(reason, (Proposal(payload, subject=subject, key="placement"),))
+
+
+def _same_as_before(job: JobState, p: CheckpointRanksRegistered, candidates: Mapping[str, str]) -> bool:
+    """Whether a registration changes nothing placement depends on: each of its ranks already has a
+    backup from this node on a live candidate, and peers already know this node's address."""
+    for groups in p.ranks:
+        current = job.backups.get(groups.rank)
+        if current is None or current.node_id != p.node_id or current.backup_node_id not in candidates:
+            return False
+        if current.backup_address != candidates[current.backup_node_id]:
+            return False
+    return all(a.backup_address == p.store_address for a in job.backups.values() if a.backup_node_id == p.node_id)

@@ -1,0 +1,270 @@
+"""Commits and restore plans: which steps are complete in a tier, and where each rank restores from.
+
+- **Commits** (``decide_commit``): from ``CheckpointShardsStored``, the newest step for which every rank
+  has a shard in a tier -> ``CheckpointStepCommitted`` (once per tier and step, monotonically increasing
+  within a history: a restore plan to step P winds the memory and peer tiers' commits back to before P,
+  because the resumed generation writes those steps anew; the disk tier's persisted steps stay).
+- **Restore** (``plan_restore``, pure maths over the inventories): once every node's inventory for a
+  generation arrived (or the wait timed out; ``decide_restore``), the newest step every rank can
+  restore, each rank from its fastest reachable tier (memory, a peer's copy, disk) ->
+  ``CheckpointRestorePlanned`` plus one ``CheckpointTierFallback`` per rank that cannot use its memory.
+  After an anomaly (a NaN or a spike at step s), only steps below s are candidates.
+
+No I/O, no clock: the wait times out on the job clock's ``TimerTicked`` (``keel.infra.clock``), an event.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from keel.checkpoint_broker.placement import ranks_text
+from keel.checkpoint_broker.state import BrokerPolicy, JobState, PersistedStep, RestoreWait
+from keel.events.types import (
+    CheckpointInventoryReported,
+    CheckpointRestorePlanned,
+    CheckpointShardsStored,
+    CheckpointStepCommitted,
+    CheckpointTier,
+    CheckpointTierFallback,
+    RestoreSource,
+)
+from keel.kernel.decider import Decision, Proposal
+
+TIERS: tuple[CheckpointTier, ...] = ("memory", "peer", "disk")
+"""The tiers, fastest to restore from first."""
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """A restore plan: the step to resume after, each rank's source, the fallbacks taken and why."""
+
+    generation: int
+    step: int  # -1: start fresh
+    sources: tuple[RestoreSource, ...]
+    fallbacks: tuple[CheckpointTierFallback, ...]
+    reason: str
+
+
+def plan_restore(
+    generation: int,
+    world_size: int,
+    targets: Mapping[int, str],
+    inventories: Mapping[str, CheckpointInventoryReported],
+    addresses: Mapping[str, str],
+    persisted: Mapping[int, PersistedStep],
+    *,
+    previous_nodes: Mapping[int, str] | None = None,
+    waited: str = "",
+    below: tuple[int, str] | None = None,
+) -> RestorePlan:
+    """The newest step ``s`` such that every rank ``0..world_size-1`` has a verified shard of ``s`` in
+    some tier, and where each rank gets it from, fastest first:
+
+    1. ``memory``: the rank's own slot on the node that will run it (``targets``);
+    2. ``peer`` on that same node: a backup it holds (no transfer);
+    3. ``peer`` on another node that reported an inventory and has a shard store address;
+    4. ``disk``: a persisted step (manifest written) in ``persisted``.
+
+    One ``CheckpointTierFallback`` per rank not restored from memory, saying why; one for the whole job
+    (rank -1) when the chosen step is older than the newest step in memory (``to_tier`` "none" when
+    nothing is complete anywhere: step -1, start fresh). ``previous_nodes``: where each rank ran before
+    (to tell a replaced node's empty memory); ``waited``: how the wait for inventories ended.
+    ``below``: ``(step, why)``: only steps below ``step`` are candidates (a NaN or spike appeared at it,
+    so its snapshot and every later one may hold corrupted state).
+    """
+    previous_nodes = previous_nodes or {}
+    if below is not None:
+        limit = below[0]
+        inventories = {node: inv.model_copy(update={"entries": [e for e in inv.entries if e.step < limit]})
+                       for node, inv in inventories.items()}
+        persisted = {step: p for step, p in persisted.items() if step < limit}
+        waited = (f"{waited}; " if waited else "") + f"steps from {limit} on excluded: {below[1]}"
+    holdings: dict[int, dict[int, list[tuple[str, str, int, str]]]] = {}  # rank -> step -> (node, tier, bytes, digest)
+    for node, inventory in sorted(inventories.items()):
+        for entry in inventory.entries:
+            holdings.setdefault(entry.rank, {}).setdefault(entry.step, []).append(
+                (node, entry.tier, entry.bytes, entry.digest))
+    steps = sorted({s for by_step in holdings.values() for s in by_step} | set(persisted), reverse=True)
+
+    def best_source(rank: int, step: int) -> RestoreSource | None:
+        target = targets.get(rank)
+        held = holdings.get(rank, {}).get(step, [])
+        local = [h for h in held if h[0] == target]
+        for tier in ("memory", "peer"):
+            for node, held_tier, size, digest in local:
+                if held_tier == tier:
+                    return RestoreSource(rank=rank, tier=tier, node_id=node, address=addresses.get(node, ""),
+                                         digest=digest, bytes=size)
+        remote = sorted((h for h in held if h[0] != target and addresses.get(h[0])),
+                        key=lambda h: (h[1] != "peer", h[0]))
+        if remote:
+            node, _, size, digest = remote[0]
+            return RestoreSource(rank=rank, tier="peer", node_id=node, address=addresses[node], digest=digest,
+                                 bytes=size)
+        disk = persisted.get(step)
+        record = disk.shards.get(rank) if disk is not None else None
+        if disk is not None and record is not None:
+            return RestoreSource(rank=rank, tier="disk", node_id="", path=disk.shard_path(rank), digest=record.digest,
+                                 bytes=record.bytes)
+        return None
+
+    chosen_step, sources = -1, []
+    if world_size > 0:
+        for step in steps:
+            candidate = []
+            for rank in range(world_size):
+                source = best_source(rank, step)
+                if source is None:
+                    break
+                candidate.append(source)
+            else:
+                chosen_step, sources = step, candidate
+                break
+
+    fallbacks = [
+        CheckpointTierFallback(generation=generation, rank=s.rank, step=chosen_step, from_tier="memory",
+                               to_tier=s.tier, reason=_why_not_memory(s, chosen_step, generation, targets,
+                                                                     inventories, previous_nodes, waited))
+        for s in sources if s.tier != "memory"
+    ]
+    memory_steps = {s for by_step in holdings.values() for s, held in by_step.items()
+                    if any(tier == "memory" for _, tier, _, _ in held)}
+    newest_memory = max(memory_steps, default=-1)
+    slowest = max((TIERS.index(s.tier) for s in sources), default=-1)
+    if newest_memory > chosen_step:
+        missing = [r for r in range(world_size) if not holdings.get(r, {}).get(newest_memory)]
+        if chosen_step >= 0:
+            outcome = f"restoring step {chosen_step} instead ({newest_memory - chosen_step} steps lost)"
+        else:
+            outcome = "no tier holds every rank's shard of any step: starting fresh"
+        fallbacks.append(CheckpointTierFallback(
+            generation=generation, rank=-1, step=chosen_step, from_tier="memory",
+            to_tier=TIERS[slowest] if chosen_step >= 0 else "none",
+            reason=(f"the newest step in memory, {newest_memory}, is held for {world_size - len(missing)} of "
+                    f"{world_size} ranks (none anywhere for ranks {ranks_text(missing)}); {outcome}" if missing else
+                    f"every rank has a copy of step {newest_memory} in memory, but not every copy is on its rank's "
+                    f"node or on a node with a known shard store; {outcome}")))
+
+    counts = Counter(s.tier for s in sources)
+    tail = f"; {waited}" if waited else ""
+    if chosen_step >= 0:
+        reason = (f"generation {generation}: resume after step {chosen_step}, the newest step every one of "
+                  f"{world_size} ranks has verified: {counts['memory']} from memory, {counts['peer']} from peers, "
+                  f"{counts['disk']} from disk{tail}")
+    elif world_size <= 0:
+        reason = f"generation {generation}: the job's world size is unknown (no rank registered): start fresh{tail}"
+    else:
+        newest_disk = max(persisted, default=None)
+        reason = (f"generation {generation}: no step has a verified shard of every one of {world_size} ranks in "
+                  f"any tier (newest in memory: {newest_memory if newest_memory >= 0 else 'none'}, newest "
+                  f"persisted: {newest_disk if newest_disk is not None else 'none'}): start fresh{tail}")
+    return RestorePlan(generation, chosen_step, tuple(sources), tuple(fallbacks), reason)
+
+
+def _why_not_memory(
+    source: RestoreSource,
+    step: int,
+    generation: int,
+    targets: Mapping[int, str],
+    inventories: Mapping[str, CheckpointInventoryReported],
+    previous_nodes: Mapping[int, str],
+    waited: str,
+) -> str:
+    rank = source.rank
+    target = targets.get(rank)
+    if source.tier == "peer" and source.node_id == target:
+        where = f"the backup copy {target} holds for it"
+    elif source.tier == "peer":
+        where = f"the copy on {source.node_id} (fetched over its shard store)"
+    else:
+        where = f"the persistent tier ({source.path})"
+    if target is None:
+        why = f"no node is known to run rank {rank} in generation {generation}"
+    elif (inventory := inventories.get(target)) is None:
+        why = f"{target} sent no inventory for generation {generation}" + (f" ({waited})" if waited else "")
+    else:
+        reasons = [f"{target} rejected its memory copy of rank {rank} step {r.step}: {r.reason}"
+                   for r in inventory.rejected if r.rank == rank and r.tier == "memory"]
+        held = sorted({e.step for e in inventory.entries if e.rank == rank and e.tier == "memory"})
+        if held:
+            reasons.append(f"{target} holds rank {rank} in memory only at step(s) {', '.join(map(str, held))}, "
+                           f"not step {step}")
+        elif not reasons:
+            previous = previous_nodes.get(rank)
+            replaced = (f" (node replaced: rank {rank} ran on {previous} before, shared memory empty)"
+                        if previous and previous != target else "")
+            reasons.append(f"{target} reported no verified shard of step {step} for rank {rank}{replaced}")
+        why = "; ".join(reasons)
+    if source.tier == "disk":
+        peer_rejects = [f"{node} rejected its copy: {r.reason}" for node, inv in sorted(inventories.items())
+                        for r in inv.rejected if r.rank == rank and r.tier == "peer"]
+        why += "; no live peer reported a verified copy" + (f" ({'; '.join(peer_rejects)})" if peer_rejects else "")
+    return f"{why}; restoring from {where}"
+
+
+# -- the decisions -----------------------------------------------------------------------------------
+
+
+def decide_commit(job: JobState, p: CheckpointShardsStored, subject: str) -> Decision:
+    """Commit the newest step of ``p.tier`` that every rank now has a shard of (an empty reason: none)."""
+    if job.world_size <= 0:
+        return Decision("")
+    by_step = job.shards.get(p.tier, {})
+    committed = job.committed.get(p.tier, -1)
+    for step in sorted({r.step for r in p.shards if r.step > committed}, reverse=True):
+        records = by_step.get(step, {})
+        if all(r in records for r in range(job.world_size)):
+            total = sum(records[r].bytes for r in range(job.world_size))
+            payload = CheckpointStepCommitted(tier=p.tier, step=step, ranks=job.world_size, bytes=total)
+            reason = (f"every one of {job.world_size} ranks has a verified {p.tier} shard of step {step} "
+                      f"({total} bytes); previous {p.tier} commit: {committed if committed >= 0 else 'none'}")
+            return Decision(reason, (Proposal(payload, subject=subject, key=f"commit/{p.tier}/{step}"),))
+    return Decision("")
+
+
+def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: str) -> Decision:
+    """Plan the newest pending restart's restore once every node it needs reported its inventory or
+    ``now`` passed the wait's deadline; until then only a reason (empty: no restore pending)."""
+    pending = [g for g in job.restores if g not in job.planned]
+    if not pending:
+        return Decision("")
+    generation = max(pending)  # an older restart still waiting is superseded by the newer one
+    wait = job.restores[generation]
+    targets = restore_targets(job, wait)
+    expected = {targets.get(r) for r in range(job.world_size)}
+    missing_nodes = sorted(n for n in expected if n is not None and n not in wait.inventories)
+    unknown = [r for r in range(job.world_size) if r not in targets]
+    complete = job.world_size > 0 and not missing_nodes and not unknown
+    if not complete and now < wait.deadline:
+        waiting_for = ", ".join(missing_nodes) or f"the nodes of ranks {ranks_text(unknown)}"
+        return Decision(f"generation {generation}: waiting for inventories from {waiting_for}")
+    if complete:
+        waited = f"inventories from all {len(wait.inventories)} node(s) arrived"
+    else:
+        timeout = policy.restore_plan_timeout.total_seconds()
+        absent = ", ".join(missing_nodes) or "none"
+        waited = (f"planned after the {timeout:g}s wait with {len(wait.inventories)} inventory(ies); "
+                  f"absent: {absent}" + (f"; no node known for ranks {ranks_text(unknown)}" if unknown else ""))
+    plan = plan_restore(generation, job.world_size, targets, wait.inventories, job.addresses, job.persisted,
+                        previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited,
+                        below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
+                        else None)
+    payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=list(plan.sources),
+                                       reason=plan.reason)
+    proposals = [Proposal(payload, subject=subject, key=f"plan/{generation}")]
+    proposals += [Proposal(f, subject=subject, key=f"fallback/{generation}/{f.rank}") for f in plan.fallbacks]
+    return Decision(plan.reason, tuple(proposals))
+
+
+def restore_targets(job: JobState, wait: RestoreWait) -> dict[int, str]:
+    """Which node runs each rank in ``wait.generation``: what the inventories claim, else
+    ``RankStarted`` of that generation, else the last registration."""
+    targets = {r: s.node_id for r, s in job.sites.items()}
+    if job.started_generation == wait.generation:
+        targets.update(job.started)
+    for node, inventory in sorted(wait.inventories.items()):
+        targets.update({r: node for r in inventory.ranks})
+    return targets
