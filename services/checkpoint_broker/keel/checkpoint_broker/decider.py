@@ -84,8 +84,3 @@ class CheckpointBrokerDecider:
         reasons = [part.reason for part in parts if part.reason]
         proposals = tuple(proposal for part in parts for proposal in part.proposals)
         return Decision(reason="; ".join(reasons) or f"{event.type}: nothing to decide", proposals=proposals)
-
-    def pending_restores(self, state: BrokerState) -> list[str]:
-        """Jobs with a restore plan waiting for inventories. A query only: the job clock (``keel.infra.clock``)
-        ticks every live job, so no adapter needs it to drive time any more."""
-        return sorted(j for j, job in state.jobs.items() if any(g not in job.planned for g in job.restores))
