@@ -1,15 +1,35 @@
-"""`keel run`: the node agent as a torchrun-compatible launcher."""
+"""`keel run`: the node agent as a torchrun-compatible launcher.
+
+    keel run [torchrun flags] [--keel-* flags] [-m module | script.py] [args]
+
+The launcher parses its own arguments (``keel.agent.launch_spec``): ``keel.cli.main.main`` hands it
+everything after ``run`` untouched, so ``keel run --help`` is the launcher's help.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
 import sys
 
+from keel.cli.common import Subparsers, nats_url_or_none
 from keel.infra.config import Settings
 
 log = logging.getLogger(__name__)
+
+
+def register(sub: Subparsers) -> None:
+    # No help of its own and a REMAINDER: the words after `run` are the launcher's (main() puts them in
+    # launch_args before argparse could read torchrun's dashed flags as keel's).
+    run = sub.add_parser("run", help="launch and supervise one node's ranks (torchrun-compatible)", add_help=False)
+    run.add_argument("launch_args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    return run_agent(args.launch_args, settings, nats_url_or_none(settings))
 
 
 def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:

@@ -29,6 +29,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import re
@@ -37,13 +38,18 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from keel.cli.common import Subparsers, endpoints
 from keel.cluster.local import FaultSpec, cluster_dir, cluster_down, cluster_up, inject, load_cluster
 from keel.events.envelope import Event
 from keel.infra.config import Settings
 from keel.infra.embedded import free_port
-from keel.infra.store import EventStore, create_engine
+
+if TYPE_CHECKING:
+    # Imported where the demo runs: every `keel` command imports this module to build its parser, and
+    # the store (SQLAlchemy) is most of a second of start-up.
+    from keel.infra.store import EventStore
 
 # A job id of its own per run: the log keeps every earlier run's jobs (and their final state), and a
 # rerun under a reused id would be decided on top of them.
@@ -192,6 +198,8 @@ def _reference_run(directory: Path) -> dict[int, str]:
 
 
 async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: Path) -> dict[str, Any]:
+    from keel.infra.store import EventStore, create_engine
+
     engine = create_engine(database_url, settings.db_schema)
     store = EventStore(engine)
     directory = cluster_dir(settings)
@@ -312,9 +320,17 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         await engine.dispose()
 
 
-def run_demo(settings: Settings, config: str | None = None, keep: bool = False) -> int:
-    from keel.cli.main import endpoints
+def register(sub: Subparsers) -> None:
+    demo = sub.add_parser("demo", help="run the end-to-end demonstration")
+    demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    demo.set_defaults(func=cmd_demo)
 
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    return run_demo(settings, config=args.config, keep=args.keep)
+
+
+def run_demo(settings: Settings, config: str | None = None, keep: bool = False) -> int:
     env = {**os.environ, **STACK_ENV, "KEEL_HOME": str(settings.home)}  # the children use this one's home
     _banner("keel up: embedded NATS JetStream + PostgreSQL; recorder, controller, checkpoint broker, analyzer, actuator")
     up = _keel(config, "up", env=env, check=False)

@@ -1,13 +1,24 @@
-"""``keel deploy`` and ``keel versions``: register code versions; show a job's history, current, stable, pending."""
+"""``keel deploy`` and ``keel versions``: register code versions; show a job's history, current, stable, pending.
+
+    keel deploy PATH|REV --job J [--urgent|--lazy] [--deadline 24h] [--entry F | -m MOD] [--why W] [--by NAME]
+    keel versions --job J [--json]
+
+``deploy_event`` snapshots and validates a version here, in the CLI's process, and the command publishes
+the resulting ``CodeVersionRegistered`` (or ``CodeVersionRejected``, exit status 1) for hot-update to roll
+out; ``summarise`` folds a job's log with hot-update's own decider.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from keel.events.envelope import Event
+from keel.cli.common import CliError, Subparsers, login_name, on_store, print_json, publish
+from keel.events.envelope import Event, now_utc
 from keel.events.types import (
     LAUNCH_VERSION,
     CodeRolloutRequested,
@@ -18,6 +29,7 @@ from keel.events.types import (
     RestartDecided,
     RollbackDecided,
 )
+from keel.events.units import parse_duration
 from keel.hot_update.core import HotUpdateDecider, JobCode
 from keel.hot_update.versions import VersionRejected, default_entry, snapshot, validate, version_id_of
 from keel.infra.config import Settings
@@ -26,6 +38,51 @@ PRODUCER = "cli"
 HISTORY_TYPES = [CodeVersionRegistered.event_name, CodeVersionRejected.event_name, CodeRolloutRequested.event_name,
                  RestartDecided.event_name, CodeVersionApplied.event_name, CodeVersionStable.event_name,
                  RollbackDecided.event_name, "IncidentOpened", "IncidentResolved", "NodeHeartbeat"]
+
+
+def register(sub: Subparsers) -> None:
+    deploy = sub.add_parser("deploy", help="register a code version for a running job (validated before rollout)")
+    deploy.add_argument("source", help="a directory, a wheel (*.whl), or a git revision (REPO@REV, or REV of the "
+                                       "repository here)")
+    deploy.add_argument("--job", required=True)
+    entry = deploy.add_mutually_exclusive_group()
+    entry.add_argument("--entry", help="the script to run, relative to the version (default train.py)")
+    entry.add_argument("--module", "-m", help="run this module of the version instead (python -m MODULE)")
+    mode = deploy.add_mutually_exclusive_group()
+    mode.add_argument("--urgent", action="store_true", help="restart the job onto it now")
+    mode.add_argument("--lazy", action="store_true", help="apply it at the next restart of any cause (default)")
+    deploy.add_argument("--deadline", help="a lazy version is forced this long after the deploy (default "
+                                           "hot_update.default_deadline, 24h)")
+    deploy.add_argument("--why", default="", help="what changed and why (shown by keel versions)")
+    deploy.add_argument("--by", help="who deploys (default: your login name)")
+    deploy.set_defaults(func=cmd_deploy)
+
+    versions = sub.add_parser("versions", help="a job's code versions: history, current, stable, pending")
+    versions.add_argument("--job", required=True)
+    versions.add_argument("--json", action="store_true")
+    versions.set_defaults(func=cmd_versions)
+
+
+# -- keel deploy -----------------------------------------------------------------------------------
+
+
+def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
+    entry = ["-m", args.module] if args.module else ([args.entry] if args.entry else None)
+    try:
+        deadline = parse_duration(args.deadline) if args.deadline else None
+    except ValueError as exc:
+        raise CliError(f"--deadline: {exc}") from None
+    event = deploy_event(settings, args.job, args.source, entry=entry, mode="urgent" if args.urgent else "lazy",
+                         deadline=deadline, by=args.by or login_name(), why=args.why, now=now_utc())
+    publish(settings, event)
+    p = event.payload
+    if event.type == "CodeVersionRejected":
+        print(f"keel: rejected {args.source}: {p.reason}; event {event.id}", file=sys.stderr)
+        return 1
+    when = "restart onto it now" if p.mode == "urgent" else f"at the next restart, at the latest {p.deadline.isoformat()}"
+    print(f"keel: registered {p.version_id} ({p.source_kind} {p.source}, entry {' '.join(p.entry)}) for job {args.job}: "
+          f"{when}; event {event.id}")
+    return 0
 
 
 def versions_dir(settings: Settings) -> Path:
@@ -55,6 +112,18 @@ def deploy_event(settings: Settings, job: str, source: str, *, entry: list[str] 
 
 
 # -- keel versions ---------------------------------------------------------------------------------
+
+
+def cmd_versions(args: argparse.Namespace, settings: Settings) -> int:
+    async def load(store: Any) -> list[Any]:
+        return [r.event async for r in store.read(job_id=args.job, types=HISTORY_TYPES)]
+
+    summary = summarise(on_store(settings, load))
+    if args.json:
+        print_json({"job": args.job, **summary})
+    else:
+        print(format_versions(args.job, summary))
+    return 0
 
 
 def summarise(events: Iterable[Event]) -> dict[str, Any]:
