@@ -12,7 +12,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keel.controller.core import ControllerDecider, ControllerPolicy, diagnostics_verdict
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
+from keel.controller.rules import diagnostics_verdict
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (

@@ -1,9 +1,9 @@
 """The controller's I/O: the shared decider loop plus the clock.
 
-- Decisions: ``DeciderRunner`` over the controller core (cold start from the store, then live).
+- Decisions: ``DeciderRunner`` over the controller's decider (``decider``; cold start from the store, then live).
 - Clock: every ``controller.clock_interval`` a ``TimerTicked(now)`` per job whose rules depend on time
   (a running job's heartbeat silence, a diagnostics deadline), published like any event, so the
-  core - and a replay - sees exactly the time the live run saw. The core never reads the clock.
+  decider - and a replay - sees exactly the time the live run saw. The decider never reads the clock.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 
-from keel.controller.core import ControllerDecider, ControllerPolicy, ControllerState
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
+from keel.controller.state import ControllerState
 from keel.events.envelope import Event, now_utc
 from keel.events.types import TimerTicked
 from keel.infra.bus import Bus
