@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from dataclasses import replace
 from datetime import datetime
 
 from keel.controller.policy import Action, ControllerPolicy
@@ -50,7 +49,7 @@ from keel.events.types import (
     StandbyRefillRequested,
     TimerTicked,
 )
-from keel.kernel.decider import Decision, Proposal, materialise
+from keel.kernel.decider import Decision, Proposal, decision_id, materialise
 from keel.rules.sdc import plan_phases
 from keel.rules.sdc_replay import machine_units, sdc_phase
 
@@ -78,6 +77,8 @@ class ActionPlan:
     def __init__(self, policy: ControllerPolicy, job: JobView, event: Event) -> None:
         self.policy, self.job, self.event = policy, job, event
         self.proposals: list[Proposal] = []
+        self.events: list[Event] = []
+        """The proposals as events, as folded into ``job``: what ``materialise`` makes of ``decision()``."""
         self.reasons: list[str] = []
         self.subject = f"job/{event.job_id}"
 
@@ -86,14 +87,17 @@ class ActionPlan:
         if reason and reason not in self.reasons:
             self.reasons.append(reason)
 
-    def emit(self, payload: EventPayload, subject: str | None = None, key: str = "") -> Event:
+    def emit(self, payload: EventPayload, subject: str | None = None, key: str = "", *,
+             correlation_id: uuid.UUID | None = None) -> Event:
         """Propose ``payload`` (on the job's subject unless told) and fold it into ``job``. Its correlation
-        id is the open incident's id, else the kernel's default (the cause's)."""
+        id is ``correlation_id``, else the open incident's id, else the kernel's default (the cause's)."""
         incident = self.job.incident
-        proposal = Proposal(payload, subject=subject or self.subject, key=key,
-                            correlation_id=uuid.UUID(incident.id) if incident is not None else None)
+        if correlation_id is None and incident is not None:
+            correlation_id = uuid.UUID(incident.id)
+        proposal = Proposal(payload, subject=subject or self.subject, key=key, correlation_id=correlation_id)
         [event] = materialise(NAME, self.event, Decision("", (proposal,)))
         self.proposals.append(proposal)
+        self.events.append(event)
         self.job = evolve_job(self.job, event)
         return event
 
@@ -119,13 +123,17 @@ class ActionPlan:
         """Open an incident about this event, unless one is open (the signal then joins it)."""
         if self.job.incident is not None:
             return
-        self.emit(IncidentOpened(kind=kind, node_id=node_id, ranks=ranks or sorted(self.job.node(node_id).ranks),  # type: ignore[arg-type]
-                                 generation=self.job.generation, last_step=self.job.last_step,
-                                 fingerprint=fingerprint, reason=reason, evidence=[str(self.event.id)]),
-                  key="incident")
-        # The incident's own id is its correlation: emit() read it before the incident existed.
-        opened = self.proposals[-1]
-        self.proposals[-1] = replace(opened, correlation_id=uuid.UUID(self.job.incident.id))  # type: ignore[union-attr]
+        # An incident's id is the id of the event that opens it, and the correlation id of every event
+        # about it, that one included: known before the event is built (``decision_id`` of this cause
+        # and key), so the proposal is built once, with it.
+        key = "incident"
+        incident_id = decision_id(self.event.id, NAME, IncidentOpened.event_name, key)
+        opened = self.emit(IncidentOpened(kind=kind, node_id=node_id,  # type: ignore[arg-type]
+                                          ranks=ranks or sorted(self.job.node(node_id).ranks),
+                                          generation=self.job.generation, last_step=self.job.last_step,
+                                          fingerprint=fingerprint, reason=reason, evidence=[str(self.event.id)]),
+                           key=key, correlation_id=incident_id)
+        assert opened.id == incident_id, "materialise no longer derives ids as decision_id(cause, name, type, key)"
 
     def resolve(self, outcome: str, reason: str, *, stop: bool = False, rung: int | None = None) -> None:
         """Close the open incident with ``outcome``; ``stop``: stop the job and page a human too."""
