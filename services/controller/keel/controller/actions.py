@@ -42,6 +42,7 @@ from keel.events.types import (
     RanksRestartRequested,
     RestartDecided,
     RollbackDecided,
+    SdcPhase,
     SdcReplayRequested,
     StacksRequested,
     StandbyPoolSized,
@@ -208,7 +209,7 @@ class ActionPlan:
                                        timeout_s=self.policy.diagnostics_timeout.total_seconds(),
                                        expires_at=self.expires_at, reason=reason), key=f"diagnostics/{round_}")
 
-    def replay_sdc(self, reason: str, phases: list | None = None, reference: str = "") -> None:  # type: ignore[type-arg]
+    def replay_sdc(self, reason: str, phases: list[SdcPhase] | None = None, reference: str = "") -> None:
         """Rung 5: restart every node's ranks in replay mode (the dual-phase plan, or ``phases``); the
         analyzer's verdict comes back as ``SdcReplayAnalyzed``. With fewer than ``MIN_SDC_UNITS`` replay
         units there is no majority to judge by: restart in place."""
