@@ -648,7 +648,7 @@ async def seed_replay(conn: Any, count: int) -> None:
 
 
 async def measure_replay(database_url: str, count: int) -> dict[str, float]:
-    from keel.controller.core import ControllerDecider
+    from keel.controller.decider import ControllerDecider
     from keel.infra.store import EventStore, create_engine, run_migrations
     from keel.kernel.decider import DeciderSession
 

@@ -9,7 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from keel.controller.core import ControllerDecider, ControllerPolicy
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
 from keel.events.envelope import Event
 from keel.events.types import NodeEvictionDecided, NodeRegistered
 from keel.infra.runner import DeciderRunner

@@ -12,7 +12,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keel.controller.core import ControllerDecider, ControllerPolicy, diagnostics_verdict
+from keel.controller import decider as controller_decider
+from keel.controller.actions import ActionPlan
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
+from keel.controller.rules import diagnostics_verdict
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
@@ -666,6 +670,31 @@ def test_no_decision_emits_two_events_with_one_id() -> None:
     assert [e.payload.outcome for e in of(out, "IncidentResolved")] == ["superseded", "stopped"]
     decisions = [e for e in job.log if e.producer == "controller"]
     assert len({e.id for e in decisions}) == len(decisions)
+
+
+def test_a_decision_is_built_once_with_its_correlation_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The events an ``ActionPlan`` folds while it decides are the events the kernel emits, byte for byte:
+    an ``IncidentOpened`` carries its own id as its correlation id from the start (nothing is patched
+    afterwards), also when one cause closes one incident and opens the next."""
+    plans: list[ActionPlan] = []
+
+    class Recording(ActionPlan):
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kwargs)
+            plans.append(self)
+
+    monkeypatch.setattr(controller_decider, "ActionPlan", Recording)
+    job = Job()
+    err = "KeyError: 'lm_head'"
+    outs = [job.health("n2")]
+    job.restart(outs[0])
+    for _ in range(3):
+        outs.append(job.crash("n0", 1, classification="user_code", err=err))
+        assert [e.to_json() for e in plans[-1].events] == [e.to_json() for e in outs[-1]], types(outs[-1])
+        if of(outs[-1], "RestartDecided"):
+            job.generation = of(outs[-1], "RestartDecided")[0].payload.generation
+    opened = [e for out in outs for e in of(out, "IncidentOpened")]
+    assert len(opened) == 4 and all(e.correlation_id == e.id for e in opened)
 
 
 def test_the_same_inputs_give_the_same_decisions_and_ids() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from keel.controller.core import ControllerDecider, ControllerPolicy
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
 from keel.events.envelope import Event
 from keel.events.types import NodeEvicted, NodeEvictionDecided, NodeHealthChanged, NodeRegistered
 from keel.kernel.decider import DeciderSession, decision_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from datetime import timedelta
 
-from keel.controller.core import ControllerDecider
+from keel.controller.decider import ControllerDecider
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import LAUNCH_VERSION, CodeVersionApplied, CodeVersionRegistered
 from keel.hot_update.core import HotUpdateDecider, HotUpdatePolicy

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from keel.controller.core import ControllerDecider, ControllerPolicy
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
 from keel.kernel.decider import DeciderSession
 from keel.kernel.replay import verify
 from tests.unit.test_decider_and_controller import T0, health, registered

@@ -1,6 +1,6 @@
 """The controller's I/O: the shared decider loop plus the job clock.
 
-- Decisions: ``DeciderRunner`` over the controller core (cold start from the store, then live).
+- Decisions: ``DeciderRunner`` over the controller's decider (``decider``; cold start from the store, then live).
 - Clock: the one job clock (``keel.infra.clock``) runs in this process: every ``controller.clock_interval``
   a ``TimerTicked(now)`` per live job (``ControllerDecider.needs_clock``), published like any event, so
   every decider - and a replay - sees exactly the time the live run saw. No core reads the clock.
@@ -13,7 +13,9 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 
-from keel.controller.core import ControllerDecider, ControllerPolicy, ControllerState
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
+from keel.controller.state import ControllerState
 from keel.events.envelope import Event, now_utc
 from keel.infra.bus import Bus
 from keel.infra.clock import JobClock

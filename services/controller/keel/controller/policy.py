@@ -1,0 +1,66 @@
+"""The controller's policy: every limit, timeout and switch the escalation ladder reads (pure data).
+
+``ControllerPolicy`` is built from ``controller.*`` settings (``adapter.decider_from_settings``); the
+ladder (``rules``), the action planning (``actions``) and the guardrail limits of a new job
+(``state.new_job``) read it, and nothing else configures the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+ALL_CHECKS: tuple[str, ...] = ("gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather")
+"""The stop-time diagnostics an agent runs when asked (rung 2), cheapest and most local first."""
+ACTIONS = frozenset({"evict", "restart", "diagnose", "promote", "rollback", "stop"})
+Action = Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
+"""An action kind a guardrail can hold back (``ActionHeld.action``) or a human must approve."""
+
+
+@dataclass(frozen=True)
+class ControllerPolicy:
+    command_ttl: timedelta = timedelta(minutes=5)
+    """Every command expires this long after the time it was decided at (a cold start never runs a stale one)."""
+    observe_only: bool = False
+    """Decide and record, execute nothing: every action becomes ``ActionHeld`` (guardrail ``observe_only``)."""
+    diagnostics_timeout: timedelta = timedelta(seconds=60)
+    stack_analysis: bool = True
+    """Rung 3: a hang first gets its stacks captured and aggregated by the analyzer (while the ranks are
+    still hung); only an inconclusive verdict goes on to rung 2's diagnostics."""
+    stacks_timeout: timedelta = timedelta(seconds=10)
+    """Agents answer a stack capture within this; the analyzer judges without the rest."""
+    stacks_verdict_timeout: timedelta = timedelta(seconds=20)
+    """No verdict from the analyzer this long after the capture was asked for: go on to rung 2."""
+    sdc_replay: bool = True
+    """Rung 5: a NaN or spike that diagnostics do not explain is replayed to locate the corrupting machine."""
+    sdc_replay_timeout: timedelta = timedelta(seconds=60)
+    """Nodes answer a replay round within this; no verdict 30 s after it: restart in place."""
+    diagnostics_ack_timeout: timedelta = timedelta(seconds=2)
+    """A round's node whose agent sent no heartbeat since the request for this long is lost (its agent
+    answers a request with a heartbeat at once): the round concludes without it."""
+    diagnostics_checks: tuple[str, ...] = ALL_CHECKS
+    node_silence_timeout: timedelta = timedelta(seconds=30)
+    """A node of the job whose heartbeats stopped this long ago is lost (rung 1)."""
+    eviction_window: timedelta = timedelta(hours=1)
+    max_evictions: int = 8
+    max_eviction_fraction: float = 0.1
+    restart_window: timedelta = timedelta(hours=1)
+    restart_budget: int = 10
+    max_same_failure: int = 3
+    approval_required: frozenset[str] = frozenset()
+    """Action kinds (evict, restart, diagnose, rollback) that wait for a human's ``keel approve``."""
+    approval_ttl: timedelta = timedelta(minutes=30)
+    standby_quantile: float = 0.99
+    standby_replacement_window: timedelta = timedelta(hours=1)
+    """How long a failed machine takes to come back: the binomial model's window."""
+    standby_prior_rate_per_node_hour: float = 0.0012
+    """Per-node failure rate assumed while the log is young (the paper's pools: 4 spares for 1,024)."""
+    standby_prior_node_hours: float = 1000.0
+    standby_min: int = 0
+    """At least this many standbys, whatever the model says."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.approval_required) - ACTIONS
+        if unknown:
+            raise ValueError(f"approval_required: unknown action kind(s) {sorted(unknown)}; known: {sorted(ACTIONS)}")

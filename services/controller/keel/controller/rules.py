@@ -1,0 +1,512 @@
+"""The escalation ladder's rules: what the controller does about each event it decides on (pure).
+
+One rule per input event type (``on_health``, ``on_exit``, ``on_diagnostics``, ..., ``on_tick``); each
+reads the job through an ``ActionPlan`` and calls its actions (``actions``). ``decider`` dispatches to
+them. Every decision's reason names the rung and the evidence.
+
+The rungs (ARCHITECTURE.md, "The escalation ladder"), cheapest first:
+
+1. A high-confidence fatal hardware signal (GPU lost, fatal XID, NIC down, disk fault, kernel error),
+   or a node whose agent went silent: evict the node now, promote a ready warm standby into its slice
+   of ranks, and restart every other node in place as the next generation (restore from memory and
+   the peers' copies).
+2. A crash or a hang with no culprit: stop the ranks and run stop-time diagnostics on every node; evict
+   what fails or does not answer in time, else restart in place. A crash whose traceback the exit
+   classifier pins on the user's code needs no diagnostics: it restarts in place at once.
+3. (analyzer issue) stack aggregation names the smallest parallel group to evict.
+4. The same failure again after a restart, with no progress in between: roll back to the last stable
+   code version (``CodeVersionStable``, hot-update's) and restart (``RollbackDecided``; the restart
+   commands carry that version). With no stable version known the restart runs the same code, and a
+   third failure trips rung 6.
+5. A NaN or a loss / gradient-norm spike that stop-time diagnostics do not explain (every node passes):
+   silent data corruption is suspected. Dual-phase replay (``SdcReplayRequested``): every node restarts
+   its ranks in replay mode from the checkpoint before the anomaly, and the analyzer judges which groups
+   of machines compute wrong numbers (``SdcReplayAnalyzed``); the machine it locates is evicted (a
+   standby takes its ranks), else the job restarts in place from before the anomaly.
+6. A crash loop (the same fingerprint ``max_same_failure`` times in a row) or a spent restart budget:
+   stop the job and page a human (``JobStopDecided``).
+
+Hot-update's ``CodeRolloutRequested`` (an urgent deploy, a lazy one's deadline) becomes a planned
+restart: an incident of kind ``code_update`` at rung 0, which is no failure (the crash-loop breaker does
+not count it) but whose lost time ETTR accounts like any other.
+
+Time-dependent rules (a silent node, a diagnostic that timed out) fire on ``TimerTicked`` from the
+controller's clock (recorded, so a replay sees the same time): rules never read a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+from keel.controller.actions import ActionPlan, ranks_text
+from keel.controller.guardrails import failure_fingerprint
+from keel.events.envelope import EventPayload
+from keel.events.types import (
+    ApprovalGiven,
+    CodeRolloutRequested,
+    DiagnosticsCompleted,
+    FailSlowConvicted,
+    MetricAnomalyDetected,
+    NodeCordoned,
+    NodeHealthChanged,
+    NodeHeartbeat,
+    RankExited,
+    SdcReplayAnalyzed,
+    StacksAnalyzed,
+    TimerTicked,
+)
+
+HARDWARE_COMPONENTS = frozenset({"gpu", "nic", "disk", "kernel", "host"})
+"""Components whose high-confidence fatal fault is a rung-1 signal: evict without diagnosing."""
+FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
+"""Exit classifications that are failures (``success`` and ``stopped_by_agent`` are not)."""
+HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost"})
+"""A rank's health checks that mean it hangs (rung 3, else rung 2)."""
+SDC_VERDICT_GRACE = timedelta(seconds=30)
+"""How long past a replay round's timeout the controller waits for the analyzer's verdict."""
+
+
+# -- rung 1 and hangs ----------------------------------------------------------------------------------
+
+
+def on_health(plan: ActionPlan, p: NodeHealthChanged) -> None:
+    """A node's health changed: rung 1 for a high-confidence fatal hardware fault, rung 3 (else 2) for a
+    hung rank; anything milder is left to the higher rungs."""
+    job = plan.job
+    if p.status != "failed":
+        plan.note(f"{p.node_id} is {p.status} ({p.component}/{p.check}): nothing to do")
+        return
+    if p.node_id not in job.nodes:
+        plan.note(f"health event for unknown node {p.node_id} ({p.component}/{p.check}): it never registered "
+                  f"with job {plan.event.job_id}; recorded, nothing done")
+        return
+    node = job.node(p.node_id)
+    if node.evicted:
+        plan.note(f"{p.node_id} is already evicted")
+        return
+    if node.eviction_pending:
+        plan.note(f"{p.node_id} already has eviction {node.eviction_pending} pending")
+        return
+    rung1 = p.is_fatal and p.confidence == "high" and p.component in HARDWARE_COMPONENTS
+    if rung1:
+        why = (f"rung 1: high-confidence fatal {p.component} fault on {p.node_id} ({p.check}: "
+               f"{p.detail or 'no detail'}); evict now rather than diagnose")
+        if not node.ranks or node.standby or job.stopped:
+            plan.evict_idle(p.node_id, why + (" (an idle standby: nothing to restart)" if node.standby else ""))
+            return
+        plan.open_incident("hardware", p.node_id, "", why)
+        plan.recover(1, frozenset({p.node_id}), why)
+        return
+    if p.component == "rank" and p.check in HANG_CHECKS and node.ranks and not job.stopped:
+        if job.incident is not None:
+            plan.note(f"{p.node_id}: rank {p.check} during incident {job.incident.id[:8]} ({job.incident.stage}): "
+                      f"part of it")
+            return
+        if plan.policy.stack_analysis:
+            why = (f"rung 3: {p.node_id} reports {p.check} ({p.detail or 'no detail'}): capture the stacks of every "
+                   f"training process while they hang and let the analyzer find the outliers")
+            plan.open_incident("hang", p.node_id, f"hang/{p.check}", why)
+            plan.capture_stacks(why)
+            return
+        why = (f"rung 2: {p.node_id} reports {p.check} ({p.detail or 'no detail'}) and nothing names a culprit: "
+               f"stop the ranks and run stop-time diagnostics on every node")
+        plan.open_incident("hang", p.node_id, f"hang/{p.check}", why)
+        plan.diagnose(why)
+        return
+    plan.note(f"{p.node_id}: {p.component}/{p.check} failed with {p.confidence} confidence, fatal={p.is_fatal}; "
+              f"not a rung-1 signal, left to the higher rungs")
+
+
+# -- crashes: rungs 2, 4 and 6 -------------------------------------------------------------------------
+
+
+def on_exit(plan: ActionPlan, p: RankExited) -> None:
+    """A rank exited: a failure opens an incident at rung 2 (diagnostics; a crash in the user's code
+    restarts at once), rung 4 (roll back) the second time in a row, rung 6 past ``max_same_failure``. A
+    restarted generation failing before it stepped past its restore point supersedes its incident."""
+    job = plan.job
+    if p.classification not in FAILURE_CLASSES:
+        plan.note(f"rank {p.rank} on {p.node_id} exited ({p.classification}): not a failure")
+        return
+    if job.stopped:
+        plan.note(f"the job is stopped: the exit of rank {p.rank} is recorded, nothing restarted")
+        return
+    if p.generation < job.generation:
+        plan.note(f"rank {p.rank} of generation {p.generation} exited; the job is at generation {job.generation}: "
+                  f"an old generation ending")
+        return
+    incident = job.incident
+    if incident is not None:
+        restarted = incident.target_generation
+        if not (incident.stage == "recovering" and restarted is not None and p.generation >= restarted):
+            plan.note(f"rank {p.rank} on {p.node_id} exited ({p.classification}) during incident "
+                      f"{incident.id[:8]} ({incident.stage}): part of it")
+            return
+        # The restarted generation itself failed before stepping past its restore point: the
+        # recovery did not work. Close that incident and take this failure on as a new one (a
+        # repeated fingerprint then climbs to rung 4, and on to rung 6).
+        plan.resolve("superseded", f"generation {p.generation} failed again before stepping past its restore "
+                                   f"point (step {incident.restore_step}): rank {p.rank} on {p.node_id} exited "
+                                   f"({p.classification})")
+    fingerprint = failure_fingerprint(p.classification, p.error_type, p.stderr_tail)
+    streak = _streak(job.crash_loop.fingerprints, fingerprint)
+    what = (f"rank {p.rank} on {p.node_id} exited ({p.classification}{': ' + p.error_type if p.error_type else ''}"
+            f"{'; ' + p.reason if p.reason else ''})")
+    kind = "user_code" if p.classification == "user_code" else "crash"
+    if 2 <= streak < plan.policy.max_same_failure:
+        why = (f"rung 4: {what}; the same failure ({fingerprint}) {streak} times in a row with no progress "
+               f"in between: roll back to the last stable code version and restart")
+        plan.open_incident(kind, p.node_id, fingerprint, why, ranks=[p.rank])
+        plan.recover(4, frozenset(), why, rollback=True)
+    elif p.classification == "user_code":
+        why = f"rung 2: {what}; the traceback names the user's code, not a machine: restart in place, no diagnostics"
+        plan.open_incident(kind, p.node_id, fingerprint, why, ranks=[p.rank])
+        plan.recover(2, frozenset(), why)
+    else:
+        why = f"rung 2: {what}; nothing names a culprit: stop the ranks and run stop-time diagnostics on every node"
+        plan.open_incident(kind, p.node_id, fingerprint, why, ranks=[p.rank])
+        if streak >= plan.policy.max_same_failure:
+            plan.recover(2, frozenset(), why)  # the crash-loop breaker stops it, with its reason
+        else:
+            plan.diagnose(why)
+
+
+# -- verdicts: diagnostics (rung 2), stacks and fail-slow (rung 3), anomalies and replays (rung 5) -----
+
+
+def on_diagnostics(plan: ActionPlan, p: DiagnosticsCompleted) -> None:
+    """One node's stop-time diagnostics result: conclude the round once every node that can answer did."""
+    incident = plan.job.incident
+    if incident is None or incident.stage != "diagnosing" or p.round != incident.diag_round:
+        plan.note(f"diagnostics of {p.node_id} (round {p.round}) outside a diagnosing incident: recorded")
+        return
+    missing = sorted(incident.diag_nodes - set(incident.diag_results))
+    named = {s for r in incident.diag_results.values() for s in r.suspects}
+    if missing and not set(missing) <= named:
+        plan.note(f"diagnostics round {p.round}: {p.node_id} {'passed' if p.passed else 'failed'}; waiting for "
+                  f"{', '.join(missing)}")
+        return
+    # Everyone who can answer did, and they name every silent node as the peer that never joined:
+    # no need to sit out the timeout.
+    conclude_diagnostics(plan, timed_out=tuple(missing))
+
+def conclude_diagnostics(plan: ActionPlan, timed_out: tuple[str, ...], unacknowledged: tuple[str, ...] = ()) -> None:
+    """End the open incident's diagnostics round: stop, evict what failed, replay (rung 5) or restart in
+    place, as ``diagnostics_verdict`` says."""
+    incident = plan.job.incident
+    assert incident is not None
+    verdict = diagnostics_verdict(incident.diag_results, incident.diag_nodes, timed_out,
+                                  plan.policy.diagnostics_timeout, unacknowledged=unacknowledged,
+                                  ack_timeout=plan.policy.diagnostics_ack_timeout)
+    round_ = incident.diag_round
+    if verdict.stop:
+        plan.resolve("stopped", f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}", stop=True, rung=2)
+    elif verdict.evict:
+        plan.recover(2, verdict.evict, f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}: evict")
+    elif incident.kind == "metric_anomaly" and plan.policy.sdc_replay and plan.job.anomaly_step >= 0:
+        plan.replay_sdc(f"rung 5: stop-time diagnostics round {round_}: {verdict.reason}, yet a machine computed "
+                        f"a non-finite or spiking value at step {plan.job.anomaly_step}: silent data corruption "
+                        f"suspected")
+    else:
+        plan.recover(2, frozenset(), f"rung 2: stop-time diagnostics round {round_}: {verdict.reason}: "
+                                     f"restart in place")
+
+
+def on_stacks(plan: ActionPlan, p: StacksAnalyzed) -> None:
+    """The analyzer's verdict on a stack capture (rung 3): evict the group it names, or go on to rung 2."""
+    incident = plan.job.incident
+    if incident is None or incident.stage != "capturing" or p.round != incident.stacks_round:
+        plan.note(f"stack verdict of round {p.round} outside a capturing incident: recorded")
+        return
+    seen = f" (could not see: {'; '.join(p.missing)})" if p.missing else ""
+    if not p.conclusive or not p.group_nodes:
+        plan.diagnose(f"rung 3 inconclusive: {p.reason}{seen}; rung 2: stop the ranks and run stop-time "
+                      f"diagnostics on every node")
+        return
+    group = f"{p.group_kind.upper()} group" if p.group_kind in ("tp", "pp", "dp") else p.group_kind
+    plan.recover(3, frozenset(p.group_nodes),
+                 f"rung 3: the analyzer names rank(s) {ranks_text(p.outlier_ranks)} as outliers ({p.reason}); "
+                 f"evict the smallest group covering them, the {group} of rank(s) {ranks_text(p.group_ranks)} on "
+                 f"{', '.join(p.group_nodes)} (over-evicting on purpose){seen}")
+
+def on_fail_slow(plan: ActionPlan, p: FailSlowConvicted) -> None:
+    """The analyzer convicts a slow group (rung 3, fail-slow): evict it, unless an incident is open."""
+    job = plan.job
+    nodes = [n for n in p.group_nodes if n in job.nodes and not job.node(n).evicted]
+    if job.stopped:
+        plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: the job is stopped; recorded")
+        return
+    if job.incident is not None:
+        plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)} during incident {job.incident.id[:8]} "
+                  f"({job.incident.stage}): recorded; the analyzer convicts again if it persists")
+        return
+    if not nodes:
+        plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: no such live node of this job; recorded")
+        return
+    group = f"{p.group_kind.upper()} group" if p.group_kind in ("tp", "pp", "dp") else p.group_kind
+    why = (f"rung 3: fail-slow: the analyzer convicts the {group} of rank(s) {ranks_text(p.group_ranks)} on "
+           f"{', '.join(nodes)} ({p.flags} of {p.rounds} rounds, every {p.interval_s:g} s: {p.reason}); "
+           f"every rank waits for it each step: evict it")
+    plan.open_incident("fail_slow", nodes[0], f"fail_slow/{','.join(nodes)}", why,
+                       ranks=sorted({r for n in nodes for r in job.node(n).ranks}))
+    plan.recover(3, frozenset(nodes), why)
+
+def on_metric_anomaly(plan: ActionPlan, p: MetricAnomalyDetected) -> None:
+    """A NaN or a spike (a decline is only recorded) opens a ``metric_anomaly`` incident at rung 2;
+    rung 5 follows if every node passes its diagnostics."""
+    job = plan.job
+    what = f"{p.kind.replace('_', '-')} {p.metric} on rank {p.rank} ({p.node_id}) at step {p.step}: {p.reason}"
+    if p.kind == "decline":
+        plan.note(f"throughput: {what}; recorded (a slow node is fail-slow's to convict; nothing is evicted "
+                  f"for a decline alone)")
+        return
+    if job.stopped or p.generation < job.generation:
+        plan.note(f"{what}: {'the job is stopped' if job.stopped else 'an old generation'}; recorded")
+        return
+    if job.incident is not None:
+        plan.note(f"{what}: during incident {job.incident.id[:8]} ({job.incident.stage}): part of it")
+        return
+    if p.node_id not in job.nodes:
+        plan.note(f"{what}: from a node this job does not know; recorded")
+        return
+    why = (f"rung 2: {what}. Nothing crashed, so a machine may be computing wrong numbers: stop the ranks and run "
+           f"stop-time diagnostics on every node, then restart from a checkpoint before step {p.step} (the "
+           f"checkpoint broker plans below it); if every node passes, rung 5 replays the step to locate a machine "
+           f"that corrupts silently")
+    plan.open_incident("metric_anomaly", p.node_id, f"metric/{p.kind}/{p.metric}", why, ranks=[p.rank])
+    plan.diagnose(why)
+
+def on_sdc_verdict(plan: ActionPlan, p: SdcReplayAnalyzed) -> None:
+    """The analyzer's verdict on a replay round (rung 5): evict what it located, run the next phase, or
+    restart in place."""
+    incident = plan.job.incident
+    if incident is None or incident.stage != "replaying" or p.round != incident.sdc_round:
+        plan.note(f"replay verdict of round {p.round} outside a replaying incident: recorded")
+        return
+    rounds = f"{p.rounds} replay phase(s)"
+    if p.kind in ("found", "several") and p.nodes:
+        what = (f"machine {p.unit}" if p.kind == "found" else f"machines {', '.join(p.candidates)} (each fails alone)")
+        plan.recover(5, frozenset(p.nodes), f"rung 5: dual-phase replay located {what} in {rounds}: {p.reason}; "
+                                            f"evict {', '.join(p.nodes)} and restart from before the anomaly")
+    elif p.kind == "ambiguous" and p.next_phase is not None:
+        plan.replay_sdc(f"rung 5: replay round {p.round} was ambiguous ({p.reason})", phases=[p.next_phase],
+                        reference=p.reference_digest)
+    else:
+        plan.recover(5, frozenset(), f"rung 5: dual-phase replay {p.kind.replace('_', ' ')} after {rounds} "
+                                     f"({p.reason}): no machine to evict; restart in place from before the anomaly")
+
+
+# -- time, code rollouts, recovery, the standby pool, humans -------------------------------------------
+
+
+def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
+    """The controller's recorded clock: a stack or replay verdict that never came, a diagnostics round
+    past its deadline or waiting on nodes that are gone, and running nodes gone silent (rung 1)."""
+    job, policy, now = plan.job, plan.policy, p.now
+    incident = job.incident
+    if (incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None
+            and now - incident.stacks_requested_at >= policy.stacks_verdict_timeout):
+        plan.diagnose(f"rung 3: no verdict from the analyzer {policy.stacks_verdict_timeout.total_seconds():g} s "
+                      f"after the capture of round {incident.stacks_round} was asked for (is it running?); rung 2: "
+                      f"stop the ranks and run stop-time diagnostics on every node")
+        return
+    if (incident is not None and incident.stage == "replaying" and incident.sdc_requested_at is not None
+            and now - incident.sdc_requested_at >= policy.sdc_replay_timeout + SDC_VERDICT_GRACE):
+        plan.recover(5, frozenset(), f"rung 5: no verdict on replay round {incident.sdc_round} "
+                                     f"{(policy.sdc_replay_timeout + SDC_VERDICT_GRACE).total_seconds():g} s after it "
+                                     f"was asked for (is the analyzer running?): restart in place from before the anomaly")
+        return
+    if incident is not None and incident.stage == "diagnosing":
+        missing = sorted(incident.diag_nodes - set(incident.diag_results))
+        if incident.diag_deadline is not None and now >= incident.diag_deadline:
+            conclude_diagnostics(plan, timed_out=tuple(missing))
+            return
+        # Every node still owing a result has gone silent too (no heartbeat for the silence
+        # timeout): its agent is gone, and waiting for the deadline only loses time.
+        silent = [n for n in missing if (seen := job.node(n).last_heartbeat_at) is not None
+                  and now - seen > policy.node_silence_timeout]
+        if missing and len(silent) == len(missing) and len(missing) < len(incident.diag_nodes):
+            plan.note(f"diagnostics round {incident.diag_round}: {', '.join(silent)} sent no heartbeat for "
+                      f"over {policy.node_silence_timeout.total_seconds():g} s: not waiting for the deadline")
+            conclude_diagnostics(plan, timed_out=tuple(missing))
+            return
+        # A node whose agent has not answered the request at all (agents send a heartbeat on receipt)
+        # is gone: its peers would only wait for it in the all-gather until the deadline.
+        requested_at = incident.diag_requested_at
+        if requested_at is not None and now - requested_at >= policy.diagnostics_ack_timeout:
+            unacked = [n for n in missing if (seen := job.node(n).last_heartbeat_at) is None or seen < requested_at]
+            if unacked and len(unacked) < len(incident.diag_nodes):
+                plan.note(f"diagnostics round {incident.diag_round}: {', '.join(unacked)} sent nothing in the "
+                          f"{policy.diagnostics_ack_timeout.total_seconds():g} s since the request: not waiting "
+                          f"for the deadline")
+                conclude_diagnostics(plan, timed_out=(), unacknowledged=tuple(unacked))
+        return
+    if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
+        return
+    lost = [n for n in job.active if not n.eviction_pending and n.last_heartbeat_at is not None
+            and now - n.last_heartbeat_at > policy.node_silence_timeout]
+    if not lost:
+        return
+    silence = max((now - n.last_heartbeat_at).total_seconds() for n in lost if n.last_heartbeat_at)
+    names = ", ".join(n.node_id for n in lost)
+    why = (f"rung 1: no heartbeat from {names} for {silence:.0f} s (timeout "
+           f"{policy.node_silence_timeout.total_seconds():g} s): the node's agent is gone; evict it")
+    plan.open_incident("lost_node", lost[0].node_id, "", why)
+    plan.recover(1, frozenset(n.node_id for n in lost), why)
+
+def on_rollout(plan: ActionPlan, p: CodeRolloutRequested) -> None:
+    """Hot-update asks for a rollout: a planned restart onto the pending version (rung 0), if ranks run
+    and no incident is open (its restart carries the version anyway)."""
+    job = plan.job
+    pending = job.code_pending
+    if not pending:
+        plan.note(f"rollout of {p.version_id} asked for: no version is pending (a restart already carried it)")
+    elif job.stopped or job.finished:
+        plan.note(f"rollout of {pending} asked for: the job is {'stopped' if job.stopped else 'finishing'}; "
+                  f"nothing restarted")
+    elif not job.active:
+        plan.note(f"rollout of {pending} asked for: no ranks run yet; they start on it with the next restart")
+    elif job.incident is not None:
+        plan.note(f"rollout of {pending} asked for during incident {job.incident.id[:8]} ({job.incident.stage}): "
+                  f"its restart carries the version, or one follows once it is resolved")
+    else:
+        plan.roll_out(f"{p.reason}{'' if pending == p.version_id else f' (the newest pending version is {pending})'}")
+
+def on_heartbeat(plan: ActionPlan, p: NodeHeartbeat) -> None:
+    """A node of the restarted generation stepped past the restore point: the incident is resolved (and
+    a rollout asked for meanwhile follows)."""
+    incident = plan.job.incident
+    if incident is None or incident.stage not in ("recovering", "observing") or p.node_id not in incident.started:
+        return
+    if p.last_step > incident.restore_step:
+        by = "" if incident.stage == "recovering" else " without the controller acting"
+        code = ""
+        if incident.code_change.startswith("rolled back"):
+            code = (f"; the code was {incident.code_change} and that resolved it: the cause was the user's code, "
+                    f"not a machine")
+        elif incident.code_change:
+            code = f"; the code {incident.code_change}"
+        plan.resolve("recovered", f"generation {incident.target_generation} is stepping again{by} ({p.node_id} at "
+                                  f"step {p.last_step}, restored after step {incident.restore_step}){code}")
+        job = plan.job
+        if job.rollout_due and job.code_pending and not job.stopped and not job.finished:
+            plan.roll_out(f"rollout of {job.code_pending} asked for during incident {incident.id[:8]}, which is "
+                          f"over: restart onto it now")
+
+def on_pool_change(plan: ActionPlan, p: EventPayload) -> None:
+    """The standby pool changed: carry out a recovery that waits for a standby, else re-size the pool."""
+    incident = plan.job.incident
+    if incident is not None and incident.stage == "waiting_standby" and incident.held is not None:
+        held = incident.held
+        if len(plan.job.ready_standbys) >= sum(1 for n in held.evict if plan.job.node(n).ranks):
+            plan.recover(held.rung, held.evict, f"{held.reason}; a ready standby joined the pool",
+                         rollback=held.rollback, approved=True)
+            return
+    plan.size_pool()
+
+def on_approval(plan: ActionPlan, p: ApprovalGiven) -> None:
+    """A human's answer: approved, carry out the held recovery; denied, stop the job."""
+    incident = plan.job.incident
+    if incident is None or incident.stage != "awaiting_approval" or incident.approval_id != p.request_id:
+        plan.note(f"answer to {p.request_id[:8]} by {p.by} matches no waiting action: recorded, nothing done")
+        return
+    held = incident.held
+    assert held is not None
+    if not p.approved:
+        plan.resolve("stopped", f"{p.by} denied the recovery ({p.comment or 'no comment'}): the job is stopped and "
+                                f"left to a human", stop=True)
+        return
+    plan.recover(held.rung, held.evict, f"{held.reason}; approved by {p.by}", rollback=held.rollback, approved=True)
+
+
+def on_cordon(plan: ActionPlan, p: NodeCordoned) -> None:
+    """A human cordoned or uncordoned a node: only said in the reason (the fold keeps the cordon)."""
+    plan.note(f"{p.node_id} {'cordoned' if p.cordoned else 'uncordoned'} by {p.by}"
+              + (f" ({p.reason})" if p.reason else "")
+              + (": never diagnosed, restarted onto or promoted until a human lifts it" if p.cordoned else ""))
+
+
+# -- helpers: a failure's streak, the diagnostics verdict ----------------------------------------------
+
+
+def _streak(history: Iterable[str], fingerprint: str) -> int:
+    """How many times in a row ``fingerprint`` will have been seen, counting this time."""
+    streak = 1
+    for previous in reversed(tuple(history)):
+        if previous != fingerprint:
+            break
+        streak += 1
+    return streak
+
+
+@dataclass(frozen=True)
+class DiagnosticsVerdict:
+    evict: frozenset[str]
+    reason: str
+    stop: bool = False
+
+
+_LOCAL_CHECKS = frozenset({"gpu_matmul", "intra_node_all_to_all"})
+
+
+def diagnostics_verdict(results: Mapping[str, DiagnosticsCompleted], nodes: Iterable[str], timed_out: Iterable[str],
+                        timeout: timedelta, *, unacknowledged: Iterable[str] = (),
+                        ack_timeout: timedelta | None = None) -> DiagnosticsVerdict:
+    """Which nodes one round of stop-time diagnostics convicts, and why (pure).
+
+    - A node failing a check of its own (the GPU self-test, the intra-node all-to-all) is bad.
+    - The inter-node all-gather fails on *every* node when one is bad; the reports' ``suspects`` (a peer
+      that never joined or sent wrong data) say which. A node named by another is bad; a node whose
+      only failure is the collective and whom nobody names is a bystander.
+    - A node that did not report (``timed_out``) is bad: its agent or its network is gone. So is one
+      whose agent did not even acknowledge the request (``unacknowledged``, within ``ack_timeout``); a
+      node that acknowledged and has not reported yet when the round ends that early is not judged.
+    - The collective failing on at least half the nodes with nobody named is no bad machine (a switch,
+      the fabric, a bad driver push): evicting would empty the job, so the verdict is to stop and page.
+    """
+    nodes, timed_out = sorted(set(nodes)), sorted(set(timed_out))
+    unacknowledged = sorted(set(unacknowledged) - set(timed_out))
+    named: dict[str, set[str]] = {}
+    for reporter, result in results.items():
+        for suspect in result.suspects:
+            if suspect != reporter:
+                named.setdefault(suspect, set()).add(reporter)
+    local_bad = {n for n, r in results.items() if any(not c.passed and not c.skipped and c.check in _LOCAL_CHECKS
+                                                      for c in r.results)}
+    collective_only = {n for n, r in results.items() if not r.passed and n not in local_bad}
+    bad = local_bad | set(timed_out) | set(unacknowledged) | {s for s in named if s in set(nodes)}
+    unexplained = collective_only - bad
+    parts = []
+    for node_id in sorted(local_bad):
+        checks = [f"{c.check}: {c.detail}" for c in results[node_id].results
+                  if not c.passed and not c.skipped and c.check in _LOCAL_CHECKS]
+        parts.append(f"{node_id} failed its own checks ({'; '.join(checks)})")
+    for suspect in sorted(set(named) & bad - local_bad):
+        parts.append(f"{suspect} named by {', '.join(sorted(named[suspect]))} "
+                     f"({'never joined or sent wrong data' if suspect in timed_out or suspect not in results else 'sent wrong data'})")
+    silent = [n for n in timed_out if n not in named]
+    if silent:
+        parts.append(f"{', '.join(silent)} did not report within {timeout.total_seconds():g} s (the diagnostic timed "
+                     f"out): treated as failed")
+    gone = [n for n in unacknowledged if n not in named]
+    if gone:
+        within = f" within {ack_timeout.total_seconds():g} s" if ack_timeout is not None else ""
+        parts.append(f"{', '.join(gone)} did not acknowledge the request{within} (its agent sent nothing): lost")
+    if not bad and unexplained:
+        if len(unexplained) * 2 >= max(1, len(nodes)):
+            return DiagnosticsVerdict(frozenset(), f"the inter-node check failed on {', '.join(sorted(unexplained))} "
+                                                   f"and no report names a culprit: a fabric-wide fault, not a machine; "
+                                                   f"stopping instead of evicting half the job", stop=True)
+        bad = set(unexplained)
+        for node_id in sorted(unexplained):
+            checks = [f"{c.check}: {c.detail}" for c in results[node_id].results if not c.passed and not c.skipped]
+            parts.append(f"{node_id} failed ({'; '.join(checks) or results[node_id].detail or 'no detail'})")
+        parts.append("nobody else is named: evicting the minority that failed")
+    if not bad:
+        return DiagnosticsVerdict(frozenset(), f"passed on every node ({', '.join(sorted(results))})")
+    bystanders = sorted(collective_only - bad)
+    if bystanders:
+        parts.append(f"{', '.join(bystanders)} failed only the collective check because of them: kept")
+    return DiagnosticsVerdict(frozenset(bad), "; ".join(parts))

@@ -1,0 +1,404 @@
+"""The controller's state and its fold: what it knows about each job, rebuilt from the event log alone.
+
+- Views (immutable): ``ControllerState`` maps a job id to its ``JobView``: its nodes (``NodeView``), its
+  world size, generation and progress, its guardrail breakers, its code versions and at most one
+  ``OpenIncident``, with a ``HeldPlan`` when a recovery waits for an approval or a standby.
+- The fold (pure): ``evolve_job(job, event)``. The controller folds its own decision events exactly like
+  its inputs, so a cold start rebuilds every incident from the log and a replay reaches the same state.
+
+Incidents: the first signal opens one (``IncidentOpened``); its id - that event's id - is the correlation
+id of every decision about it and of the agents' answers. Signals that arrive while it is open join it.
+``IncidentResolved`` closes it once a node of the restarted generation steps past the restore point.
+
+Code versions (hot-update): the fold keeps the registered versions (``CodeVersionRegistered``), the newest
+one no restart has carried yet (``code_pending``), the ones hot-update found stable and the ones rolled
+back (never applied again: versions are content-addressed, a fix is another version).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Literal
+
+from keel.controller.guardrails import CrashLoopBreaker, EvictionBreaker
+from keel.controller.policy import ControllerPolicy
+from keel.events.envelope import Event
+from keel.events.types import (
+    LAUNCH_VERSION,
+    ActionHeld,
+    ApprovalRequested,
+    CheckpointRanksRegistered,
+    CheckpointRestorePlanned,
+    CodeRef,
+    CodeRolloutRequested,
+    CodeVersionRegistered,
+    CodeVersionStable,
+    DiagnosticsCompleted,
+    DiagnosticsRequested,
+    IncidentOpened,
+    IncidentResolved,
+    JobRegistered,
+    JobStopDecided,
+    MetricAnomalyDetected,
+    NodeCordoned,
+    NodeEvicted,
+    NodeEvictionDecided,
+    NodeHeartbeat,
+    NodeRegistered,
+    RankExited,
+    RanksRestartRequested,
+    RankStarted,
+    RestartDecided,
+    SdcReplayRequested,
+    StacksRequested,
+    StandbyChecked,
+    StandbyPoolSized,
+    StandbyPromoted,
+    StandbyPromotionRequested,
+    StandbyRefillRequested,
+)
+
+Stage = Literal["observing", "capturing", "diagnosing", "replaying", "recovering", "waiting_standby",
+                "awaiting_approval"]
+"""Where an open incident stands: what the ladder waits for next."""
+
+
+# -- views ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as the job sees it (a worker or a standby): its newest generation only."""
+
+    node_id: str
+    standby: bool = False
+    ranks: frozenset[int] = frozenset()
+    """The ranks it runs in ``generation``, its newest."""
+    generation: int = -1
+    evicted: bool = False
+    eviction_pending: str | None = None
+    """Id of an eviction decision not yet carried out."""
+    cordoned: bool = False
+    cordoned_by: str = ""
+    checked: bool | None = None
+    """A standby's self-check outcome (None: not reported yet; only a passing standby counts)."""
+    promoting: bool = False
+    last_heartbeat_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class HeldPlan:
+    """A recovery held back (waiting for an approval or a standby): what it does once it may."""
+
+    rung: int
+    evict: frozenset[str]
+    reason: str
+    rollback: bool = False
+
+
+@dataclass(frozen=True)
+class OpenIncident:
+    """The job's incident in progress: what opened it, how far up the ladder it got, what it waits for."""
+
+    id: str
+    kind: str
+    opened_at: datetime
+    generation: int
+    last_step: int
+    fingerprint: str
+    stage: Stage = "observing"
+    rung: int = 0
+    evidence: tuple[str, ...] = ()
+    diag_round: int | None = None
+    diag_deadline: datetime | None = None
+    diag_requested_at: datetime | None = None
+    stacks_round: int | None = None
+    stacks_requested_at: datetime | None = None
+    diag_nodes: frozenset[str] = frozenset()
+    diag_results: Mapping[str, DiagnosticsCompleted] = field(default_factory=dict)
+    target_generation: int | None = None
+    restore_step: int = -1
+    started: frozenset[str] = frozenset()
+    """Nodes that started ranks of ``target_generation``: only their heartbeats say it is stepping."""
+    held: HeldPlan | None = None
+    approval_id: str = ""
+    sdc_round: int | None = None
+    sdc_requested_at: datetime | None = None
+    sdc_replays: int = 0
+    """Replay phases run for this incident so far."""
+    code_change: str = ""
+    """What the incident's restart did to the code ("" : nothing), for its resolution's reason."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Everything the controller knows about one job."""
+
+    nodes: Mapping[str, NodeView] = field(default_factory=dict)
+    world_size: int = 0
+    generation: int = 0
+    """The newest generation started or commanded."""
+    last_step: int = -1
+    """The newest step any node reported outside an incident (what recovery must get back to)."""
+    failed_at_step: int = -1
+    """``last_step`` when the latest incident opened: stepping past it is progress (crash-loop reset)."""
+    incident: OpenIncident | None = None
+    diag_rounds: int = 0
+    stack_rounds: int = 0
+    evictions: EvictionBreaker = EvictionBreaker()
+    crash_loop: CrashLoopBreaker = CrashLoopBreaker()
+    stopped: bool = False
+    finished: bool = False
+    """A rank exited successfully: the job is ending, silent nodes are done, not lost."""
+    first_seen_at: datetime | None = None
+    node_failures: int = 0
+    pool_target: int | None = None
+    refills_pending: int = 0
+    """Standbys asked of the actuator and not yet registered: not asked for again (until the request expires)."""
+    refill_asked_at: datetime | None = None
+    sdc_rounds: int = 0
+    rank_links: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    """Each rank's PP and TP peers (from the checkpoint registrations): what a replay must keep together."""
+    anomaly_step: int = -1
+    """The step of the newest NaN / spike reported (what a rung-5 replay replays)."""
+    code_versions: Mapping[str, CodeRef] = field(default_factory=dict)
+    """Registered code versions (``keel deploy``), by id."""
+    code_pending: str = ""
+    """The newest registered version no restart has carried yet: the next restart applies it."""
+    code_current: str = ""
+    """The version the latest restart commanded ("" : never changed, the launch command)."""
+    code_stable: str = ""
+    """The newest version hot-update found stable: rung 4's rollback target."""
+    code_stables: tuple[str, ...] = ()
+    """Every version hot-update found stable, oldest first: rung 4 rolls back to the newest that is not the
+    code failing now."""
+    code_rolled_back: frozenset[str] = frozenset()
+    rollout_due: str = ""
+    """Hot-update asked for a rollout that no restart has carried out yet."""
+
+    @property
+    def code_running(self) -> str:
+        return self.code_current or LAUNCH_VERSION
+
+    def code_ref(self, version_id: str) -> CodeRef | None:
+        """What a command names for ``version_id`` ("" : nothing, the node keeps what it runs)."""
+        if not version_id:
+            return None
+        return self.code_versions.get(version_id) or CodeRef(version_id=version_id)
+
+    def node(self, node_id: str) -> NodeView:
+        return self.nodes.get(node_id, NodeView(node_id))
+
+    def with_node(self, view: NodeView) -> JobView:
+        return replace(self, nodes={**self.nodes, view.node_id: view})
+
+    @property
+    def size(self) -> int:
+        """The job's node count for the eviction breaker's fraction: every node that ever ran ranks or
+        registered as a worker (a 10 % limit is of the job, not of what is left of it)."""
+        return max(1, sum(1 for n in self.nodes.values() if not n.standby or n.ranks))
+
+    @property
+    def active(self) -> list[NodeView]:
+        """Nodes running ranks of the job (not evicted, not standbys), by id."""
+        return sorted((n for n in self.nodes.values() if n.ranks and not n.evicted and not n.standby),
+                      key=lambda n: n.node_id)
+
+    @property
+    def ready_standbys(self) -> list[NodeView]:
+        """Standbys that passed their self-check and are free to take over a node's ranks."""
+        return sorted((n for n in self.nodes.values() if n.standby and n.checked and not n.evicted
+                       and not n.eviction_pending and not n.cordoned and not n.promoting), key=lambda n: n.node_id)
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """The controller's whole state: one ``JobView`` per job id."""
+
+    jobs: Mapping[str, JobView] = field(default_factory=dict)
+
+    def job(self, job_id: str) -> JobView:
+        return self.jobs.get(job_id, _EMPTY)
+
+    def with_job(self, job_id: str, job: JobView) -> ControllerState:
+        return ControllerState(jobs={**self.jobs, job_id: job})
+
+
+_EMPTY = JobView()
+
+
+def new_job(policy: ControllerPolicy) -> JobView:
+    """A job seen for the first time, with the policy's guardrail limits."""
+    return JobView(evictions=EvictionBreaker(policy.eviction_window, policy.max_evictions, policy.max_eviction_fraction),
+                   crash_loop=CrashLoopBreaker(policy.restart_window, policy.restart_budget, policy.max_same_failure))
+
+
+# -- the fold ------------------------------------------------------------------------------------------
+
+
+def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branch per event type
+    """``job`` after ``event`` (pure). Every event the controller sees goes through here: the inputs
+    (registrations, heartbeats, rank starts...) and its own decisions, live and on a cold start alike."""
+    p, at = event.payload, event.occurred_at
+    if job.first_seen_at is None and isinstance(p, (RankStarted, NodeRegistered, JobRegistered)):
+        job = replace(job, first_seen_at=at)
+    if isinstance(p, JobRegistered):
+        return replace(job, world_size=job.world_size or p.world_size)
+    if isinstance(p, NodeRegistered):
+        view = job.node(p.node_id)
+        # A node registering (again) is a new agent: a repaired or replacement machine, or a restarted
+        # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it.
+        if p.standby and job.refills_pending:
+            job = replace(job, refills_pending=job.refills_pending - 1)  # one of those asked for
+        return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
+                                     promoting=False, checked=None if p.standby else view.checked,
+                                     ranks=frozenset() if p.standby else view.ranks, last_heartbeat_at=at))
+    if isinstance(p, RankStarted):
+        view = job.node(p.node_id)
+        if p.generation < view.generation:
+            return job
+        ranks = view.ranks | {p.rank} if p.generation == view.generation else frozenset({p.rank})
+        job = job.with_node(replace(view, ranks=frozenset(ranks), generation=p.generation, standby=False,
+                                    promoting=False, last_heartbeat_at=at))
+        for other in list(job.nodes.values()):  # a rank moved here (a promotion) left its old node
+            if other.node_id != p.node_id and p.rank in other.ranks and other.generation < p.generation:
+                job = job.with_node(replace(other, ranks=other.ranks - {p.rank}))
+        job = replace(job, generation=max(job.generation, p.generation), world_size=max(job.world_size, p.world_size))
+        incident = job.incident
+        if incident is not None and incident.stage == "observing" and incident.target_generation is None \
+                and p.generation > incident.generation:
+            # Restarted by someone else (observe mode, a human): watch that generation recover.
+            incident = replace(incident, target_generation=p.generation)
+        if incident is not None and incident.target_generation == p.generation:
+            job = replace(job, incident=replace(incident, started=incident.started | {p.node_id}))
+        return job
+    if isinstance(p, NodeHeartbeat):
+        job = job.with_node(replace(job.node(p.node_id), last_heartbeat_at=at))
+        if p.standby or job.incident is not None:
+            return job
+        # Past where it failed: no loop. A failure before any reported step (failed_at_step -1) is
+        # passed by the first step reported after it.
+        if p.last_step > job.failed_at_step and job.crash_loop.fingerprints:
+            job = replace(job, crash_loop=job.crash_loop.progressed())
+        return replace(job, last_step=max(job.last_step, p.last_step))
+    if isinstance(p, StandbyChecked):
+        return job.with_node(replace(job.node(p.node_id), checked=p.passed))
+    if isinstance(p, NodeCordoned):
+        return job.with_node(replace(job.node(p.node_id), cordoned=p.cordoned, cordoned_by=p.by if p.cordoned else ""))
+    if isinstance(p, NodeEvictionDecided):
+        if p.observe_only:
+            return job
+        return replace(job.with_node(replace(job.node(p.node_id), eviction_pending=str(event.id))),
+                       evictions=job.evictions.record(at), node_failures=job.node_failures + 1)
+    if isinstance(p, NodeEvicted):
+        view = job.node(p.node_id)
+        # ``ranks`` stays: what the node ran is what a standby must take over (``active`` skips it).
+        return job.with_node(replace(view, eviction_pending=None, evicted=view.evicted or p.outcome == "evicted"))
+    if isinstance(p, StandbyPromotionRequested):
+        return job.with_node(replace(job.node(p.node_id), promoting=True))
+    if isinstance(p, StandbyPromoted):
+        if p.outcome == "promoted":
+            return job
+        return job.with_node(replace(job.node(p.node_id), promoting=False, checked=False))
+    if isinstance(p, RanksRestartRequested):
+        return replace(job, generation=max(job.generation, p.generation))
+    if isinstance(p, RankExited):
+        if p.classification == "success" and p.generation >= job.generation:
+            return replace(job, finished=True)
+        return job
+    if isinstance(p, CheckpointRanksRegistered):
+        links = dict(job.rank_links)
+        for groups in p.ranks:
+            links[groups.rank] = frozenset(groups.pp) | frozenset(groups.tp) | {groups.rank}
+        return replace(job, rank_links=links)
+    if isinstance(p, MetricAnomalyDetected):
+        if p.kind != "decline" and p.generation >= job.generation:
+            fresh = job.incident is None or job.anomaly_step < 0
+            return replace(job, anomaly_step=p.step if fresh else min(job.anomaly_step, p.step))
+        return job
+    if isinstance(p, CheckpointRestorePlanned):
+        incident = job.incident
+        if incident is not None and incident.target_generation == p.generation:
+            return replace(job, incident=replace(incident, restore_step=p.step))
+        return job
+    if isinstance(p, CodeVersionRegistered):
+        ref = CodeRef(version_id=p.version_id, path=p.path, entry=list(p.entry), digest=p.digest)
+        return replace(job, code_versions={**job.code_versions, p.version_id: ref}, code_pending=p.version_id)
+    if isinstance(p, CodeVersionStable):
+        stables = tuple(v for v in job.code_stables if v != p.version_id) + (p.version_id,)
+        return replace(job, code_stable=p.version_id, code_stables=stables)
+    if isinstance(p, CodeRolloutRequested):
+        return replace(job, rollout_due=p.version_id)
+    return _evolve_incident(job, event)
+
+def _evolve_incident(job: JobView, event: Event) -> JobView:
+    """The controller's own decisions about an incident (folded live and on a cold start alike)."""
+    p, at = event.payload, event.occurred_at
+    incident = job.incident
+    if isinstance(p, IncidentOpened):
+        return replace(job, failed_at_step=p.last_step, incident=OpenIncident(
+            id=str(event.id), kind=p.kind, opened_at=at, generation=p.generation, last_step=p.last_step,
+            fingerprint=p.fingerprint, evidence=tuple(p.evidence)))
+    if isinstance(p, IncidentResolved):
+        return replace(job, incident=None if incident is None or incident.id == p.incident_id else incident,
+                       anomaly_step=-1,
+                       stopped=job.stopped or p.outcome == "stopped")
+    if isinstance(p, JobStopDecided):
+        return replace(job, stopped=True)
+    if isinstance(p, StandbyPoolSized):
+        return replace(job, pool_target=p.target)
+    if isinstance(p, StandbyRefillRequested):
+        return replace(job, refills_pending=job.refills_pending + p.count, refill_asked_at=p.expires_at)
+    if isinstance(p, StacksRequested):
+        job = replace(job, stack_rounds=max(job.stack_rounds, p.round + 1))
+        if incident is None:
+            return job
+        return replace(job, incident=replace(incident, stage="capturing", rung=max(incident.rung, 3),
+                                             stacks_round=p.round, stacks_requested_at=at))
+    if isinstance(p, SdcReplayRequested):
+        job = replace(job, sdc_rounds=max(job.sdc_rounds, p.round + 1), generation=max(job.generation, p.generation))
+        if incident is None:
+            return job
+        return replace(job, incident=replace(incident, stage="replaying", rung=max(incident.rung, 5),
+                                             sdc_round=p.round, sdc_requested_at=at,
+                                             sdc_replays=incident.sdc_replays + len(p.phases)))
+    if isinstance(p, DiagnosticsRequested):
+        job = replace(job, diag_rounds=max(job.diag_rounds, p.round + 1))
+        if incident is None:
+            return job
+        return replace(job, incident=replace(
+            incident, stage="diagnosing", rung=max(incident.rung, 2), diag_round=p.round,
+            diag_deadline=at + timedelta(seconds=p.timeout_s), diag_requested_at=at, diag_nodes=frozenset(p.nodes),
+            diag_results={}))
+    if incident is None:
+        return job
+    if isinstance(p, DiagnosticsCompleted):
+        if incident.stage != "diagnosing" or p.round != incident.diag_round:
+            return job
+        return replace(job, incident=replace(incident, diag_results={**incident.diag_results, p.node_id: p}))
+    if isinstance(p, RestartDecided):
+        fingerprint = p.fingerprint or f"{incident.kind}@{','.join(p.evict) or 'none'}"
+        # A planned restart (rung 0: a code rollout) is no failure: the crash-loop breaker skips it.
+        crash_loop = job.crash_loop if p.rung == 0 else job.crash_loop.record(at, fingerprint)
+        code_change = incident.code_change
+        if p.code_changed:
+            code_change = (f"{'rolled back' if p.rollback else 'moved'} from {job.code_running} to "
+                           f"{p.code_version}")
+            job = replace(job, code_current=p.code_version, rollout_due="",
+                          code_pending="" if job.code_pending == p.code_version else job.code_pending,
+                          code_rolled_back=job.code_rolled_back | {job.code_running} if p.rollback
+                          else job.code_rolled_back)
+        return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
+                       incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
+                                        target_generation=p.generation, started=frozenset(), restore_step=-1,
+                                        held=None, code_change=code_change))
+    if isinstance(p, ActionHeld):
+        held = HeldPlan(p.rung, frozenset(p.evict), p.reason, p.rollback)
+        stage: Stage = {"approval": "awaiting_approval", "no_standby": "waiting_standby"}.get(  # type: ignore[assignment]
+            p.guardrail, "observing")
+        return replace(job, incident=replace(incident, stage=stage, held=held, rung=max(incident.rung, p.rung)))
+    if isinstance(p, ApprovalRequested):
+        return replace(job, incident=replace(incident, approval_id=str(event.id)))
+    return job
