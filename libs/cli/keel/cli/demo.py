@@ -165,7 +165,8 @@ class Demo:
         """The first incident opened that is not in ``position_ids``, and its resolution."""
         opened = await self.wait_for(job, ["IncidentOpened"], lambda e: str(e.id) not in position_ids, 90,
                                      "incident opened by the controller")
-        resolved = await self.wait_for(job, ["IncidentResolved"], lambda e: payload_of(e, IncidentResolved).incident_id == str(opened.id),
+        resolved = await self.wait_for(job, ["IncidentResolved"],
+                                       lambda e: payload_of(e, IncidentResolved).incident_id == str(opened.id),
                                        timeout_s, f"resolution of incident {str(opened.id)[:8]}")
         return opened, resolved
 
@@ -230,7 +231,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         node = demo.node_of_rank(1)
         results["incidents"].append(await demo.fault(JOB, "rung 1", [FaultSpec(kind="xid", node=node,
                                                                                params={"xid": 79})]))
-        await demo.wait_for(JOB, ["StandbyChecked"], lambda e: (c := payload_of(e, StandbyChecked)).passed and c.node_id != "s00", 120,
+        await demo.wait_for(JOB, ["StandbyChecked"],
+                            lambda e: (c := payload_of(e, StandbyChecked)).passed and c.node_id != "s00", 120,
                             "the refilled standby's passing self-check")
         await demo.wait_step(120)
 
@@ -247,8 +249,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         await demo.wait_step(180)
 
         _banner(f"hot-update: keel deploy --lazy a new version of the training code (it has a bug at step {BUG_STEP})")
-        stable = await demo.wait_for(JOB, ["CodeVersionStable"], lambda e: payload_of(e, CodeVersionStable).version_id == "launch",
-                                     120,
+        stable = await demo.wait_for(JOB, ["CodeVersionStable"],
+                                     lambda e: payload_of(e, CodeVersionStable).version_id == "launch", 120,
                                      "the launch code to become stable")
         _say(f"stable: {payload_of(stable, CodeVersionStable).reason}")
         version_dir = scratch / "version-new-data-mix"
@@ -311,8 +313,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         results["sdc_located"] = (culprit, located.nodes, located.kind, located.rounds)
         _say(f"the analyzer: {located.kind} {', '.join(located.nodes) or 'nothing'} in {located.rounds} replay "
              f"phase(s) (the bit flips on {culprit}): {located.reason[:160]}")
-        await demo.wait_for(SDC_JOB, ["RankExited"], lambda e: payload_of(e, RankExited).classification == "success", 300,
-                            "the end of the second job")
+        await demo.wait_for(SDC_JOB, ["RankExited"], lambda e: payload_of(e, RankExited).classification == "success",
+                            300, "the end of the second job")
         cluster_down(sdc_dir)
 
         _banner("rung 6: a third job whose bug survives every restart")

@@ -41,6 +41,7 @@ from keel.events.types import (
     CheckpointScheduleSet,
     CheckpointShardsStored,
     CheckpointStepCommitted,
+    CheckpointTier,
     CheckpointTierFallback,
     InventoryEntry,
     RankGroups,
@@ -638,13 +639,13 @@ class NodeCheckpointing:
                                             ranks=ranks), subject=f"node/{self.node_id}")
         self.registered_generation = self.generation
 
-    def _report(self, tier: str, shards: list[ShardRecord]) -> None:
+    def _report(self, tier: CheckpointTier, shards: list[ShardRecord]) -> None:
         key = tier
         signature = [(s.rank, s.step, s.digest, s.owner_node_id) for s in shards]
         if not shards or self.last_reported.get(key) == signature:
             return
         self.last_reported[key] = signature
-        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),  # type: ignore[arg-type]
+        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),
                   subject=f"node/{self.node_id}")
 
     def _report_memory(self) -> None:
