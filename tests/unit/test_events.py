@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from keel.events.envelope import REGISTRY, Event, InvalidEvent, decode_event, decode_wire
+from keel.events.envelope import REGISTRY, Event, InvalidEvent, decode_event, decode_wire, payload_of
 from keel.events.types import NodeHealthChanged, NodeRegistered
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -107,3 +107,19 @@ def test_events_are_frozen() -> None:
     with pytest.raises(ValidationError):
         event.job_id = "other"  # type: ignore[misc]
     assert isinstance(event.id, uuid.UUID)
+
+
+def test_each_event_type_has_its_own_payload_class_so_isinstance_on_the_payload_tests_the_type() -> None:
+    # Readers narrow ``event.payload`` with isinstance where they used to compare ``event.type``.
+    models = [REGISTRY.model(name) for name in REGISTRY.names()]
+    assert len(set(models)) == len(models)
+    for name, model in zip(REGISTRY.names(), models, strict=True):
+        assert model.__name__ == name and model.event_name == name
+
+
+def test_payload_of_types_the_payload_and_rejects_an_event_of_another_type() -> None:
+    event = Event.create(NodeRegistered(node_id="n1", host="h1"), job_id="j", subject="node/n1", producer="agent",
+                         occurred_at=datetime(2026, 11, 29, 9, 0, tzinfo=UTC))
+    assert payload_of(event, NodeRegistered) is event.payload
+    with pytest.raises(TypeError, match="expected a NodeHealthChanged event, got NodeRegistered"):
+        payload_of(event, NodeHealthChanged)

@@ -36,6 +36,8 @@ def _run(connection: Connection) -> None:
 
 
 async def _main() -> None:
+    if dsn is None:
+        raise ValueError("no database URL: pass keel_dsn (keel migrate does) or set sqlalchemy.url")
     engine = create_async_engine(async_dsn(dsn), poolclass=pool.NullPool)
     async with engine.connect() as connection:
         await connection.run_sync(_run)

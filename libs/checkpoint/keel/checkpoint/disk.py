@@ -210,9 +210,10 @@ def _as_entry(item: Any) -> ShardEntry:
         return item
     get = item.get if isinstance(item, dict) else lambda key, default=None: getattr(item, key, default)
     digest = get("sha256") or get("digest")
-    if get("rank") is None or get("bytes") is None or not digest:
+    rank, size = get("rank"), get("bytes")
+    if rank is None or size is None or not digest:
         raise ValueError(f"a shard entry needs rank, bytes and sha256/digest, got {item!r}")
-    return ShardEntry(rank=int(get("rank")), bytes=int(get("bytes")), sha256=str(digest))
+    return ShardEntry(rank=int(rank), bytes=int(size), sha256=str(digest))
 
 
 def write_manifest(root: Path, job: str, step: int, world_size: int, shards: Iterable[Any]) -> Manifest:

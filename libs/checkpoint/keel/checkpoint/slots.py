@@ -220,7 +220,7 @@ def list_slots(node_dir: Path) -> dict[int, list[Path]]:
     return out
 
 
-def write_file_atomic(path: Path, data: bytes | memoryview, *, fsync: bool = True) -> None:
+def write_file_atomic(path: Path, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename (and fsync the folder).
 
     A crash or ``ENOSPC`` leaves the old file (if any) untouched; the temp file is removed on error.

@@ -13,9 +13,14 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from keel.cli.common import Subparsers, nats_url_or_none
 from keel.infra.config import Settings
+
+if TYPE_CHECKING:  # imported where used: `keel` commands other than `keel run` never load the agent
+    from keel.agent.checkpointing import NodeCheckpointing
+    from keel.agent.launch_spec import LaunchSpec
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     return asyncio.run(main())
 
 
-def build_checkpointing(spec, settings: Settings, *, supervised: bool):  # type: ignore[no-untyped-def]
+def build_checkpointing(spec: LaunchSpec, settings: Settings, *, supervised: bool) -> NodeCheckpointing:
     """The node's checkpoint duties: its shard store (gRPC, on ``--keel-store-address``) and the
     persistent tier (``--keel-persist-root``, else the configured ``checkpoint.persist_root``, if any)."""
     from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing

@@ -42,7 +42,20 @@ from typing import TYPE_CHECKING, Any
 
 from keel.cli.common import Subparsers, endpoints
 from keel.cluster.local import FaultSpec, cluster_dir, cluster_down, cluster_up, inject, load_cluster
-from keel.events.envelope import Event
+from keel.events.envelope import Event, payload_of
+from keel.events.types import (
+    CodeVersionApplied,
+    CodeVersionStable,
+    IncidentOpened,
+    IncidentResolved,
+    JobStopDecided,
+    NodeHeartbeat,
+    RankExited,
+    RollbackDecided,
+    SdcReplayAnalyzed,
+    StacksAnalyzed,
+    StandbyChecked,
+)
 from keel.infra.config import Settings
 from keel.infra.embedded import free_port
 
@@ -158,7 +171,8 @@ class Demo:
         """The first incident opened that is not in ``position_ids``, and its resolution."""
         opened = await self.wait_for(job, ["IncidentOpened"], lambda e: str(e.id) not in position_ids, 90,
                                      "incident opened by the controller")
-        resolved = await self.wait_for(job, ["IncidentResolved"], lambda e: e.payload.incident_id == str(opened.id),
+        resolved = await self.wait_for(job, ["IncidentResolved"],
+                                       lambda e: payload_of(e, IncidentResolved).incident_id == str(opened.id),
                                        timeout_s, f"resolution of incident {str(opened.id)[:8]}")
         return opened, resolved
 
@@ -171,8 +185,9 @@ class Demo:
             await during()
         opened, resolved = await self.incident_after(job, seen)
         lost = (resolved.occurred_at - opened.occurred_at).total_seconds()
-        _say(f"{label}: incident {str(opened.id)[:8]} ({opened.payload.kind}) {resolved.payload.outcome} at rung "
-             f"{resolved.payload.rung} after {lost:.1f} s - {resolved.payload.reason}")
+        resolution = payload_of(resolved, IncidentResolved)
+        _say(f"{label}: incident {str(opened.id)[:8]} ({payload_of(opened, IncidentOpened).kind}) {resolution.outcome} "
+             f"at rung {resolution.rung} after {lost:.1f} s - {resolution.reason}")
         return opened, resolved
 
 
@@ -215,7 +230,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         cluster_up(settings, directory, nodes=4, standby=1, nproc_per_node=1, job_id=JOB,
                    command=TRAIN, nats_url=nats_url,
                    extra_env=env, heartbeat_interval="2s", persist_root=scratch / "checkpoints")
-        await demo.wait_for(JOB, ["StandbyChecked"], lambda e: e.payload.passed, 120, "a standby's passing self-check")
+        await demo.wait_for(JOB, ["StandbyChecked"], lambda e: payload_of(e, StandbyChecked).passed, 120,
+                            "a standby's passing self-check")
         await demo.wait_step(15)
         _say("training: step 15 reached")
 
@@ -223,7 +239,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         node = demo.node_of_rank(1)
         results["incidents"].append(await demo.fault(JOB, "rung 1", [FaultSpec(kind="xid", node=node,
                                                                                params={"xid": 79})]))
-        await demo.wait_for(JOB, ["StandbyChecked"], lambda e: e.payload.passed and e.payload.node_id != "s00", 120,
+        await demo.wait_for(JOB, ["StandbyChecked"],
+                            lambda e: (c := payload_of(e, StandbyChecked)).passed and c.node_id != "s00", 120,
                             "the refilled standby's passing self-check")
         await demo.wait_step(120)
 
@@ -240,9 +257,10 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         await demo.wait_step(180)
 
         _banner(f"hot-update: keel deploy --lazy a new version of the training code (it has a bug at step {BUG_STEP})")
-        stable = await demo.wait_for(JOB, ["CodeVersionStable"], lambda e: e.payload.version_id == "launch", 120,
+        stable = await demo.wait_for(JOB, ["CodeVersionStable"],
+                                     lambda e: payload_of(e, CodeVersionStable).version_id == "launch", 120,
                                      "the launch code to become stable")
-        _say(f"stable: {stable.payload.reason}")
+        _say(f"stable: {payload_of(stable, CodeVersionStable).reason}")
         version_dir = scratch / "version-new-data-mix"
         version_dir.mkdir(parents=True, exist_ok=True)
         (version_dir / "train.py").write_text(BAD_VERSION.format(bug=BUG_STEP))
@@ -256,29 +274,32 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         _banner("rung 3: rank 1 hangs in its pipeline stage: stacks name its pipeline group")
         results["incidents"].append(await demo.fault(JOB, "rung 3", [FaultSpec(kind="hang", node=demo.node_of_rank(1),
                                                                                rank=1)]))
-        verdict = (await demo.events(JOB, ["StacksAnalyzed"]))[-1].payload
+        verdict = payload_of((await demo.events(JOB, ["StacksAnalyzed"]))[-1], StacksAnalyzed)
         _say(f"the analyzer: outliers rank(s) {verdict.outlier_ranks}, evict the {verdict.group_kind} group "
              f"{verdict.group_ranks} on {', '.join(verdict.group_nodes)}")
         await demo.wait_step(BUG_STEP - 5)
 
-        applied = [e.payload for e in await demo.events(JOB, ["CodeVersionApplied"])]
+        applied = [payload_of(e, CodeVersionApplied) for e in await demo.events(JOB, ["CodeVersionApplied"])]
         _say(f"the rung-3 restart carried the new version: {len(applied)} node(s) run "
              f"{', '.join(sorted({a.version_id for a in applied})) or 'nothing new'}")
 
         _banner(f"rung 4: the new version's bug at step {BUG_STEP} crashes the job, and again after the restart")
         seen = {str(e.id) for e in await demo.events(JOB, ["IncidentOpened"])}
         first, first_done = await demo.incident_after(JOB, seen)
-        _say(f"first crash: incident {str(first.id)[:8]} {first_done.payload.outcome} at rung {first_done.payload.rung}")
+        first_resolution = payload_of(first_done, IncidentResolved)
+        _say(f"first crash: incident {str(first.id)[:8]} {first_resolution.outcome} at rung {first_resolution.rung}")
         results["incidents"].append((first, first_done))
         second, second_done = await demo.incident_after(JOB, seen | {str(first.id)})
-        _say(f"second crash: incident {str(second.id)[:8]} {second_done.payload.outcome} at rung {second_done.payload.rung}"
-             f" - {second_done.payload.reason[:200]}")
+        second_resolution = payload_of(second_done, IncidentResolved)
+        _say(f"second crash: incident {str(second.id)[:8]} {second_resolution.outcome} at rung {second_resolution.rung}"
+             f" - {second_resolution.reason[:200]}")
         results["incidents"].append((second, second_done))
-        rollback = (await demo.events(JOB, ["RollbackDecided"]))[-1].payload
+        rollback = payload_of((await demo.events(JOB, ["RollbackDecided"]))[-1], RollbackDecided)
         results["rollback"] = (rollback.to_version, [a.version_id for a in applied])
 
         _banner("the job runs to its last step")
-        await demo.wait_for(JOB, ["RankExited"], lambda e: e.payload.classification == "success" and e.payload.rank == 0,
+        await demo.wait_for(JOB, ["RankExited"],
+                            lambda e: (x := payload_of(e, RankExited)).classification == "success" and x.rank == 0,
                             300, "the end of training")
         results["losses"] = _losses(directory)
         cluster_down(directory)
@@ -289,17 +310,19 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
                    command=["-m", "keel.workload.train", "--size", "tiny", "--steps", str(SDC_STEPS),
                             "--min-step-time", "100ms"],
                    nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "sdc-checkpoints")
-        await demo.wait_for(SDC_JOB, ["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
-        await demo.wait_for(SDC_JOB, ["NodeHeartbeat"], lambda e: e.payload.last_step >= 20, 180, "step 20")
+        await demo.wait_for(SDC_JOB, ["StandbyChecked"], lambda e: payload_of(e, StandbyChecked).passed, 120,
+                            "the standby's self-check")
+        await demo.wait_for(SDC_JOB, ["NodeHeartbeat"], lambda e: payload_of(e, NodeHeartbeat).last_step >= 20, 180,
+                            "step 20")
         culprit = demo.node_of_rank(2, sdc_dir)
         results["sdc"] = await demo.fault(SDC_JOB, "rung 5", [FaultSpec(kind="sdc", node=culprit, params={"bit": 30})],
                                           directory=sdc_dir)
-        located = (await demo.events(SDC_JOB, ["SdcReplayAnalyzed"]))[-1].payload
+        located = payload_of((await demo.events(SDC_JOB, ["SdcReplayAnalyzed"]))[-1], SdcReplayAnalyzed)
         results["sdc_located"] = (culprit, located.nodes, located.kind, located.rounds)
         _say(f"the analyzer: {located.kind} {', '.join(located.nodes) or 'nothing'} in {located.rounds} replay "
              f"phase(s) (the bit flips on {culprit}): {located.reason[:160]}")
-        await demo.wait_for(SDC_JOB, ["RankExited"], lambda e: e.payload.classification == "success", 300,
-                            "the end of the second job")
+        await demo.wait_for(SDC_JOB, ["RankExited"], lambda e: payload_of(e, RankExited).classification == "success",
+                            300, "the end of the second job")
         cluster_down(sdc_dir)
 
         _banner("rung 6: a third job whose bug survives every restart")
@@ -311,7 +334,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
                             "--bug-at-step", "8", "--bug-rank", "-1", "--bug-file", str(loop_bug)],
                    nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "loop-checkpoints")
         stop = await demo.wait_for(LOOP_JOB, ["JobStopDecided"], lambda e: True, 300, "the crash-loop stop")
-        _say(f"rung {stop.payload.rung}: {stop.payload.reason}")
+        stopped = payload_of(stop, JobStopDecided)
+        _say(f"rung {stopped.rung}: {stopped.reason}")
         cluster_down(loop_dir)
         results["reference"] = await reference
         return results

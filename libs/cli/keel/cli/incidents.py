@@ -34,8 +34,15 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from keel.cli.common import CliError, Subparsers, on_store, print_json
-from keel.events.envelope import SUBJECT_RE, Event
-from keel.events.types import ApprovalGiven, NodeCordoned
+from keel.events.envelope import SUBJECT_RE, Event, payload_of
+from keel.events.types import (
+    ApprovalGiven,
+    ApprovalRequested,
+    IncidentOpened,
+    IncidentResolved,
+    JobStopDecided,
+    NodeCordoned,
+)
 from keel.events.units import format_duration as format_duration_spec
 from keel.events.units import parse_duration
 from keel.rules.ettr import INPUT_TYPES, PHASES, EttrReport, EttrWindow, compute_ettr
@@ -179,20 +186,21 @@ def summarize_incidents(events: Iterable[Event]) -> list[IncidentSummary]:
     incidents: dict[uuid.UUID, IncidentSummary] = {}
     for event in events:
         p = event.payload
-        if event.type == "IncidentOpened":
+        if isinstance(p, IncidentOpened):
             incidents.setdefault(event.id, IncidentSummary(
                 id=event.id, job_id=event.job_id, opened_at=event.occurred_at, kind=p.kind, node_id=p.node_id,
                 reason=p.reason, generation=p.generation, evidence=tuple(p.evidence)))
             continue
-        incident = incidents.get(_incident_of(event))  # type: ignore[arg-type]
+        incident_id = _incident_of(event)
+        incident = None if incident_id is None else incidents.get(incident_id)
         if incident is None:
             continue
         rung = _IMPLIED_RUNG.get(event.type, getattr(p, "rung", None))
         if isinstance(rung, int):
             incident.rung = rung if incident.rung is None else max(incident.rung, rung)
-        if event.type == "IncidentResolved":
+        if isinstance(p, IncidentResolved):
             incident.outcome, incident.resolved_at, incident.resolution = p.outcome, event.occurred_at, p.reason
-        elif event.type == "JobStopDecided" and incident.outcome == "open":
+        elif isinstance(p, JobStopDecided) and incident.outcome == "open":
             incident.outcome, incident.resolved_at, incident.resolution = "stopped", event.occurred_at, p.reason
     return list(incidents.values())
 
@@ -276,9 +284,10 @@ def build_timeline(opened: tuple[int, Event], related: Iterable[tuple[int, Event
     order: ``related`` are the evidence events and every event carrying the incident's id as
     ``correlation_id``, as ``(position, event)`` in any order, duplicates allowed."""
     opened_event = opened[1]
-    if opened_event.type != "IncidentOpened":
+    opened_payload = opened_event.payload
+    if not isinstance(opened_payload, IncidentOpened):
         raise ValueError(f"event {opened_event.id} is a {opened_event.type}, not an IncidentOpened")
-    evidence_ids = set(opened_event.payload.evidence)
+    evidence_ids = set(opened_payload.evidence)
     by_id: dict[uuid.UUID, tuple[int, Event]] = {opened_event.id: opened}
     for position, event in related:
         by_id.setdefault(event.id, (position, event))
@@ -290,7 +299,7 @@ def build_timeline(opened: tuple[int, Event], related: Iterable[tuple[int, Event
     summary = summarize_incidents([opened_event, *(e.event for e in entries
                                                    if not e.evidence and e.event.id != opened_event.id)])[0]
     present = {str(e.event.id) for e in entries}
-    missing = tuple(i for i in opened_event.payload.evidence if i not in present)
+    missing = tuple(i for i in opened_payload.evidence if i not in present)
     return Timeline(summary, entries, missing)
 
 
@@ -413,14 +422,16 @@ def find_open_request(ref: str, requests: Sequence[Event], answers: Sequence[Eve
     and how), or when it expired before ``now``."""
     chosen = resolve_id(ref, [r.id for r in requests], "approval request")
     request = next(r for r in requests if r.id == chosen)
+    asked = payload_of(request, ApprovalRequested)
     for answer in answers:
-        if answer.payload.request_id == str(chosen):
-            verdict = "approved" if answer.payload.approved else "denied"
-            raise LookupFailed(f"approval request {short_id(chosen)} ({request.payload.action}) was already {verdict} "
-                               f"by {answer.payload.by} at {_stamp(answer.occurred_at)}")
-    if request.payload.expires_at <= now:
-        raise LookupFailed(f"approval request {short_id(chosen)} ({request.payload.action}) expired at "
-                           f"{_stamp(request.payload.expires_at)}; the controller no longer waits for it")
+        given = payload_of(answer, ApprovalGiven)
+        if given.request_id == str(chosen):
+            verdict = "approved" if given.approved else "denied"
+            raise LookupFailed(f"approval request {short_id(chosen)} ({asked.action}) was already {verdict} "
+                               f"by {given.by} at {_stamp(answer.occurred_at)}")
+    if asked.expires_at <= now:
+        raise LookupFailed(f"approval request {short_id(chosen)} ({asked.action}) expired at "
+                           f"{_stamp(asked.expires_at)}; the controller no longer waits for it")
     return request
 
 
@@ -499,7 +510,7 @@ async def load_timeline(store: EventStore, ref: str, job_id: str | None = None) 
     chosen = resolve_id(ref, opened, "incident")
     head = opened[chosen]
     related: list[tuple[int, Event]] = [(r.position, r.event) async for r in store.read(correlation_id=chosen)]
-    for evidence in head.event.payload.evidence:
+    for evidence in payload_of(head.event, IncidentOpened).evidence:
         try:
             recorded = await store.get(uuid.UUID(evidence))
         except ValueError:

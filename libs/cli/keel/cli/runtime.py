@@ -16,18 +16,23 @@ that died.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keel.cli.common import CliError, Subparsers, endpoints
 from keel.cluster.local import cluster_dir
 from keel.infra.config import Settings
+
+if TYPE_CHECKING:
+    from keel.infra.embedded import EmbeddedRuntime
 
 SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update")
 
@@ -46,7 +51,7 @@ def register(sub: Subparsers) -> None:
     service.set_defaults(func=cmd_service)
 
 
-def runtime_for(settings: Settings):  # type: ignore[no-untyped-def]
+def runtime_for(settings: Settings) -> EmbeddedRuntime:
     from keel.infra.embedded import EmbeddedRuntime
 
     return EmbeddedRuntime(
@@ -194,7 +199,8 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
 
         directory = cluster_dir(settings, getattr(args, "cluster_dir", None))
 
-        def serve(settings, nats_url, database_url, stop, on_ready):  # type: ignore[no-untyped-def]
+        def serve(settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event,
+                  on_ready: Callable[[], None] = lambda: None) -> Coroutine[Any, Any, None]:
             return serve_actuator(settings, nats_url, directory, stop, on_ready)
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")

@@ -76,10 +76,12 @@ def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
                          deadline=deadline, by=args.by or login_name(), why=args.why, now=now_utc())
     publish(settings, event)
     p = event.payload
-    if event.type == "CodeVersionRejected":
+    if isinstance(p, CodeVersionRejected):
         print(f"keel: rejected {args.source}: {p.reason}; event {event.id}", file=sys.stderr)
         return 1
-    when = "restart onto it now" if p.mode == "urgent" else f"at the next restart, at the latest {p.deadline.isoformat()}"
+    assert isinstance(p, CodeVersionRegistered)  # deploy_event returns one of the two
+    when = ("restart onto it now" if p.mode == "urgent" or p.deadline is None
+            else f"at the next restart, at the latest {p.deadline.isoformat()}")
     print(f"keel: registered {p.version_id} ({p.source_kind} {p.source}, entry {' '.join(p.entry)}) for job {args.job}: "
           f"{when}; event {event.id}")
     return 0
@@ -101,13 +103,13 @@ def deploy_event(settings: Settings, job: str, source: str, *, entry: list[str] 
     except VersionRejected as exc:
         digest = digest or exc.digest
         subject = f"code/{version_id_of(digest)}" if digest else "code/rejected"
-        return Event.create(CodeVersionRejected(source=source, digest=digest, entry=chosen, mode=mode, by=by,  # type: ignore[arg-type]
+        return Event.create(CodeVersionRejected(source=source, digest=digest, entry=chosen, mode=mode, by=by,
                                                 why=why, reason=exc.reason),
                             job_id=job, subject=subject, producer=PRODUCER, occurred_at=now)
     lazy_deadline = (now + (deadline or settings.hot_update.default_deadline)) if mode == "lazy" else None
     payload = CodeVersionRegistered(version_id=snap.version_id, digest=snap.digest, source=source,
-                                    source_kind=snap.source_kind, path=str(snap.path), entry=chosen,  # type: ignore[arg-type]
-                                    mode=mode, deadline=lazy_deadline, by=by, why=why, checks=checks)  # type: ignore[arg-type]
+                                    source_kind=snap.source_kind, path=str(snap.path), entry=chosen,
+                                    mode=mode, deadline=lazy_deadline, by=by, why=why, checks=checks)
     return Event.create(payload, job_id=job, subject=f"code/{snap.version_id}", producer=PRODUCER, occurred_at=now)
 
 

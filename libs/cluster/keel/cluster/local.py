@@ -114,7 +114,7 @@ def seed_overlay_root(root: Path, gpus: int) -> None:
     (nic / "carrier_changes").write_text("0\n")
     (root / "dev").mkdir(parents=True, exist_ok=True)
     (root / "dev/kmsg").write_text("")
-    devices = [
+    devices: list[dict[str, object]] = [  # the simulated NVML document (JSON)
         {"index": i, "uuid": f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'{root}/{i}')}",
          "name": "Simulated GPU (keel local cluster)", "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0",
          "temperature_c": 40, "ecc": {"volatile_sbe": 0, "volatile_dbe": 0, "aggregate_sbe": 0, "aggregate_dbe": 0},

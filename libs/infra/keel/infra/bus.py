@@ -31,6 +31,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
 from keel.events.envelope import Event
@@ -147,6 +148,8 @@ class Bus:
         )
 
     async def _ensure_stream(self, config: api.StreamConfig) -> None:
+        if not config.name:  # stream_info raises the same for a nameless config; checked here so the name is a str
+            raise ValueError("nats: stream name is required")
         try:
             await self.js.stream_info(config.name)
             await self.js.update_stream(config)
@@ -315,7 +318,7 @@ class BatchPuller:
         self._arrived = asyncio.Event()
         self._request_done = asyncio.Event()
         self._target = 0
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()

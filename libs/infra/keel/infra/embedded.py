@@ -65,7 +65,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -956,7 +956,7 @@ class PostgresServer:
 # ------------------------------------------------------------------------------------- runtime
 
 
-def _env_int(env: dict[str, str] | os._Environ, key: str, default: int) -> int:
+def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
     raw = env.get(key)
     if raw is None or raw == "":
         return default
@@ -985,17 +985,17 @@ class EmbeddedRuntime:
         self.home = Path(self.home).expanduser().resolve()
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> EmbeddedRuntime:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EmbeddedRuntime:
         """Build from ``KEEL_HOME`` (default ``~/.keel``), ``KEEL_NATS_PORT``,
         ``KEEL_NATS_MONITOR_PORT``, ``KEEL_POSTGRES_PORT`` and ``KEEL_NATS_SYNC_ALWAYS``
-        (``0``/``false`` disables per-write fsync)."""
-        env = os.environ if env is None else env
+        (``0``/``false`` disables per-write fsync) in ``env`` (default: this process's environment)."""
+        source: Mapping[str, str] = os.environ if env is None else env
         return cls(
-            home=Path(env.get("KEEL_HOME") or "~/.keel"),
-            nats_port=_env_int(env, "KEEL_NATS_PORT", 4322),
-            nats_monitor_port=_env_int(env, "KEEL_NATS_MONITOR_PORT", 8322),
-            postgres_port=_env_int(env, "KEEL_POSTGRES_PORT", 5433),
-            sync_always=(env.get("KEEL_NATS_SYNC_ALWAYS", "1").strip().lower() not in ("0", "false", "no", "off")),
+            home=Path(source.get("KEEL_HOME") or "~/.keel"),
+            nats_port=_env_int(source, "KEEL_NATS_PORT", 4322),
+            nats_monitor_port=_env_int(source, "KEEL_NATS_MONITOR_PORT", 8322),
+            postgres_port=_env_int(source, "KEEL_POSTGRES_PORT", 5433),
+            sync_always=(source.get("KEEL_NATS_SYNC_ALWAYS", "1").strip().lower() not in ("0", "false", "no", "off")),
         )
 
     @property

@@ -286,11 +286,11 @@ class EventStore:
 
         parse = self.registry.parse_envelope_json
         size = chunk_size()
-        fetching = asyncio.ensure_future(
+        fetching: asyncio.Task[list[Any]] | None = asyncio.ensure_future(
             self._fetch_chunk(after_position, size, job_id, types, subject, correlation_id)
         )
         try:
-            while True:
+            while fetching is not None:  # None: the last chunk was fetched
                 rows = await fetching
                 full = len(rows) == size
                 if remaining is not None:
@@ -308,8 +308,6 @@ class EventStore:
                         # Postgres stalls on a full socket buffer until this chunk is consumed.
                         await asyncio.sleep(0)
                     yield RecordedEvent(row[0], row[1], row[2], parse(row[3], row[4], row[5]))
-                if fetching is None:
-                    return
         finally:
             if fetching is not None and not fetching.done():
                 fetching.cancel()

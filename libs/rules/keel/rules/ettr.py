@@ -30,9 +30,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeGuard
 
-from keel.events.envelope import Event
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
+    CheckpointRestorePlanned,
+    FaultInjected,
+    IncidentOpened,
+    NodeHealthChanged,
+    NodeHeartbeat,
+    RankExited,
+    RanksRestartRequested,
+    RankStarted,
+)
 
 __all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "PHASES", "compute_ettr"]
 
@@ -217,7 +227,9 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     for event in events:
         p, kind, at = event.payload, event.type, event.occurred_at
         last_at = at if last_at is None or at > last_at else last_at
-        if kind == "RankStarted":
+        # Every event type's payload is its own class (registered once, under the class's name), so
+        # isinstance on the payload is the same test as one on ``event.type``, and it narrows the payload.
+        if isinstance(p, RankStarted):
             if started_at is None:
                 started_at = at
             if open_ is not None and p.generation > open_.generation_at_fault:
@@ -227,28 +239,28 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
                 generations.append((at, p.generation))
             generation = max(generation, p.generation)
             continue
-        if kind == "RanksRestartRequested":
+        if isinstance(p, RanksRestartRequested):
             requested.setdefault(p.generation, at)
         if started_at is None:
             continue
-        if kind == "FaultInjected" and open_ is None:
+        if isinstance(p, FaultInjected) and open_ is None:
             open_ = Incident(at, f"injected {p.kind} on {p.node_id}", max_step, generation)
             incidents.append(open_)
-        elif kind == "IncidentOpened" and p.kind == "code_update" and open_ is None:
+        elif isinstance(p, IncidentOpened) and p.kind == "code_update" and open_ is None:
             # A planned restart onto a new code version: no failure, but the time it takes is lost all the same.
             open_ = Incident(at, f"planned restart: {p.reason[:120]}", max_step, generation)
             incidents.append(open_)
             open_.marks.setdefault("detected", at)
-        elif _is_failure_signal(kind, p):
+        elif _is_failure_signal(p):
             if open_ is None:
-                open_ = Incident(at, _describe(kind, p), max_step, generation)
+                open_ = Incident(at, _describe(p), max_step, generation)
                 incidents.append(open_)
             open_.marks.setdefault("detected", at)
         elif kind in _COMMANDS and open_ is not None and not getattr(p, "observe_only", False):
             open_.marks.setdefault("decided", at)
-        elif kind == "CheckpointRestorePlanned" and open_ is not None and p.generation > open_.generation_at_fault:
+        elif isinstance(p, CheckpointRestorePlanned) and open_ is not None and p.generation > open_.generation_at_fault:
             open_.restore_step = p.step
-        elif kind == "NodeHeartbeat" and not p.standby:
+        elif isinstance(p, NodeHeartbeat) and not p.standby:
             step = p.last_step
             # Only a node that started the new generation speaks for it: another's heartbeat may still
             # carry the step its old ranks reached before they were stopped.
@@ -267,15 +279,15 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
                       tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])))
 
 
-def _is_failure_signal(kind: str, p: Any) -> bool:
-    if kind == "RankExited":
+def _is_failure_signal(p: EventPayload) -> TypeGuard[RankExited | NodeHealthChanged]:
+    if isinstance(p, RankExited):
         return p.classification in _FAILURE_CLASSES
-    if kind == "NodeHealthChanged":
+    if isinstance(p, NodeHealthChanged):
         return p.status == "failed" and p.is_fatal
     return False
 
 
-def _describe(kind: str, p: Any) -> str:
-    if kind == "RankExited":
+def _describe(p: RankExited | NodeHealthChanged) -> str:
+    if isinstance(p, RankExited):
         return f"rank {p.rank} on {p.node_id} exited ({p.classification}{': ' + p.error_type if p.error_type else ''})"
     return f"{p.component} {p.check} failed on {p.node_id}"

@@ -180,9 +180,9 @@ def throughput_decline(samples: Iterable[MetricSample], metric: Metric = "mfu",
 def detect(samples: Sequence[MetricSample], settings: MetricSettings = MetricSettings()) -> list[Anomaly]:
     """All anomalies: non-finite loss / grad norm, loss and grad-norm spikes, MFU and tokens/s decline."""
     found = non_finite(samples)
-    for metric in ("loss", "grad_norm"):
-        found += spikes(samples, metric, settings)  # type: ignore[arg-type]
-    for metric in ("mfu", "tokens_per_s"):
-        found += throughput_decline(samples, metric, settings)  # type: ignore[arg-type]
+    for spiky in ("loss", "grad_norm"):
+        found += spikes(samples, spiky, settings)
+    for rate in ("mfu", "tokens_per_s"):
+        found += throughput_decline(samples, rate, settings)
     found.sort(key=lambda a: (a.step, -1 if a.rank is None else a.rank, a.kind, a.metric))
     return found

@@ -102,17 +102,17 @@ def _group_results(request: SdcReplayRequested, answers: Mapping[str, SdcReplayC
                     notes.append(f"unit {name} is not in the request")
                     continue
                 for rank in unit.ranks:
-                    r = by_rank.get((phase.index, gi, rank))
-                    if r is None:
+                    result = by_rank.get((phase.index, gi, rank))
+                    if result is None:
                         consistent = False
                         node = next((n for n in unit.nodes if n in answers), None)
                         why = answers[node].detail if node is not None and not answers[node].ran else "no result"
                         notes.append(f"rank {rank} ({name}): {why or 'no result'}")
-                    elif not r.consistent:
+                    elif not result.consistent:
                         consistent = False
-                        notes.append(f"rank {rank} ({name}): {r.detail or 'its peers gradients differ'}")
+                        notes.append(f"rank {rank} ({name}): {result.detail or 'its peers gradients differ'}")
                     else:
-                        digests.add(r.digest)
+                        digests.add(result.digest)
             out[(phase.index, gi)] = (consistent, frozenset(digests), notes)
     return out
 

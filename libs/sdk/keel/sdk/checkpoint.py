@@ -579,6 +579,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} is empty")
         view = memoryview(mapped)
         payload: memoryview | None = None
+        expected: str | None
         try:
             if view[:8] == ckpt_slots.MAGIC:
                 try:

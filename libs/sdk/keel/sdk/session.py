@@ -52,7 +52,7 @@ __all__ = ["PHASES", "SessionConfig", "Session", "init"]
 
 _log = logging.getLogger("keel.sdk")
 
-PHASES: dict[str, int] = {
+PHASES: dict[str, pb.Phase] = {
     "setup": pb.PHASE_SETUP,
     "step": pb.PHASE_STEP,
     "checkpoint": pb.PHASE_CHECKPOINT,
@@ -249,7 +249,7 @@ class Session:
         finally:
             self._wait_s += time.monotonic() - started
 
-    def _set_phase(self, phase: int) -> None:
+    def _set_phase(self, phase: pb.Phase) -> None:
         with self._lock:
             self._phase = phase
         self._mark_s = time.monotonic()

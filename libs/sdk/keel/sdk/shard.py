@@ -328,6 +328,8 @@ def write_payload(buf: memoryview | bytearray, layout: ShardLayout, head: bytes,
         if dst is None:
             continue
         if isinstance(dst, torch.Tensor):
+            if not isinstance(src, torch.Tensor):  # copy_ would raise this TypeError too; here it types src
+                raise TypeError(f"a torch tensor's place needs a torch tensor, got {type(src).__name__}")
             dst.copy_(src)  # releases the GIL; handles strided and conjugated sources
         else:
             np.copyto(dst, src, casting="no")

@@ -11,6 +11,7 @@ from the same seed and keeps only its own stage, so data-parallel replicas start
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,7 +165,9 @@ class PipelineStage(nn.Module):
     ``[B, T, d_model]``. The last stage returns logits ``[B, T, vocab]``; any other returns activations.
     """
 
-    def __init__(self, index: int, num_stages: int, embed: Embedding | None, blocks: list[Block], head: Head | None) -> None:
+    def __init__(self, index: int, num_stages: int, embed: Embedding | None, blocks: Sequence[nn.Module],
+                 head: Head | None) -> None:
+        """``blocks``: the model's ``Block``s of this stage, in order (``GPT.blocks`` holds them as modules)."""
         super().__init__()
         self.index = index
         self.num_stages = num_stages

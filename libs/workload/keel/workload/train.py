@@ -268,7 +268,7 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor,
     Returns ``(mean loss over replicas, global gradient norm)``. Must run after every micro-batch's
     backward and before clipping and ``optimizer.step``.
     """
-    params = [p for p in stage.parameters() if p.grad is not None]
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
     if ctx.distributed and ctx.dp > 1:
         flat = _flat_gradients(stage)
         corrupt(flat)
@@ -276,15 +276,15 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor,
             dist.all_reduce(flat, group=ctx.dp_group)
         flat /= ctx.dp
         offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        for grad in grads:
+            n = grad.numel()
+            grad.copy_(flat[offset : offset + n].view_as(grad))
             offset += n
-    elif params:
-        corrupt(params[0].grad)
+    elif grads:
+        corrupt(grads[0])
     sq = torch.zeros(())
-    for p in params:
-        sq += p.grad.pow(2).sum()
+    for grad in grads:
+        sq += grad.pow(2).sum()
     # DP replicas now hold identical gradients: each contributes 1/DP of its stage's squared norm.
     stats = torch.stack([local_loss, sq / ctx.dp])
     if ctx.distributed:

@@ -76,7 +76,7 @@ class ActuatorService:
         log.info("%s: evict %s: %s (%s)", self.producer, payload.node_id, outcome, detail)
         self.carried_out.append(f"evict {payload.node_id}: {outcome}")
         report = NodeEvicted(node_id=payload.node_id, decision_id=str(command.id), actuator=self.actuator.name,
-                             outcome=outcome, detail=detail)  # type: ignore[arg-type]
+                             outcome=outcome, detail=detail)
         await self.bus.publish(Event.create(
             report, event_id=decision_id(command.id, self.producer, report.event_name, payload.node_id),
             job_id=command.job_id, subject=command.subject, producer=self.producer, occurred_at=now,

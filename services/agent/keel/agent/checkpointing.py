@@ -41,6 +41,7 @@ from keel.events.types import (
     CheckpointScheduleSet,
     CheckpointShardsStored,
     CheckpointStepCommitted,
+    CheckpointTier,
     CheckpointTierFallback,
     InventoryEntry,
     RankGroups,
@@ -130,11 +131,11 @@ class GrpcTransport:
         self.address = f"{bound_host}:{bound_port}"
         self._sender = self._call(self._make_sender())
 
-    async def _make_sender(self):  # type: ignore[no-untyped-def]
+    async def _make_sender(self):
         # Backups are sent from the sent ring (``keep_sent_copy``), never straight from the rank's slots.
         return self._shard_store.ShardSender(self.job_id, self.node_id, self.node_dir / SENT_DIR, timeout=self.timeout)
 
-    def _call(self, coroutine):  # type: ignore[no-untyped-def]
+    def _call(self, coroutine):
         import asyncio
 
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
@@ -329,7 +330,8 @@ class NodeCheckpointing:
         self.peer_committed_step = -1
         """The newest step committed on the peer tier (this generation): its sent copies are kept."""
         self.progress: dict[int, _RankProgress] = {r: _RankProgress() for r in self.local_ranks}
-        self.sending: dict[int, Future] = {}
+        self.sending: dict[int, tuple[int, Future[int]]] = {}
+        """rank -> (the generation its backup send started in, the send: the step it backed up)."""
         self.persisting: dict[int, tuple[int, Future]] = {}
         self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
         self.last_report_at = 0.0
@@ -637,13 +639,13 @@ class NodeCheckpointing:
                                             ranks=ranks), subject=f"node/{self.node_id}")
         self.registered_generation = self.generation
 
-    def _report(self, tier: str, shards: list[ShardRecord]) -> None:
+    def _report(self, tier: CheckpointTier, shards: list[ShardRecord]) -> None:
         key = tier
         signature = [(s.rank, s.step, s.digest, s.owner_node_id) for s in shards]
         if not shards or self.last_reported.get(key) == signature:
             return
         self.last_reported[key] = signature
-        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),  # type: ignore[arg-type]
+        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),
                   subject=f"node/{self.node_id}")
 
     def _report_memory(self) -> None:

@@ -86,7 +86,7 @@ from keel.agent.inspector.gpu import (
     xid_name,
 )
 from keel.agent.inspector.policy import InspectorPolicy
-from keel.agent.warm import Zygote, ZygoteError, kill_group
+from keel.agent.warm import ForkedProcess, Zygote, ZygoteError, kill_group
 from keel.events.types import CheckResult, DiagnosticCheck
 
 log = logging.getLogger(__name__)
@@ -380,7 +380,7 @@ def merge_reports(request: RoundRequest, reports: Mapping[int, WorkerReport | No
                   duration_s: float) -> NodeReport:
     """The node's result from its local processes' reports. A process that left no report, or stopped
     before finishing a check, fails that check with the reason (killed at the deadline, crashed)."""
-    by_check: dict[str, list[CheckResult]] = {c: [] for c in request.checks}
+    by_check: dict[DiagnosticCheck, list[CheckResult]] = {c: [] for c in request.checks}
     suspects: set[str] = set()
     for local_rank in range(request.nproc_per_node):
         report = reports.get(local_rank)
@@ -399,7 +399,7 @@ def merge_reports(request: RoundRequest, reports: Mapping[int, WorkerReport | No
             else:
                 why = f"exited with code {code}"
             where = f" during {report.running}" if report and report.running else ""
-            by_check[check].append(CheckResult(check=check, passed=False,  # type: ignore[arg-type]
+            by_check[check].append(CheckResult(check=check, passed=False,
                                                detail=f"local process {local_rank} {why}{where} before finishing it"))
     results = []
     for check, parts in by_check.items():
@@ -408,7 +408,7 @@ def merge_reports(request: RoundRequest, reports: Mapping[int, WorkerReport | No
         shown = failed or ([p for p in parts if p.skipped] if skipped else [p for p in parts if not p.skipped])
         details = list(dict.fromkeys(p.detail for p in shown if p.detail))
         bandwidths = [p.bandwidth_gbps for p in parts if p.bandwidth_gbps is not None]
-        results.append(CheckResult(check=check, passed=not failed and not skipped, skipped=skipped and not failed,  # type: ignore[arg-type]
+        results.append(CheckResult(check=check, passed=not failed and not skipped, skipped=skipped and not failed,
                                    detail="; ".join(details)[:2000], bandwidth_gbps=min(bandwidths) if bandwidths else None,
                                    duration_s=max((p.duration_s for p in parts), default=0.0)))
     failed_checks = [r for r in results if not r.passed and not r.skipped]
@@ -847,6 +847,7 @@ class RoundProcess:
         argv = ["-m", "keel.agent.diagnostics", "--request", str(self.request_path), "--result", str(self.result_path)]
         log_path = self.directory / "diagnostics.log"
         self.warm = False
+        self.popen: ForkedProcess | subprocess.Popen[bytes]
         if zygote is not None and zygote.ready():
             try:
                 self.popen = zygote.launch(f"round-{request.round}-{self.directory.name}", argv, environment,

@@ -29,19 +29,20 @@ class InspectorWatcher:
         views = []
         for process in supervisor.ranks.values():
             state = channel.ranks.get(process.rank)
-            reported = state is not None and state.pid == process.pid
+            # Only what this process reported counts (a restarted rank's old reports are another pid's).
+            reported = state if state is not None and state.pid == process.pid else None
             views.append(
                 RankView(
                     rank=process.rank,
                     pid=process.pid,
                     alive=process.popen.poll() is None,
-                    phase=state.phase if reported else "setup",
-                    step=state.step if reported else -1,
-                    last_report_at=state.last_report_at if reported else None,
-                    last_progress_at=state.last_progress_at if reported else None,
-                    step_times=list(state.step_times_s) if reported else [],
+                    phase=reported.phase if reported is not None else "setup",
+                    step=reported.step if reported is not None else -1,
+                    last_report_at=reported.last_report_at if reported is not None else None,
+                    last_progress_at=reported.last_progress_at if reported is not None else None,
+                    step_times=list(reported.step_times_s) if reported is not None else [],
                     started_at=process.started_at_utc,
-                    loss=state.loss if reported else None,
+                    loss=reported.loss if reported is not None else None,
                 )
             )
         return views

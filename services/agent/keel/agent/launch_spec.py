@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
 
-    def add(*names: str, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def add(*names: str, **kwargs) -> None:
         spellings = []
         for name in names:
             spellings.append(name)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.warm import CODE_DIR_ENV, ForkedProcess, Zygote, ZygoteError
@@ -84,7 +85,7 @@ class RankExit:
     reported_failure: str = ""
 
 
-def _pump_stderr(stream, tail: collections.deque, log_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _pump_stderr(stream: IO[bytes], tail: collections.deque[str], log_path: Path) -> None:
     with open(log_path, "ab") as log_file:
         for line in iter(stream.readline, b""):
             log_file.write(line)
@@ -327,7 +328,7 @@ class RankSupervisor:
 
 def top_level_names(directory: Path) -> set[str]:
     """The importable top-level names a directory provides (modules, packages, extension modules)."""
-    names = set()
+    names: set[str] = set()
     try:
         entries = list(directory.iterdir())
     except OSError:

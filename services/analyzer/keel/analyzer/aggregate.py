@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from keel.rules.stacks import ROLES, MissingEvidence, ProcessStacks, Role, Signer
 
@@ -88,7 +88,7 @@ class Topology:
         for rank in range(self.world_size):
             p = self.placements[rank]
             for kind in ("tp", "pp", "dp"):
-                group = p.group(kind)  # type: ignore[arg-type]
+                group = p.group(kind)
                 members = checked.get(id(group))
                 if members is None:
                     members = checked[id(group)] = frozenset(group)
@@ -399,6 +399,17 @@ def covering_group(outliers: Collection[int], topology: Topology, job_fraction: 
 # ----------------------------------------------------------------------------------------- aggregate
 
 
+class _VerdictContext(TypedDict):
+    """What every verdict of one ``aggregate`` call shares (``_inconclusive``'s keyword arguments)."""
+
+    topology: Topology
+    dominant: tuple[str, ...]
+    missing: tuple[MissingEvidence, ...]
+    missing_ranks: tuple[int, ...]
+    healthy: tuple[int, ...]
+    clusters: tuple[Cluster, ...]
+
+
 def _inconclusive(reasons: list[str], *, outliers: Sequence[int] = (), topology: Topology, dominant: tuple[str, ...],
                   outlier_stacks: Mapping[int, tuple[str, ...]] | None = None,
                   outlier_roles: Mapping[int, tuple[Role, ...]] | None = None, missing: tuple[MissingEvidence, ...],
@@ -525,8 +536,8 @@ def aggregate(
     out_set = set(outliers)
     healthy = tuple(r for c in main_clusters if c.healthy for r in c.ranks if r not in out_set)
     healthy = tuple(sorted(healthy))
-    common = dict(topology=topology, dominant=dominant, missing=missing_t, missing_ranks=missing_ranks,
-                  healthy=healthy, clusters=tuple(all_clusters))
+    common = _VerdictContext(topology=topology, dominant=dominant, missing=missing_t, missing_ranks=missing_ranks,
+                             healthy=healthy, clusters=tuple(all_clusters))
 
     if not outliers:
         head = "inconclusive: " + "; ".join(no_outlier_reasons)

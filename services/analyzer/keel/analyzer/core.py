@@ -221,13 +221,13 @@ class AnalyzerDecider:
                 return Decision.nothing(f"round {p.round}: stacks of {p.node_id} in; waiting for {', '.join(waiting) or 'parts'}")
             return self._judge(state, event.job_id, current, late=())
         if isinstance(p, SdcReplayCompleted):
-            current = state.replays.get((event.job_id, p.round))
-            if current is None or p.request_id != current.request_id:
+            replay = state.replays.get((event.job_id, p.round))
+            if replay is None or p.request_id != replay.request_id:
                 return Decision.nothing(f"replay answer of {p.node_id} for round {p.round}, which is not open: recorded")
-            if not current.complete():
-                waiting = sorted(n for n in current.request.nodes if n not in current.answers)
+            if not replay.complete():
+                waiting = sorted(n for n in replay.request.nodes if n not in replay.answers)
                 return Decision.nothing(f"replay round {p.round}: {p.node_id} answered; waiting for {', '.join(waiting)}")
-            return self._judge_replay(state, event.job_id, current)
+            return self._judge_replay(state, event.job_id, replay)
         if isinstance(p, TimerTicked):
             replay_due = [r for (job, _), r in sorted(state.replays.items(), key=lambda kv: kv[0][1])
                           if job == event.job_id and p.now >= r.deadline]
@@ -248,7 +248,7 @@ class AnalyzerDecider:
         localising = state.localising.get(job_id, Localising())
         judgement = judge_round(current.request, current.answers, localising.reference)
         fields = verdict_fields(current.request, judgement, localising.results)
-        verdict = SdcReplayAnalyzed(request_id=current.request_id, round=current.request.round, **fields)  # type: ignore[arg-type]
+        verdict = SdcReplayAnalyzed(request_id=current.request_id, round=current.request.round, **fields)
         return Decision(reason=f"replay round {current.request.round}: {verdict.kind}: {verdict.reason}",
                         proposals=(Proposal(verdict, subject=f"job/{job_id}", key=f"sdc/{current.request.round}",
                                             correlation_id=current.correlation_id),))

@@ -119,7 +119,7 @@ def conviction(job: JobFailSlow, now: datetime) -> FailSlowConvicted | None:
     counted = sum(1 for r in job.rounds.rounds if r.group is not None and r.group.key == (verdict.group_kind,
                                                                                           verdict.group_ranks))
     return FailSlowConvicted(
-        group_kind=verdict.group_kind, group_ranks=list(verdict.group_ranks),  # type: ignore[arg-type]
+        group_kind=verdict.group_kind, group_ranks=list(verdict.group_ranks),
         group_nodes=list(verdict.group_nodes), outlier_ranks=list(verdict.outlier_ranks),
         rounds=len(job.rounds.rounds), flags=counted, interval_s=job.rounds.interval.total_seconds(),
         round_evidence=list(job.evidence), reason="; ".join(verdict.reasons))

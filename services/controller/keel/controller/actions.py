@@ -129,7 +129,7 @@ class ActionPlan:
         # and key), so the proposal is built once, with it.
         key = "incident"
         incident_id = decision_id(self.event.id, NAME, IncidentOpened.event_name, key)
-        opened = self.emit(IncidentOpened(kind=kind, node_id=node_id,  # type: ignore[arg-type]
+        opened = self.emit(IncidentOpened(kind=kind, node_id=node_id,
                                           ranks=ranks or sorted(self.job.node(node_id).ranks),
                                           generation=self.job.generation, last_step=self.job.last_step,
                                           fingerprint=fingerprint, reason=reason, evidence=[str(self.event.id)]),
@@ -147,7 +147,7 @@ class ActionPlan:
         if stop:
             self.emit(JobStopDecided(incident_id=incident.id, rung=max(1, final_rung), reason=reason, page=True,
                                      evidence=list(incident.evidence)), key=f"stop/{incident.id}")
-        self.emit(IncidentResolved(incident_id=incident.id, outcome=outcome, rung=final_rung,  # type: ignore[arg-type]
+        self.emit(IncidentResolved(incident_id=incident.id, outcome=outcome, rung=final_rung,
                                    generation=self.job.generation, reason=reason), key=f"resolved/{incident.id}")
 
     # guardrails
@@ -157,7 +157,7 @@ class ActionPlan:
         incident = self.job.incident
         assert incident is not None
         self.note(reason)
-        self.emit(ActionHeld(incident_id=incident.id, action=action, guardrail=guardrail, reason=reason,  # type: ignore[arg-type]
+        self.emit(ActionHeld(incident_id=incident.id, action=action, guardrail=guardrail, reason=reason,
                              rung=plan.rung, evict=sorted(plan.evict), rollback=plan.rollback),
                   key=f"held/{guardrail}/{incident.id}")
 
@@ -205,7 +205,7 @@ class ActionPlan:
             return
         round_ = self.job.diag_rounds
         self.note(reason)
-        self.emit(DiagnosticsRequested(round=round_, nodes=nodes, checks=list(self.policy.diagnostics_checks),  # type: ignore[arg-type]
+        self.emit(DiagnosticsRequested(round=round_, nodes=nodes, checks=list(self.policy.diagnostics_checks),
                                        timeout_s=self.policy.diagnostics_timeout.total_seconds(),
                                        expires_at=self.expires_at, reason=reason), key=f"diagnostics/{round_}")
 

@@ -190,7 +190,7 @@ class HotUpdateDecider:
             return None
         if job.in_flight:
             return None  # one rollout at a time: asked again once the one in flight is applied
-        return CodeRolloutRequested(version_id=pending.version_id, trigger=trigger,  # type: ignore[arg-type]
+        return CodeRolloutRequested(version_id=pending.version_id, trigger=trigger,
                                     reason=f"{why}{': ' + pending.why if pending.why else ''}; restart onto it now")
 
     def _stable(self, job: JobCode, event: Event) -> CodeVersionStable | None:

@@ -207,10 +207,10 @@ async def _apply_upserts(conn: AsyncConnection, upserts: list[Upsert]) -> None:
         values.update(upsert.values)
         guards[upsert.table] = upsert.only_if_newer
     groups: dict[tuple[str, tuple[str, ...], tuple[str, ...]], list[tuple[Any, ...]]] = {}
-    for (table, key), values in merged.items():
+    for (table_name, key), values in merged.items():
         key_columns = tuple(k for k, _ in key)
         value_columns = tuple(values)
-        groups.setdefault((table, key_columns, value_columns), []).append((*(v for _, v in key), *values.values()))
+        groups.setdefault((table_name, key_columns, value_columns), []).append((*(v for _, v in key), *values.values()))
     if not groups:
         return
     raw = (await conn.get_raw_connection()).driver_connection

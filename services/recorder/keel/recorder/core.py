@@ -46,6 +46,7 @@ class NodeStatusProjection:
         for event in events:
             payload = event.payload
             key = (("job_id", event.job_id), ("node_id", getattr(payload, "node_id", "")))
+            values: tuple[tuple[str, Any], ...]
             if isinstance(payload, NodeHealthChanged):
                 values = (
                     ("health", payload.status),
@@ -65,8 +66,9 @@ class NodeStatusProjection:
 class BatchPlan:
     """How the adapter should treat one fetched batch."""
 
-    accepted: list[tuple[int, dict[str, Any], Event]] = field(default_factory=list)
-    """(stream sequence, envelope as sent, event) for every valid message, in stream order."""
+    accepted: list[tuple[int, dict[str, Any] | None, Event]] = field(default_factory=list)
+    """(stream sequence, envelope as sent if it was an older version else None, event) for every valid
+    message, in stream order."""
     rejected: list[tuple[int, str]] = field(default_factory=list)
     """(stream sequence, reason) for every message to dead-letter."""
 

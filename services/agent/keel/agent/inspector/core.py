@@ -69,7 +69,7 @@ class InspectorState:
 
     def node_status(self) -> Status:
         worst = max((s.reported.severity[0] for s in self.signals.values()), default=0)
-        return next(name for name, rank in STATUS_RANK.items() if rank == worst)  # type: ignore[return-value]
+        return next(name for name, rank in STATUS_RANK.items() if rank == worst)
 
     def reported(self, component: str, check: str, key: str) -> Verdict:
         return self.signals.get((component, check, key), SignalState()).reported
@@ -157,7 +157,7 @@ class InspectorCore:
         s = replace(s, occurrences=occurrences, last_sample_bad=True, bad_since=bad_since, clear_since=None)
         count = len(occurrences)
         window_s = _seconds(p.soft_repeat_window)
-        evidence: dict[str, Any] = dict(obs.evidence)
+        evidence = dict(obs.evidence)
 
         if obs.is_fatal_hardware:
             target = Verdict("failed", "high", True)

@@ -15,8 +15,8 @@ Status = Literal["healthy", "degraded", "failed"]
 Confidence = Literal["low", "medium", "high"]
 Component = Literal["gpu", "host", "kernel", "nic", "disk", "rank", "unknown"]
 
-STATUS_RANK: dict[str, int] = {"healthy": 0, "degraded": 1, "failed": 2}
-CONFIDENCE_RANK: dict[str, int] = {"low": 0, "medium": 1, "high": 2}
+STATUS_RANK: dict[Status, int] = {"healthy": 0, "degraded": 1, "failed": 2}
+CONFIDENCE_RANK: dict[Confidence, int] = {"low": 0, "medium": 1, "high": 2}
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ class Observation:
         return self.status == "failed" and self.is_fatal and self.confidence == "high"
 
 
-def healthy(component: Component, check: str, key: str, detail: str = "", **evidence: Any) -> Observation:
+def healthy(component: Component, check: str, key: str, detail: str = "", /, **evidence: Any) -> Observation:
+    # Positional-only: every keyword is evidence, whatever its name (a ``detail`` in it stays evidence).
     return Observation(component, check, key, "healthy", "high", False, detail, dict(evidence))
 
 
