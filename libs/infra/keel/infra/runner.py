@@ -22,6 +22,7 @@ from keel.events.envelope import Event
 from keel.infra.bus import Bus
 from keel.infra.consumer import EventConsumer
 from keel.infra.store import EventStore
+from keel.infra.subjects import job_subjects
 from keel.kernel.decider import Decider, DeciderSession, StepResult, materialise
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,8 @@ class DeciderRunner(Generic[S]):
         self.stats = RunnerStats()
         self._folded_js_seq = 0
         self._decided_causes: set[uuid.UUID] = set()
-        subject = f"{bus.settings.subject_prefix}.{job_id or '*'}.>"
-        self._events = EventConsumer(bus, self.consumer, [subject], batch_size=batch_size,
-                                     fetch_timeout_s=fetch_timeout_s)
+        self._events = EventConsumer(bus, self.consumer, [job_subjects(bus.settings.subject_prefix, job_id)],
+                                     batch_size=batch_size, fetch_timeout_s=fetch_timeout_s)
 
     async def start(self) -> None:
         if self.store is not None:

@@ -87,6 +87,7 @@ from keel.events.types import (
 )
 from keel.infra.bus import fetch_batch
 from keel.infra.outbox import Outbox
+from keel.infra.subjects import encode_token, subject_filter
 from keel.protocol.replay import REPLAY_ENV, result_path
 from keel.rules.metrics import MetricSettings
 
@@ -94,9 +95,22 @@ log = logging.getLogger(__name__)
 
 PRODUCER = "agent"
 
-COMMAND_SUBJECTS = (("node", "RanksRestartRequested"), ("job", "DiagnosticsRequested"),
-                    ("node", "StandbyPromotionRequested"), ("job", "StacksRequested"), ("job", "SdcReplayRequested"))
-"""The commands an agent consumes (aggregate kind, type): subjects ``<prefix>.<job>.<kind>.<type>``."""
+NODE_COMMANDS = (RanksRestartRequested, StandbyPromotionRequested)
+"""Commands addressed to one node (``node/<id>``): an agent's consumer takes only its own node's."""
+JOB_COMMANDS = (DiagnosticsRequested, StacksRequested, SdcReplayRequested)
+"""Commands to several nodes at once (their ``nodes`` list): one job-wide event each, since the round that
+answers it is keyed on that one request id; every agent takes them and sees whether it is named."""
+COMMAND_TYPES = frozenset(c.event_name for c in (*NODE_COMMANDS, *JOB_COMMANDS))
+
+
+def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: bool) -> list[str]:
+    """The subjects a node agent consumes: its own node's commands, the job-wide ones, and (``checkpointing``)
+    the checkpoint broker's job-wide events (``keel.infra.subjects``)."""
+    subjects = [subject_filter(prefix, job_id, c.aggregate, node_id, c.event_name) for c in NODE_COMMANDS]
+    subjects += [subject_filter(prefix, job_id, c.aggregate, None, c.event_name) for c in JOB_COMMANDS]
+    if checkpointing:
+        subjects += [subject_filter(prefix, job_id, "job", None, name) for name in BROKER_EVENT_TYPES]
+    return subjects
 
 
 STEPPING_PHASES = frozenset({"step", "checkpoint", "eval", "done"})
@@ -691,11 +705,11 @@ class NodeAgent:
         await self.outbox.connected.wait()
         bus = self.outbox.bus
         assert bus is not None
-        prefix = f"{bus.settings.subject_prefix}.{self.spec.job_id}"
-        subjects = [f"{prefix}.{kind}.{name}" for kind, name in COMMAND_SUBJECTS]
-        if self.checkpointing is not None:
-            subjects += [f"{prefix}.job.{name}" for name in BROKER_EVENT_TYPES]
-        sub = await bus.pull_consumer(f"agent-{self.spec.job_id}-{self.spec.node_id}-{len(subjects)}",
+        subjects = command_subjects(bus.settings.subject_prefix, self.spec.job_id, self.spec.node_id,
+                                    checkpointing=self.checkpointing is not None)
+        # "node": named apart from the consumers of before node-addressed subjects, whose filters match
+        # nothing any more (an existing consumer is never reconfigured: Bus.pull_consumer keeps it).
+        sub = await bus.pull_consumer(f"agent-{self.spec.job_id}-{encode_token(self.spec.node_id)}-node-{len(subjects)}",
                                       filter_subjects=subjects)
         while not stop.is_set():
             for msg in await fetch_batch(sub, 16, 0.5):
@@ -705,7 +719,7 @@ class NodeAgent:
                     log.warning("ignoring malformed command: %s", exc.reason)
                     await msg.term()
                     continue
-                if any(command.type == name for _, name in COMMAND_SUBJECTS):
+                if command.type in COMMAND_TYPES:
                     if (isinstance(command.payload, DiagnosticsRequested) and not self.spec.standby
                             and self.spec.node_id in command.payload.nodes):
                         # Acknowledge at once, before stopping the ranks (which may take their grace
