@@ -89,3 +89,27 @@ def test_filters_address_one_aggregate_or_any() -> None:
     assert job_subjects("keel", "train") == "keel.train.>" and job_subjects("keel") == "keel.*.>"
     assert matches(job_subjects("keel", "train"), event_subject("keel", mine))
     assert not matches(job_subjects("keel", "other"), event_subject("keel", mine))
+
+
+def test_an_agent_subscribes_to_its_own_nodes_commands_and_the_job_wide_requests() -> None:
+    from keel.agent.consumer import command_subjects, durable_name
+
+    subjects = command_subjects("keel", "train", "gpu01.dc1", checkpointing=False)
+    assert subjects == ["keel.train.node.gpu01%2Edc1.RanksRestartRequested",
+                        "keel.train.node.gpu01%2Edc1.StandbyPromotionRequested",
+                        "keel.train.job.*.DiagnosticsRequested", "keel.train.job.*.StacksRequested",
+                        "keel.train.job.*.SdcReplayRequested"]
+    with_broker = command_subjects("keel", "train", "gpu01.dc1", checkpointing=True)
+    assert with_broker[:5] == subjects and "keel.train.job.*.CheckpointRestorePlanned" in with_broker
+
+    def restart(node: str) -> Event:
+        return Event.create(RanksRestartRequested(node_id=node, generation=1, reason="r", expires_at=T0),
+                            job_id="train", subject=f"node/{node}", producer="controller", occurred_at=T0)
+
+    def taken(event: Event) -> bool:
+        return any(matches(f, event_subject("keel", event)) for f in subjects)
+
+    assert taken(restart("gpu01.dc1"))
+    assert not taken(restart("gpu01")) and not taken(restart("gpu01.dc2")) and not taken(restart("gpu01-dc1"))
+    name = durable_name("train", "gpu01.dc1", subjects)
+    assert name == "agent-train-gpu01%2Edc1-node-5" and not any(c in name for c in NATS_FORBIDDEN)
