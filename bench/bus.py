@@ -211,10 +211,9 @@ def wire_messages(events: Sequence[Any], prefix: str) -> list[tuple[str, bytes, 
     """What ``Bus.publish_many`` puts on the wire for ``events``, precomputed for the raw ceiling."""
     from nats.js import api
 
-    return [
-        (f"{prefix}.{e.job_id}.{e.aggregate_kind}.{e.type}", e.to_json(), {api.Header.MSG_ID: str(e.id)})
-        for e in events
-    ]
+    from keel.infra.subjects import event_subject
+
+    return [(event_subject(prefix, e), e.to_json(), {api.Header.MSG_ID: str(e.id)}) for e in events]
 
 
 # -- raw JetStream ceiling ------------------------------------------------------------------------

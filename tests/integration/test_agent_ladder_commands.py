@@ -44,7 +44,7 @@ def agents(scratch_dir: Path) -> Iterator[list[NodeAgent]]:
     made: list[NodeAgent] = []
     yield made
     for agent in made:
-        agent.cancel_round()
+        agent.rounds.cancel()
         agent.supervisor.stop_all(grace_s=1)
         agent.channel.close()
 
@@ -83,11 +83,11 @@ def test_a_round_stops_the_ranks_reports_in_the_background_and_a_restart_follows
 
     for ignored in (diagnostics(["n01", "n02"]), diagnostics(["n00"], round_=1, expires_in_s=-1)):
         agent.handle_command(ignored)  # not this node / expired: nothing stops
-        assert agent.active_round is None and [p.pid for p in agent.supervisor.alive()] == pids
+        assert agent.rounds.active is None and [p.pid for p in agent.supervisor.alive()] == pids
 
     request = diagnostics(["n00"], round_=2)
     agent.handle_command(request)
-    assert agent.active_round is not None and not agent.supervisor.ranks  # stopped at once, round in the background
+    assert agent.rounds.active is not None and not agent.supervisor.ranks  # stopped at once, round in the background
     stopped = emitted(agent, "RankExited")
     assert sorted(e.payload.rank for e in stopped) == [0, 1]
     assert {e.payload.classification for e in stopped} == {"stopped_by_agent"}
@@ -98,7 +98,7 @@ def test_a_round_stops_the_ranks_reports_in_the_background_and_a_restart_follows
     assert [r.check for r in p.results] == ALL
     # A redelivered command does not run the round again; the agent waits (ranks stopped) for the next one.
     agent.handle_command(request)
-    assert agent.active_round is None
+    assert agent.rounds.active is None
     for _ in range(5):
         assert agent.tick(probe=False) is None
 
@@ -114,8 +114,8 @@ def test_a_standby_self_checks_ignores_rounds_and_fails_the_check_on_a_lost_gpu(
     agents += [healthy, broken]
     apply_fault(NodeInfo("s01", True, broken.spec.agent_dir, broken.spec.root, 0),
                 FaultSpec(kind="gpu-lost", node="s01", params={"gpu": 1}), "f1")
-    healthy.start_self_check()
-    broken.start_self_check()
+    healthy.rounds.start_self_check()
+    broken.rounds.start_self_check()
     good = tick_until(healthy, "StandbyChecked", 40)
     bad = tick_until(broken, "StandbyChecked", 40)
     assert good.payload.passed and good.causation_id is None, good.payload
@@ -123,7 +123,7 @@ def test_a_standby_self_checks_ignores_rounds_and_fails_the_check_on_a_lost_gpu(
     assert not bad.payload.passed and "gpu1 is lost" in bad.payload.detail, bad.payload
 
     healthy.handle_command(diagnostics(["s00", "n00"]))
-    assert healthy.active_round is None and not emitted(healthy, "RankExited")
+    assert healthy.rounds.active is None and not emitted(healthy, "RankExited")
 
 
 def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch_dir: Path) -> None:

@@ -162,13 +162,18 @@ async def test_bad_input_is_dead_lettered_with_reason_and_nothing_else_is_lost(k
 
 async def test_event_on_the_wrong_subject_is_dead_lettered(keel_env) -> None:
     event = health_event("n1")
-    wrong = f"{keel_env.settings.bus.subject_prefix}.otherjob.node.NodeHealthChanged"
-    ack = await keel_env.bus.publish_raw(wrong, event.to_json(), msg_id=str(event.id))
+    prefix = keel_env.settings.bus.subject_prefix
+    # Another job's subject, another node's, and the subject without the aggregate id (before the id was a token).
+    acks = []
+    for index, wrong in enumerate((f"{prefix}.otherjob.node.n1.NodeHealthChanged", f"{prefix}.job1.node.n2.NodeHealthChanged",
+                                   f"{prefix}.job1.node.NodeHealthChanged")):
+        acks.append(await keel_env.bus.publish_raw(wrong, event.to_json(), msg_id=f"{event.id}-{index}"))
     recorder = await keel_env.start_recorder()
-    while recorder.stats.dead_lettered < 1:
+    while recorder.stats.dead_lettered < len(acks):
         await asyncio.sleep(0.05)
-    [row] = await keel_env.store.dead_letters()
-    assert row["js_seq"] == ack.stream_seq and "belongs on" in row["reason"]
+    rows = await keel_env.store.dead_letters()
+    assert [row["js_seq"] for row in rows] == [ack.stream_seq for ack in acks]
+    assert all("belongs on" in row["reason"] for row in rows), rows
     assert await keel_env.store.count() == 0
 
 
@@ -194,7 +199,8 @@ async def test_old_versions_are_stored_as_sent_and_upcast_on_read(keel_env) -> N
     golden = json.loads((Path(__file__).resolve().parents[1] / "golden/NodeHealthChanged/v1.json").read_text())
     old = golden["envelope"]
     current = health_event("n1")
-    subject = f"{keel_env.settings.bus.subject_prefix}.{old['job_id']}.node.NodeHealthChanged"
+    subject = f"{keel_env.settings.bus.subject_prefix}.{old['job_id']}.node.n07.NodeHealthChanged"
+    assert old["subject"] == "node/n07"
     await keel_env.bus.publish_raw(subject, json.dumps(old).encode(), msg_id=old["id"])
     await keel_env.bus.publish(current)
     await keel_env.start_recorder()

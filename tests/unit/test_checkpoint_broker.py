@@ -646,6 +646,9 @@ def test_replaced_node_registering_moves_only_its_ranks_and_the_backups_it_held(
 
 class FakeBus:
     def __init__(self) -> None:
+        from keel.infra.config import BusSettings
+
+        self.settings = BusSettings()  # the broker's runner builds its consumer's subject filter from it
         self.published: list[Event] = []
 
     async def publish(self, event: Event) -> None:

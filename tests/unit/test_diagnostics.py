@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.agent.agent import PromotionError, promoted_spec
+from keel.agent.commands import PromotionError, promoted_spec
 from keel.agent.diagnostics import (
     DiagnosticsPolicy,
     LinkState,

@@ -1,4 +1,4 @@
-"""The replay protocol between a node agent and its ranks (``keel.protocol.replay``, ``keel.agent.agent``): the
+"""The replay protocol between a node agent and its ranks (``keel.protocol.replay``, ``keel.agent.commands``): the
 spec file maps units to global ranks, malformed specs are refused with a reason, and the agent's answer
 says which rank did not answer and why - a crash, a timeout, an unreadable file - never "clean"."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.agent.agent import replay_answer, replay_spec_json
+from keel.agent.commands import replay_answer, replay_spec_json
 from keel.agent.supervisor import RankExit
 from keel.events.types import SdcPhase, SdcReplayRequested, SdcUnit
 from keel.protocol.replay import REPLAY_ENV, ReplaySpecError, parse_spec, replay_spec, write_result

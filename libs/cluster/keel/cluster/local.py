@@ -11,7 +11,7 @@ detection latency is measured from the log. ``nic-down`` takes ``interface`` (de
 += 2N), a soft signal the inspector tolerates and stop-time diagnostics catch.
 
 Standbys run idle with the job's training command (``--keel-standby``): a ``StandbyPromotionRequested``
-gives one any node's slice of ranks (``keel.agent.agent``).
+gives one any node's slice of ranks (``keel.agent.commands``).
 """
 
 from __future__ import annotations

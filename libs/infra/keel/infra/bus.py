@@ -2,6 +2,8 @@
 
 Contracts:
 
+- An event is published on ``<prefix>.<job>.<aggregate kind>.<aggregate id>.<type>``, the aggregate id
+  encoded as one subject token (``keel.infra.subjects``, which also builds consumers' filters).
 - ``publish`` / ``publish_many`` set ``Nats-Msg-Id`` to the event id and return only once JetStream
   acknowledged every message (with ``sync_interval: always``, acknowledged means on disk). Transient
   errors (timeouts, no responders, a reconnect) are retried with capped exponential backoff, a bounded
@@ -36,6 +38,7 @@ from nats.js import JetStreamContext, api
 
 from keel.events.envelope import Event
 from keel.infra.config import BusSettings
+from keel.infra.subjects import event_subject
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +119,8 @@ class Bus:
         return f"{self.settings.subject_prefix}_dlq"
 
     def subject_for(self, event: Event) -> str:
-        """``<prefix>.<job>.<aggregate kind>.<type>``."""
-        return f"{self.settings.subject_prefix}.{event.job_id}.{event.aggregate_kind}.{event.type}"
+        """``<prefix>.<job>.<aggregate kind>.<aggregate id>.<type>``, the id encoded (``keel.infra.subjects``)."""
+        return event_subject(self.settings.subject_prefix, event)
 
     async def ensure_streams(self) -> None:
         s = self.settings
@@ -210,7 +213,7 @@ class Bus:
                 event = events[index]
                 try:
                     future = await self.js.publish_async(
-                        f"{prefix}.{event.job_id}.{event.aggregate_kind}.{event.type}",
+                        event_subject(prefix, event),
                         event.to_json(),
                         headers={msg_id: str(event.id)},
                     )
@@ -283,7 +286,11 @@ class Bus:
         return puller
 
     async def dead_letter(self, msg: Msg, reason: str) -> PublishResult:
-        """Copy ``msg`` (raw bytes) to the dead-letter stream with the reason; the caller then acks it."""
+        """Copy ``msg`` (raw bytes) to the dead-letter stream with the reason; the caller then acks it.
+
+        The dead letter's subject is the original one with ``<prefix>_dlq`` for ``<prefix>``
+        (``keel_dlq.<job>.<kind>.<aggregate id>.<type>`` for a well-formed one), tokens as they were: a
+        malformed message's subject need not follow the event rule, so it is not parsed."""
         seq = msg.metadata.sequence.stream if msg.reply else 0
         tail = msg.subject.split(".", 1)[1] if "." in msg.subject else msg.subject
         headers = {

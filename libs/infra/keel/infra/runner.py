@@ -23,6 +23,7 @@ from keel.events.types import is_foreign_tick
 from keel.infra.bus import Bus
 from keel.infra.consumer import EventConsumer
 from keel.infra.store import EventStore
+from keel.infra.subjects import job_subjects
 from keel.kernel.decider import Decider, DeciderSession, StepResult, materialise
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class DeciderRunner(Generic[S]):
                 event = recorded.event
                 if event.producer == self.session.decider.name and event.causation_id:
                     self._decided_causes.add(event.causation_id)
-        subject = f"{self.bus.settings.subject_prefix}.{self.job_id or '*'}.>"
+        subject = job_subjects(self.bus.settings.subject_prefix, self.job_id)
         self._events = EventConsumer(self.bus, self.consumer, [subject], batch_size=self.batch_size,
                                      fetch_timeout_s=self.fetch_timeout_s)
         await self._events.start()

@@ -18,6 +18,7 @@ from keel.events.envelope import Event, now_utc
 from keel.events.types import NodeEvicted, NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested
 from keel.infra.bus import Bus
 from keel.infra.consumer import EventConsumer
+from keel.infra.subjects import subject_filter
 from keel.kernel.decider import decision_id
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,10 @@ class ActuatorService:
         self.producer = f"actuator-{actuator.name}"
         self.fetch_timeout_s = fetch_timeout_s
         self.carried_out: list[str] = []
-        prefix, job = bus.settings.subject_prefix, job_id or "*"
-        self._commands = EventConsumer(bus, self.producer, [f"{prefix}.{job}.node.NodeEvictionDecided",
-                                                            f"{prefix}.{job}.node.StandbyPromotionRequested",
-                                                            f"{prefix}.{job}.job.StandbyRefillRequested"],
-                                       fetch_timeout_s=fetch_timeout_s)
+        # Every node's commands (any aggregate id): the actuator acts on machines for the whole job.
+        subjects = [subject_filter(bus.settings.subject_prefix, job_id, command.aggregate, None, command.event_name)
+                    for command in (NodeEvictionDecided, StandbyPromotionRequested, StandbyRefillRequested)]
+        self._commands = EventConsumer(bus, self.producer, subjects, fetch_timeout_s=fetch_timeout_s)
 
     async def start(self) -> None:
         await self._commands.start()

@@ -1,0 +1,116 @@
+"""The node agent's command consumer: a durable JetStream consumer, on the shared consumer loop
+(``keel.infra.consumer.EventConsumer``), that hands the agent its commands and the checkpoint broker's
+events.
+
+What it subscribes to (``command_subjects``; subjects ``<prefix>.<job>.<kind>.<aggregate id>.<type>``,
+``keel.infra.subjects``):
+
+- the commands addressed to this node, ``node.<this node>.RanksRestartRequested`` and
+  ``node.<this node>.StandbyPromotionRequested``: the server routes them, so an agent never receives
+  (nor decodes) another node's;
+- the multi-node requests, ``DiagnosticsRequested``, ``StacksRequested`` and ``SdcReplayRequested``, job
+  wide: each names its ``nodes`` in one event, since the round that answers it is keyed on that one
+  request id (the controller and the analyzer collect the answers by it); every agent takes them and sees
+  whether it is named;
+- with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``).
+
+A message is acknowledged once the agent has carried it out (commands act at once; long work, a round or
+a replay, runs in the background and answers with its own event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import Protocol
+
+from keel.agent.checkpointing import BROKER_EVENT_TYPES, NodeCheckpointing
+from keel.agent.launch_spec import LaunchSpec
+from keel.events.envelope import Event
+from keel.events.types import (
+    DiagnosticsRequested,
+    RanksRestartRequested,
+    SdcReplayRequested,
+    StacksRequested,
+    StandbyPromotionRequested,
+)
+from keel.infra.consumer import EventConsumer
+from keel.infra.outbox import Outbox
+from keel.infra.subjects import encode_token, subject_filter
+
+log = logging.getLogger(__name__)
+
+NODE_COMMANDS = (RanksRestartRequested, StandbyPromotionRequested)
+"""Commands addressed to one node (envelope subject ``node/<id>``): an agent takes only its own node's."""
+JOB_COMMANDS = (DiagnosticsRequested, StacksRequested, SdcReplayRequested)
+"""Requests to several nodes at once (their ``nodes`` list): one job-wide event each (the module docstring
+says why), taken by every agent."""
+COMMAND_TYPES = frozenset(c.event_name for c in (*NODE_COMMANDS, *JOB_COMMANDS))
+
+
+def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: bool) -> list[str]:
+    """The subjects node ``node_id``'s agent consumes: its own node's commands, the job-wide requests, and
+    (``checkpointing``) the checkpoint broker's job-wide events."""
+    subjects = [subject_filter(prefix, job_id, c.aggregate, node_id, c.event_name) for c in NODE_COMMANDS]
+    subjects += [subject_filter(prefix, job_id, c.aggregate, None, c.event_name) for c in JOB_COMMANDS]
+    if checkpointing:
+        subjects += [subject_filter(prefix, job_id, "job", None, name) for name in BROKER_EVENT_TYPES]
+    return subjects
+
+
+def durable_name(job_id: str, node_id: str, subjects: list[str]) -> str:
+    """The agent's durable consumer. ``node``: named apart from the consumers of before node-addressed
+    subjects, whose filters match nothing any more (an existing consumer is kept as it is, never
+    reconfigured: ``Bus.pull_consumer``); the subject count tells a checkpointing agent's apart. The node
+    id is encoded as in subjects: a consumer name must not hold ``.``, ``*``, ``>`` or whitespace either."""
+    return f"agent-{job_id}-{encode_token(node_id)}-node-{len(subjects)}"
+
+
+class CommandTarget(Protocol):
+    """What the consumer needs of the agent (``NodeAgent`` is one)."""
+
+    spec: LaunchSpec
+    outbox: Outbox | None
+    checkpointing: NodeCheckpointing | None
+    clock: Callable[[], datetime]
+
+    def heartbeat(self, now: datetime) -> None: ...
+
+    def handle_command(self, command: Event) -> None: ...
+
+
+class CommandConsumer:
+    """Feeds ``agent`` its commands until stopped; ``run`` waits for the agent's outbox to connect."""
+
+    def __init__(self, agent: CommandTarget) -> None:
+        self.agent = agent
+        self.events: EventConsumer | None = None
+        """The consumer, once connected."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        agent = self.agent
+        assert agent.outbox is not None
+        await agent.outbox.connected.wait()
+        bus = agent.outbox.bus
+        assert bus is not None
+        spec = agent.spec
+        subjects = command_subjects(bus.settings.subject_prefix, spec.job_id, spec.node_id,
+                                    checkpointing=agent.checkpointing is not None)
+        self.events = EventConsumer(bus, durable_name(spec.job_id, spec.node_id, subjects), subjects)
+        await self.events.run(self.handle, stop)
+
+    async def handle(self, event: Event, _seq: int) -> None:
+        agent = self.agent
+        if event.type in COMMAND_TYPES:
+            if (isinstance(event.payload, DiagnosticsRequested) and not agent.spec.standby
+                    and agent.spec.node_id in event.payload.nodes):
+                # Acknowledge at once, before stopping the ranks (which may take their grace
+                # time): the controller takes a node that sends nothing after a request as lost.
+                agent.heartbeat(agent.clock())
+                assert agent.outbox is not None
+                await agent.outbox.flush(1.0)
+            agent.handle_command(event)
+        elif agent.checkpointing is not None:
+            agent.checkpointing.handle_event(event)
