@@ -101,7 +101,7 @@ def test_generated_code_is_current(tmp_path: Path) -> None:
                     f"--grpc_python_out={tmp_path}", "proto/keel/checkpoint/v1/shard_store.proto"], cwd=ROOT, check=True)
     grpc_code = (tmp_path / "shard_store_pb2_grpc.py").read_text().replace(
         "\nimport shard_store_pb2 as", "\nfrom keel.protocol import shard_store_pb2 as")
-    generated = ROOT / "libs/core/protocol"
+    generated = ROOT / "libs/protocol/keel/protocol"
     assert (tmp_path / "shard_store_pb2.py").read_text() == (generated / "shard_store_pb2.py").read_text(), "run `make proto`"
     assert grpc_code == (generated / "shard_store_pb2_grpc.py").read_text(), "run `make proto`"
 
