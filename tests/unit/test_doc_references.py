@@ -13,7 +13,8 @@ caches). Checked:
 - module references in backticks (```keel.agent.warm```, ``keel.actuator.core.Actuator``): the package
   must exist, then each further name must be a module or a name the module defines;
 - root documents named bare (``ARCHITECTURE.md``, ``CONVENTIONS.md``): they must exist at the root or
-  beside the file that names them.
+  beside the file that names them;
+- nothing names the workspace outside the repository (``../shared``, ``/work/...``).
 """
 
 from __future__ import annotations
@@ -209,6 +210,18 @@ def test_bare_document_names_exist() -> None:
                     continue
                 problems.append(f"{_rel(path)}:{line_number}: {name}: not at the repository root")
     assert not problems, "missing documents:\n" + "\n".join(problems)
+
+
+_OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.-])shared/(?:seeds|hooks)\b|/work/(?:shared|main)\b")
+
+
+def test_nothing_outside_the_repository_is_named() -> None:
+    """The project stands alone: no reference to the workspace it was built in (``../shared``, ``/work``)."""
+    problems = [f"{_rel(path)}:{number}: {match.group(0)}"
+                for path in _files(".py", ".md", ".toml", ".yml", ".yaml", ".cfg", ".ini")
+                for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+                for match in _OUTSIDE.finditer(line)]
+    assert not problems, "references outside the repository:\n" + "\n".join(problems)
 
 
 @pytest.mark.parametrize("reference", ["libs/core/keel/core/bus.py", "docs/nothing.md", "services/agent/nope/",
