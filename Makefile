@@ -85,6 +85,10 @@ bench-analyzer: install
 schema: install
 	$(BIN)/keel events schema --write
 
+# docs/configuration.md is generated from the settings models (keel.infra.config); a unit test fails when stale.
+config-docs: install
+	$(BIN)/python -m keel.infra.config_docs --write docs/configuration.md
+
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/protocol/keel/protocol \
 		--pyi_out=libs/protocol/keel/protocol proto/keel/agent/v1/node_local.proto

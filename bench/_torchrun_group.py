@@ -5,7 +5,7 @@ rendezvous on 127.0.0.1 hosted by node 0's launcher: ``--rdzv-conf is_host=true`
 elsewhere), each running 2 ranks of ``keel.workload.train`` with a torchrun-style persistent checkpoint
 (``--persist-every N --persist-dir D``: every rank saves its whole state synchronously every N steps,
 and a (re)started run resumes from the newest step every rank saved). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-(see ARCHITECTURE.md: restarts reuse stale rendezvous keys otherwise). No ``KEEL_*`` variable reaches the
+(see docs/architecture.md, "The node agent": restarts reuse stale rendezvous keys otherwise). No ``KEEL_*`` variable reaches the
 ranks except ``KEEL_FAULT_FILE``: the SDK reads injected workload faults from it without an agent.
 
 Every output line of every launcher (its own and its workers', which inherit its stdout) is

@@ -22,7 +22,7 @@ given, running the new version. Every time comes from rank 0's step lines (``t_u
   (the first trial can fall before the first persist of the new interval, whose restore point is then
   older: its recomputation is corrected to the planned offset, measured and corrected both reported).
   The requeued job runs the same workload module: the versions differ by a comment, and a requeue's cost
-  does not depend on it. No scheduler queue, pod creation or image pull is added (see the README: they
+  does not depend on it. No scheduler queue, pod creation or image pull is added (see docs/benchmarks.md: they
   dominate at scale).
 
 ``--quick`` (about three minutes): one trial each. Target: in place >= 5x faster (``ratio`` =

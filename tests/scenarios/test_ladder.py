@@ -52,7 +52,7 @@ class Stack:
             self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
                                                        {**knobs, "KEEL_SERVICE_READY_FILE": str(ready[-1])}, args))
         # As `keel up` does: the job starts once every service consumes live (an input arriving during a
-        # decider's cold start is decided on the state at the end of its fold: see the README's limits).
+        # decider's cold start is decided on the state at the end of its fold: see docs/known-limits.md).
         deadline = time.monotonic() + 60
         while not all(path.exists() for path in ready):
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.services):

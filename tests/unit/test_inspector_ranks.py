@@ -1,4 +1,5 @@
-"""Rank hang detection with per-phase timeouts calibrated from observed step times (USER-NEEDS N3)."""
+"""Rank hang detection with per-phase timeouts calibrated from observed step times (a hang is never declared
+during setup, checkpoints or eval just because they are slow)."""
 
 from __future__ import annotations
 

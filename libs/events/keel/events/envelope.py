@@ -1,6 +1,6 @@
 """The event envelope, the registry of event types and the wire codec.
 
-One envelope for every event (see ARCHITECTURE.md, "Event sourcing, concretely")::
+One envelope for every event (see docs/events.md, and docs/architecture.md for the rules around it)::
 
     id, type, schema_version, job_id, subject, occurred_at, producer, causation_id, correlation_id, payload
 

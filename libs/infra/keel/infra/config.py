@@ -3,9 +3,13 @@
 Every duration and size carries a unit (see ``keel.events.units``). A bad value anywhere fails at start
 with a ``ConfigError`` that names the source, the field and the reason.
 
-Environment variables: ``KEEL_NATS_URL``, ``KEEL_DATABASE_URL``, ``KEEL_HOME`` and ``KEEL_CONFIG`` (the
-YAML path) are top-level; every other field is ``KEEL_<SECTION>__<FIELD>``, e.g.
+Environment variables: ``KEEL_NATS_URL``, ``KEEL_DATABASE_URL``, ``KEEL_HOME``, ``KEEL_DB_SCHEMA`` and
+``KEEL_CONFIG`` (the YAML path) are top-level; every other field is ``KEEL_<SECTION>__<FIELD>``, e.g.
 ``KEEL_BUS__MAX_AGE=3d`` or ``KEEL_NATS__SYNC_ALWAYS=false``.
+
+Every field carries its documentation as an attribute docstring (``use_attribute_docstrings``: pydantic
+makes it the field's ``description``); ``keel.infra.config_docs`` renders them into
+``docs/configuration.md``, and a unit test fails when that page is not what the models say now.
 """
 
 from __future__ import annotations
@@ -33,14 +37,17 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Attribute docstrings become field descriptions: the one place a setting is documented.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class NatsSettings(_Section):
     """The embedded NATS server (ignored when ``nats_url`` points at an external server)."""
 
     port: int = Field(4322, ge=1, le=65535)
+    """The embedded NATS server's client port (``nats://127.0.0.1:<port>``)."""
     monitor_port: int = Field(8322, ge=1, le=65535)
+    """Its HTTP monitoring port; ``keel up`` waits on its ``/healthz`` for JetStream to be ready."""
     sync_always: bool = True
     """JetStream ``sync_interval: always``: an acknowledged publish is on disk. The single-server default."""
 
@@ -49,6 +56,7 @@ class PostgresSettings(_Section):
     """The embedded PostgreSQL server (ignored when ``database_url`` is set)."""
 
     port: int = Field(5433, ge=1, le=65535)
+    """The embedded PostgreSQL server's TCP port (it listens on 127.0.0.1 only)."""
 
 
 class BusSettings(_Section):
@@ -57,7 +65,10 @@ class BusSettings(_Section):
     subject_prefix: str = "keel"
     """Subjects are ``<prefix>.<job>.<aggregate>.<type>``; tests use their own prefix for isolation."""
     stream: str = "KEEL"
+    """The JetStream stream that holds every event (subjects ``<prefix>.>``)."""
     dlq_stream: str = "KEEL_DLQ"
+    """The dead-letter stream (subjects ``<prefix>_dlq.>``): messages that are not valid events, as raw bytes
+    with the reason in headers; the recorder also records them in the ``dead_letters`` table."""
     max_age: Duration = parse_duration("7d")
     """Stream retention: Postgres is the system of record, the stream is a durable buffer in front of it."""
     max_bytes: ByteSize = parse_size("2GiB")
@@ -71,11 +82,16 @@ class BusSettings(_Section):
     ack_wait: Duration = parse_duration("10s")
     """How long a delivered, unacknowledged message waits before redelivery (a crashed consumer's batch)."""
     max_deliver: int = Field(10, ge=1)
-    """Bounded redelivery of a message whose effect keeps failing transiently."""
+    """Bounded redelivery of a message whose effect keeps failing transiently (deciders, actuators, agents);
+    the recorder's consumer is unbounded: it never gives up on an event."""
     publish_attempts: int = Field(5, ge=1)
+    """Publish attempts on transient errors (timeouts, no responders, a reconnect) before ``PublishFailed``."""
     retry_backoff_initial: Duration = parse_duration("100ms")
+    """The first wait between publish attempts; it doubles after each failed attempt..."""
     retry_backoff_max: Duration = parse_duration("5s")
+    """...up to this."""
     publish_timeout: Duration = parse_duration("5s")
+    """How long a publish waits for JetStream's acknowledgement before the attempt counts as failed."""
 
     @field_validator("subject_prefix", "stream", "dlq_stream")
     @classmethod
@@ -86,12 +102,20 @@ class BusSettings(_Section):
 
 
 class RecorderSettings(_Section):
+    """The recorder: persists every event exactly once, in commit order, with its read models."""
+
     batch_size: int = Field(1000, ge=1, le=100_000)
+    """Most messages fetched and written in one transaction (one ``COPY`` plus the projections)."""
     fetch_timeout: Duration = parse_duration("200ms")
+    """How long a fetch waits for the next message when none is there (a fetch takes what is there at once
+    and never waits for a batch to fill)."""
     consumer: str = "recorder"
+    """The durable JetStream consumer's name; also the recorder's row in the ``tracking`` table."""
 
 
 class ControllerSettings(_Section):
+    """The controller: the escalation ladder's timeouts, its guardrails and the warm-standby pool."""
+
     observe_only: bool = False
     """Observe mode: decide and record, execute nothing."""
     command_ttl: Duration = parse_duration("5m")
@@ -117,15 +141,18 @@ class ControllerSettings(_Section):
     clock_interval: Duration = parse_duration("1s")
     """How often the controller records a ``TimerTicked`` for a running job (its time-based rules)."""
     eviction_window: Duration = parse_duration("1h")
+    """The eviction circuit breaker's sliding window (past its limits: stop and page)."""
     max_evictions: int = Field(8, ge=1)
     """The eviction circuit breaker: at most this many evictions per window..."""
     max_eviction_fraction: float = Field(0.1, gt=0, le=1)
     """...and at most this fraction of the job's nodes (at least one is always allowed)."""
     restart_window: Duration = parse_duration("1h")
+    """The crash-loop breaker's sliding window for ``restart_budget``."""
     restart_budget: int = Field(10, ge=1)
     """Job-wide restarts per window before the job is stopped and a human paged."""
     max_same_failure: int = Field(3, ge=2)
-    """The same failure fingerprint this many times in a row (no progress between) is a crash loop."""
+    """The same failure fingerprint this many times in a row (no progress between) is a crash loop: rung 6,
+    stop and page."""
     approval_required: list[str] = Field(default_factory=list)
     """Action kinds that wait for `keel approve`: evict, restart, diagnose, rollback."""
     standby_min: int = Field(0, ge=0)
@@ -138,8 +165,8 @@ class CheckpointSettings(_Section):
     """The checkpoint broker: the persistent tier, its schedule (Young's formula) and restore planning."""
 
     persist_root: Path | None = None
-    """Root of the persistent tier (``<root>/<job>/step-<s:09d>/``), shared by the nodes and the broker;
-    ``None``: ``<home>/checkpoints``."""
+    """Root of the persistent tier (``<root>/<job>/step-<s:09d>/rank-<r:05d>.shard`` and ``manifest.json``),
+    the same path for the nodes and the broker; unset: ``<home>/checkpoints``."""
     retention: int = Field(3, ge=1)
     """Committed steps (manifests) kept per job; older step directories are removed."""
     persist_every_floor: int = Field(10, ge=1)
@@ -176,7 +203,8 @@ class CheckpointSettings(_Section):
 
 class AnalyzerSettings(_Section):
     """The analyzer's fail-slow rounds (rung 3 without a hang): step-time evidence every ``failslow_interval``,
-    a conviction when one group was flagged most over the last ``failslow_rounds`` rounds."""
+    a conviction when one group was flagged most over the last ``failslow_rounds`` rounds; and the
+    thresholds of metric anomalies, which every node agent checks on its ranks' reports."""
 
     failslow_interval: Duration = parse_duration("10s")
     """How often a fail-slow round compares the ranks' compute times."""
@@ -185,15 +213,18 @@ class AnalyzerSettings(_Section):
     failslow_min_flags: int = Field(2, ge=1)
     """The fewest flags (of those rounds) that convict."""
     failslow_ratio: float = Field(1.15, gt=1)
-    """A rank is flagged when it computes this many times longer per step than the median of its peers
+    """A rank is flagged when it computes this many times longer per step than the median of its DP peers
     (or its modified z-score says so, and it is at least 5 % slower)."""
     metric_spike_factor: float = Field(5.0, gt=1)
     """Metric anomalies (checked by each node agent): a loss or gradient norm above this many times the
     median of its previous ``metric_spike_window`` values is a spike."""
     metric_spike_window: int = Field(20, ge=1)
+    """How many previous values (steps) a spike is judged against."""
     metric_warmup_steps: int = Field(10, ge=0)
     """Steps neither judged for spikes nor part of a baseline (losses fall steeply early on)."""
     metric_decline_window: int = Field(50, ge=1)
+    """Steps per window of the throughput-decline check (tokens/s): the last window against the best earlier
+    one. A decline alone is recorded, not acted on."""
     metric_decline_fraction: float = Field(0.8, gt=0, lt=1)
     """Tokens/s whose last window's median is below this fraction of its best earlier window's declined."""
 
@@ -234,10 +265,14 @@ class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
     home: Path = Field(default_factory=lambda: default_home())
-    """Where ``keel up`` keeps its servers' data, logs and pid files."""
+    """Where ``keel up`` keeps its servers' data, logs and pid files (default ``~/.keel``; as root
+    ``/var/lib/keel``, which the embedded PostgreSQL's unprivileged account can reach)."""
     nats_url: str | None = None
+    """Use this NATS server instead of the embedded one (e.g. ``nats://host:4222``)."""
     database_url: str | None = None
+    """Use this PostgreSQL instead of the embedded one (e.g. ``postgresql://user:pw@host:5432/keel``)."""
     db_schema: str = "public"
+    """The PostgreSQL schema of the event store and read models (a lower-case SQL identifier)."""
     nats: NatsSettings = NatsSettings()
     postgres: PostgresSettings = PostgresSettings()
     bus: BusSettings = BusSettings()

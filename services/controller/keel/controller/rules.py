@@ -4,7 +4,7 @@ One rule per input event type (``on_health``, ``on_exit``, ``on_diagnostics``, .
 reads the job through an ``ActionPlan`` and calls its actions (``actions``). ``decider`` dispatches to
 them. Every decision's reason names the rung and the evidence.
 
-The rungs (ARCHITECTURE.md, "The escalation ladder"), cheapest first:
+The rungs (docs/architecture.md, "The escalation ladder"), cheapest first:
 
 1. A high-confidence fatal hardware signal (GPU lost, fatal XID, NIC down, disk fault, kernel error),
    or a node whose agent went silent: evict the node now, promote a ready warm standby into its slice

@@ -1,19 +1,21 @@
 """Every threshold of the inspector, in one frozen object. Durations are ``timedelta``s.
 
-The timeout hierarchy for ranks (USER-NEEDS N3, §3 item 3):
+The timeout hierarchy for ranks (a hang must not be declared during setup, compilation, checkpoints or
+eval):
 
 - ``setup``: ``setup_timeout`` (300 s). The first steps, until ``warmup_steps`` step times are known,
   also get ``setup_timeout`` (compile, allocator warm-up, NCCL init).
 - ``step``: ``max(step_timeout_floor, step_timeout_factor × p<step_timeout_percentile> of the last
-  calibration_window step times)`` = max(30 s, 3 × p99) by default.
+  calibration_window step times)`` = max(25 s, 3 × p99) by default.
 - ``checkpoint``: ``checkpoint_timeout`` (600 s); ``eval``: ``eval_timeout`` (600 s).
 - ``done``: never a hang.
 - heartbeat lost (no report at all): ``max(heartbeat_timeout, phase timeout)`` so a rank that holds
   the GIL while it saves does not look dead.
 
-Hysteresis for soft signals (USER-NEEDS N11, §3 item 11): a soft occurrence is tolerated
-``soft_repeat_count - 1`` times within ``soft_repeat_window`` ("tolerated twice in five minutes"); the
-next one fails the signal with medium confidence. Occurrences older than the window are forgotten.
+Hysteresis for soft signals (health signals must recover, and one blip must not evict): a soft
+occurrence is tolerated ``soft_repeat_count - 1`` times within ``soft_repeat_window`` ("tolerated twice
+in five minutes"); the next one fails the signal with medium confidence. Occurrences older than the
+window are forgotten.
 A ``failed`` soft sample marked ``fatal_if_persists`` (a NIC link down) becomes fatal once it has been
 bad for ``persist_fatal_after``. A signal recovers after ``recovery_hold`` of clear samples
 (``fatal_recovery_hold`` if it was fatal: a fatal XID is an event, its absence proves less).
