@@ -99,4 +99,5 @@ proto: install
 		libs/protocol/keel/protocol/shard_store_pb2_grpc.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache; find libs services migrations -name "*.egg-info" -prune -exec rm -rf {} +
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
+	find libs services migrations \( -name "*.egg-info" -o -name build \) -prune -exec rm -rf {} +

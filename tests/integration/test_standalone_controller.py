@@ -9,6 +9,7 @@ of its package for migrations, or pulled torch in would fail here.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import subprocess
 import venv
@@ -35,17 +36,24 @@ def _fresh_venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
-def _install(python: Path, folders: list[str], log: Path) -> subprocess.CompletedProcess:
-    # One pip call with every folder: each keel-* requirement is satisfied by a folder given here, never by
-    # the index (some keel-* names on PyPI belong to unrelated projects).
+def _install(python: Path, folders: list[str], scratch: Path, log: Path) -> subprocess.CompletedProcess:
+    # From a copy of each folder (without the editable install's metadata or an earlier build), so pip's
+    # in-tree build writes nothing into this checkout. One pip call with every folder: each keel-*
+    # requirement is satisfied by a folder given here, never by the index (some keel-* names on PyPI
+    # belong to unrelated projects).
+    copies = []
+    for folder in folders:
+        copy = scratch / folder
+        shutil.copytree(ROOT / folder, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        copies.append(str(copy))
     with open(log, "w") as out:
-        return subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               *[str(ROOT / f) for f in folders]], stdout=out, stderr=subprocess.STDOUT, timeout=600)
+        return subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *copies],
+                              stdout=out, stderr=subprocess.STDOUT, timeout=600)
 
 
 async def test_the_controller_distribution_installs_alone_and_decides_without_torch(keel_env, tmp_path) -> None:
     python = await asyncio.to_thread(_fresh_venv, tmp_path / "venv")
-    installed = await asyncio.to_thread(_install, python, CONTROLLER_CLOSURE, tmp_path / "pip.log")
+    installed = await asyncio.to_thread(_install, python, CONTROLLER_CLOSURE, tmp_path / "src", tmp_path / "pip.log")
     assert installed.returncode == 0, (tmp_path / "pip.log").read_text()[-4000:]
 
     # No torch, no numpy, no other service, and no editable path back into this checkout.
