@@ -3,11 +3,10 @@
 #   namespace
 #   NATS JetStream cluster (official nats Helm chart: file storage on PVCs, var.nats_replicas servers)
 #   ConfigMap (KEEL_* settings) + Secret (KEEL_DATABASE_URL for the managed PostgreSQL)
-#   migrate Job (`keel migrate`), then the recorder and controller Deployments (one replica each)
+#   migrate Job (`keel-migrate`), then one Deployment per control-plane service (one replica each):
+#   recorder, controller, checkpoint-broker, analyzer, hot-update
 #
-# The node agent DaemonSet is deliberately absent: it arrives together with the node agent itself
-# (services/agent), which does not exist yet. Likewise the analyzer, checkpoint-broker, hot-update,
-# notifier and api services get their Deployments when they are written.
+# Not here yet: the node agent DaemonSet, and the notifier and api services (not written yet).
 
 locals {
   common_labels = merge(
@@ -36,9 +35,9 @@ locals {
   )
 
   # The long-running services. Each is ONE replica with the Recreate strategy, never two at once:
-  # the recorder reads its durable JetStream consumer with AckAll (acknowledging a batch acknowledges
-  # everything before it), so a second instance on the same consumer would ack the other's messages;
-  # the controller is one logical instance per cluster by design.
+  # the recorder owns one durable JetStream consumer and records batches in commit order (a second
+  # instance would interleave them); the controller hosts the one job clock and is one logical
+  # instance per cluster by design, as is every decider (two would decide everything twice).
   services = {
     recorder = {
       command   = ["keel-recorder"]
@@ -359,11 +358,37 @@ resource "kubernetes_deployment_v1" "service" {
             name       = "tmp"
             mount_path = "/tmp"
           }
+
+          # The checkpoint broker writes the persistent tier's manifests beside the shards the nodes
+          # write: the same shared filesystem, mounted at the persist root.
+          dynamic "volume_mount" {
+            for_each = each.key == "checkpoint-broker" && var.checkpoint_volume_claim != null ? [1] : []
+            content {
+              name       = "checkpoints"
+              mount_path = "/var/lib/keel/checkpoints"
+            }
+          }
+          dynamic "env" {
+            for_each = each.key == "checkpoint-broker" && var.checkpoint_volume_claim != null ? [1] : []
+            content {
+              name  = "KEEL_CHECKPOINT__PERSIST_ROOT"
+              value = "/var/lib/keel/checkpoints"
+            }
+          }
         }
 
         volume {
           name = "tmp"
           empty_dir {}
+        }
+        dynamic "volume" {
+          for_each = each.key == "checkpoint-broker" && var.checkpoint_volume_claim != null ? [1] : []
+          content {
+            name = "checkpoints"
+            persistent_volume_claim {
+              claim_name = var.checkpoint_volume_claim
+            }
+          }
         }
       }
     }

@@ -187,3 +187,9 @@ variable "controller_resources" {
     limits   = { memory = "1Gi" }
   }
 }
+
+variable "checkpoint_volume_claim" {
+  description = "A ReadWriteMany PersistentVolumeClaim holding the persistent checkpoint tier (the shared filesystem the training nodes persist shards to). The checkpoint broker mounts it at /var/lib/keel/checkpoints to write the manifests; null leaves it unmounted and no step is committed on the disk tier."
+  type        = string
+  default     = null
+}

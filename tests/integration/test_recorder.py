@@ -212,3 +212,30 @@ async def test_old_versions_are_stored_as_sent_and_upcast_on_read(keel_env) -> N
     [first, second] = [r.event async for r in keel_env.store.read()]  # one chunk, both versions
     assert first.schema_version == 2 and first.payload.status == "failed" and first.payload.confidence == "medium"
     assert second == current
+
+
+async def test_a_decider_does_not_act_on_what_the_recorder_dead_letters(keel_env) -> None:
+    """The controller consumes through the same loop as every service: an event on the wrong subject (here
+    a fatal GPU fault that would evict n2) is terminated there, not decided on, so the log - which
+    dead-letters it - and the decisions agree. The same event on its own subject is decided on."""
+    from keel.controller.decider import ControllerDecider
+    from keel.infra.runner import DeciderRunner
+    from tests.integration.test_replay_cli import registrations
+
+    runner = DeciderRunner(ControllerDecider(), keel_env.bus, keel_env.store, fetch_timeout_s=0.1)
+    await runner.start()
+    await keel_env.bus.publish_many(registrations())
+    fault = health_event("n2", status="failed", fatal=True, confidence="high", component="gpu", detail="XID 79")
+    prefix = keel_env.settings.bus.subject_prefix
+    await keel_env.bus.publish_raw(f"{prefix}.job1.node.n3.NodeHealthChanged", fault.to_json(), msg_id=f"{fault.id}-wrong")
+    for _ in range(100):
+        if runner.stats.handled + runner.stats.malformed >= 21:
+            break
+        await runner.run_once()
+    assert runner.stats.malformed == 1 and runner.stats.emitted == 0
+    await keel_env.bus.publish(fault)
+    for _ in range(100):
+        if runner.stats.emitted:
+            break
+        await runner.run_once()
+    assert runner.stats.emitted >= 1  # the eviction of n2 (and what goes with it)

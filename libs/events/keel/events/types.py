@@ -82,13 +82,16 @@ class TimerTicked(EventPayload):
 
 CLOCK_PRODUCER = "clock"
 """The producer of the one ``TimerTicked`` clock per job (``keel.infra.clock.JobClock``)."""
-LEGACY_CLOCK_PRODUCERS = frozenset({"controller-clock"})
-"""Producers that were the job clock in logs recorded before it had a name of its own (still time)."""
+LEGACY_CLOCK_PRODUCERS = frozenset({"controller-clock", "checkpoint-broker-clock"})
+"""The two clocks of logs recorded before there was one job clock (the controller's, and the checkpoint
+broker's while a restore plan waited): every decider took both as time then, so a replay of such a log
+must too."""
 
 
 def is_foreign_tick(event: Event) -> bool:
-    """A ``TimerTicked`` that did not come from the job clock: not time for any decider (a second clock, or
-    a client publishing ticks, must not be able to move a decider's time)."""
+    """A ``TimerTicked`` that did not come from the job clock: not time for any decider, so a second
+    clock (a service ticking on its own, a test harness) cannot move deadlines. The producer is what the
+    publisher wrote: keeping a client that forges it off the bus is the bus's authentication's job."""
     return event.type == TimerTicked.event_name and event.producer != CLOCK_PRODUCER \
         and event.producer not in LEGACY_CLOCK_PRODUCERS
 

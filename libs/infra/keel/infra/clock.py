@@ -27,8 +27,7 @@ def tick_event(job_id: str, now: datetime) -> Event:
 
 
 class JobClock:
-    """Publishes a tick for each job ``jobs()`` names, at most once per ``interval``. ``due(now)`` says
-    whether an interval has passed since the last round; ``tick()`` runs one round."""
+    """Publishes a tick for each job ``jobs()`` names; the host calls ``tick()`` once per ``interval``."""
 
     def __init__(self, bus: Bus, jobs: Callable[[], Iterable[str]], interval: timedelta, *,
                  clock: Callable[[], datetime] = now_utc) -> None:
@@ -37,14 +36,9 @@ class JobClock:
         self.interval = interval
         self.clock = clock
         self.ticks = 0
-        self._last_round: datetime | None = None
-
-    def due(self, now: datetime) -> bool:
-        return self._last_round is None or now - self._last_round >= self.interval
 
     async def tick(self) -> list[Event]:
         now = self.clock()
-        self._last_round = now
         ticks = [tick_event(job_id, now) for job_id in self.jobs()]
         if ticks:
             await self.bus.publish_many(ticks)

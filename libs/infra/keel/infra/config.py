@@ -139,7 +139,11 @@ class ControllerSettings(_Section):
     node_silence_timeout: Duration = parse_duration("30s")
     """A node of a running job whose heartbeats stopped this long ago is lost (rung 1)."""
     clock_interval: Duration = parse_duration("1s")
-    """How often the controller records a ``TimerTicked`` for a running job (its time-based rules)."""
+    """How often the job clock (hosted by the controller) records a ``TimerTicked`` for each live job."""
+    clock_linger: Duration = parse_duration("10m")
+    """How long the job clock keeps ticking a job after its last input (any event but a tick), even when
+    the controller itself needs no time for it: another decider may still wait on a deadline (the
+    checkpoint broker's restore plan after a human restarts a stopped job)."""
     eviction_window: Duration = parse_duration("1h")
     """The eviction circuit breaker's sliding window (past its limits: stop and page)."""
     max_evictions: int = Field(8, ge=1)
@@ -180,7 +184,7 @@ class CheckpointSettings(_Section):
     restore_plan_timeout: Duration = parse_duration("10s")
     """How long the broker waits for every node's inventory before planning with what arrived."""
     report_interval: Duration = parse_duration("1s")
-    """How often agents report stored shards; also the broker's clock tick while a restore plan waits."""
+    """How often agents report stored shards (and how often the broker looks again for a shard file it cannot see yet)."""
     backup_max_duty: float = Field(0.1, gt=0, le=1)
     """The share of wall time one rank's backup transfer may take: the broker sets the backup interval
     (the same on every node, a power of two) to the smallest one that keeps the slowest transfer

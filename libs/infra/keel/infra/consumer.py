@@ -5,8 +5,10 @@ the actuator and the node agent hand it a handler per event; the recorder, which
 one transaction, takes the raw batches from ``fetch``.
 
 The contract, the same for every consumer:
-- A message that is not a valid event (``decode_event`` refuses it) is logged and terminated: never
-  redelivered, never handed to the handler. The recorder dead-letters it with the reason.
+- A message that is not a valid event (``decode_event`` refuses it), or that was published on another
+  subject than the one its envelope belongs on, is logged and terminated: never redelivered, never
+  handed to the handler. The recorder dead-letters it with the same reason, so what a consumer acts on
+  is exactly what the log keeps (an event from a component still on an older subject scheme included).
 - A message is acknowledged only after its handler returns. A handler that raises leaves the message
   unacknowledged and the exception propagates (crash-only: the process restarts and sees it again).
 """
@@ -79,6 +81,13 @@ class EventConsumer:
                 event = decode_event(msg.data, max_bytes=self.bus.settings.max_event_bytes)
             except InvalidEvent as exc:
                 log.warning("%s: ignoring malformed message on %s: %s", self.durable, msg.subject, exc.reason)
+                self.stats.malformed += 1
+                await msg.term()
+                continue
+            expected = self.bus.subject_for(event)
+            if msg.subject != expected:
+                log.warning("%s: ignoring %s %s published on %s: its envelope belongs on %s", self.durable,
+                            event.type, event.id, msg.subject, expected)
                 self.stats.malformed += 1
                 await msg.term()
                 continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -54,6 +55,7 @@ class DeciderRunner(Generic[S]):
         job_id: str | None = None,
         batch_size: int = 256,
         fetch_timeout_s: float = 0.5,
+        on_input: Callable[[Event], None] | None = None,
     ) -> None:
         self.session: DeciderSession[S] = DeciderSession(decider)
         self.bus = bus
@@ -65,6 +67,7 @@ class DeciderRunner(Generic[S]):
         self._decided_causes: set[uuid.UUID] = set()
         self.batch_size = batch_size
         self.fetch_timeout_s = fetch_timeout_s
+        self.on_input = on_input  # sees every live input before it is decided on (the clock host's hook)
         self._events: EventConsumer | None = None
 
     async def start(self) -> None:
@@ -94,6 +97,8 @@ class DeciderRunner(Generic[S]):
         return count
 
     async def _handle(self, event: Event, seq: int) -> None:
+        if self.on_input is not None:
+            self.on_input(event)
         if seq <= self._folded_js_seq and (
             event.producer == self.session.decider.name or event.id in self._decided_causes
         ):

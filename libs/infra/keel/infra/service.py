@@ -98,10 +98,17 @@ READY_FILE_ENV = "KEEL_SERVICE_READY_FILE"
 
 def run_service(serve: ServeFn, settings: Settings, nats_url: str, database_url: str) -> None:
     """Run ``serve`` in the foreground until SIGTERM or SIGINT; write ``$KEEL_SERVICE_READY_FILE`` (this
-    process's pid) once it consumes live, so a supervisor (``keel up``) knows it is ready."""
+    process's pid) once it consumes live, so a supervisor (``keel up``) knows it is ready.
+
+    A signal after start-up stops the service gracefully (the batch in hand is finished and acknowledged).
+    A signal during start-up (still connecting to a server that does not answer, migrating, rebuilding
+    state) cancels it: nothing has been consumed yet, so nothing is lost, and the process exits at once
+    instead of waiting for a server that may never come."""
     ready_file = os.environ.get(READY_FILE_ENV)
+    ready = asyncio.Event()
 
     def on_ready() -> None:
+        ready.set()
         if ready_file:
             Path(ready_file).write_text(f"{os.getpid()}\n")
 
@@ -110,15 +117,26 @@ def run_service(serve: ServeFn, settings: Settings, nats_url: str, database_url:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(settings, nats_url, database_url, stop, on_ready)
+        service = asyncio.create_task(serve(settings, nats_url, database_url, stop, on_ready))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({service, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not service.done() and not ready.is_set():
+            log.info("stopped while starting: giving up the start-up")
+            service.cancel()
+        stopped.cancel()
+        try:
+            await service
+        except asyncio.CancelledError:
+            pass
 
     asyncio.run(runner())
 
 
-def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None) -> int:
+def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None, *, needs_database: bool = True) -> int:
     """The console script of one service distribution (``keel-controller`` and the like): settings from
     ``--config``/``KEEL_CONFIG`` and ``KEEL_*``, the servers from ``KEEL_NATS_URL``/``KEEL_DATABASE_URL``
-    (or a running ``keel up``), then ``run_service``. Exit status 2 on a configuration error."""
+    (or a running ``keel up``), then ``run_service``. Exit status 2 on a configuration error.
+    ``needs_database=False``: a service that reads no log (the actuator) needs only ``KEEL_NATS_URL``."""
     parser = argparse.ArgumentParser(prog=f"keel-{name}", description=f"Run Keel's {name} service until SIGTERM.")
     parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -127,7 +145,10 @@ def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None) -
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load_settings(Path(args.config) if args.config else None)
-        nats_url, database_url = resolve_endpoints(settings)
+        if not needs_database and settings.nats_url:
+            nats_url, database_url = settings.nats_url, ""
+        else:
+            nats_url, database_url = resolve_endpoints(settings)
     except ConfigError as exc:
         print(f"keel-{name}: {exc}", file=sys.stderr)
         return 2

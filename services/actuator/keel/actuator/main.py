@@ -25,7 +25,8 @@ async def serve(settings: Settings, nats_url: str, cluster_dir: Path, stop: asyn
 
 def main() -> int:
     """``keel-actuator``: the local actuator over the cluster in ``$KEEL_CLUSTER_DIR`` (default
-    ``<home>/cluster``)."""
+    ``<home>/cluster``). It starts standby agents with ``keel run``, so the ``keel`` command (keel-cli)
+    must be installed beside it: the local actuator runs on the machine of a full install."""
     import os
 
     from keel.cluster.local import cluster_dir
@@ -34,7 +35,7 @@ def main() -> int:
                     on_ready: Callable[[], None]) -> Coroutine[Any, Any, None]:
         return serve(settings, nats_url, cluster_dir(settings, os.environ.get("KEEL_CLUSTER_DIR")), stop, on_ready)
 
-    return service_main("actuator", serve_local)
+    return service_main("actuator", serve_local, needs_database=False)
 
 
 if __name__ == "__main__":

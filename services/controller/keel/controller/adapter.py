@@ -17,6 +17,7 @@ from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
 from keel.controller.state import ControllerState
 from keel.events.envelope import Event, now_utc
+from keel.events.types import TimerTicked
 from keel.infra.bus import Bus
 from keel.infra.clock import JobClock
 from keel.infra.config import Settings
@@ -45,12 +46,13 @@ class Controller:
     def __init__(self, bus: Bus, store: EventStore | None, settings: Settings, *,
                  clock: Callable[[], datetime] = now_utc, fetch_timeout_s: float = 0.2) -> None:
         self.decider = decider_from_settings(settings)
-        self.runner = DeciderRunner(self.decider, bus, store, fetch_timeout_s=fetch_timeout_s)
+        self.runner = DeciderRunner(self.decider, bus, store, fetch_timeout_s=fetch_timeout_s,
+                                    on_input=self._note_input)
         self.bus = bus
         self.clock = clock
-        self.tick_interval_s = settings.controller.clock_interval.total_seconds()
-        self.job_clock = JobClock(bus, lambda: self.decider.needs_clock(self.state),
-                                  settings.controller.clock_interval, clock=clock)
+        self.clock_linger = settings.controller.clock_linger
+        self._last_input: dict[str, datetime] = {}  # job -> when its latest input other than a tick came
+        self.job_clock = JobClock(bus, self.jobs_to_tick, settings.controller.clock_interval, clock=clock)
 
     @property
     def ticks(self) -> int:
@@ -63,6 +65,18 @@ class Controller:
     async def start(self) -> None:
         await self.runner.start()
 
+    def _note_input(self, event: Event) -> None:
+        if event.type != TimerTicked.event_name:
+            self._last_input[event.job_id] = self.clock()
+
+    def jobs_to_tick(self) -> list[str]:
+        """The jobs the controller's rules need time for, and every job with an input in the last
+        ``controller.clock_linger`` (another decider may wait on a deadline the controller does not see)."""
+        now = self.clock()
+        lingering = {job for job, at in self._last_input.items() if now - at <= self.clock_linger}
+        self._last_input = {job: at for job, at in self._last_input.items() if job in lingering}
+        return sorted(set(self.decider.needs_clock(self.state)) | lingering)
+
     async def tick_clock(self) -> list[Event]:
         """One round of the job clock (every live job gets a tick)."""
         return await self.job_clock.tick()
@@ -73,5 +87,5 @@ class Controller:
         while not stop.is_set():
             await self.runner.run_once()
             if loop.time() >= next_tick:
-                next_tick = loop.time() + self.tick_interval_s
+                next_tick = loop.time() + self.job_clock.interval.total_seconds()
                 await self.tick_clock()
