@@ -1,8 +1,13 @@
-"""The one service host: the shared start-up of every service (``keel service NAME`` or ``keel-NAME``).
+"""The one service host: how every service is started, run and stopped (``keel service NAME`` or the
+service's own console script ``keel-NAME``).
 
-Every decider service is run the same way: bring the schema up to date, connect to NATS, open the
-event store, rebuild the decider's state from the log (``start``), say so, then consume live until
-``stop`` (``run``); the bus and the engine are closed whatever happens.
+- ``serve_service``: the start-up every service shares: bring the event store's schema up to date and
+  open it (services that read the log), connect to NATS, build the service, ``start()`` it (rebuild its
+  state from the log, bind its consumer on ``keel.infra.consumer``), say it is ready, ``run(stop)``.
+- ``run_service``: signals (graceful once ready, at once while starting) and the ready file ``keel up``
+  waits for.
+- ``service_main``: the console script: settings, the servers' URLs, exit status 2 on a configuration error.
+- ``RunnerService``: a decider service with no I/O of its own (the analyzer, hot-update).
 """
 
 from __future__ import annotations
