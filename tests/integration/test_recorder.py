@@ -239,3 +239,47 @@ async def test_a_decider_does_not_act_on_what_the_recorder_dead_letters(keel_env
             break
         await runner.run_once()
     assert runner.stats.emitted >= 1  # the eviction of n2 (and what goes with it)
+
+
+def poison_messages() -> list[tuple[str, bytes]]:
+    """Messages that once stopped the event log for good (issue: poison messages), each with the word
+    its dead-letter reason must carry."""
+    good = json.loads(health_event("n1").to_json())
+    nul = {**good, "id": str(uuid.uuid4()), "payload": {**good["payload"], "detail": "rank stderr \x00 kept"}}
+    nan = json.dumps({**good, "id": str(uuid.uuid4())}).replace('"evidence": {}', '"evidence": {"x": NaN}')
+    deep = '{"a":' * 40_000 + "1" + "}" * 40_000
+    future = {**good, "id": str(uuid.uuid4()), "occurred_at": "9999-12-31T23:59:59+00:00"}
+    old = {**good, "id": str(uuid.uuid4()), "schema_version": 1, "payload": {"detail": "v1 without its node"}}
+    return [("NUL", json.dumps(nul).encode()), ("non-finite", nan.encode()), ("nested deeper", deep.encode()),
+            ("outside", json.dumps(future).encode()), ("cannot be upcast", json.dumps(old).encode())]
+
+
+async def test_poison_messages_are_dead_lettered_and_nothing_stops(keel_env) -> None:
+    from keel.controller.decider import ControllerDecider
+    from keel.infra.runner import DeciderRunner
+
+    prefix = keel_env.settings.bus.subject_prefix
+    poisons = poison_messages()
+    assert "NaN" in poisons[1][1].decode()
+    acks = [await keel_env.bus.publish_raw(f"{prefix}.job1.node.n1.NodeHealthChanged", raw, msg_id=f"poison-{i}")
+            for i, (_, raw) in enumerate(poisons)]
+    after = health_event("n1", detail="the log goes on")
+    await keel_env.bus.publish(after)
+    recorder = await keel_env.start_recorder()
+    runner = DeciderRunner(ControllerDecider(), keel_env.bus, keel_env.store, consumer="poison-controller",
+                           fetch_timeout_s=0.1)
+    await runner.start()
+    for _ in range(100):
+        if runner.stats.handled + runner.stats.malformed >= len(poisons) + 1:
+            break
+        await runner.run_once()
+    assert (runner.stats.malformed, runner.stats.handled) == (len(poisons), 1)
+    assert await keel_env.wait_for_count(1) == 1
+    while recorder.stats.dead_lettered < len(poisons):
+        await asyncio.sleep(0.05)
+    rows = await keel_env.store.dead_letters()
+    assert [row["js_seq"] for row in rows] == [ack.stream_seq for ack in acks]
+    for (word, _), row in zip(poisons, rows):
+        assert word in row["reason"], (word, row["reason"])
+    [recorded] = [r.event async for r in keel_env.store.read()]
+    assert recorded.id == after.id

@@ -60,9 +60,21 @@ class EventPayload(BaseModel):
     envelope_class: ClassVar[type[Event] | None] = None
 
 
+EARLIEST_TIME = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST_TIME = datetime(2200, 1, 1, tzinfo=UTC)
+"""Every timestamp in an event lies in [EARLIEST_TIME, LATEST_TIME): a decider adds durations to them
+(a command's expiry, a deadline), which must never overflow ``datetime``."""
+
+
+def _sane_time(value: datetime) -> datetime:
+    if not EARLIEST_TIME <= value < LATEST_TIME:
+        raise ValueError(f"timestamp {value.isoformat()} is outside {EARLIEST_TIME.year}-{LATEST_TIME.year - 1}")
+    return value
+
+
 def _to_utc(value: datetime) -> datetime:
     # Most timestamps already are UTC; converting those anyway costs more than validating the rest.
-    return value if value.utcoffset() == _ZERO else value.astimezone(UTC)
+    return _sane_time(value if value.utcoffset() == _ZERO else value.astimezone(UTC))
 
 
 _ZERO = timedelta(0)
@@ -71,6 +83,8 @@ _ZERO = timedelta(0)
 JobId = Annotated[str, StringConstraints(pattern=JOB_ID_RE.pattern)]
 Subject = Annotated[str, StringConstraints(pattern=SUBJECT_RE.pattern)]
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(_to_utc)]
+EventTime = Annotated[AwareDatetime, AfterValidator(_sane_time)]
+"""A timestamp in a payload: timezone-aware and within the sane range."""
 
 
 class Event(BaseModel):
@@ -237,7 +251,12 @@ class EventRegistry:
         if version < 1:
             raise InvalidEvent(f"{name} schema_version must be >= 1, got {version}")
         for step in range(version, entry.current_version):
-            payload = entry.upcasters[step](payload)
+            try:
+                payload = entry.upcasters[step](payload)
+            except InvalidEvent:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a payload an upcaster cannot take is invalid input
+                raise InvalidEvent(f"{name} v{step} cannot be upcast to v{step + 1}: {type(exc).__name__}: {exc}") from None
         return payload
 
     def _entry(self, name: str) -> _TypeEntry:
@@ -312,17 +331,64 @@ def decode_wire(
     """
     if len(raw) > max_bytes:
         raise InvalidEvent(f"message of {len(raw)} bytes exceeds the {max_bytes}-byte event limit")
+    if _suspect(raw):
+        _strict_json(raw)  # a NUL, a non-finite number or deep nesting: refused here with its reason
     try:
         # Fast path, nearly every message: a known type at its current version, parsed and validated
         # in one pass in pydantic's core. The event then *is* what was sent.
         return None, registry.current_version_adapter().validate_json(raw)
     except ValidationError:
         pass  # an old version to upcast, or invalid: the slow path says which, with a reason
-    try:
-        envelope = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidEvent(f"not valid JSON: {exc}") from None
+    envelope = _strict_json(raw)
     return envelope, registry.parse_envelope(envelope)
+
+
+MAX_JSON_DEPTH = 64
+"""Nesting deeper than this is refused (the deepest event type nests about 6 levels; free-form fields such
+as ``evidence`` or ``params`` could otherwise nest as deep as a parser goes)."""
+
+def _suspect(raw: bytes) -> bool:
+    """Cheap byte tests that let nearly every message skip the strict parse on the fast path: JSON escapes
+    a NUL as \\u0000, and a non-finite number is a bare NaN / Infinity token (the word inside a string
+    only costs the strict parse); a message with more openers than ``MAX_JSON_DEPTH`` may nest deeper (a
+    long list of objects costs the strict parse too)."""
+    return (b"\\u0000" in raw or b"NaN" in raw or b"Infinity" in raw
+            or raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH)
+
+
+def _refuse_constant(token: str) -> Any:
+    raise InvalidEvent(f"non-finite number {token} (JSON has none, PostgreSQL jsonb refuses it)")
+
+
+def _strict_json(raw: bytes) -> Any:
+    """Parse ``raw`` as strict JSON: no NaN/Infinity, no NUL in any string or key, nesting at most
+    ``MAX_JSON_DEPTH``. Raises ``InvalidEvent`` only (never ``RecursionError`` or a decode error)."""
+    depth = 0
+    for byte in raw:  # before json.loads, which would recurse as deep as the input goes
+        if byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidEvent(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant)
+    except InvalidEvent:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise InvalidEvent(f"not valid JSON: {exc}") from None
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                raise InvalidEvent("a string holds a NUL character (PostgreSQL jsonb refuses it)")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
 
 
 def decode_event(raw: bytes, *, max_bytes: int, registry: EventRegistry = REGISTRY) -> Event:

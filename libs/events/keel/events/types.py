@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AwareDatetime, Field
+from pydantic import Field
 
-from keel.events.envelope import Event, EventPayload, event_type, upcaster
+from keel.events.envelope import Event, EventPayload, EventTime, event_type, upcaster
 
 Confidence = Literal["low", "medium", "high"]
 HealthStatus = Literal["healthy", "degraded", "failed"]
@@ -77,7 +77,7 @@ class TimerTicked(EventPayload):
     """Time as an input: the job clock's tick, recorded so a replay sees the time the live run saw. Only
     ticks produced by the one job clock (``CLOCK_PRODUCER``) are time; deciders ignore any other."""
 
-    now: AwareDatetime
+    now: EventTime
 
 
 CLOCK_PRODUCER = "clock"
@@ -105,7 +105,7 @@ class NodeEvictionDecided(EventPayload):
     reason: str
     evidence: list[str] = Field(default_factory=list)
     """Ids of the events that caused the decision."""
-    expires_at: AwareDatetime
+    expires_at: EventTime
     observe_only: bool = False
 
 
@@ -206,7 +206,7 @@ class RanksRestartRequested(EventPayload):
     node_id: str
     generation: int = Field(ge=1)
     reason: str
-    expires_at: AwareDatetime
+    expires_at: EventTime
     code: CodeRef | None = None
 
 
@@ -485,7 +485,7 @@ class DiagnosticsRequested(EventPayload):
     checks: list[DiagnosticCheck] = Field(min_length=1)
     timeout_s: float = Field(gt=0)
     """Each node reports within this; a node that does not is named by the controller's timeout."""
-    expires_at: AwareDatetime
+    expires_at: EventTime
     reason: str
 
 
@@ -534,7 +534,7 @@ class StandbyPromotionRequested(EventPayload):
     ranks: list[int] = Field(min_length=1)
     generation: int = Field(ge=1)
     reason: str
-    expires_at: AwareDatetime
+    expires_at: EventTime
     code: CodeRef | None = None
     """v2: the code version the promoted ranks run (None: the standby's launch command)."""
 
@@ -575,7 +575,7 @@ class StandbyRefillRequested(EventPayload):
     count: int = Field(ge=1)
     target: int = Field(ge=0)
     reason: str
-    expires_at: AwareDatetime
+    expires_at: EventTime
 
 
 @event_type("RollbackDecided", version=1, aggregate="job")
@@ -590,7 +590,7 @@ class RollbackDecided(EventPayload):
     to_version: str = ""
     """The last stable code version ("" when none is known yet)."""
     evidence: list[str] = Field(default_factory=list)
-    expires_at: AwareDatetime
+    expires_at: EventTime
 
 
 @event_type("JobStopDecided", version=1, aggregate="job")
@@ -659,7 +659,7 @@ class ApprovalRequested(EventPayload):
     incident_id: str
     action: Literal["evict", "restart", "diagnose", "promote", "rollback", "stop"]
     reason: str
-    expires_at: AwareDatetime
+    expires_at: EventTime
 
 
 @event_type("ApprovalGiven", version=1, aggregate="job")
@@ -698,7 +698,7 @@ class StacksRequested(EventPayload):
     """Also native frames (py-spy ``--native``: slower, pauses the process)."""
     timeout_s: float = Field(gt=0)
     """Nodes answer within this; the analyzer judges without those that do not (missing evidence)."""
-    expires_at: AwareDatetime
+    expires_at: EventTime
     reason: str
 
 
@@ -857,7 +857,7 @@ class SdcReplayRequested(EventPayload):
     reference: str = ""
     """The result an earlier round of the same localisation settled on ("": this round's majority)."""
     timeout_s: float = Field(gt=0)
-    expires_at: AwareDatetime
+    expires_at: EventTime
     reason: str
 
 
@@ -940,7 +940,7 @@ class CodeVersionRegistered(EventPayload):
     entry: list[str] = Field(min_length=1)
     """The program inside the version: ``["train.py"]`` or ``["-m", "pkg.mod"]``."""
     mode: RolloutMode
-    deadline: AwareDatetime | None = None
+    deadline: EventTime | None = None
     """A lazy version is applied by this time even if nothing restarts the job."""
     by: str
     why: str = ""

@@ -55,6 +55,12 @@ from keel.rules.metrics import MetricSettings
 
 log = logging.getLogger(__name__)
 
+
+def printable(text: str) -> str:
+    """A rank's output as an event may carry it: NUL (which stderr can hold, and which PostgreSQL's jsonb
+    and Keel's decoder refuse) becomes U+FFFD, so the exit is still recorded."""
+    return text.replace("\x00", "\ufffd")
+
 PRODUCER = "agent"
 
 STEPPING_PHASES = frozenset({"step", "checkpoint", "eval", "done"})
@@ -223,7 +229,7 @@ class NodeAgent:
         self.emit(
             RankExited(node_id=self.spec.node_id, rank=exit_.rank, pid=exit_.pid, generation=exit_.generation,
                        exit_code=exit_.exit_code, signal=exit_.signal, classification=classification,
-                       error_type=error_type, stderr_tail=tail[-4000:], reason=reason),
+                       error_type=error_type, stderr_tail=printable(tail[-4000:]), reason=printable(reason)),
             subject=f"rank/{exit_.rank}",
         )
         log.info("%s: rank %d exited (%s, code %s, signal %s): %s", self.spec.node_id, exit_.rank, classification,
