@@ -638,6 +638,19 @@ def _restart_decided_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "code_version": "", "code_changed": False}
 
 
+@event_type("DecisionRefused", version=1, aggregate="job")
+class DecisionRefused(EventPayload):
+    """A decider could not turn an input into a decision (its rules raised: an input about something it
+    does not know, arithmetic that overflowed). Recorded instead of a decision, with the error, so the
+    service goes on and a replay reproduces it; the input itself stays in the log."""
+
+    decider: str
+    cause_type: str
+    cause_id: str
+    stage: Literal["evolve", "decide"]
+    error: str = Field(max_length=2000)
+
+
 @event_type("ActionHeld", version=1, aggregate="job")
 class ActionHeld(EventPayload):
     """A guardrail held back the recovery the ladder chose (observe mode, a tripped breaker, an approval

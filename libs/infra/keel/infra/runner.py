@@ -25,7 +25,14 @@ from keel.infra.bus import Bus
 from keel.infra.consumer import EventConsumer
 from keel.infra.store import EventStore
 from keel.infra.subjects import job_subjects
-from keel.kernel.decider import Decider, DeciderSession, StepResult, materialise
+from keel.kernel.decider import (
+    Decider,
+    DeciderSession,
+    StepResult,
+    decide_or_refuse,
+    evolve_or_keep,
+    materialise,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +126,8 @@ class DeciderRunner(Generic[S]):
         decider = self.session.decider
         if event.producer == decider.name or not decider.interested_in(event) or is_foreign_tick(event):
             return None
-        decision = decider.decide(self.session.state, event)
+        decision = decide_or_refuse(decider, self.session.state, event)
         emitted = materialise(decider.name, event, decision)
         for produced in emitted:
-            self.session.state = decider.evolve(self.session.state, produced)
+            self.session.state, _ = evolve_or_keep(decider, self.session.state, produced)
         return StepResult(decision, emitted)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from keel.events.envelope import Event, EventPayload
-from keel.events.types import is_foreign_tick
+from keel.events.types import DecisionRefused, is_foreign_tick
 
 S = TypeVar("S")
 
@@ -64,6 +64,34 @@ class Decider(Protocol[S]):
     def interested_in(self, event: Event) -> bool:
         """Whether ``decide`` has anything to say about this event type (others are only evolved)."""
         ...
+
+
+def refusal(decider: str, cause: Event, stage: str, error: BaseException) -> Decision:
+    """The decision recorded when ``decider`` raised on ``cause``: a ``DecisionRefused`` with the error."""
+    text = f"{type(error).__name__}: {error}"[:2000]
+    return Decision(
+        reason=f"refused: {decider} could not {stage} {cause.type} {cause.id}: {text}",
+        proposals=(Proposal(DecisionRefused(decider=decider, cause_type=cause.type, cause_id=str(cause.id),
+                                            stage=stage, error=text),
+                            subject=f"job/{cause.job_id}"),),
+    )
+
+
+def evolve_or_keep(decider: Decider[S], state: S, event: Event) -> tuple[S, BaseException | None]:
+    """``decider.evolve``; when it raises, the state as it was and the error (an input the fold cannot
+    take changes nothing, and never stops the service)."""
+    try:
+        return decider.evolve(state, event), None
+    except Exception as exc:  # noqa: BLE001 - any bug or bad input in a fold is contained here
+        return state, exc
+
+
+def decide_or_refuse(decider: Decider[S], state: S, event: Event) -> Decision:
+    """``decider.decide``; when it raises, the refusal to record instead (never an exception)."""
+    try:
+        return decider.decide(state, event)
+    except Exception as exc:  # noqa: BLE001 - a decider that cannot decide records why and goes on
+        return refusal(decider.name, event, "decide", exc)
 
 
 def decision_id(causation_id: uuid.UUID, decider: str, event_type: str, key: str) -> uuid.UUID:
@@ -114,7 +142,7 @@ class DeciderSession(Generic[S]):
         """Cold start: evolve over history without deciding anything."""
         for event in events:
             if not is_foreign_tick(event):
-                self.state = self.decider.evolve(self.state, event)
+                self.state, _ = evolve_or_keep(self.decider, self.state, event)
 
     def observe(self, event: Event) -> StepResult[S]:
         if is_foreign_tick(event):
@@ -122,13 +150,18 @@ class DeciderSession(Generic[S]):
         if event.id in self._awaiting_echo:
             self._awaiting_echo.discard(event.id)
             return StepResult(None)
-        self.state = self.decider.evolve(self.state, event)
-        if event.producer == self.decider.name or not self.decider.interested_in(event):
+        self.state, error = evolve_or_keep(self.decider, self.state, event)
+        if event.producer == self.decider.name:
             return StepResult(None)
-        decision = self.decider.decide(self.state, event)
+        if error is not None:
+            decision = refusal(self.decider.name, event, "evolve", error)
+        elif not self.decider.interested_in(event):
+            return StepResult(None)
+        else:
+            decision = decide_or_refuse(self.decider, self.state, event)
         emitted = materialise(self.decider.name, event, decision)
         for produced in emitted:
-            self.state = self.decider.evolve(self.state, produced)
+            self.state, _ = evolve_or_keep(self.decider, self.state, produced)
             self._awaiting_echo.add(produced.id)
         return StepResult(decision, emitted)
 
