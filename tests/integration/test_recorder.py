@@ -283,3 +283,28 @@ async def test_poison_messages_are_dead_lettered_and_nothing_stops(keel_env) -> 
         assert word in row["reason"], (word, row["reason"])
     [recorded] = [r.event async for r in keel_env.store.read()]
     assert recorded.id == after.id
+
+
+async def test_a_message_just_under_the_payload_limit_is_dead_lettered_without_stopping_the_recorder(keel_env) -> None:
+    """The dead letter's headers would push it past NATS's 1 MiB limit: its copy is cut to fit and says
+    so, the dead_letters table keeps it whole, and the recorder goes on."""
+    from keel.infra.bus import HEADER_DLQ_TRUNCATED, NATS_MAX_PAYLOAD_BYTES
+
+    event = health_event("n1")
+    subject = keel_env.bus.subject_for(event)
+    raw = b"x" * (NATS_MAX_PAYLOAD_BYTES - 200)  # fits alone; with the reason headers it would not
+    ack = await keel_env.bus.publish_raw(subject, raw, msg_id="near-the-limit")
+    after = health_event("n2")
+    await keel_env.bus.publish(after)
+    recorder = await keel_env.start_recorder()
+    assert await keel_env.wait_for_count(1) == 1
+    while recorder.stats.dead_lettered < 1:
+        await asyncio.sleep(0.05)
+    [row] = await keel_env.store.dead_letters()
+    assert row["js_seq"] == ack.stream_seq and bytes(row["raw"]) == raw and "event limit" in row["reason"]
+    dlq = await keel_env.bus.js.pull_subscribe(f"{keel_env.bus.dlq_prefix}.>", durable="near-limit",
+                                               stream=keel_env.settings.bus.dlq_stream)
+    [copy] = await fetch_batch(dlq, 10, 2.0)
+    assert copy.headers[HEADER_DLQ_TRUNCATED] == str(len(raw)) and raw.startswith(copy.data) and len(copy.data) < len(raw)
+    [recorded] = [r.event async for r in keel_env.store.read()]
+    assert recorded.id == after.id

@@ -46,6 +46,11 @@ NATS_MAX_PAYLOAD_BYTES = 1024 * 1024
 HEADER_DLQ_REASON = "Keel-Dlq-Reason"
 HEADER_DLQ_SUBJECT = "Keel-Dlq-Original-Subject"
 HEADER_DLQ_STREAM_SEQ = "Keel-Dlq-Stream-Seq"
+HEADER_DLQ_TRUNCATED = "Keel-Dlq-Truncated-From"
+"""On a dead letter whose copy had to be cut to fit NATS's payload limit: the original size in bytes (the
+``dead_letters`` table keeps the whole message)."""
+DLQ_HEADER_ROOM_BYTES = 4096
+"""Room kept for the dead letter's headers (reason, subject, sequence, message id) under the limit."""
 
 _TRANSIENT = (
     asyncio.TimeoutError,
@@ -295,10 +300,19 @@ class Bus:
         tail = msg.subject.split(".", 1)[1] if "." in msg.subject else msg.subject
         headers = {
             HEADER_DLQ_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
-            HEADER_DLQ_SUBJECT: msg.subject,
+            HEADER_DLQ_SUBJECT: msg.subject[:1000],
             HEADER_DLQ_STREAM_SEQ: str(seq),
         }
-        return await self.publish_raw(f"{self.dlq_prefix}.{tail}", msg.data, msg_id=f"dlq-{self.settings.stream}-{seq}", headers=headers)
+        # The copy must fit where the original only just did: a message near the payload limit grows
+        # past it with these headers, and a dead letter that cannot be published would stop its
+        # consumer on the very message it carries. Cut the copy to fit and say so.
+        data = msg.data
+        room = min(NATS_MAX_PAYLOAD_BYTES, self.nc.max_payload or NATS_MAX_PAYLOAD_BYTES) - DLQ_HEADER_ROOM_BYTES
+        if len(data) > room:
+            headers[HEADER_DLQ_TRUNCATED] = str(len(data))
+            data = data[:room]
+        return await self.publish_raw(f"{self.dlq_prefix}.{tail}", data, msg_id=f"dlq-{self.settings.stream}-{seq}",
+                                      headers=headers)
 
 
 class BatchPuller:
