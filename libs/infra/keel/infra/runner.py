@@ -130,4 +130,7 @@ class DeciderRunner(Generic[S]):
         emitted = materialise(decider.name, event, decision)
         for produced in emitted:
             self.session.state, _ = evolve_or_keep(decider, self.session.state, produced)
+            # Evolved now: when its echo comes through the stream it must not be evolved again (a breaker
+            # would count the eviction twice).
+            self.session.expect_echo(produced.id)
         return StepResult(decision, emitted)

@@ -165,6 +165,11 @@ class DeciderSession(Generic[S]):
             self._awaiting_echo.add(produced.id)
         return StepResult(decision, emitted)
 
+    def expect_echo(self, event_id: uuid.UUID) -> None:
+        """``event_id`` (a decision already evolved into the state) will come back through the stream:
+        take it then without evolving it again."""
+        self._awaiting_echo.add(event_id)
+
     def forget_echoes(self) -> None:
         """Drop remembered decision ids (call when their echoes cannot arrive any more)."""
         self._awaiting_echo.clear()
