@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import socket
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -62,6 +63,26 @@ class RankState:
     """The rank's parallel groups (``dp``, ``pp``, ``tp``: global ranks), once its Checkpointer exists."""
 
 
+MAX_RANK = 1 << 20
+"""Ranks above this are not a job Keel runs (a million processes); a report naming one is malformed."""
+
+
+def report_problem(report: node_local_pb2.RankReport) -> str:
+    """Why a rank's report cannot be taken as it is ('' when it can): the fields that key state or go
+    into events must be in range, and its numbers finite."""
+    if not 0 <= report.rank < MAX_RANK or not 0 <= report.local_rank < MAX_RANK:
+        return f"rank {report.rank} / local rank {report.local_rank} out of range"
+    if report.pid <= 0:
+        return f"pid {report.pid} is not a process id"
+    if report.step < -1 or (report.HasField("checkpoint_step") and report.checkpoint_step < -1):
+        return f"step {report.step} / checkpoint step {report.checkpoint_step} out of range"
+    for name in ("sent_at_unix_s", "step_time_s", "compute_time_s"):
+        value = getattr(report, name)
+        if not math.isfinite(value) or value < 0:
+            return f"{name} {value} is not a finite, non-negative number"
+    return ""
+
+
 class RankChannel:
     """Binds the socket and folds incoming reports into ``ranks`` (keyed by global rank)."""
 
@@ -95,6 +116,13 @@ class RankChannel:
                 self.malformed += 1
                 continue
             if report.generation != generation:
+                continue
+            problem = report_problem(report)
+            if problem:
+                # Anything on the socket can send: one bad datagram is counted and dropped, never a
+                # state that later breaks an event (a negative rank) and with it the agent.
+                self.malformed += 1
+                log.warning("ignoring a rank report: %s", problem)
                 continue
             self.apply(report, now)
 
