@@ -90,6 +90,14 @@ def _service_pid(settings: Settings, service: str) -> int | None:
     return pid if _pid_alive(pid) else None
 
 
+async def administer_streams(nats_url: str, settings: Settings) -> None:
+    """Create the streams, or bring existing ones to these settings (only the administering commands do)."""
+    from keel.infra.bus import Bus
+
+    bus = await Bus.connect(nats_url, settings.bus, name="keel-admin", administer=True)
+    await bus.close()
+
+
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     state: dict[str, Any] = {}
     if not (settings.nats_url and settings.database_url):
@@ -98,6 +106,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     from keel.infra.store import run_migrations
 
     run_migrations(database_url, settings.db_schema)
+    asyncio.run(administer_streams(nats_url, settings))
     services_dir = settings.home / "services"
     services_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
@@ -211,7 +220,9 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     from keel.infra.store import run_migrations
 
-    _, database_url = endpoints(settings)
+    nats_url, database_url = endpoints(settings)
     run_migrations(database_url, settings.db_schema)
-    print(f"keel: schema {settings.db_schema} is at the latest revision")
+    asyncio.run(administer_streams(nats_url, settings))
+    print(f"keel: schema {settings.db_schema} is at the latest revision; streams {settings.bus.stream} and "
+          f"{settings.bus.dlq_stream} have these settings")
     return 0

@@ -86,8 +86,13 @@ class Bus:
     # -- setup ---------------------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel") -> Bus:
-        """Connect (retrying while the server starts) and make sure both streams exist."""
+    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False) -> Bus:
+        """Connect (retrying while the server starts) and make sure both streams exist.
+
+        Only an administering client (``keel migrate``, ``keel-migrate``, ``keel up``) changes an existing
+        stream's settings to its own; any other client creates a missing stream but leaves an existing
+        one as it is and warns about each setting that differs from its own (one ``keel approve`` from
+        a laptop with default settings must not turn an R3 / 8 GiB production stream into R1 / 2 GiB)."""
         async def quiet_error(error: Exception) -> None:
             # nats-py logs every failed (re)connect with a traceback; callers report unreachability once.
             log.debug("nats %s: %r", name, error)
@@ -103,7 +108,7 @@ class Bus:
             pending_size=64 * 1024 * 1024,
         )
         bus = cls(nc, settings)
-        await bus.ensure_streams()
+        await bus.ensure_streams(administer=administer)
         return bus
 
     async def close(self) -> None:
@@ -127,9 +132,11 @@ class Bus:
         """``<prefix>.<job>.<aggregate kind>.<aggregate id>.<type>``, the id encoded (``keel.infra.subjects``)."""
         return event_subject(self.settings.subject_prefix, event)
 
-    async def ensure_streams(self) -> None:
+    async def ensure_streams(self, *, administer: bool = False) -> list[str]:
+        """Create the events and dead-letter streams when missing; with ``administer``, also bring
+        existing ones to these settings. Returns the differences found and left as they were."""
         s = self.settings
-        await self._ensure_stream(
+        left = await self._ensure_stream(
             api.StreamConfig(
                 name=s.stream,
                 subjects=[self.events_subjects],
@@ -141,9 +148,10 @@ class Bus:
                 duplicate_window=s.duplicate_window.total_seconds(),
                 discard=api.DiscardPolicy.OLD,
                 num_replicas=s.replicas,
-            )
+            ),
+            administer,
         )
-        await self._ensure_stream(
+        left += await self._ensure_stream(
             api.StreamConfig(
                 name=s.dlq_stream,
                 subjects=[f"{self.dlq_prefix}.>"],
@@ -152,17 +160,27 @@ class Bus:
                 max_bytes=s.max_bytes,
                 duplicate_window=s.duplicate_window.total_seconds(),
                 num_replicas=s.replicas,
-            )
+            ),
+            administer,
         )
+        return left
 
-    async def _ensure_stream(self, config: api.StreamConfig) -> None:
+    async def _ensure_stream(self, config: api.StreamConfig, administer: bool) -> list[str]:
         if not config.name:  # stream_info raises the same for a nameless config; checked here so the name is a str
             raise ValueError("nats: stream name is required")
         try:
-            await self.js.stream_info(config.name)
-            await self.js.update_stream(config)
+            existing = (await self.js.stream_info(config.name)).config
         except nats.js.errors.NotFoundError:
             await self.js.add_stream(config)
+            return []
+        if administer:
+            await self.js.update_stream(config)
+            return []
+        differences = stream_differences(existing, config)
+        for difference in differences:
+            log.warning("stream %s: %s; left as it is (only `keel migrate` changes stream settings)",
+                        config.name, difference)
+        return differences
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -313,6 +331,20 @@ class Bus:
             data = data[:room]
         return await self.publish_raw(f"{self.dlq_prefix}.{tail}", data, msg_id=f"dlq-{self.settings.stream}-{seq}",
                                       headers=headers)
+
+
+_COMPARED_STREAM_SETTINGS = ("subjects", "max_age", "max_bytes", "max_msg_size", "duplicate_window", "num_replicas",
+                             "discard", "storage")
+
+
+def stream_differences(existing: api.StreamConfig, wanted: api.StreamConfig) -> list[str]:
+    """The settings in which an existing stream differs from this client's, one line each (pure)."""
+    lines = []
+    for name in _COMPARED_STREAM_SETTINGS:
+        have, want = getattr(existing, name), getattr(wanted, name)
+        if want is not None and have != want:
+            lines.append(f"{name} is {have!r} on the server, {want!r} in this client's settings")
+    return lines
 
 
 class BatchPuller:

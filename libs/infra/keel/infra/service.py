@@ -162,17 +162,25 @@ def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None, *
 
 
 def migrate_main(argv: Sequence[str] | None = None) -> int:
-    """``keel-migrate``: bring the event store's schema to the latest revision, then exit (0 done, 2 a
-    configuration error). The services also migrate on start; this makes a failing migration visible alone."""
+    """``keel-migrate``: bring the event store's schema to the latest revision and the streams to these
+    settings (the only command besides ``keel migrate`` and ``keel up`` that changes an existing stream),
+    then exit (0 done, 2 a configuration error). The services also migrate the schema on start; this
+    makes a failing migration visible alone."""
     parser = argparse.ArgumentParser(prog="keel-migrate", description="Bring Keel's event store schema up to date.")
     parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
     args = parser.parse_args(argv)
     try:
         settings = load_settings(Path(args.config) if args.config else None)
-        _, database_url = resolve_endpoints(settings)
+        nats_url, database_url = resolve_endpoints(settings)
     except ConfigError as exc:
         print(f"keel-migrate: {exc}", file=sys.stderr)
         return 2
     run_migrations(database_url, settings.db_schema)
-    print(f"keel-migrate: schema {settings.db_schema} is at the latest revision")
+
+    async def administer() -> None:
+        bus = await Bus.connect(nats_url, settings.bus, name="keel-migrate", administer=True)
+        await bus.close()
+
+    asyncio.run(administer())
+    print(f"keel-migrate: schema {settings.db_schema} is at the latest revision; the streams have these settings")
     return 0
