@@ -27,6 +27,7 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import nats
 import nats.errors
@@ -281,13 +282,18 @@ class Bus:
         ack_all: bool = False,
         max_deliver: int | None = None,
         max_ack_pending: int = 20_000,
+        inactive_threshold: timedelta | None = None,
     ) -> BatchPuller:
         """A durable pull consumer on the events stream (created if missing, from the first message).
 
         ``filter_subjects``: several subjects (NATS 2.10+), instead of one ``filter_subject``.
         ``max_deliver`` bounds redelivery (``-1``: unbounded, for the recorder, which must never give
-        up on an event); by default ``BusSettings.max_deliver``.
+        up on an event); by default ``BusSettings.max_deliver``. ``inactive_threshold``: the server
+        removes the consumer after this long with no client (per-node consumers); None keeps it for ever.
+        A durable name NATS cannot take (``.``, ``*``, ``>``, whitespace) is refused here, loudly.
         """
+        if not durable or any(c in durable for c in ".*> \t\r\n"):
+            raise ValueError(f"invalid durable consumer name {durable!r}: no '.', '*', '>' or whitespace")
         config = api.ConsumerConfig(
             durable_name=durable,
             deliver_policy=api.DeliverPolicy.ALL,
@@ -297,6 +303,7 @@ class Bus:
             filter_subject=None if filter_subjects else (filter_subject or self.events_subjects),
             filter_subjects=filter_subjects or None,
             max_ack_pending=max_ack_pending,
+            inactive_threshold=inactive_threshold.total_seconds() if inactive_threshold else None,
         )
         try:
             await self.js.add_consumer(self.settings.stream, config)  # idempotent for the same config

@@ -84,6 +84,10 @@ class BusSettings(_Section):
     max_deliver: int = Field(10, ge=1)
     """Bounded redelivery of a message whose effect keeps failing transiently (deciders, actuators, agents);
     the recorder's consumer is unbounded: it never gives up on an event."""
+    node_consumer_inactive: Duration = parse_duration("1d")
+    """A node agent's durable consumer is removed by the server after this long without the agent (a node
+    gone for good leaves nothing behind); an agent back after that reads its node's commands again from
+    the start of the stream and ignores the expired ones."""
     publish_attempts: int = Field(5, ge=1)
     """Publish attempts on transient errors (timeouts, no responders, a reconnect) before ``PublishFailed``."""
     retry_backoff_initial: Duration = parse_duration("100ms")

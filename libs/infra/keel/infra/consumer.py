@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 from nats.aio.msg import Msg
 
@@ -43,13 +44,15 @@ class EventConsumer:
     ``run(handle, stop)`` loops until ``stop``; ``fetch()`` returns a raw batch for batch consumers."""
 
     def __init__(self, bus: Bus, durable: str, filter_subjects: list[str] | None = None, *, batch_size: int = 16,
-                 fetch_timeout_s: float = 0.5, max_deliver: int | None = None) -> None:
+                 fetch_timeout_s: float = 0.5, max_deliver: int | None = None,
+                 inactive_threshold: timedelta | None = None) -> None:
         self.bus = bus
         self.durable = durable
         self.filter_subjects = list(filter_subjects or [])
         self.batch_size = batch_size
         self.fetch_timeout_s = fetch_timeout_s
         self.max_deliver = max_deliver
+        self.inactive_threshold = inactive_threshold
         self.stats = ConsumerStats()
         self._sub: BatchPuller | None = None
 
@@ -60,10 +63,12 @@ class EventConsumer:
     async def start(self) -> None:
         if len(self.filter_subjects) == 1:
             self._sub = await self.bus.pull_consumer(self.durable, filter_subject=self.filter_subjects[0],
-                                                     max_deliver=self.max_deliver)
+                                                     max_deliver=self.max_deliver,
+                                                     inactive_threshold=self.inactive_threshold)
         else:
             self._sub = await self.bus.pull_consumer(self.durable, filter_subjects=self.filter_subjects or None,
-                                                     max_deliver=self.max_deliver)
+                                                     max_deliver=self.max_deliver,
+                                                     inactive_threshold=self.inactive_threshold)
 
     async def fetch(self, batch_size: int | None = None, timeout_s: float | None = None) -> list[Msg]:
         """Up to ``batch_size`` raw messages; an empty list when none came within the fetch timeout."""

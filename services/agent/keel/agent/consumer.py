@@ -98,7 +98,8 @@ class CommandConsumer:
         spec = agent.spec
         subjects = command_subjects(bus.settings.subject_prefix, spec.job_id, spec.node_id,
                                     checkpointing=agent.checkpointing is not None)
-        self.events = EventConsumer(bus, durable_name(spec.job_id, spec.node_id, subjects), subjects)
+        self.events = EventConsumer(bus, durable_name(spec.job_id, spec.node_id, subjects), subjects,
+                                    inactive_threshold=bus.settings.node_consumer_inactive)
         await self.events.run(self.handle, stop)
 
     async def handle(self, event: Event, _seq: int) -> None:
