@@ -609,6 +609,23 @@ def test_a_denied_approval_stops_the_job_for_a_human() -> None:
     assert of(out, "JobStopDecided") and of(out, "IncidentResolved")[0].payload.outcome == "stopped"
 
 
+def test_an_approval_nobody_gives_in_time_is_taken_as_denied_not_waited_for_forever() -> None:
+    job = Job(policy=ControllerPolicy(approval_required=frozenset({"restart"}), approval_ttl=timedelta(minutes=30)))
+    out = job.crash("n0", 1, classification="user_code")
+    [request] = of(out, "ApprovalRequested")
+    job.heartbeats(step=20)
+    assert not of(job.tick(29 * 60), "JobStopDecided")  # still within the approval's time
+    out = job.tick(61)
+    [stop] = of(out, "JobStopDecided")
+    [resolved] = of(out, "IncidentResolved")
+    assert resolved.payload.outcome == "stopped" and "nobody answered" in resolved.payload.reason
+    assert not of(out, "RestartDecided") and not of(out, "RanksRestartRequested")
+    # A late approval changes nothing: the held recovery is gone.
+    late = job.feed(ApprovalGiven(request_id=str(request.id), approved=True, by="alice"), "job/job1")
+    assert not of(late, "RestartDecided")
+    assert "nobody answered" in stop.payload.reason
+
+
 def test_an_event_stamped_before_the_job_was_first_seen_does_not_break_the_pool_model() -> None:
     job = Job(standbys=0)
     job.now = T0 - timedelta(minutes=10)  # another producer's clock, or a late event

@@ -302,8 +302,9 @@ def on_sdc_verdict(plan: ActionPlan, p: SdcReplayAnalyzed) -> None:
 
 
 def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
-    """The controller's recorded clock: a stack or replay verdict that never came, a diagnostics round
-    past its deadline or waiting on nodes that are gone, and running nodes gone silent (rung 1)."""
+    """The job clock: a stack or replay verdict that never came, an approval nobody gave in time, a
+    diagnostics round past its deadline or waiting on nodes that are gone, and running nodes gone silent
+    (rung 1)."""
     job, policy, now = plan.job, plan.policy, p.now
     incident = job.incident
     if (incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None
@@ -317,6 +318,14 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
         plan.recover(5, frozenset(), f"rung 5: no verdict on replay round {incident.sdc_round} "
                                      f"{(policy.sdc_replay_timeout + SDC_VERDICT_GRACE).total_seconds():g} s after it "
                                      f"was asked for (is the analyzer running?): restart in place from before the anomaly")
+        return
+    if (incident is not None and incident.stage == "awaiting_approval" and incident.approval_expires_at is not None
+            and now >= incident.approval_expires_at):
+        # Nobody answered: a held recovery is never carried out unapproved, and waiting longer wedges the
+        # incident. Taken as a denial: the job stops and a human is paged, as `keel deny` would.
+        plan.resolve("stopped", f"nobody answered the approval asked for {incident.approval_id[:8]} by "
+                                f"{incident.approval_expires_at.isoformat()}: taken as denied; the job is stopped and "
+                                f"left to a human", stop=True)
         return
     if incident is not None and incident.stage == "diagnosing":
         missing = sorted(incident.diag_nodes - set(incident.diag_results))

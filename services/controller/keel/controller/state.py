@@ -124,6 +124,8 @@ class OpenIncident:
     """Nodes that started ranks of ``target_generation``: only their heartbeats say it is stepping."""
     held: HeldPlan | None = None
     approval_id: str = ""
+    approval_expires_at: datetime | None = None
+    """When the approval asked for runs out unanswered (then the held recovery is taken as denied)."""
     sdc_round: int | None = None
     sdc_requested_at: datetime | None = None
     sdc_replays: int = 0
@@ -400,5 +402,5 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
             p.guardrail, "observing")
         return replace(job, incident=replace(incident, stage=stage, held=held, rung=max(incident.rung, p.rung)))
     if isinstance(p, ApprovalRequested):
-        return replace(job, incident=replace(incident, approval_id=str(event.id)))
+        return replace(job, incident=replace(incident, approval_id=str(event.id), approval_expires_at=p.expires_at))
     return job
