@@ -35,6 +35,7 @@ from keel.events.types import (
     NodeRegistered,
     RankExited,
     RankGroups,
+    RanksRestarted,
     RankStarted,
     SdcPhase,
     SdcReplayAnalyzed,
@@ -891,3 +892,41 @@ def test_only_the_job_clock_moves_time_a_tick_from_anyone_else_is_ignored() -> N
     out = job.feed(TimerTicked(now=job.now), "clock/j", producer="controller-clock", dt=0)
     [restart] = of(out, "RestartDecided")
     assert restart.payload.evict == ["n3"]
+
+
+def _restarted_in_place(job: Job) -> list[Event]:
+    """A crash that diagnostics clear: the incident's restart (rung 2) is decided and awaits the ranks."""
+    [request] = of(job.crash("n1", 3), "DiagnosticsRequested")
+    out: list[Event] = []
+    for node in ["n0", "n1", "n2", "n3"]:
+        out = job.diagnostics(node, request)
+    assert of(out, "RestartDecided")
+    return out
+
+
+def test_a_node_that_cannot_carry_out_the_restart_is_evicted_and_a_standby_takes_its_ranks() -> None:
+    job = Job()
+    [restart] = of(_restarted_in_place(job), "RestartDecided")
+    generation = restart.payload.generation
+    assert job.feed(RanksRestarted(node_id="n0", command_id="c0", generation=generation, outcome="restarted"),
+                    "node/n0") == []
+    out = job.feed(RanksRestarted(node_id="n2", command_id="c2", generation=generation, outcome="failed",
+                                  detail="zygote died"), "node/n2")
+    assert [e.payload.node_id for e in of(out, "NodeEvictionDecided")] == ["n2"]
+    [again] = of(out, "RestartDecided")
+    assert again.payload.generation > generation and "could not restart" in again.payload.reason
+    assert [(p.standby_node_id, p.replaces_node_id) for p in again.payload.promotions] == [("s0", "n2")]
+
+
+def test_a_restart_that_never_brings_the_job_back_stops_it_at_the_recovery_deadline() -> None:
+    # Silence is another rule: the heartbeats here cover the job's nodes, not its idle standby.
+    job = Job(policy=ControllerPolicy(recovery_timeout=timedelta(minutes=10), node_silence_timeout=timedelta(hours=1)))
+    _restarted_in_place(job)
+    for _ in range(9):  # nodes heartbeat, but no rank of the new generation ever starts stepping
+        job.heartbeats(step=18)
+        assert not of(job.tick(60), "JobStopDecided")
+    job.heartbeats(step=18)
+    out = job.tick(61)
+    [stop] = of(out, "JobStopDecided")
+    assert "did not bring the job back" in stop.payload.reason
+    assert of(out, "IncidentResolved")[0].payload.outcome == "stopped"

@@ -140,6 +140,9 @@ class ControllerSettings(_Section):
     diagnostics_ack_timeout: Duration = parse_duration("2s")
     """A node of a diagnostics round whose agent sent nothing since the request for this long is lost: the
     round ends without waiting for it (agents answer a request with a heartbeat at once)."""
+    recovery_timeout: Duration = parse_duration("10m")
+    """A restart that has not brought the job back to stepping this long after it was decided stops the
+    job and pages a human (the ``recovering`` stage never waits for ever)."""
     node_silence_timeout: Duration = parse_duration("30s")
     """A node of a running job whose heartbeats stopped this long ago is lost (rung 1)."""
     clock_interval: Duration = parse_duration("1s")

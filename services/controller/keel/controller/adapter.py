@@ -33,7 +33,7 @@ def decider_from_settings(settings: Settings) -> ControllerDecider:
         diagnostics_ack_timeout=c.diagnostics_ack_timeout, stack_analysis=c.stack_analysis,
         stacks_timeout=c.stacks_timeout, stacks_verdict_timeout=c.stacks_verdict_timeout,
         sdc_replay=c.sdc_replay, sdc_replay_timeout=c.sdc_replay_timeout,
-        node_silence_timeout=c.node_silence_timeout, eviction_window=c.eviction_window,
+        node_silence_timeout=c.node_silence_timeout, recovery_timeout=c.recovery_timeout, eviction_window=c.eviction_window,
         max_evictions=c.max_evictions, max_eviction_fraction=c.max_eviction_fraction,
         restart_window=c.restart_window, restart_budget=c.restart_budget, max_same_failure=c.max_same_failure,
         approval_required=frozenset(c.approval_required), standby_min=c.standby_min,

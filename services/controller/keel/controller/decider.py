@@ -27,6 +27,7 @@ from keel.events.types import (
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
+    RanksRestarted,
     SdcReplayAnalyzed,
     StacksAnalyzed,
     StandbyChecked,
@@ -51,6 +52,7 @@ _RULES: Mapping[type[EventPayload], Rule] = {
     NodeHeartbeat: rules.on_heartbeat,
     ApprovalGiven: rules.on_approval,
     NodeCordoned: rules.on_cordon,
+    RanksRestarted: rules.on_restart_report,
     # A change of the standby pool: registrations, self-checks, promotions, evictions done.
     NodeRegistered: rules.on_pool_change,
     StandbyChecked: rules.on_pool_change,

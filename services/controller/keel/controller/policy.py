@@ -42,6 +42,9 @@ class ControllerPolicy:
     diagnostics_checks: tuple[str, ...] = ALL_CHECKS
     node_silence_timeout: timedelta = timedelta(seconds=30)
     """A node of the job whose heartbeats stopped this long ago is lost (rung 1)."""
+    recovery_timeout: timedelta = timedelta(minutes=10)
+    """A restart that has not brought the job back to stepping this long after it was decided: the job
+    stops and a human is paged (a recovery never waits for ever)."""
     eviction_window: timedelta = timedelta(hours=1)
     max_evictions: int = 8
     max_eviction_fraction: float = 0.1

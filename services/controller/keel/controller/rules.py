@@ -53,6 +53,7 @@ from keel.events.types import (
     NodeHealthChanged,
     NodeHeartbeat,
     RankExited,
+    RanksRestarted,
     SdcReplayAnalyzed,
     StacksAnalyzed,
     TimerTicked,
@@ -319,6 +320,12 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
                                      f"{(policy.sdc_replay_timeout + SDC_VERDICT_GRACE).total_seconds():g} s after it "
                                      f"was asked for (is the analyzer running?): restart in place from before the anomaly")
         return
+    if (incident is not None and incident.stage == "recovering" and incident.recovering_since is not None
+            and not job.stopped and not job.finished and now - incident.recovering_since >= policy.recovery_timeout):
+        plan.resolve("stopped", f"the restart to generation {incident.target_generation} did not bring the job back to "
+                                f"stepping within {policy.recovery_timeout.total_seconds():g} s: stopped, a human is "
+                                f"paged", stop=True)
+        return
     if (incident is not None and incident.stage == "awaiting_approval" and incident.approval_expires_at is not None
             and now >= incident.approval_expires_at):
         # Nobody answered: a held recovery is never carried out unapproved, and waiting longer wedges the
@@ -428,6 +435,19 @@ def on_approval(plan: ActionPlan, p: ApprovalGiven) -> None:
                                 f"left to a human", stop=True)
         return
     plan.recover(held.rung, held.evict, f"{held.reason}; approved by {p.by}", rollback=held.rollback, approved=True)
+
+
+def on_restart_report(plan: ActionPlan, p: RanksRestarted) -> None:
+    """An agent's report on a restart command: a node that could not carry out the incident's restart
+    (the command failed there, or reached it expired) is isolated: evicted, a standby takes its ranks."""
+    incident = plan.job.incident
+    if (incident is None or incident.stage != "recovering" or p.generation != incident.target_generation
+            or p.outcome in ("restarted", "stale_generation")):
+        plan.note(f"{p.node_id}: restart to generation {p.generation} {p.outcome}")
+        return
+    plan.recover(3, frozenset({p.node_id}), f"rung 3: {p.node_id} could not restart to generation {p.generation} "
+                                            f"({p.outcome}{': ' + p.detail if p.detail else ''}): evict it, a standby "
+                                            f"takes its ranks")
 
 
 def on_cordon(plan: ActionPlan, p: NodeCordoned) -> None:

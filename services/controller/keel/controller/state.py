@@ -123,6 +123,8 @@ class OpenIncident:
     started: frozenset[str] = frozenset()
     """Nodes that started ranks of ``target_generation``: only their heartbeats say it is stepping."""
     held: HeldPlan | None = None
+    recovering_since: datetime | None = None
+    """When the incident's latest restart was decided (its recovery deadline counts from here)."""
     approval_id: str = ""
     approval_expires_at: datetime | None = None
     """When the approval asked for runs out unanswered (then the held recovery is taken as denied)."""
@@ -395,7 +397,7 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
         return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
                        incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                         target_generation=p.generation, started=frozenset(), restore_step=-1,
-                                        held=None, code_change=code_change))
+                                        held=None, code_change=code_change, recovering_since=at))
     if isinstance(p, ActionHeld):
         held = HeldPlan(p.rung, frozenset(p.evict), p.reason, p.rollback)
         stage: Stage = {"approval": "awaiting_approval", "no_standby": "waiting_standby"}.get(  # type: ignore[assignment]
