@@ -82,3 +82,41 @@ def test_a_replay_reproduces_the_refusals_exactly() -> None:
         verifier.observe(event)
     report = verifier.finish()
     assert report.clean and (report.decisions_recorded, report.decisions_replayed) == (3, 3)
+
+
+class Verbose(FragileDecider):
+    """Its eviction reason grows with the detail it was given: a big enough input makes a decision the bus
+    could never carry (as a restore plan listing every rank of a very large job would)."""
+
+    name = "verbose"
+
+    def decide(self, state: Seen, event: Event) -> Decision:
+        p = event.payload
+        assert isinstance(p, NodeHealthChanged)
+        return Decision("evict", (Proposal(NodeEvictionDecided(node_id=p.node_id, rung=1, reason=p.detail * 1000,
+                                                               expires_at=event.occurred_at + timedelta(minutes=5)),
+                                           subject=f"node/{p.node_id}"),))
+
+
+def test_a_decision_too_large_to_publish_is_refused_with_its_size_and_replays_the_same() -> None:
+    limit = 256 * 1024
+    big = health_event("n1", detail="x" * 300, at=T0)  # a 300,000-character reason
+    small = health_event("n2", detail="disk", at=T0 + timedelta(seconds=1))
+    live = DeciderSession(Verbose(), max_event_bytes=limit)
+    log: list[Event] = []
+    for event in (big, small):
+        log.append(event)
+        log += live.observe(event).emitted
+    refused, evicted = log[1], log[3]
+    assert isinstance(refused.payload, DecisionRefused) and "over the 262144-byte event limit" in refused.payload.error
+    assert "NodeEvictionDecided would be" in refused.payload.error and len(refused.to_json()) < limit
+    assert isinstance(evicted.payload, NodeEvictionDecided) and evicted.payload.node_id == "n2"
+    verifier = ReplayVerifier(Verbose(), max_event_bytes=limit)
+    for event in log:
+        verifier.observe(event)
+    assert verifier.finish().clean
+    # Without a limit (a replay that forgot it) the big decision comes back: the divergence is shown.
+    unlimited = ReplayVerifier(Verbose())
+    for event in log:
+        unlimited.observe(event)
+    assert not unlimited.finish().clean

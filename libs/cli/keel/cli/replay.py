@@ -47,7 +47,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     async def replay_all() -> list[Any]:
         # One pass over the log feeds every decider, streaming: memory stays flat for any log size.
         engine = create_engine(database_url, settings.db_schema)
-        verifiers = [ReplayVerifier(decider) for decider in chosen]
+        verifiers = [ReplayVerifier(decider, max_event_bytes=settings.bus.max_event_bytes) for decider in chosen]
         gc.collect()
         gc.freeze()  # the long-lived heap is not rescanned by every collection during a long replay
         try:

@@ -31,7 +31,7 @@ from keel.kernel.decider import (
     StepResult,
     decide_or_refuse,
     evolve_or_keep,
-    materialise,
+    publishable,
 )
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ class DeciderRunner(Generic[S]):
         self._events: EventConsumer | None = None
 
     async def start(self) -> None:
+        # A decision with an event over the bus's limit is refused in the kernel, live and in replay alike.
+        self.session.max_event_bytes = self.bus.settings.max_event_bytes
         if self.store is not None:
             async for recorded in self.store.read(job_id=self.job_id):
                 self.session.rebuild([recorded.event])
@@ -127,7 +129,7 @@ class DeciderRunner(Generic[S]):
         if event.producer == decider.name or not decider.interested_in(event) or is_foreign_tick(event):
             return None
         decision = decide_or_refuse(decider, self.session.state, event)
-        emitted = materialise(decider.name, event, decision)
+        decision, emitted = publishable(decider.name, event, decision, self.session.max_event_bytes)
         for produced in emitted:
             self.session.state, _ = evolve_or_keep(decider, self.session.state, produced)
             # Evolved now: when its echo comes through the stream it must not be evolved again (a breaker

@@ -94,6 +94,28 @@ def decide_or_refuse(decider: Decider[S], state: S, event: Event) -> Decision:
         return refusal(decider.name, event, "decide", exc)
 
 
+class DecisionTooLarge(ValueError):
+    """A decision's event is larger than the bus takes (``max_event_bytes``): it could never be published."""
+
+
+def publishable(decider_name: str, cause: Event, decision: Decision,
+                max_event_bytes: int | None) -> tuple[Decision, list[Event]]:
+    """``materialise``, with a size check: a decision with an event over ``max_event_bytes`` is replaced
+    by its refusal (saying which event and how large), so a decider never crash-loops on publishing a
+    decision the bus refuses, and a replay with the same limit refuses it the same way. Returns the
+    decision taken (the refusal, if it came to that) and its events."""
+    emitted = materialise(decider_name, cause, decision)
+    if max_event_bytes is None:
+        return decision, emitted
+    for produced in emitted:
+        size = len(produced.to_json())
+        if size > max_event_bytes:
+            error = DecisionTooLarge(f"{produced.type} would be {size} bytes, over the {max_event_bytes}-byte event limit")
+            refused = refusal(decider_name, cause, "decide", error)
+            return refused, materialise(decider_name, cause, refused)
+    return decision, emitted
+
+
 def decision_id(causation_id: uuid.UUID, decider: str, event_type: str, key: str) -> uuid.UUID:
     """Deterministic id of a decision event: the same cause and decision always give the same id."""
     return uuid.uuid5(DECISION_NAMESPACE, f"{causation_id}|{decider}|{event_type}|{key}")
@@ -133,9 +155,11 @@ class DeciderSession(Generic[S]):
     evolved twice. The decider's own past decisions are evolved, never decided on again.
     """
 
-    def __init__(self, decider: Decider[S], state: S | None = None) -> None:
+    def __init__(self, decider: Decider[S], state: S | None = None, *, max_event_bytes: int | None = None) -> None:
         self.decider = decider
         self.state: S = decider.initial_state() if state is None else state
+        self.max_event_bytes = max_event_bytes
+        """The bus's event limit: a decision with a larger event is refused (``publishable``)."""
         self._awaiting_echo: set[uuid.UUID] = set()
 
     def rebuild(self, events: Iterable[Event]) -> None:
@@ -159,7 +183,7 @@ class DeciderSession(Generic[S]):
             return StepResult(None)
         else:
             decision = decide_or_refuse(self.decider, self.state, event)
-        emitted = materialise(self.decider.name, event, decision)
+        decision, emitted = publishable(self.decider.name, event, decision, self.max_event_bytes)
         for produced in emitted:
             self.state, _ = evolve_or_keep(self.decider, self.state, produced)
             self._awaiting_echo.add(produced.id)

@@ -85,9 +85,9 @@ class ReplayVerifier(Generic[S]):
     """``verify`` one event at a time, so a log of any length streams through in constant memory
     (only decisions not yet matched are held)."""
 
-    def __init__(self, decider: Decider[S]) -> None:
+    def __init__(self, decider: Decider[S], *, max_event_bytes: int | None = None) -> None:
         self.decider = decider
-        self.session = DeciderSession(decider)
+        self.session = DeciderSession(decider, max_event_bytes=max_event_bytes)
         self.report: ReplayReport[S] = ReplayReport(decider.name)
         self._pending: dict[uuid.UUID, tuple[Event, Event, str]] = {}  # decision id -> (cause, replayed, reason)
 
