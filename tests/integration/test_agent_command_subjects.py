@@ -110,3 +110,44 @@ async def test_an_agent_consumes_only_its_own_nodes_commands(keel_env, scratch_d
             assert agent.outbox is not None
             await agent.outbox.close()
             agent.channel.close()
+
+
+async def test_a_command_whose_handling_raises_does_not_end_the_agents_command_intake(keel_env, scratch_dir: Path) -> None:
+    """The consumer is supervised: the failing command is redelivered (it was never acknowledged) and the
+    next command is still handled; the failure is counted."""
+    node = NODES[0]
+    expires = now_utc() + timedelta(minutes=5)
+    first, second = (command(RanksRestartRequested(node_id=node, generation=g, reason="test", expires_at=expires),
+                             f"node/{node}") for g in (1, 2))
+    settings = keel_env.settings.bus.model_copy(update={"ack_wait": timedelta(seconds=1)})  # redeliver quickly
+    stop = asyncio.Event()
+    outbox = Outbox(keel_env.settings.nats_url, settings, name="test-supervised")
+    agent = make_agent(scratch_dir, node, outbox)
+    handled: list[Event] = []
+    raised: list[Event] = []
+
+    def flaky(event: Event) -> None:
+        if event.id == first.id and not raised:  # its first delivery only
+            raised.append(event)
+            raise RuntimeError("a bug in the restart handler")
+        handled.append(event)
+
+    agent.handle_command = flaky  # type: ignore[method-assign]
+    consumer = CommandConsumer(agent)
+    tasks = [asyncio.create_task(outbox.run(stop)), asyncio.create_task(consumer.run(stop))]
+    try:
+        await keel_env.bus.publish(first)
+        await keel_env.bus.publish(second)
+        deadline = asyncio.get_running_loop().time() + 30
+        while {e.id for e in handled} != {first.id, second.id}:
+            assert asyncio.get_running_loop().time() < deadline, (handled, consumer.failures)
+            assert not tasks[1].done(), tasks[1]
+            await asyncio.sleep(0.1)
+        assert consumer.failures == 1
+    finally:
+        stop.set()
+        for task in tasks:
+            try:
+                await asyncio.wait_for(task, 5)
+            except Exception:  # noqa: BLE001 - teardown: the test has already reported
+                task.cancel()

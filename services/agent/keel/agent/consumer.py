@@ -81,6 +81,10 @@ class CommandTarget(Protocol):
     def handle_command(self, command: Event) -> None: ...
 
 
+SUPERVISOR_BACKOFF_INITIAL_S = 0.5
+SUPERVISOR_BACKOFF_MAX_S = 30.0
+
+
 class CommandConsumer:
     """Feeds ``agent`` its commands until stopped; ``run`` waits for the agent's outbox to connect."""
 
@@ -88,6 +92,8 @@ class CommandConsumer:
         self.agent = agent
         self.events: EventConsumer | None = None
         """The consumer, once connected."""
+        self.failures = 0
+        """How often handling a command raised (each time the consumer resumed after a back-off)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         agent = self.agent
@@ -100,7 +106,27 @@ class CommandConsumer:
                                     checkpointing=agent.checkpointing is not None)
         self.events = EventConsumer(bus, durable_name(spec.job_id, spec.node_id, subjects), subjects,
                                     inactive_threshold=bus.settings.node_consumer_inactive)
-        await self.events.run(self.handle, stop)
+        # Supervised: a command whose handling raises (a bug, a node in a state nobody foresaw) must not
+        # end the agent's command intake for good while its ranks run on. It is logged, left
+        # unacknowledged (JetStream redelivers it, at most bus.max_deliver times), and consuming resumes
+        # after a back-off; every other command goes on being handled.
+        backoff_s = SUPERVISOR_BACKOFF_INITIAL_S
+        while not stop.is_set():
+            try:
+                await self.events.run(self.handle, stop)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the supervisor's whole point
+                self.failures += 1
+                log.exception("%s: the command consumer failed (%d so far); resuming in %.1f s",
+                              spec.node_id, self.failures, backoff_s)
+                try:
+                    await asyncio.wait_for(stop.wait(), backoff_s)
+                except TimeoutError:
+                    pass
+                backoff_s = min(backoff_s * 2, SUPERVISOR_BACKOFF_MAX_S)
+            else:
+                backoff_s = SUPERVISOR_BACKOFF_INITIAL_S
 
     async def handle(self, event: Event, _seq: int) -> None:
         agent = self.agent
