@@ -11,6 +11,11 @@ A consumer that does not exist yet (a new service, or a stream recreated since) 
 the part of the log still in the stream is its tail. Then the runner consumes live; a redelivered
 message the fold already covered is acknowledged and skipped.
 
+Snapshots (``keel.infra.snapshots``): the cold start begins from the newest snapshot of the decider's
+state this code and policy wrote, so it reads only the log after it; it writes a new one when it folded
+``snapshots.min_events`` or more, and while running the runner folds what its consumer acknowledged into
+a new snapshot every ``snapshots.interval``, in the background, without touching the live state.
+
 Stream resets: a recreated stream numbers its messages from 1 again, so sequences are compared only
 within one stream. The fold starts a new *epoch* wherever the log's sequences fall back, checks that the
 newest epoch is the stream there is now (``Bus.stream_holds``), and the live loop starts over when its
@@ -33,8 +38,10 @@ from typing import Generic, TypeVar
 
 from keel.events.envelope import Event
 from keel.infra.bus import Bus
+from keel.infra.config import SnapshotSettings
 from keel.infra.consumer import EventConsumer
-from keel.infra.store import EventStore
+from keel.infra.snapshots import decider_fingerprint, fold_snapshot, newest_snapshot, take_snapshot
+from keel.infra.store import EventStore, RecordedEvent, Snapshot
 from keel.infra.subjects import job_subjects
 from keel.kernel.decider import (
     Decider,
@@ -55,6 +62,10 @@ class RunnerStats:
     skipped_redelivered: int = 0
     caught_up: int = 0
     """Events of the log's unacknowledged tail decided again at cold start."""
+    folded: int = 0
+    """Events the cold start read from the log (after the snapshot it started from, if any)."""
+    snapshot_position: int = 0
+    """The log position of the snapshot the cold start started from (0: none)."""
 
 
 class DeciderRunner(Generic[S]):
@@ -72,6 +83,7 @@ class DeciderRunner(Generic[S]):
         batch_size: int = 256,
         fetch_timeout_s: float = 0.5,
         on_input: Callable[[Event], None] | None = None,
+        snapshots: SnapshotSettings | None = None,
     ) -> None:
         self.session: DeciderSession[S] = DeciderSession(decider)
         self.bus = bus
@@ -84,6 +96,9 @@ class DeciderRunner(Generic[S]):
         self.fetch_timeout_s = fetch_timeout_s
         self.on_input = on_input  # sees every live input before it is decided on (the clock host's hook)
         self._events: EventConsumer | None = None
+        self.snapshots = snapshots if snapshots is not None else SnapshotSettings()
+        self.scope = job_id or "*"
+        self._fingerprint: str | None = None
 
     async def start(self) -> None:
         # A decision with an event over the bus's limit is refused in the kernel, live and in replay alike.
@@ -96,32 +111,86 @@ class DeciderRunner(Generic[S]):
         await self._events.start()
 
     async def _cold_start(self) -> None:
-        """Fold the log; decide its unacknowledged tail again and publish what a crash left unpublished."""
+        """Fold the newest snapshot and the log after it; decide the log's unacknowledged tail again and
+        publish what a crash left unpublished."""
+        assert self.store is not None
         ack_floor = await self.bus.consumer_ack_floor(self.consumer)
         if ack_floor is None:  # no consumer: nothing acknowledged; what the stream still holds is the tail
             first, _ = await self.bus.stream_bounds()
             ack_floor = first - 1
-        tail: list[Event] = []  # the newest epoch's events past the ack floor, in log order
-        previous_seq = 0
-        last: tuple[int, uuid.UUID] | None = None
-        async for recorded in self.store.read(job_id=self.job_id):  # type: ignore[union-attr]
+        base = None
+        if self.snapshots.enabled:
+            self._fingerprint = decider_fingerprint(self.session.decider)
+            base = await newest_snapshot(self.store, self.session.decider, self.scope, self._fingerprint)
+        previous_seq, last, after, folded = 0, None, 0, 0
+        if base is not None:
+            self.session.state = base.state
+            snap = base.snapshot
+            after, folded = snap.position, snap.events_folded
+            previous_seq = snap.js_seq or 0
+            last = (snap.js_seq, snap.event_id) if snap.js_seq and snap.event_id else None
+            self.stats.snapshot_position = snap.position
+        tail: list[RecordedEvent] = []  # the newest epoch's events past the ack floor, in log order
+        prefix_end: RecordedEvent | None = None  # the last event folded without deciding
+        new = 0
+        async for recorded in self.store.read(job_id=self.job_id, after_position=after):
             seq = recorded.js_seq
+            new += 1
             if seq is not None:
                 if seq < previous_seq:  # sequences fell back: a stream recreated; what came before is older
-                    self.session.rebuild(tail)
+                    prefix_end = self._fold(tail) or prefix_end
                     tail = []
                 previous_seq = seq
                 last = (seq, recorded.event.id)
             if tail or (seq is not None and seq > ack_floor):
-                tail.append(recorded.event)
+                tail.append(recorded)
             else:
-                self.session.rebuild([recorded.event])
+                prefix_end = self._fold([recorded])
         if last is None or not await self.bus.stream_holds(*last):
             # The stream was recreated after the newest recorded event: none of the log is in it.
-            self.session.rebuild(tail)
+            prefix_end = self._fold(tail) or prefix_end
             tail, previous_seq = [], 0
         self._folded_js_seq = previous_seq
-        await self._decide_tail(tail)
+        self.stats.folded = new
+        prefix_new = new - len(tail)
+        if (self.snapshots.enabled and prefix_end is not None and self._fingerprint is not None
+                and prefix_new >= self.snapshots.min_events):
+            snapshot = take_snapshot(self.session, self.scope, self._fingerprint, prefix_end, folded + prefix_new)
+            if snapshot is not None:
+                await self.store.save_snapshot(snapshot, keep=self.snapshots.keep)
+        await self._decide_tail([recorded.event for recorded in tail])
+
+    def _fold(self, events: list[RecordedEvent]) -> RecordedEvent | None:
+        """Evolve ``events`` without deciding; the last of them (None if none)."""
+        self.session.rebuild(recorded.event for recorded in events)
+        return events[-1] if events else None
+
+    async def snapshot_now(self) -> Snapshot | None:
+        """Fold what the consumer has acknowledged since the newest snapshot into a new one (at least
+        ``snapshots.min_events`` events; the live state is not touched)."""
+        if self.store is None or not self.snapshots.enabled:
+            return None
+        if self._fingerprint is None:
+            self._fingerprint = decider_fingerprint(self.session.decider)
+        floor = await self.bus.consumer_ack_floor(self.consumer)
+        if floor is None:
+            return None
+        return await fold_snapshot(self.store, self.session.decider, scope=self.scope, job_id=self.job_id,
+                                   fingerprint=self._fingerprint, acknowledged_through=floor,
+                                   min_events=self.snapshots.min_events, keep=self.snapshots.keep)
+
+    async def _snapshot_periodically(self, stop: asyncio.Event) -> None:
+        interval_s = self.snapshots.interval.total_seconds()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.snapshot_now()
+            except Exception:  # noqa: BLE001 - a snapshot is an optimisation: never stop the decider for it
+                log.exception("%s: taking a snapshot failed; trying again in %.0f s", self.consumer, interval_s)
 
     async def _decide_tail(self, tail: list[Event]) -> None:
         own = self.session.decider.name
@@ -150,8 +219,15 @@ class DeciderRunner(Generic[S]):
     async def run(self, stop: asyncio.Event) -> None:
         if self._events is None:
             await self.start()
-        while not stop.is_set():
-            await self.run_once()
+        snapshotting = None
+        if self.store is not None and self.snapshots.enabled:
+            snapshotting = asyncio.create_task(self._snapshot_periodically(stop))
+        try:
+            while not stop.is_set():
+                await self.run_once()
+        finally:
+            if snapshotting is not None:
+                snapshotting.cancel()
 
     async def run_once(self) -> int:
         assert self._events is not None, "call start() first"
