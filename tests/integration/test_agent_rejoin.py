@@ -1,0 +1,184 @@
+"""An agent SIGKILLed and restarted under a running job rejoins it with its memory tier: real NATS,
+PostgreSQL, recorder, controller and checkpoint broker, a local cluster of two node agents training the
+example GPT. The restarted agent (same node id, same agent folder, same command line) stops the ranks its
+predecessor left behind, keeps the node's shared-memory slots and reports the ranks as ended; the
+controller restarts the job and the broker plans its restore from the memory tier, this node's included:
+training resumes from a step held in memory (not from disk, not from step 0) and no rank process of the
+dead agent is left running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.agent.rejoin import process_start, processes_of_socket, read_state
+from keel.cluster.local import alive, cluster_down, cluster_up, load_cluster, ranks_of, spawn_agent
+from keel.events.envelope import Event
+from tests.integration.test_crashes import service_env, start_service_process
+
+pytestmark = pytest.mark.integration
+
+JOB = "rejoin"
+TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--steps", "1000000"]
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 15) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(5)
+
+
+class Job:
+    def __init__(self, keel_env, scratch: Path) -> None:  # type: ignore[no-untyped-def]
+        self.env, self.scratch = keel_env, scratch
+        self.settings = keel_env.settings
+        self.directory = scratch / "cluster"
+        self.services: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "60s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "60s",
+                 "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
+                 "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"),
+                 # The persistent tier far behind: a restore from memory is not a restore from disk.
+                 "KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "100000", "KEEL_CHECKPOINT__PERSIST_EVERY_CEILING": "100000"}
+        ready = []
+        for name in ("controller", "checkpoint-broker"):
+            ready.append(self.scratch / f"{name}.ready")
+            self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
+                                                       {**knobs, "KEEL_SERVICE_READY_FILE": str(ready[-1])}))
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in ready):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.services):
+                raise AssertionError(f"services not ready: {[p.name for p in ready if not p.exists()]}")
+            time.sleep(0.1)
+        env = {k: v for k, v in service_env(self.settings).items() if k.startswith("KEEL_")} | knobs
+        cluster_up(self.settings, self.directory, nodes=2, standby=0, nproc_per_node=1, job_id=JOB, command=TRAIN,
+                   nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="1s",
+                   persist_root=self.scratch / "checkpoints")
+
+    def stop(self) -> None:
+        cluster_down(self.directory)
+        for process in self.services:
+            if process.poll() is None:
+                stop_process(process)
+
+    def node(self, node_id: str) -> dict:  # type: ignore[type-arg]
+        return next(n for n in load_cluster(self.directory)["nodes"] if n["node_id"] == node_id)
+
+    def restart_agent(self, node_id: str) -> int:
+        """Start the node's agent again exactly as it was started (same id, folder and command line)."""
+        state = load_cluster(self.directory)
+        node = next(n for n in state["nodes"] if n["node_id"] == node_id)
+        process = spawn_agent(list(node["argv"]), dict(os.environ, **state["env"]), Path(node["agent_dir"]))
+        node["pid"] = process.pid
+        (self.directory / "cluster.json").write_text(json.dumps(state, indent=2))  # cluster_down stops it
+        return process.pid
+
+    async def events(self, types: list[str]) -> list[Event]:
+        return [r.event async for r in self.env.store.read(job_id=JOB, types=types)]
+
+    async def wait_for(self, types: list[str], predicate, timeout_s: float, what: str) -> Event:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for event in await self.events(types):
+                if predicate(event):
+                    return event
+            await asyncio.sleep(0.2)
+        seen = [(e.type, e.payload.model_dump()) for e in await self.events(types)][-8:]
+        recent = [(e.type, getattr(e.payload, "node_id", ""), getattr(e.payload, "reason", "")[:200])
+                  for e in [r.event async for r in self.env.store.read(job_id=JOB)]
+                  if e.type not in ("NodeHeartbeat", "CheckpointShardsStored", "TimerTicked")][-30:]
+        raise AssertionError(f"no {what} within {timeout_s}s; last events of those types: {seen}; "
+                             f"the latest events: {recent}")
+
+
+@pytest.fixture
+async def job(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
+    await keel_env.start_recorder()
+    running = Job(keel_env, scratch_dir)
+    try:
+        yield running
+    finally:
+        await asyncio.to_thread(running.stop)
+
+
+async def test_an_agent_killed_and_restarted_under_a_running_job_resumes_it_from_its_memory_tier(job: Job) -> None:
+    await asyncio.to_thread(job.start)
+    victim = job.node("n01")
+    agent_dir = Path(victim["agent_dir"])
+    # Both nodes train and n01's memory tier holds a few steps.
+    for node in ("n00", "n01"):
+        await job.wait_for(["NodeHeartbeat"], lambda e, n=node: e.payload.node_id == n and e.payload.last_step >= 5,
+                           180, f"{node} stepping")
+    held = await job.wait_for(["CheckpointShardsStored"], lambda e: e.payload.node_id == "n01"
+                              and e.payload.tier == "memory" and max(s.step for s in e.payload.shards) >= 5, 60,
+                              "n01's memory tier past step 5")
+    in_memory_before = max(s.step for s in held.payload.shards)
+    recorded = read_state(agent_dir)
+    assert recorded is not None and recorded.generation == 0 and list(recorded.ranks) == [1], recorded
+    old_ranks = ranks_of(agent_dir)
+    old_all = processes_of_socket(agent_dir / "agent.sock")  # ranks and zygote
+    assert [r.pid for r in recorded.ranks.values()] == old_ranks and old_ranks, (recorded, old_ranks)
+    slots = sorted(p.name for p in Path(victim["ckpt_dir"]).glob("rank1.slot*"))
+    assert slots, "no memory-tier slot on n01"
+
+    # The agent alone is SIGKILLed: its rank and zygote run on, orphaned; its state file stays.
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(victim["pid"]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not alive(victim["pid"])
+    assert all(process_start(pid) is not None for pid in old_ranks), "the ranks died with their agent"
+    killed_at = time.monotonic()
+
+    new_pid = await asyncio.to_thread(job.restart_agent, "n01")
+    ended = await job.wait_for(["RankExited"], lambda e: e.payload.node_id == "n01"
+                               and e.payload.error_type == "AgentRestarted", 60, "the rejoin's report of the old rank")
+    assert (ended.payload.rank, ended.payload.pid, ended.payload.generation) == (1, old_ranks[0], 0)
+    assert ended.payload.classification == "infrastructure"
+    # Nothing of the dead agent runs any more: its rank and its zygote were stopped by the new agent.
+    assert all(process_start(pid) is None for pid in old_all), [p for p in old_all if process_start(p) is not None]
+    # Its memory tier was kept (a new launch would have removed every slot).
+    assert sorted(p.name for p in Path(victim["ckpt_dir"]).glob("rank1.slot*")) == slots
+
+    # The controller restarts the job (after its diagnostics round); the broker plans the restore from
+    # memory, n01's rank from n01's own slots, at a step at least as new as the one held before the kill.
+    plan = await job.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation >= 1, 180,
+                              "the restore plan of the restarted job")
+    generation = plan.payload.generation
+    sources = {s.rank: s for s in plan.payload.sources}
+    assert (sources[1].tier, sources[1].node_id) == ("memory", "n01"), plan.payload
+    assert {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    assert plan.payload.step >= in_memory_before > 0, (plan.payload.step, in_memory_before)
+    inventory = await job.wait_for(["CheckpointInventoryReported"], lambda e: e.payload.node_id == "n01"
+                                   and e.payload.generation == generation, 10, "n01's inventory")
+    assert any(x.tier == "memory" and x.rank == 1 and x.step == plan.payload.step for x in inventory.payload.entries)
+    restarted = await job.wait_for(["RanksRestarted"], lambda e: e.payload.node_id == "n01"
+                                   and e.payload.generation == generation, 30, "n01's restart")
+    assert restarted.payload.outcome == "restarted", restarted.payload
+    started = await job.wait_for(["RankStarted"], lambda e: e.payload.node_id == "n01"
+                                 and e.payload.generation == generation, 30, "n01's new rank")
+
+    # Training resumes past the restored step on both nodes, and the incident is resolved.
+    for node in ("n00", "n01"):
+        await job.wait_for(["NodeHeartbeat"], lambda e, n=node: e.payload.node_id == n
+                           and e.occurred_at > started.occurred_at and e.payload.last_step > plan.payload.step,
+                           120, f"{node} stepping past the restored step {plan.payload.step}")
+    resumed_s = time.monotonic() - killed_at
+    resolved = await job.wait_for(["IncidentResolved"], lambda e: True, 60, "the incident resolved")
+    assert resolved.payload.outcome == "recovered", resolved.payload
+    # No orphan: the node's processes are the new agent's rank (and zygote), nothing else.
+    assert ranks_of(agent_dir) == [started.payload.pid], (ranks_of(agent_dir), started.payload.pid)
+    assert alive(new_pid)
+    print(f"rejoin: killed at step >= {in_memory_before}, restored step {plan.payload.step} from memory, "
+          f"generation {generation}, training past it {resumed_s:.1f} s after the kill")
