@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ import pytest
 from keel.agent.rejoin import process_start, processes_of_socket, read_state
 from keel.cluster.local import alive, cluster_down, cluster_up, load_cluster, ranks_of, spawn_agent
 from keel.events.envelope import Event
+from keel.infra.embedded import free_port
 from tests.integration.test_crashes import service_env, start_service_process
 
 pytestmark = pytest.mark.integration
@@ -124,6 +129,9 @@ async def test_an_agent_killed_and_restarted_under_a_running_job_resumes_it_from
                               and e.payload.tier == "memory" and max(s.step for s in e.payload.shards) >= 5, 60,
                               "n01's memory tier past step 5")
     in_memory_before = max(s.step for s in held.payload.shards)
+    # n01 holds rank 0's backup for n00 (the peer tier): the restart must not lose that either.
+    await job.wait_for(["CheckpointShardsStored"], lambda e: e.payload.node_id == "n01" and e.payload.tier == "peer"
+                       and any(s.rank == 0 for s in e.payload.shards), 60, "n01 holding rank 0's backup")
     recorded = read_state(agent_dir)
     assert recorded is not None and recorded.generation == 0 and list(recorded.ranks) == [1], recorded
     old_ranks = ranks_of(agent_dir)
@@ -163,6 +171,7 @@ async def test_an_agent_killed_and_restarted_under_a_running_job_resumes_it_from
     inventory = await job.wait_for(["CheckpointInventoryReported"], lambda e: e.payload.node_id == "n01"
                                    and e.payload.generation == generation, 10, "n01's inventory")
     assert any(x.tier == "memory" and x.rank == 1 and x.step == plan.payload.step for x in inventory.payload.entries)
+    assert any(x.tier == "peer" and x.rank == 0 for x in inventory.payload.entries), inventory.payload.entries
     restarted = await job.wait_for(["RanksRestarted"], lambda e: e.payload.node_id == "n01"
                                    and e.payload.generation == generation, 30, "n01's restart")
     assert restarted.payload.outcome == "restarted", restarted.payload
@@ -182,3 +191,68 @@ async def test_an_agent_killed_and_restarted_under_a_running_job_resumes_it_from
     assert alive(new_pid)
     print(f"rejoin: killed at step >= {in_memory_before}, restored step {plan.payload.step} from memory, "
           f"generation {generation}, training past it {resumed_s:.1f} s after the kill")
+
+
+_STEP_LINE = re.compile(r"^step (\d+) loss ", re.M)
+
+
+def steps_in(path: Path) -> list[int]:
+    try:
+        return [int(step) for step in _STEP_LINE.findall(path.read_text())]
+    except OSError:
+        return []
+
+
+def test_an_unsupervised_agent_killed_and_run_again_resumes_from_its_memory_tier(scratch_dir: Path) -> None:
+    """Plain ``keel run`` (no NATS, no controller): run again after its agent was SIGKILLed, it stops the
+    orphaned rank and restarts it from the node's memory tier (a local plan), not from step 0."""
+    agent_dir = scratch_dir / "agent"
+    ckpt_dir = Path("/dev/shm") / f"keel-test-{uuid.uuid4().hex[:10]}"
+    argv = [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "1",
+            "--master-port", str(free_port()), "--keel-job-id", "solo", "--keel-agent-dir", str(agent_dir),
+            "--keel-ckpt-dir", str(ckpt_dir), *TRAIN]
+    env = {k: v for k, v in os.environ.items() if k != "KEEL_NATS_URL"} | {"KEEL_HOME": str(scratch_dir / "home")}
+    agent_dir.mkdir(parents=True)
+    first = spawn_agent(argv, env, agent_dir)
+    second = None
+    try:
+        stdout0 = agent_dir / "logs" / "rank0.g0.stdout"
+        deadline = time.monotonic() + 180
+        while max(steps_in(stdout0), default=-1) < 10:
+            assert time.monotonic() < deadline and first.poll() is None, (first.poll(), steps_in(stdout0)[-3:])
+            time.sleep(0.1)
+        old = processes_of_socket(agent_dir / "agent.sock")
+        assert old, "no rank or zygote found"
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        assert all(process_start(pid) is not None for pid in old), "the rank died with its agent"
+        killed_at_step = max(steps_in(stdout0))
+
+        second = spawn_agent(argv, env, agent_dir)
+        stdout1 = agent_dir / "logs" / "rank0.g1.stdout"
+        deadline = time.monotonic() + 180
+        while len(steps_in(stdout1)) < 3:
+            assert time.monotonic() < deadline and second.poll() is None, (second.poll(), (agent_dir / "agent.log")
+                                                                           .read_text()[-3000:])
+            time.sleep(0.1)
+        assert all(process_start(pid) is None for pid in old), "a process of the dead agent is still running"
+        plan = json.loads((agent_dir / "restore" / "g1.json").read_text())
+        assert plan["step"] >= 10 and plan["shards"]["0"]["tier"] == "memory", plan
+        # The rank resumed after the restored step (not at step 0), a step at most one slot behind the last
+        # one the old rank printed before its agent was killed, or newer.
+        assert steps_in(stdout1)[0] == plan["step"] + 1 and plan["step"] >= killed_at_step - 2, (
+            steps_in(stdout1)[:3], plan["step"], killed_at_step)
+        new = processes_of_socket(agent_dir / "agent.sock")
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 143
+        # Stopped on purpose: its ranks stopped with it, and no state left (the next run is a new launch).
+        assert all(process_start(pid) is None for pid in new) and processes_of_socket(agent_dir / "agent.sock") == []
+        assert read_state(agent_dir) is None
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+        for pid in processes_of_socket(agent_dir / "agent.sock"):
+            os.killpg(pid, signal.SIGKILL)
+        shutil.rmtree(ckpt_dir, ignore_errors=True)

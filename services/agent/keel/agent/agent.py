@@ -337,7 +337,7 @@ class NodeAgent:
         for rank, state in list(self.channel.ranks.items()):
             run("metric watch", self._watch_rank, rank, state)
         # A replay's ranks end by design: their exits answer the replay, they are not the job's.
-        polled = run("rank exits", self.supervisor.poll, default=[]) or []
+        polled: list[RankExit] = run("rank exits", self.supervisor.poll) or []
         exits = run("sdc replay exits", self.replays.take_exits, polled, default=polled) or []
         failures = [e for e in exits if self._report_exit_guarded(e)]
         run("diagnostics rounds", self.rounds.poll)
@@ -597,7 +597,8 @@ class NodeAgent:
             run("shutdown", self.supervisor.stop_all)
             run("shutdown", self.supervisor.close_zygote)
             run("shutdown", self.stacks.close)
-            for exit_ in run("shutdown", self.supervisor.poll, default=[]) or []:
+            last_exits: list[RankExit] = run("shutdown", self.supervisor.poll) or []
+            for exit_ in last_exits:
                 self._report_exit_guarded(exit_)
             run("shutdown", self.heartbeat, self.clock())
             if consumer is not None:
