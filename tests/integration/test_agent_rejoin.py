@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.agent.rejoin import process_start, processes_of_socket, read_state
+from keel.agent.rejoin import AgentDirBusy, AgentLock, process_start, processes_of_socket, read_state
 from keel.cluster.local import alive, cluster_down, cluster_up, load_cluster, ranks_of, spawn_agent
 from keel.events.envelope import Event
 from keel.infra.embedded import free_port
@@ -256,3 +256,25 @@ def test_an_unsupervised_agent_killed_and_run_again_resumes_from_its_memory_tier
         for pid in processes_of_socket(agent_dir / "agent.sock"):
             os.killpg(pid, signal.SIGKILL)
         shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+
+def test_one_agent_per_folder_a_second_is_refused_and_the_lock_goes_with_its_holder(scratch_dir: Path) -> None:
+    agent_dir = scratch_dir / "agent"
+    first = AgentLock(agent_dir)
+    with pytest.raises(AgentDirBusy, match=f"another agent \\(pid {os.getpid()}\\) is running in {agent_dir}"):
+        AgentLock(agent_dir)
+    first.release()
+    AgentLock(agent_dir).release()
+    # A holder that dies however it dies (here SIGKILL) leaves the folder free.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from keel.agent.rejoin import AgentLock; AgentLock(Path(sys.argv[1])); "
+                               "print('locked', flush=True); time.sleep(60)", str(agent_dir)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with pytest.raises(AgentDirBusy, match=f"pid {holder.pid}"):
+            AgentLock(agent_dir)
+    finally:
+        holder.kill()
+        holder.wait(10)
+    AgentLock(agent_dir).release()
