@@ -11,6 +11,12 @@ polled from the loop. The handlers share the agent's state through ``commands.No
 A standby runs the local checks (GPU matmul, intra-node all-to-all) once when it starts and reports
 ``StandbyChecked``: only a passing standby counts for the pool.
 
+Every piece of a tick runs isolated (``keel.agent.isolation``): one that raises is logged, rate-limited,
+and the rest of the tick (the heartbeat included) and the next ticks go on; the ranks are never stopped
+for it. The agent holds its folder's lock and records its state there (``keel.agent.rejoin``): an agent
+restarted after its predecessor died stops what that one left running and, under the same job and node,
+rejoins it with the node's memory tier intact.
+
 Failure handling without a controller (``supervised=False``, plain ``keel run``): like torchrun,
 a failed rank stops the node's other ranks, then the agent restarts them locally while
 ``--max-restarts`` allows, else exits non-zero. Supervised (a local cluster, a real deployment),
@@ -147,6 +153,7 @@ class NodeAgent:
         self.previous = read_state(spec.agent_dir)
         """What the folder's previous agent recorded, if it died without ending (``keel.agent.rejoin``)."""
         self._recorded_state = ""
+        self._recorded_fingerprint: tuple[object, ...] | None = None
         self.pieces = Pieces(spec.node_id, log)
         """Each piece of a tick runs guarded: an exception is logged (rate-limited), the rest goes on."""
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
@@ -417,12 +424,21 @@ class NodeAgent:
                           failed=self.failed)
 
     def record_state(self) -> None:
-        """Write ``<agent_dir>/agent.json`` when what it says changed."""
+        """Write ``<agent_dir>/agent.json`` when what it says changed. Runs on every wake-up: a cheap
+        fingerprint first, the ``/proc`` reads only when it moved."""
+        zygote, code = self.supervisor.zygote, self.supervisor.code
+        fingerprint = (self.generation, self.spec.node_rank, self.spec.standby, self.held, self.failed,
+                       tuple((rank, p.pid) for rank, p in self.supervisor.ranks.items()),
+                       zygote.pid if zygote is not None and zygote.popen.returncode is None else None,
+                       code.version_id if code is not None else None)
+        if fingerprint == self._recorded_fingerprint:
+            return
         state = self.current_state()
         text = state.to_json()
         if text != self._recorded_state:
             write_state(self.spec.agent_dir, state)
             self._recorded_state = text
+        self._recorded_fingerprint = fingerprint
 
     def find_leftovers(self) -> list[int]:
         """What a previous agent of this folder left running (ranks, their workers, its zygote, a diagnostics
