@@ -629,7 +629,9 @@ class NodeCheckpointing:
         # backups moves (a send finished here, a backup landed here): rounds fall on the same steps on
         # every node, so reports of them let the broker commit a step on every rank even when steps are
         # much faster than the interval (time-based reports of the newest step would rarely coincide).
-        received = self.transport.backups_received() if self.transport is not None else 0
+        transport = self.transport
+        counted = run("backup report", transport.backups_received) if transport is not None else 0
+        received = self.received_at_report if counted is None else counted
         due = monotonic_s - self.last_report_at >= self.report_interval.total_seconds()
         if due or self.sent_since_report:
             run("memory report", self._report_memory)
