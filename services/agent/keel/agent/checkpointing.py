@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+from keel.agent.isolation import Pieces
 from keel.checkpoint import slots as ckpt_slots
 from keel.events.envelope import Event
 from keel.events.types import (
@@ -321,6 +322,8 @@ class NodeCheckpointing:
         if transport is not None:
             transport.on_backup_received(lambda: self.wake())  # self.wake is replaced once the loop runs
         self.node_dir.mkdir(parents=True, exist_ok=True)
+        self.pieces = Pieces(f"{node_id} checkpointing", log)
+        """Each duty of a tick runs guarded: one that raises is logged (rate-limited), the others go on."""
         self.pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"keel-ckpt-{node_id}")
         self.generation = 0
         self.registered_generation: int | None = None
@@ -359,6 +362,13 @@ class NodeCheckpointing:
         shutil.rmtree(self.node_dir / SENT_DIR, ignore_errors=True)
         shutil.rmtree(self.agent_dir / "restore", ignore_errors=True)
         self._write_plan(0, -1, {}, reason="a new launch starts fresh")
+
+    def rejoin(self, generation: int) -> None:
+        """A restarted agent took over ``generation`` of a running job (``keel.agent.rejoin``): the node's
+        slots, sent copies and held backups are kept as they are (no ``start_fresh``) for the inventory of
+        the restart that follows; its ranks are gone, so nothing is registered for this generation."""
+        self.generation = generation
+        self.registered_generation = generation
 
     def close(self, *, job_finished: bool) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -605,24 +615,28 @@ class NodeCheckpointing:
         """Fold finished background work into events and start new work.
 
         ``groups``/``checkpoint_steps``: what the channel knows of each local rank of the current generation.
+        Each duty runs guarded (``self.pieces``): one that raises does not keep the others from running.
         """
-        self._register(groups)
-        self._collect_inventory()
-        self._collect_sends()
-        self._collect_persists()
-        self._finish_plan_if_ready()
-        self._start_sends(checkpoint_steps)
-        self._start_persists(checkpoint_steps)
+        run = self.pieces.run
+        run("registration", self._register, groups)
+        run("inventory", self._collect_inventory)
+        run("backup sends", self._collect_sends)
+        run("persists", self._collect_persists)
+        run("restore plan", self._finish_plan_if_ready)
+        run("backup sends", self._start_sends, checkpoint_steps)
+        run("persists", self._start_persists, checkpoint_steps)
         # Memory and backups are reported once per report interval, and also as soon as a round of
         # backups moves (a send finished here, a backup landed here): rounds fall on the same steps on
         # every node, so reports of them let the broker commit a step on every rank even when steps are
         # much faster than the interval (time-based reports of the newest step would rarely coincide).
-        received = self.transport.backups_received() if self.transport is not None else 0
+        transport = self.transport
+        counted = run("backup report", transport.backups_received) if transport is not None else 0
+        received = self.received_at_report if counted is None else counted
         due = monotonic_s - self.last_report_at >= self.report_interval.total_seconds()
         if due or self.sent_since_report:
-            self._report_memory()
+            run("memory report", self._report_memory)
         if due or received != self.received_at_report:
-            self._report_backups()
+            run("backup report", self._report_backups)
             self.received_at_report = received
         if due:
             self.last_report_at = monotonic_s
