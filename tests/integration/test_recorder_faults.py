@@ -83,3 +83,103 @@ async def test_postgres_killed_mid_copy_loses_nothing_doubles_nothing(own_postgr
             await bus.js.delete_stream(stream)
         await bus.close()
         await engine.dispose()
+
+
+async def test_a_full_stream_pushes_back_and_loses_nothing_the_recorder_has_not_stored(keel_env, servers: Servers,
+                                                                                     caplog) -> None:
+    """A tiny stream (64 KiB) filled while the recorder is stopped: publishers are refused with a clear error
+    (StreamFull, logged once), the outbox keeps what it could not publish, the stream drops nothing; once
+    the recorder runs it stores everything and purges what it stored, and the outbox drains into it."""
+    from keel.infra.bus import StreamFull
+    from keel.infra.config import BusSettings, RecorderSettings
+    from keel.infra.metrics import REGISTRY
+    from keel.infra.outbox import Outbox
+
+    tag = keel_env.settings.bus.subject_prefix
+    bus_settings = BusSettings(subject_prefix=f"{tag}f", stream=f"{tag.upper()}F", dlq_stream=f"{tag.upper()}F_DLQ",
+                               max_bytes="64KiB", publish_attempts=2, retry_backoff_initial="20ms")
+    bus = await Bus.connect(servers.nats_url, bus_settings, administer=True)
+    outbox = Outbox(servers.nats_url, bus_settings, name="test-outbox")
+    outbox_stop = asyncio.Event()
+    publishing = asyncio.create_task(outbox.run(outbox_stop))
+    refusals = REGISTRY.counter("keel_stream_full_refusals_total", "").value()
+    events = fleet_events(600)
+    try:
+        info = await bus.js.stream_info(bus_settings.stream)
+        assert info.config.discard == "new" or getattr(info.config.discard, "value", None) == "new"
+        for event in events[:500]:
+            outbox.put(event)
+
+        async def refused() -> bool:
+            return REGISTRY.counter("keel_stream_full_refusals_total", "").value() > refusals
+
+        await wait_until(refused, 60, "the stream to fill and refuse the outbox")
+        with pytest.raises(StreamFull, match="is full .* is the recorder running"):
+            await bus.publish(events[500])
+        with pytest.raises(StreamFull):
+            await bus.publish_many(events[500:])
+        state = (await bus.js.stream_info(bus_settings.stream)).state
+        assert state.first_seq == 1 and state.bytes <= 64 * 1024  # full, and nothing was discarded
+        assert 0 < state.messages < 500 and outbox.pending and outbox.dropped == 0
+        assert any("is full" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+        for event in events[500:]:
+            outbox.put(event)  # what the refused publishers keep, as an agent would
+
+        recorder = Recorder(bus, keel_env.engine, RecorderSettings(
+            consumer="recorder", batch_size=50, stream_check_interval="50ms"))
+        await recorder.start()
+        stop = asyncio.Event()
+        recording = asyncio.create_task(recorder.run(stop))
+        try:
+            async def all_recorded() -> bool:
+                return await keel_env.store.count() >= len(events)
+
+            await wait_until(all_recorded, 120, "every event to reach PostgreSQL")
+            assert await outbox.flush(10) and outbox.dropped == 0
+            ids = [r.event.id async for r in keel_env.store.read()]
+            assert len(ids) == len(set(ids)) == len(events) and set(ids) == {e.id for e in events}
+            assert recorder.stats.trimmed > 0
+            state = (await bus.js.stream_info(bus_settings.stream)).state
+            assert state.first_seq > 1 and state.bytes <= 64 * 1024
+        finally:
+            stop.set()
+            await asyncio.wait_for(recording, 30)
+    finally:
+        outbox_stop.set()
+        await asyncio.wait_for(publishing, 30)
+        await outbox.close()
+        for stream in (bus_settings.stream, bus_settings.dlq_stream):
+            await bus.js.delete_stream(stream)
+        await bus.close()
+
+
+async def test_recorder_lag_is_an_event_and_a_metric(keel_env) -> None:
+    """Events wait 2 s in the stream before the recorder starts: its first batches are over the 1 s threshold
+    (a RecorderLagReported, above, with the pending count), and once it has caught up it reports the return
+    below; the metrics say the same."""
+    from keel.events.types import SYSTEM_JOB, RecorderLagReported
+    from keel.infra.config import RecorderSettings
+    from keel.infra.metrics import REGISTRY
+
+    recorded_before = REGISTRY.counter("keel_events_recorded_total", "").value()
+    events = fleet_events(400)
+    await keel_env.bus.publish_many(events)
+    await asyncio.sleep(2.0)
+    recorder = await keel_env.start_recorder(RecorderSettings(batch_size=50, lag_threshold="1s",
+                                                              lag_report_interval="1h"))
+
+    async def reported_back() -> bool:
+        return recorder.stats.lag_reports >= 2
+
+    await wait_until(reported_back, 30, "the lag reports")
+    await keel_env.wait_for_count(len(events) + 2)
+    reports = [r.event async for r in keel_env.store.read() if r.event.type == RecorderLagReported.event_name]
+    assert [r.payload.above for r in reports] == [True, False]
+    above, below = (r.payload for r in reports)
+    assert isinstance(above, RecorderLagReported) and isinstance(below, RecorderLagReported)
+    assert above.lag_s >= 2.0 and above.pending == len(events) - 50 and above.threshold_s == 1.0
+    assert below.lag_s < 1.0 and reports[0].job_id == SYSTEM_JOB and reports[0].subject == "recorder/recorder"
+    assert REGISTRY.counter("keel_events_recorded_total", "").value() - recorded_before >= len(events)
+    assert REGISTRY.gauge("keel_recorder_lag_seconds", "").value() < 1.0
+    text = REGISTRY.render()
+    assert "# TYPE keel_recorder_lag_seconds gauge" in text and "keel_recorder_batch_seconds_count" in text

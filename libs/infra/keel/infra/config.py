@@ -115,6 +115,28 @@ class RecorderSettings(_Section):
     and never waits for a batch to fill)."""
     consumer: str = "recorder"
     """The durable JetStream consumer's name; also the recorder's row in the ``tracking`` table."""
+    stream_trim_at: float = Field(0.8, gt=0, le=1)
+    """The events stream refuses new events at its limit (discard-new: publishers back off and retry, never
+    drop) rather than drop unrecorded ones. Once it is this full (of ``bus.max_bytes``), the recorder purges
+    the oldest events it has stored..."""
+    stream_trim_to: float = Field(0.5, ge=0, lt=1)
+    """...down to about this fraction of the limit (never an event it has not stored). A consumer further
+    behind than that loses those events from its live feed (a decider reads them from the log at its next
+    cold start)."""
+    stream_check_interval: Duration = parse_duration("1s")
+    """How often the recorder checks how full the events stream is."""
+    lag_threshold: Duration = parse_duration("10s")
+    """Recorder lag (now minus the arrival in the stream of the oldest event not yet stored) above which it
+    publishes ``RecorderLagReported``; it reports again when the lag falls back below."""
+    lag_report_interval: Duration = parse_duration("1m")
+    """While the lag stays above ``lag_threshold``, a ``RecorderLagReported`` this often."""
+
+    @model_validator(mode="after")
+    def _trim_below_threshold(self) -> RecorderSettings:
+        if self.stream_trim_to >= self.stream_trim_at:
+            raise ValueError(f"stream_trim_to ({self.stream_trim_to}) must be below stream_trim_at "
+                             f"({self.stream_trim_at})")
+        return self
 
 
 class ControllerSettings(_Section):
