@@ -112,6 +112,7 @@ class Recorder:
         self._events = EventConsumer(bus, settings.consumer, batch_size=settings.batch_size,
                                      fetch_timeout_s=settings.fetch_timeout.total_seconds(), max_deliver=-1)
         self._lag = LagReporting()
+        self._reporting: asyncio.Task[None] | None = None
         self._next_trim_check_s = 0.0
 
     async def start(self) -> None:
@@ -140,6 +141,11 @@ class Recorder:
         finally:
             if not fetching.done():
                 fetching.cancel()
+            if self._reporting is not None and not self._reporting.done():
+                try:
+                    await asyncio.wait_for(self._reporting, 5)
+                except TimeoutError:
+                    log.warning("recorder: its last lag report was not published before it stopped")
 
     async def run_once(self) -> int:
         """Fetch and record one batch; returns the number of messages handled."""
@@ -197,6 +203,13 @@ class Recorder:
             job_id=SYSTEM_JOB, subject=f"recorder/{self.settings.consumer}", producer="recorder", occurred_at=now)
         log.log(logging.WARNING if self._lag.above else logging.INFO, "recorder lag %.1f s (%d pending) is %s the "
                 "%.0f s threshold", lag_s, pending, "above" if self._lag.above else "back below", threshold_s)
+        # In the background: a report must never hold up recording (a full stream refuses it after retries).
+        if self._reporting is not None and not self._reporting.done():
+            log.warning("recorder: the previous lag report is still being published; this one is left out")
+            return
+        self._reporting = asyncio.create_task(self._publish_report(report))
+
+    async def _publish_report(self, report: Event) -> None:
         try:
             await self.bus.publish(report)
             self.stats.lag_reports += 1
