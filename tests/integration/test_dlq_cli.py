@@ -42,6 +42,20 @@ async def stored(keel_env) -> list[Any]:  # type: ignore[no-untyped-def]
         return list((await conn.execute(sa.select(events.c.event_id, events.c.type, events.c.schema_version))).all())
 
 
+class InProcess:
+    """``keel ARGS`` run in this process (the test's code, fixes included), its output read from capsys: the
+    same ``main`` as the console script, without an interpreter start per call."""
+
+    def __init__(self, capsys) -> None:  # type: ignore[no-untyped-def]
+        self.capsys = capsys
+
+    async def __call__(self, *args: str) -> subprocess.CompletedProcess:
+        self.capsys.readouterr()
+        status = await asyncio.to_thread(main, list(args))
+        out = self.capsys.readouterr()
+        return subprocess.CompletedProcess(["keel", *args], status, out.out, out.err)
+
+
 def _lenient_v1(payload: dict[str, Any]) -> dict[str, Any]:
     """The "code fix": a v1 NodeHealthChanged without its node is read as an unknown node's (the shipped
     upcaster raises KeyError on it)."""
@@ -74,6 +88,10 @@ async def test_dead_letters_listed_shown_and_redriven_once_nothing_lost(keel_env
 
     await wait_for(three_dead, "three dead letters")
     env = service_env(settings)
+    for name, value in env.items():
+        if name.startswith("KEEL_"):
+            monkeypatch.setenv(name, value)
+    run = InProcess(capsys)
 
     # ls: a table, JSON, and the filters.
     listed = await keel(env, "dlq", "ls")
@@ -81,64 +99,60 @@ async def test_dead_letters_listed_shown_and_redriven_once_nothing_lost(keel_env
     lines = listed.stdout.splitlines()
     assert lines[0].split()[:3] == ["ID", "WHEN", "AGE"] and len(lines) == 4
     assert "cannot be upcast" in lines[1] and "NUL" in lines[2] and "published on" in lines[3]
-    as_json = await keel(env, "dlq", "ls", "--json")
+    as_json = await run("dlq", "ls", "--json")
     rows = json.loads(as_json.stdout)
     assert [r["job"] for r in rows] == ["job1", "job1", "otherjob"]
     assert {r["type"] for r in rows} == {"NodeHealthChanged"}
     assert [r["size"] for r in rows] == [len(json.dumps(m).encode()) for m in (old, nul, wrong)]
     old_dl, nul_dl, wrong_dl = (r["id"] for r in rows)
-    only_other = json.loads((await keel(env, "dlq", "ls", "--json", "--job", "otherjob")).stdout)
+    only_other = json.loads((await run("dlq", "ls", "--json", "--job", "otherjob")).stdout)
     assert [r["id"] for r in only_other] == [wrong_dl]
-    newest = json.loads((await keel(env, "dlq", "ls", "--json", "--limit", "1")).stdout)
+    newest = json.loads((await run("dlq", "ls", "--json", "--limit", "1")).stdout)
     assert [r["id"] for r in newest] == [wrong_dl]
-    none_yet = await keel(env, "dlq", "ls", "--since", "2199-01-01T00:00:00")
+    none_yet = await run("dlq", "ls", "--since", "2199-01-01T00:00:00")
     assert none_yet.returncode == 0 and "no dead letters" in none_yet.stdout
-    bad_since = await keel(env, "dlq", "ls", "--since", "yesterday")
+    bad_since = await run("dlq", "ls", "--since", "yesterday")
     assert bad_since.returncode == 2 and "--since" in bad_since.stderr
 
     # show: headers and body; --raw: the exact bytes.
-    shown = await keel(env, "dlq", "show", str(nul_dl))
+    shown = await run("dlq", "show", str(nul_dl))
     assert shown.returncode == 0, shown.stderr
     assert f"subject:     {subject}" in shown.stdout and "NUL" in shown.stdout
     assert "Keel-Dlq-Stream-Seq" in shown.stdout and str(nul_id) in shown.stdout
     raw = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "keel.cli.main", "dlq", "show", str(nul_dl),
                                                    "--raw"], env=env, capture_output=True, timeout=60)
     assert raw.returncode == 0 and raw.stdout == json.dumps(nul).encode()
-    missing = await keel(env, "dlq", "show", "999999")
+    missing = await run("dlq", "show", "999999")
     assert missing.returncode == 1 and "no dead letter 999999" in missing.stderr
 
     # Before the fix the old event is refused, with the reason, and stays.
-    refused = await keel(env, "dlq", "redrive", str(old_dl))
+    refused = await run("dlq", "redrive", str(old_dl))
     assert refused.returncode == 1 and "cannot be upcast" in refused.stderr, refused.stderr
     # A wrong subject is refused as it is.
-    refused = await keel(env, "dlq", "redrive", str(wrong_dl), "--by", "alice")
+    refused = await run("dlq", "redrive", str(wrong_dl), "--by", "alice")
     assert refused.returncode == 1 and "belongs on" in refused.stderr, refused.stderr
     # A corrected body that is still invalid is refused.
     still_bad = scratch_dir / "still-bad.json"
     still_bad.write_bytes(json.dumps(nul).encode())
-    refused = await keel(env, "dlq", "redrive", str(nul_dl), "--body", str(still_bad))
+    refused = await run("dlq", "redrive", str(nul_dl), "--body", str(still_bad))
     assert refused.returncode == 1 and "corrected body is still not a valid event" in refused.stderr
 
     # The corrected body: the NUL replaced.
     fixed = scratch_dir / "fixed.json"
     fixed.write_bytes(raw.stdout.replace(b"\\u0000", b"\\ufffd"))
-    redriven = await keel(env, "dlq", "redrive", str(nul_dl), "--body", str(fixed), "--by", "bob")
+    redriven = await run("dlq", "redrive", str(nul_dl), "--body", str(fixed), "--by", "bob")
     assert redriven.returncode == 0, redriven.stderr
     assert f"redrove {nul_dl} as bob: published NodeHealthChanged {nul_id}" in redriven.stdout
 
     # The code fix (here: a lenient upcaster in this process, the recorder's and the CLI's), then a
     # dry run that changes nothing, then the redrive of everything left: the wrong subject is refused.
     monkeypatch.setitem(REGISTRY._types["NodeHealthChanged"].upcasters, 1, _lenient_v1)
-    for name, value in env.items():
-        if name.startswith("KEEL_"):
-            monkeypatch.setenv(name, value)
-    dry = await asyncio.to_thread(main, ["dlq", "redrive", "--all", "--dry-run"])
-    out = capsys.readouterr()
-    assert dry == 1 and f"would redrive {old_dl}" in out.out and f"refused {wrong_dl}" in out.err, out
-    assert len(json.loads((await keel(env, "dlq", "ls", "--json")).stdout)) == 2
-    status = await asyncio.to_thread(main, ["dlq", "redrive", "--all", "--by", "alice"])
-    out = capsys.readouterr()
-    assert status == 1 and f"redrove {old_dl} as alice" in out.out and "1 of 2 dead letters refused" in out.err, out
+    dry = await run("dlq", "redrive", "--all", "--dry-run")
+    assert dry.returncode == 1 and f"would redrive {old_dl}" in dry.stdout and f"refused {wrong_dl}" in dry.stderr, dry
+    assert len(json.loads((await run("dlq", "ls", "--json")).stdout)) == 2
+    done_all = await run("dlq", "redrive", "--all", "--by", "alice")
+    assert done_all.returncode == 1 and f"redrove {old_dl} as alice" in done_all.stdout, done_all
+    assert "1 of 2 dead letters refused" in done_all.stderr
 
     # Recorded once each: the two events and two DeadLetterRedriven; nothing lost, nothing doubled.
     async def six() -> bool:
@@ -162,10 +176,10 @@ async def test_dead_letters_listed_shown_and_redriven_once_nothing_lost(keel_env
     assert "NUL" in p.reason and p.original_subject == subject
 
     # What is left: the refused one; the table keeps all three originals.
-    left = json.loads((await keel(env, "dlq", "ls", "--json")).stdout)
+    left = json.loads((await run("dlq", "ls", "--json")).stdout)
     assert [r["id"] for r in left] == [wrong_dl]
     assert len(await keel_env.store.dead_letters()) == 3
-    gone = await keel(env, "dlq", "redrive", str(old_dl))
+    gone = await run("dlq", "redrive", str(old_dl))
     assert gone.returncode == 1 and f"no dead letter {old_dl}" in gone.stderr
 
     # A redrive interrupted after its publish (before its record and the removal) finishes on a second
