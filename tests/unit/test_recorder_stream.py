@@ -108,3 +108,23 @@ def test_metrics_render_in_the_prometheus_text_format() -> None:
         "# HELP keel_lag_seconds Lag", "# TYPE keel_lag_seconds gauge", "keel_lag_seconds 0",
         "# HELP keel_things_total Things", "# TYPE keel_things_total counter", 'keel_things_total{kind="a\\"b"} 3',
     ]
+
+
+def test_keels_own_reports_start_no_job_clock() -> None:
+    """A RecorderLagReported (job ``_keel``) is an input like any other to the controller, but no job's: the
+    job clock must not tick ``_keel`` for ``controller.clock_linger`` after each report."""
+    from keel.controller.adapter import Controller
+    from keel.events.envelope import Event
+    from keel.events.types import SYSTEM_JOB, RecorderLagReported
+    from keel.infra.config import Settings
+    from tests.factories import T0
+
+    class NoBus:
+        """Choosing the jobs to tick publishes nothing."""
+
+    controller = Controller(NoBus(), None, Settings(), clock=lambda: T0)  # type: ignore[arg-type]
+    report = Event.create(RecorderLagReported(consumer="recorder", lag_s=12.0, pending=5, threshold_s=10.0, above=True),
+                          job_id=SYSTEM_JOB, subject="recorder/recorder", producer="recorder", occurred_at=T0)
+    controller._note_input(report)
+    controller._note_input(health_event("n1"))
+    assert controller.jobs_to_tick() == ["job1"]

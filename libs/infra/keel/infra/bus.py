@@ -44,6 +44,7 @@ from nats.js import JetStreamContext, api
 
 from keel.events.envelope import Event
 from keel.infra.config import BusSettings
+from keel.infra.metrics import STREAM_FULL_REFUSALS
 from keel.infra.subjects import event_subject
 
 log = logging.getLogger(__name__)
@@ -258,8 +259,6 @@ class Bus:
 
     def _note_stream_full(self, subject: str) -> None:
         """Back-pressure, said once per episode (a publish that goes through ends it), and counted."""
-        from keel.infra.metrics import STREAM_FULL_REFUSALS
-
         STREAM_FULL_REFUSALS.inc()
         if not self._stream_full_said:
             self._stream_full_said = True

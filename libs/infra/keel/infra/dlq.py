@@ -45,6 +45,7 @@ from keel.infra.bus import (
     HEADER_DLQ_TRUNCATED,
     Bus,
 )
+from keel.infra.subjects import event_subject
 
 REDRIVE_PRODUCER = "keel-dlq"
 _REDRIVE_NAMESPACE = uuid.UUID("1b8f5a52-7c0e-4f0e-9d53-2b8c1f0d6a11")
@@ -111,8 +112,6 @@ def redrive_record_id(dlq_stream: str, dlq_seq: int) -> uuid.UUID:
 def plan_redrive(dead_letter: DeadLetter, body: bytes | None, *, prefix: str, max_event_bytes: int) -> Redrive:
     """Decide whether ``dead_letter`` can be redriven, as it is (``body`` None) or as ``body`` (pure).
     Raises ``RedriveRefused`` with the reason."""
-    from keel.infra.subjects import event_subject
-
     corrected = body is not None
     if body is None:
         if dead_letter.truncated:
