@@ -72,7 +72,11 @@ class BusSettings(_Section):
     max_age: Duration = parse_duration("7d")
     """Stream retention: Postgres is the system of record, the stream is a durable buffer in front of it."""
     max_bytes: ByteSize = parse_size("2GiB")
-    """Per stream. JetStream reserves this much file storage up front, so it must fit the disk."""
+    """Per stream. JetStream reserves this much file storage up front, so it must fit the disk. At this limit
+    the events stream refuses new events (discard-new: publishers back off and keep them) until the recorder
+    has stored and purged older ones; size it for the event rate times the longest recorder or PostgreSQL
+    outage to ride through without back-pressure (2.2 events/s per node of ~500 B: 1,000 nodes fill 2 GiB
+    in about 30 min)."""
     replicas: int = Field(1, ge=1, le=5)
     """JetStream stream replicas: 1 for the embedded single server, 3 (R3) in production clusters."""
     duplicate_window: Duration = parse_duration("2m")
