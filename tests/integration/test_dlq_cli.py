@@ -113,6 +113,8 @@ async def test_dead_letters_listed_shown_and_redriven_once_nothing_lost(keel_env
     assert none_yet.returncode == 0 and "no dead letters" in none_yet.stdout
     bad_since = await run("dlq", "ls", "--since", "yesterday")
     assert bad_since.returncode == 2 and "--since" in bad_since.stderr
+    bad_job = await run("dlq", "ls", "--job", "a.b")
+    assert bad_job.returncode == 2 and "not a job id" in bad_job.stderr
 
     # show: headers and body; --raw: the exact bytes.
     shown = await run("dlq", "show", str(nul_dl))

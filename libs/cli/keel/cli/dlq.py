@@ -112,6 +112,11 @@ def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     since = parse_since(args.since, now) if getattr(args, "since", None) else None
     if args.dlq_command == "ls" and args.limit < 1:
         raise CliError("--limit must be at least 1")
+    if getattr(args, "job", None):
+        from keel.events.envelope import JOB_ID_RE
+
+        if not JOB_ID_RE.match(args.job):
+            raise CliError(f"--job: {args.job!r} is not a job id (1 to 64 letters, digits, '_' or '-')")
     if args.dlq_command == "redrive":
         if args.body and args.all:
             raise CliError("--body corrects one dead letter: give its id, not --all")
