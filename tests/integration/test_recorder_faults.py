@@ -126,7 +126,7 @@ async def test_a_full_stream_pushes_back_and_loses_nothing_the_recorder_has_not_
             outbox.put(event)  # what the refused publishers keep, as an agent would
 
         recorder = Recorder(bus, keel_env.engine, RecorderSettings(
-            consumer="recorder", batch_size=50, stream_check_interval="50ms"))
+            consumer="recorder", batch_size=50, stream_check_interval="50ms", lag_threshold="1h"))
         await recorder.start()
         stop = asyncio.Event()
         recording = asyncio.create_task(recorder.run(stop))
