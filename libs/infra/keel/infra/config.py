@@ -124,9 +124,9 @@ class RecorderSettings(_Section):
     drop) rather than drop unrecorded ones. Once it is this full (of ``bus.max_bytes``), the recorder purges
     the oldest events it has stored..."""
     stream_trim_to: float = Field(0.5, ge=0, lt=1)
-    """...down to about this fraction of the limit (never an event it has not stored). A consumer further
-    behind than that loses those events from its live feed (a decider reads them from the log at its next
-    cold start)."""
+    """...down to about this fraction of the limit (never an event it has not stored). A running consumer
+    further behind than that never receives the purged events (a stopped one loses nothing: a decider's
+    cold start takes its unacknowledged tail from the log)."""
     stream_check_interval: Duration = parse_duration("1s")
     """How often the recorder checks how full the events stream is."""
     lag_threshold: Duration = parse_duration("10s")
