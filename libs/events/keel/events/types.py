@@ -1009,3 +1009,50 @@ class CodeVersionStable(EventPayload):
     steps: int = Field(ge=0)
     ran_s: float = Field(ge=0)
     reason: str
+
+
+# -- the control plane itself: dead letters, the recorder ---------------------------------------------
+
+SYSTEM_JOB = "_keel"
+"""The job id of events about Keel itself rather than a training job (``RecorderLagReported``)."""
+
+
+@event_type("DeadLetterRedriven", version=1, aggregate="dead_letter")
+class DeadLetterRedriven(EventPayload):
+    """``keel dlq redrive`` re-published a dead letter (``dlq_stream`` sequence ``dlq_seq``) on the subject its
+    event belongs on, as it was (a code fix made it acceptable) or with a corrected body, and removed it
+    from the dead-letter stream. The id is derived from the dead letter, so a redrive is recorded once.
+    The event's job is the redriven event's."""
+
+    dlq_stream: str
+    dlq_seq: int = Field(ge=1)
+    original_subject: str
+    original_stream_seq: int = Field(ge=0)
+    """The message's sequence in the events stream when it was dead-lettered (0: unknown)."""
+    reason: str
+    """Why it was dead-lettered."""
+    event_id: str
+    event_type: str
+    subject: str
+    """The subject it was re-published on."""
+    corrected: bool
+    """True: a corrected body was published in place of the dead-lettered bytes."""
+    body_sha256: str
+    """SHA-256 of the bytes re-published."""
+    by: str
+
+
+@event_type("RecorderLagReported", version=1, aggregate="recorder")
+class RecorderLagReported(EventPayload):
+    """How far the recorder is behind the stream: published when its lag crosses ``recorder.lag_threshold``
+    (either way) and every ``recorder.lag_report_interval`` while it stays above. Job ``_keel``
+    (``SYSTEM_JOB``). The same figures are the ``keel_recorder_lag_*`` metrics (``keel.infra.metrics``)."""
+
+    consumer: str
+    lag_s: float = Field(ge=0)
+    """Now minus the arrival in the stream of the oldest message of the newest batch written."""
+    pending: int = Field(ge=0)
+    """Messages in the stream the recorder had not yet been delivered (JetStream's pending count)."""
+    threshold_s: float = Field(ge=0)
+    above: bool
+    """The lag is above the threshold (False: the report of a return below it)."""
