@@ -7,7 +7,8 @@ a rank moved) keeps every assignment that is still as good as the best available
 ranks move.
 
 ``place_backups`` and ``ranks_text`` are pure maths over plain values; ``decide_placement`` is the
-decider's placement decision (``CheckpointBackupAssigned``) over a job's state. No I/O, no clock.
+decider's placement decision (``CheckpointNodeBackupsAssigned``, one part per node that runs ranks whose
+backup moved: it used to be one job-wide ``CheckpointBackupAssigned``) over a job's state. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
+from keel.checkpoint_broker.parts import split
 from keel.checkpoint_broker.schedule import announced_schedule
 from keel.checkpoint_broker.state import JobState, RankSite
 from keel.events.envelope import EventPayload
 from keel.events.types import (
     BackupAssignment,
-    CheckpointBackupAssigned,
     CheckpointBackupFailed,
+    CheckpointNodeBackupsAssigned,
     CheckpointRanksRegistered,
     NodeEvicted,
     NodeEvictionDecided,
@@ -232,8 +234,7 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
         # placement (costly on large jobs) and remind the node of its assignments.
         resent = sorted((job.backups[g.rank] for g in p.ranks), key=lambda a: a.rank)
         reason = f"{p.node_id} registered again, unchanged: its {len(resent)} assignment(s) re-sent"
-        payload = CheckpointBackupAssigned(assignments=resent, reason=reason, **announced_schedule(job.schedule))
-        return Decision(reason, (Proposal(payload, subject=subject, key="placement"),))
+        return Decision(reason, assignment_proposals(resent, reason, job))
     placed = place_backups(list(job.sites.values()), candidates, current=job.backups, avoid=job.avoid)
     changed = [a for a in placed if job.backups.get(a.rank) != a]
     registering = p.node_id if isinstance(p, CheckpointRanksRegistered) else None
@@ -258,8 +259,24 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
               + (f", {weaker} with a fallback" if weaker else "")
               + (f", {len(resent)} re-sent to {registering}" if resent else "") + note)
     assignments = sorted(changed + resent, key=lambda a: a.rank)
-    payload = CheckpointBackupAssigned(assignments=assignments, reason=reason, **announced_schedule(job.schedule))
-    return Decision(reason, (Proposal(payload, subject=subject, key="placement"),))
+    return Decision(reason, assignment_proposals(assignments, reason, job))
+
+
+def assignment_proposals(assignments: Sequence[BackupAssignment], reason: str, job: JobState) -> tuple[Proposal, ...]:
+    """``assignments`` as per-node parts (``CheckpointNodeBackupsAssigned``), each on the subject of the
+    node that runs the ranks (the one that sends their backups): nodes in sorted order, each node's
+    assignments by rank, split under ``PART_BUDGET_BYTES``."""
+    by_node: dict[str, list[BackupAssignment]] = {}
+    for assignment in sorted(assignments, key=lambda a: a.rank):
+        by_node.setdefault(assignment.node_id, []).append(assignment)
+    proposals = []
+    for node in sorted(by_node):
+        chunks = split(by_node[node])
+        proposals += [Proposal(CheckpointNodeBackupsAssigned(node_id=node, assignments=chunk, reason=reason, part=i,
+                                                             parts=len(chunks), **announced_schedule(job.schedule)),
+                               subject=f"node/{node}", key=f"placement/{node}/{i}")
+                      for i, chunk in enumerate(chunks)]
+    return tuple(proposals)
 
 
 def _same_as_before(job: JobState, p: CheckpointRanksRegistered, candidates: Mapping[str, str]) -> bool:

@@ -8,6 +8,8 @@
   generation arrived (or the wait timed out; ``decide_restore``), the newest step every rank can
   restore, each rank from its fastest reachable tier (memory, a peer's copy, disk) ->
   ``CheckpointRestorePlanned`` plus one ``CheckpointTierFallback`` per rank that cannot use its memory.
+  Each rank's source goes to the node that runs it, on that node's subject (``CheckpointNodeRestorePlanned``,
+  ``node_parts``): the job-wide plan is a summary whose size does not grow with the job.
   After an anomaly (a NaN or a spike at step s), only steps below s are candidates.
 
 No I/O, no clock: the wait times out on the job clock's ``TimerTicked`` (``keel.infra.clock``), an event.
@@ -16,14 +18,16 @@ No I/O, no clock: the wait times out on the job clock's ``TimerTicked`` (``keel.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from keel.checkpoint_broker.parts import split
 from keel.checkpoint_broker.placement import ranks_text
 from keel.checkpoint_broker.state import BrokerPolicy, JobState, PersistedStep, RestoreWait
 from keel.events.types import (
     CheckpointInventoryReported,
+    CheckpointNodeRestorePlanned,
     CheckpointRestorePlanned,
     CheckpointShardsStored,
     CheckpointStepCommitted,
@@ -252,11 +256,48 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
                         previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited,
                         below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
                         else None)
-    payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=list(plan.sources),
-                                       reason=plan.reason)
-    proposals = [Proposal(payload, subject=subject, key=f"plan/{generation}")]
+    parts, unplaced = node_parts(plan, targets)
+    payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=unplaced, reason=plan.reason,
+                                       ranks=len(plan.sources), tiers=dict(sorted(Counter(s.tier for s in plan.sources).items())),
+                                       node_parts=len(parts))
+    # The parts first: an agent that has the plan has (in stream order) every part addressed to it.
+    proposals = [Proposal(part, subject=f"node/{part.node_id}", key=f"plan/{generation}/{part.node_id}/{part.part}")
+                 for part in parts]
+    proposals.append(Proposal(payload, subject=subject, key=f"plan/{generation}"))
     proposals += [Proposal(f, subject=subject, key=f"fallback/{generation}/{f.rank}") for f in plan.fallbacks]
     return Decision(plan.reason, tuple(proposals))
+
+
+def node_parts(plan: RestorePlan, targets: Mapping[int, str]) -> tuple[list[CheckpointNodeRestorePlanned],
+                                                                           list[RestoreSource]]:
+    """``plan``'s sources by the node that runs each rank (``targets``): every node's parts (nodes in
+    sorted order, each split under ``PART_BUDGET_BYTES``), and the sources of ranks no node is known to
+    run (they stay in the job-wide plan, where every agent reads them)."""
+    by_node: dict[str, list[RestoreSource]] = {}
+    unplaced: list[RestoreSource] = []
+    for source in plan.sources:
+        node = targets.get(source.rank)
+        if node:
+            by_node.setdefault(node, []).append(source)
+        else:
+            unplaced.append(source)
+    parts = []
+    for node in sorted(by_node):
+        chunks = split(by_node[node])
+        parts += [CheckpointNodeRestorePlanned(node_id=node, generation=plan.generation, step=plan.step,
+                                               sources=chunk, part=i, parts=len(chunks))
+                  for i, chunk in enumerate(chunks)]
+    return parts, unplaced
+
+
+def joined_sources(plan: CheckpointRestorePlanned, parts: Iterable[CheckpointNodeRestorePlanned]) -> list[RestoreSource]:
+    """Every rank's source of ``plan``, from the plan itself (version 1: all of them) and its nodes'
+    ``parts`` (those of other plans are ignored), by rank."""
+    sources = {s.rank: s for s in plan.sources}
+    for part in parts:
+        if part.generation == plan.generation and part.step == plan.step:
+            sources.update({s.rank: s for s in part.sources})
+    return [sources[r] for r in sorted(sources)]
 
 
 def restore_targets(job: JobState, wait: RestoreWait) -> dict[int, str]:

@@ -25,6 +25,7 @@ from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
+    CheckpointNodeBackupsAssigned,
     CheckpointPersisted,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
@@ -59,7 +60,9 @@ FOLDED = frozenset({
     RankExited.event_name, RankStarted.event_name, NodeEvictionDecided.event_name, NodeEvicted.event_name,
     TimerTicked.event_name,
     # Learnt from, never decided on: the job's size, the broker's own decisions and the analyzer's anomalies.
-    JobRegistered.event_name, CheckpointBackupAssigned.event_name, CheckpointStepCommitted.event_name,
+    # CheckpointBackupAssigned: the job-wide placement of logs written before per-node parts.
+    JobRegistered.event_name, CheckpointBackupAssigned.event_name, CheckpointNodeBackupsAssigned.event_name,
+    CheckpointStepCommitted.event_name,
     CheckpointScheduleSet.event_name, CheckpointRestorePlanned.event_name, MetricAnomalyDetected.event_name,
 })
 """Event types ``fold`` learns from; any other leaves the state unchanged."""
@@ -261,7 +264,7 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
                        generation=max(job.generation, p.generation), sites=sites, site_generation=gens,
                        addresses={**job.addresses, p.node_id: p.store_address}, left=job.left - {p.node_id},
                        avoid=avoid)
-    if isinstance(p, CheckpointBackupAssigned):
+    if isinstance(p, (CheckpointBackupAssigned, CheckpointNodeBackupsAssigned)):
         return replace(job, backups={**job.backups, **{a.rank: a for a in p.assignments}})
     if isinstance(p, CheckpointBackupFailed):
         current = job.backups.get(p.rank)
