@@ -77,8 +77,8 @@ class _Topology:
 
     def shared_ranks(self, site: RankSite, backup: str) -> list[int]:
         """The rank's DP/PP/TP peers running on ``backup``."""
-        groups = [self.group_members[g] for g in (site.dp, site.pp, site.tp)]
-        return sorted(m for m in self.hosts.get(backup, ()) if m != site.rank and any(m in g for g in groups))
+        peers = self.group_members[site.dp] | self.group_members[site.pp] | self.group_members[site.tp]
+        return sorted((peers & self.hosts.get(backup, set())) - {site.rank})  # O(group size), not O(node's ranks)
 
     def level(self, signature: Signature, candidate: str) -> int | None:
         """How good ``candidate`` is as a backup for ranks of ``signature`` (``None``: their own node). O(1)."""
@@ -239,7 +239,8 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
     changed = [a for a in placed if job.backups.get(a.rank) != a]
     registering = p.node_id if isinstance(p, CheckpointRanksRegistered) else None
     # A registering node's agent may have restarted: tell it its assignments again.
-    resent = [a for a in placed if a.node_id == registering and a not in changed]
+    moved_ranks = {a.rank for a in changed}
+    resent = [a for a in placed if a.node_id == registering and a.rank not in moved_ranks]
     unplaced = sorted(set(job.sites) - {a.rank for a in placed})
     note = f"; no other live node for ranks {ranks_text(unplaced)}" if unplaced else ""
     if not changed and not resent:
