@@ -5,8 +5,10 @@
   within a history: a restore plan to step P winds the memory and peer tiers' commits back to before P,
   because the resumed generation writes those steps anew; the disk tier's persisted steps stay).
 - **Restore** (``plan_restore``, pure maths over the inventories): once every node's inventory for a
-  generation arrived (or the wait timed out; ``decide_restore``), the newest step every rank can
-  restore, each rank from its fastest reachable tier (memory, a peer's copy, disk) ->
+  generation arrived (or the wait timed out; ``decide_restore``: longer, up to ``restore_plan_max_wait``,
+  while a node not known lost is missing and planning without it would restore a step older than the
+  newest memory or peer commit), the newest step every rank can restore, each rank from its fastest
+  reachable tier (memory, a peer's copy, disk) ->
   ``CheckpointRestorePlanned`` plus one ``CheckpointTierFallback`` per rank that cannot use its memory.
   Each rank's source goes to the node that runs it, on that node's subject (``CheckpointNodeRestorePlanned``,
   ``node_parts``): the job-wide plan is a summary whose size does not grow with the job.
@@ -245,10 +247,10 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
     if not complete and now < wait.deadline:
         waiting_for = ", ".join(missing_nodes) or f"the nodes of ranks {ranks_text(unknown)}"
         return Decision(f"generation {generation}: waiting for inventories from {waiting_for}")
+    timeout = policy.restore_plan_timeout.total_seconds()
     if complete:
         waited = f"inventories from all {len(wait.inventories)} node(s) arrived"
     else:
-        timeout = policy.restore_plan_timeout.total_seconds()
         absent = ", ".join(missing_nodes) or "none"
         waited = (f"planned after the {timeout:g}s wait with {len(wait.inventories)} inventory(ies); "
                   f"absent: {absent}" + (f"; no node known for ranks {ranks_text(unknown)}" if unknown else ""))
@@ -256,6 +258,21 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
                         previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited,
                         below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
                         else None)
+    if not complete:
+        # The wait's deadline counts from the first inventory, often a promoted standby's (it has no ranks
+        # to stop) while the survivors are still stopping theirs. Planning without a node that is not known
+        # lost, when that would restore an older step than one committed in memory or on the peer tier,
+        # throws committed steps away for a late report: wait longer, up to restore_plan_max_wait.
+        promised, tier = max((job.committed.get(t, -1), t) for t in ("memory", "peer"))
+        if job.restore_below is not None and promised >= job.restore_below:
+            promised = -1  # the anomaly rules those steps out anyway
+        late = [n for n in missing_nodes if n not in job.left]
+        longest = wait.deadline - policy.restore_plan_timeout + policy.restore_plan_max_wait
+        if plan.step < promised and late and now < longest:
+            return Decision(
+                f"generation {generation}: the {timeout:g}s wait for inventories ended without {', '.join(late)} "
+                f"(not known lost); planning now would restore step {plan.step}, older than step {promised} "
+                f"committed on the {tier} tier: waiting longer, until {longest.isoformat()}")
     parts, unplaced = node_parts(plan, targets)
     payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=unplaced, reason=plan.reason,
                                        ranks=len(plan.sources), tiers=dict(sorted(Counter(s.tier for s in plan.sources).items())),

@@ -209,6 +209,9 @@ class BrokerPolicy:
     initial_save_cost: timedelta = timedelta(seconds=5)
     mtbf_prior: timedelta = timedelta(hours=4)
     restore_plan_timeout: timedelta = timedelta(seconds=10)
+    restore_plan_max_wait: timedelta = timedelta(seconds=60)
+    """The longest wait for inventories when planning after ``restore_plan_timeout`` would lose committed
+    steps (``keel.checkpoint_broker.restore.decide_restore``)."""
     retention: int = 3  # persisted steps kept
     save_cost_weight: float = 0.3
     """EWMA weight of the newest save-cost measurement."""
@@ -228,6 +231,7 @@ class BrokerPolicy:
             initial_save_cost=settings.initial_save_cost,
             mtbf_prior=settings.mtbf_prior,
             restore_plan_timeout=settings.restore_plan_timeout,
+            restore_plan_max_wait=settings.restore_plan_max_wait,
             retention=settings.retention,
             backup_max_duty=settings.backup_max_duty,
             backup_min_period=settings.backup_min_period,
