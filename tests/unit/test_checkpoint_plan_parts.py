@@ -305,3 +305,40 @@ def test_the_agent_takes_its_backup_assignments_from_its_part_or_an_old_job_wide
     ckpt.handle_event(broker_event(CheckpointBackupAssigned(
         assignments=[assignment(9, "n1", "n3"), assignment(0, "n0", "n1")], reason="r"), f"job/{JOB}"))
     assert {r: a.backup_node_id for r, a in ckpt.assignments.items()} == {8: "n2", 9: "n3"}
+
+
+def fat_registrations(world: int = 4096) -> list[Event]:
+    events = []
+    for n in range(2):
+        node = f"fat{n}"
+        ranks = [RankGroups(rank=r, dp=[r % 2048, 2048 + r % 2048], pp=[r], tp=[r]) for r in range(n * 2048, (n + 1) * 2048)]
+        events.append(ev(CheckpointRanksRegistered(node_id=node, generation=0, world_size=world,
+                                                   store_address=f"{node}:1", ranks=ranks), node))
+    return events
+
+
+def test_parts_shrink_with_a_smaller_configured_event_limit() -> None:
+    """The broker as its service builds it (``decider_from_settings``): parts hold at most a quarter of
+    ``bus.max_event_bytes`` in entries, so a 32 KiB limit still takes every part."""
+    from keel.checkpoint_broker.adapter import decider_from_settings
+    from keel.infra.config import BusSettings
+
+    limit = 32 * 1024
+    settings = Settings(bus=BusSettings(max_event_bytes="32KiB"))  # type: ignore[arg-type]
+    assert decider_from_settings(settings).policy.part_budget_bytes == limit // 4
+    session = DeciderSession(decider_from_settings(settings), max_event_bytes=limit)
+    emitted = [e for event in fat_registrations() for e in session.observe(event).emitted]
+    assert not [e for e in emitted if isinstance(e.payload, DecisionRefused)]
+    parts = [e for e in emitted if isinstance(e.payload, CheckpointNodeBackupsAssigned)]
+    assert len(parts) > 8 and max(size(e) for e in emitted) <= limit
+    assert sorted(a.rank for e in parts for a in e.payload.assignments) == list(range(4096))
+
+
+def test_a_part_over_the_limit_is_refused_with_its_reason_not_published() -> None:
+    """A broker whose parts are larger than the bus takes (a limit below the parts' budget) records a
+    refusal naming the event and its size: the size check at publish, never a crash loop."""
+    session = DeciderSession(CheckpointBrokerDecider(), max_event_bytes=16 * 1024)  # parts of up to 64 KiB
+    emitted = [e for event in fat_registrations() for e in session.observe(event).emitted]
+    [refused] = [e.payload for e in emitted]
+    assert isinstance(refused, DecisionRefused)
+    assert "CheckpointNodeBackupsAssigned would be" in refused.error and "16384-byte event limit" in refused.error

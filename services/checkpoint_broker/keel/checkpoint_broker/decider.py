@@ -77,7 +77,7 @@ class CheckpointBrokerDecider:
         parts: list[Decision] = []
         subject = f"job/{event.job_id}"
         if isinstance(p, (CheckpointRanksRegistered, CheckpointBackupFailed, NodeEvictionDecided, NodeEvicted)):
-            parts.append(decide_placement(job, p, subject))
+            parts.append(decide_placement(job, p, subject, self.policy.part_budget_bytes))
         if isinstance(p, CheckpointShardsStored):
             parts.append(decide_commit(job, p, subject))
         if isinstance(p, (NodeHeartbeat, CheckpointPersisted, RankExited, NodeEvictionDecided)) or (

@@ -19,7 +19,8 @@ E = TypeVar("E", bound=EventPayload)
 
 PART_BUDGET_BYTES = 64 * 1024
 """The most entry bytes (JSON) in one part: a quarter of the default event limit, leaving room for the
-envelope, the reason and a smaller configured limit."""
+envelope and the reason. With a smaller ``bus.max_event_bytes`` the broker's policy uses a quarter of
+that instead (``BrokerPolicy.part_budget_bytes``)."""
 
 
 def split(entries: Sequence[E], budget_bytes: int = PART_BUDGET_BYTES) -> list[list[E]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
-from keel.checkpoint_broker.parts import split
+from keel.checkpoint_broker.parts import PART_BUDGET_BYTES, split
 from keel.checkpoint_broker.schedule import announced_schedule
 from keel.checkpoint_broker.state import JobState, RankSite
 from keel.events.envelope import EventPayload
@@ -219,7 +219,7 @@ def ranks_text(ranks: Collection[int]) -> str:
 # -- the decision ------------------------------------------------------------------------------------
 
 
-def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
+def decide_placement(job: JobState, p: EventPayload, subject: str, part_budget_bytes: int = PART_BUDGET_BYTES) -> Decision:
     """Place or move backups after a registration, a failed backup or a node leaving the job.
 
     Waits until every rank of the job registered. An empty reason: nothing to say about ``p``."""
@@ -234,7 +234,7 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
         # placement (costly on large jobs) and remind the node of its assignments.
         resent = sorted((job.backups[g.rank] for g in p.ranks), key=lambda a: a.rank)
         reason = f"{p.node_id} registered again, unchanged: its {len(resent)} assignment(s) re-sent"
-        return Decision(reason, assignment_proposals(resent, reason, job))
+        return Decision(reason, assignment_proposals(resent, reason, job, part_budget_bytes))
     placed = place_backups(list(job.sites.values()), candidates, current=job.backups, avoid=job.avoid)
     changed = [a for a in placed if job.backups.get(a.rank) != a]
     registering = p.node_id if isinstance(p, CheckpointRanksRegistered) else None
@@ -260,10 +260,11 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
               + (f", {weaker} with a fallback" if weaker else "")
               + (f", {len(resent)} re-sent to {registering}" if resent else "") + note)
     assignments = sorted(changed + resent, key=lambda a: a.rank)
-    return Decision(reason, assignment_proposals(assignments, reason, job))
+    return Decision(reason, assignment_proposals(assignments, reason, job, part_budget_bytes))
 
 
-def assignment_proposals(assignments: Sequence[BackupAssignment], reason: str, job: JobState) -> tuple[Proposal, ...]:
+def assignment_proposals(assignments: Sequence[BackupAssignment], reason: str, job: JobState,
+                         part_budget_bytes: int = PART_BUDGET_BYTES) -> tuple[Proposal, ...]:
     """``assignments`` as per-node parts (``CheckpointNodeBackupsAssigned``), each on the subject of the
     node that runs the ranks (the one that sends their backups): nodes in sorted order, each node's
     assignments by rank, split under ``PART_BUDGET_BYTES``."""
@@ -272,7 +273,7 @@ def assignment_proposals(assignments: Sequence[BackupAssignment], reason: str, j
         by_node.setdefault(assignment.node_id, []).append(assignment)
     proposals = []
     for node in sorted(by_node):
-        chunks = split(by_node[node])
+        chunks = split(by_node[node], part_budget_bytes)
         proposals += [Proposal(CheckpointNodeBackupsAssigned(node_id=node, assignments=chunk, reason=reason, part=i,
                                                              parts=len(chunks), **announced_schedule(job.schedule)),
                                subject=f"node/{node}", key=f"placement/{node}/{i}")

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from keel.checkpoint_broker.parts import split
+from keel.checkpoint_broker.parts import PART_BUDGET_BYTES, split
 from keel.checkpoint_broker.placement import ranks_text
 from keel.checkpoint_broker.state import BrokerPolicy, JobState, PersistedStep, RestoreWait
 from keel.events.types import (
@@ -273,7 +273,7 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
                 f"generation {generation}: the {timeout:g}s wait for inventories ended without {', '.join(late)} "
                 f"(not known lost); planning now would restore step {plan.step}, older than step {promised} "
                 f"committed on the {tier} tier: waiting longer, until {longest.isoformat()}")
-    parts, unplaced = node_parts(plan, targets)
+    parts, unplaced = node_parts(plan, targets, policy.part_budget_bytes)
     payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=unplaced, reason=plan.reason,
                                        ranks=len(plan.sources), tiers=dict(sorted(Counter(s.tier for s in plan.sources).items())),
                                        node_parts=len(parts))
@@ -285,10 +285,10 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
     return Decision(plan.reason, tuple(proposals))
 
 
-def node_parts(plan: RestorePlan, targets: Mapping[int, str]) -> tuple[list[CheckpointNodeRestorePlanned],
-                                                                           list[RestoreSource]]:
+def node_parts(plan: RestorePlan, targets: Mapping[int, str], budget_bytes: int = PART_BUDGET_BYTES,
+               ) -> tuple[list[CheckpointNodeRestorePlanned], list[RestoreSource]]:
     """``plan``'s sources by the node that runs each rank (``targets``): every node's parts (nodes in
-    sorted order, each split under ``PART_BUDGET_BYTES``), and the sources of ranks no node is known to
+    sorted order, each split under ``budget_bytes``), and the sources of ranks no node is known to
     run (they stay in the job-wide plan, where every agent reads them)."""
     by_node: dict[str, list[RestoreSource]] = {}
     unplaced: list[RestoreSource] = []
@@ -300,7 +300,7 @@ def node_parts(plan: RestorePlan, targets: Mapping[int, str]) -> tuple[list[Chec
             unplaced.append(source)
     parts = []
     for node in sorted(by_node):
-        chunks = split(by_node[node])
+        chunks = split(by_node[node], budget_bytes)
         parts += [CheckpointNodeRestorePlanned(node_id=node, generation=plan.generation, step=plan.step,
                                                sources=chunk, part=i, parts=len(chunks))
                   for i, chunk in enumerate(chunks)]

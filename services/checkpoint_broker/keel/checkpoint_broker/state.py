@@ -223,9 +223,16 @@ class BrokerPolicy:
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
     the step time jitters every heartbeat, and agents need not hear every rounding flip."""
 
+    part_budget_bytes: int = 64 * 1024
+    """The most entry bytes in one per-node part of a plan or a placement (``keel.checkpoint_broker.parts``)."""
+
     @classmethod
-    def from_settings(cls, settings: CheckpointSettings) -> BrokerPolicy:
+    def from_settings(cls, settings: CheckpointSettings, *, max_event_bytes: int | None = None) -> BrokerPolicy:
+        """``max_event_bytes``: the bus's event limit; parts then hold at most a quarter of it in entries
+        (and never more than 64 KiB), leaving room for the envelope and the reason."""
+        budget = 64 * 1024 if max_event_bytes is None else max(1024, min(64 * 1024, int(max_event_bytes) // 4))
         return cls(
+            part_budget_bytes=budget,
             persist_every_floor=settings.persist_every_floor,
             persist_every_ceiling=settings.persist_every_ceiling,
             initial_save_cost=settings.initial_save_cost,
