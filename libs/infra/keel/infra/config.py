@@ -216,6 +216,11 @@ class CheckpointSettings(_Section):
     """Young's MTBF prior: MTBF = (observed time + prior) / (failures + 1)."""
     restore_plan_timeout: Duration = parse_duration("10s")
     """How long the broker waits for every node's inventory before planning with what arrived."""
+    restore_plan_max_wait: Duration = parse_duration("60s")
+    """How long the broker waits at most (from the first inventory) when planning after
+    ``restore_plan_timeout`` would restore a step older than the newest memory or peer commit while a
+    node not known lost has not reported (survivors stopping their ranks answer later than a promoted
+    standby, which has none to stop). Below ``restore_plan_timeout``: no longer wait."""
     report_interval: Duration = parse_duration("1s")
     """How often agents report stored shards (and how often the broker looks again for a shard file it cannot see yet)."""
     backup_max_duty: float = Field(0.1, gt=0, le=1)

@@ -9,8 +9,10 @@ and the rest of the cluster.
 - Sends each rank's newest committed snapshot to the rank's backup peer (latest wins: steps are
   skipped, never queued), and persists every K-th step (K from the broker's ``CheckpointScheduleSet``).
 - Before a restart: takes a verified inventory (``CheckpointInventoryReported``); after the broker's
-  ``CheckpointRestorePlanned``: stages each local rank's shard (fetching from a peer when needed) and
-  writes the plan file the ranks' ``Checkpointer.restore()`` waits for.
+  ``CheckpointRestorePlanned`` and this node's parts of it (``CheckpointNodeRestorePlanned``, on the
+  node's subject): stages each local rank's shard (fetching from a peer when needed) and writes the plan
+  file the ranks' ``Checkpointer.restore()`` waits for. Backup assignments come as this node's parts too
+  (``CheckpointNodeBackupsAssigned``).
 
 Slow work (hashing, gRPC transfers, disk writes) runs on a small thread pool; its results are folded
 into events on the agent's loop (``tick``), so ``emit`` is only ever called from the loop.
@@ -37,6 +39,8 @@ from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
+    CheckpointNodeBackupsAssigned,
+    CheckpointNodeRestorePlanned,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
     CheckpointScheduleSet,
@@ -57,9 +61,13 @@ log = logging.getLogger(__name__)
 _SEND_FAILURES_REPORTED = 3
 _SEND_RETRY_INTERVAL_S = 10.0
 
-# Broker events every agent of the job consumes (besides its own commands).
+# Broker events every agent of the job consumes (besides its own commands). CheckpointBackupAssigned:
+# the job-wide placement of a broker from before per-node parts (still in older logs and streams).
 BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned",
                       "CheckpointStepCommitted")
+# Broker events addressed to one node (its parts of a placement and of a restore plan): an agent takes
+# only its own node's, so none reads the whole placement or plan of a large job.
+BROKER_NODE_EVENT_TYPES = ("CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned")
 
 
 class PeerTransport(Protocol):
@@ -344,6 +352,10 @@ class NodeCheckpointing:
         self.plan: _Plan | None = None
         self.inventory_future: tuple[int, Future] | None = None
         self.early_plans: dict[int, CheckpointRestorePlanned] = {}
+        self.plan_summaries: dict[int, CheckpointRestorePlanned] = {}
+        """generation -> the broker's job-wide plan, until this node's parts of it are all here."""
+        self.plan_parts: dict[int, dict[int, CheckpointNodeRestorePlanned]] = {}
+        """generation -> this node's parts of the broker's plan, by part number."""
         self.verified: dict[tuple[int, int, str], Path] = {}
         """(rank, step, digest) -> the local copy the last inventory hashed (what a plan may trust)."""
 
@@ -409,6 +421,9 @@ class NodeCheckpointing:
         self.generation = generation
         self.registered_generation = None
         self.plan = None
+        # Plans (or parts) of restarts this one supersedes will never be applied.
+        self.plan_summaries = {g: p for g, p in self.plan_summaries.items() if g >= generation}
+        self.plan_parts = {g: p for g, p in self.plan_parts.items() if g >= generation}
         for progress in self.progress.values():
             # The new generation may resume from an older step: its snapshots must replace the failed
             # generation's backups on the peers, and its persists the failed generation's steps.
@@ -509,7 +524,8 @@ class NodeCheckpointing:
 
     def handle_event(self, event: Event) -> None:
         payload = event.payload
-        if isinstance(payload, CheckpointBackupAssigned):
+        if isinstance(payload, CheckpointBackupAssigned | CheckpointNodeBackupsAssigned):
+            # The node's part (on its subject), or the job-wide placement of an older broker.
             if payload.every_k_steps is not None:  # the schedule in force (news to a replacement node)
                 self.every_k_steps = payload.every_k_steps
                 self.backup_every = payload.backup_every_k_steps or 1
@@ -523,6 +539,10 @@ class NodeCheckpointing:
                             assignment.backup_node_id, assignment.backup_address):
                         self.progress[assignment.rank].last_sent_step = -1
                         self.progress[assignment.rank].send_failures = 0
+        elif isinstance(payload, CheckpointNodeRestorePlanned) and self.supervised:
+            if payload.node_id == self.node_id and payload.generation >= self.generation:
+                self.plan_parts.setdefault(payload.generation, {})[payload.part] = payload
+                self._plan_if_complete(payload.generation)
         elif isinstance(payload, CheckpointStepCommitted):
             if payload.tier == "peer" and payload.step > self.peer_committed_step:
                 self.peer_committed_step = payload.step
@@ -532,12 +552,38 @@ class NodeCheckpointing:
             self.every_k_steps = payload.every_k_steps
             self.backup_every = payload.backup_every_k_steps
         elif isinstance(payload, CheckpointRestorePlanned) and self.supervised:
-            if payload.generation > self.generation or (payload.generation == self.generation
-                                                        and self.inventory_future is not None):
-                # Before this node's restart command, or before its inventory is out: apply it then.
-                self.early_plans[payload.generation] = payload
-            elif payload.generation == self.generation:
-                self._start_plan(payload)
+            if payload.generation >= self.generation:
+                self.plan_summaries[payload.generation] = payload
+                self._plan_if_complete(payload.generation)
+
+    def _plan_if_complete(self, generation: int) -> None:
+        """Apply the broker's plan for ``generation`` once it is whole here: the job-wide plan, and this
+        node's parts of it (published before it, so normally here first). Complete when the plan starts
+        fresh, names every local rank's source, or every part addressed to this node arrived (a rank it
+        still lacks is then reported in the plan file as having no source)."""
+        summary = self.plan_summaries.get(generation)
+        if summary is None:
+            return
+        parts = self.plan_parts.get(generation, {})
+        sources = {s.rank: s for s in summary.sources}
+        for part in parts.values():
+            if part.step == summary.step:
+                sources.update({s.rank: s for s in part.sources})
+        counts = {p.parts for p in parts.values() if p.step == summary.step}
+        all_parts = bool(counts) and len([p for p in parts.values() if p.step == summary.step]) >= max(counts)
+        if summary.step >= 0 and summary.node_parts > 0 and not all_parts and not all(
+                r in sources for r in self.local_ranks):
+            return  # a part addressed to this node is still on its way
+        del self.plan_summaries[generation]
+        self.plan_parts.pop(generation, None)
+        for old in [g for g in self.plan_parts if g < generation]:
+            del self.plan_parts[old]
+        planned = summary.model_copy(update={"sources": [sources[r] for r in sorted(sources)]})
+        if generation > self.generation or (generation == self.generation and self.inventory_future is not None):
+            # Before this node's restart command, or before its inventory is out: apply it then.
+            self.early_plans[generation] = planned
+        elif generation == self.generation:
+            self._start_plan(planned)
 
     def _start_plan(self, planned: CheckpointRestorePlanned) -> None:
         plan = _Plan(planned.generation, planned.step)
@@ -569,6 +615,10 @@ class NodeCheckpointing:
                 plan.pending[source.rank] = self.pool.submit(
                     self._fetch, source.address, source.rank, planned.step, dest, source.digest, source.node_id)
             plan.entries[source.rank] = entry
+        if planned.step >= 0:
+            for rank in self.local_ranks:
+                plan.entries.setdefault(rank, {"error": f"the broker's plan for generation {planned.generation} "
+                                                        f"(step {planned.step}) names no source for rank {rank}"})
         self.plan = plan
         self._finish_plan_if_ready()
 

@@ -12,7 +12,9 @@ What it subscribes to (``command_subjects``; subjects ``<prefix>.<job>.<kind>.<a
   wide: each names its ``nodes`` in one event, since the round that answers it is keyed on that one
   request id (the controller and the analyzer collect the answers by it); every agent takes them and sees
   whether it is named;
-- with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``).
+- with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``) and its parts
+  addressed to this node (``BROKER_NODE_EVENT_TYPES``: the node's backup assignments and its part of a
+  restore plan).
 
 A message is acknowledged once the agent has carried it out (commands act at once; long work, a round or
 a replay, runs in the background and answers with its own event).
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Protocol
 
-from keel.agent.checkpointing import BROKER_EVENT_TYPES, NodeCheckpointing
+from keel.agent.checkpointing import BROKER_EVENT_TYPES, BROKER_NODE_EVENT_TYPES, NodeCheckpointing
 from keel.agent.isolation import Pieces
 from keel.agent.launch_spec import LaunchSpec
 from keel.events.envelope import Event, EventPayload
@@ -63,11 +65,12 @@ COMMAND_TYPES = frozenset(c.event_name for c in (*NODE_COMMANDS, *JOB_COMMANDS))
 
 def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: bool) -> list[str]:
     """The subjects node ``node_id``'s agent consumes: its own node's commands, the job-wide requests, and
-    (``checkpointing``) the checkpoint broker's job-wide events."""
+    (``checkpointing``) the checkpoint broker's job-wide events and its parts for this node."""
     subjects = [subject_filter(prefix, job_id, c.aggregate, node_id, c.event_name) for c in NODE_COMMANDS]
     subjects += [subject_filter(prefix, job_id, c.aggregate, None, c.event_name) for c in JOB_COMMANDS]
     if checkpointing:
         subjects += [subject_filter(prefix, job_id, "job", None, name) for name in BROKER_EVENT_TYPES]
+        subjects += [subject_filter(prefix, job_id, "node", node_id, name) for name in BROKER_NODE_EVENT_TYPES]
     return subjects
 
 
