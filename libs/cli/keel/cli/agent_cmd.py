@@ -68,6 +68,15 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
         print(f"keel run: diagnostics settings: {problems}", file=sys.stderr)
         return 2
+    import os
+
+    from keel.agent.clock import agent_clock
+
+    try:
+        clock = agent_clock(os.environ)
+    except ValueError as exc:
+        print(f"keel run: {exc}", file=sys.stderr)
+        return 2
     checkpointing = None
     if spec.ckpt_dir is not None:
         checkpointing = build_checkpointing(spec, settings, supervised=supervised)
@@ -75,7 +84,7 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
 
     try:
         agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
-                          checkpointing=checkpointing, diagnostics_policy=diagnostics_policy,
+                          checkpointing=checkpointing, diagnostics_policy=diagnostics_policy, clock=clock,
                           metric_settings=settings.analyzer.metric_settings())
     except AgentDirBusy as exc:
         if checkpointing is not None:

@@ -72,12 +72,25 @@ def _node_health_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@event_type("TimerTicked", version=1, aggregate="clock")
+@event_type("TimerTicked", version=2, aggregate="clock")
 class TimerTicked(EventPayload):
     """Time as an input: the job clock's tick, recorded so a replay sees the time the live run saw. Only
-    ticks produced by the one job clock (``CLOCK_PRODUCER``) are time; deciders ignore any other."""
+    ticks produced by the one job clock (``CLOCK_PRODUCER``) are time; deciders ignore any other.
+
+    v2 adds ``interval_s``, the clock's interval: the tick is then the controller's recorded clock, on
+    which it judges liveness and command expiry by when events arrive (their place between two ticks in
+    the stream), not by their producers' timestamps. v1 ticks (older logs) carry None: those logs were
+    decided on the producers' timestamps, and a replay of them still is."""
 
     now: EventTime
+    interval_s: float | None = Field(default=None, gt=0, le=86400)
+    """How often the job clock ticks (``controller.clock_interval``); None: a v1 tick."""
+
+
+@upcaster("TimerTicked", from_version=1)
+def _timer_ticked_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # Before ticks were the recorded clock: no interval, so deciders judge such a log as it was judged.
+    return {**payload, "interval_s": None}
 
 
 CLOCK_PRODUCER = "clock"
@@ -107,6 +120,23 @@ class NodeEvictionDecided(EventPayload):
     """Ids of the events that caused the decision."""
     expires_at: EventTime
     observe_only: bool = False
+
+
+@event_type("NodeClockSkewed", version=1, aggregate="node")
+class NodeClockSkewed(EventPayload):
+    """The controller found a node's clock off its recorded clock by more than
+    ``controller.clock_skew_allowance`` (``skewed``), or back within it (not ``skewed``): recorded once
+    per crossing, for humans. Reported, never acted on: liveness and expiry never read producer clocks.
+
+    ``skew_s`` is the node's newest timestamp minus when its events arrived (the ticks around them), a
+    lower bound of the offset: positive, the node's clock is ahead; negative, behind (or its events were
+    delivered late)."""
+
+    node_id: str
+    skewed: bool
+    skew_s: float = Field(ge=-1e9, le=1e9)
+    allowance_s: float = Field(ge=0, le=1e9)
+    reason: str
 
 
 @event_type("NodeEvicted", version=1, aggregate="node")

@@ -5,6 +5,9 @@ restore plan waiting for inventories, a hot-update deadline, a fail-slow round) 
 tick, so a replay sees exactly the time the live run saw. There is one clock per job, not one per service:
 ticks from any other producer are ignored by every decider (``keel.events.types.is_foreign_tick``). The
 controller's process hosts it, because the controller knows which jobs are live.
+
+The ticks are also the controller's recorded clock (docs/architecture.md, "Time"): an event's receive time
+is its place between two ticks of its job in the stream, which a replay of the log sees too.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from keel.infra.bus import Bus
 log = logging.getLogger(__name__)
 
 
-def tick_event(job_id: str, now: datetime) -> Event:
-    """The job clock's tick for ``job_id`` at ``now``."""
-    return Event.create(TimerTicked(now=now), job_id=job_id, subject=f"clock/{job_id}", producer=CLOCK_PRODUCER,
+def tick_event(job_id: str, now: datetime, interval: timedelta | None = None) -> Event:
+    """The job clock's tick for ``job_id`` at ``now``. With ``interval`` (the live clock always gives it)
+    the tick is the controller's recorded clock (liveness and expiry by arrival); without, a v1-style
+    tick (judged on producers' timestamps, as logs recorded before were)."""
+    payload = TimerTicked(now=now, interval_s=interval.total_seconds() if interval is not None else None)
+    return Event.create(payload, job_id=job_id, subject=f"clock/{job_id}", producer=CLOCK_PRODUCER,
                         occurred_at=now)
 
 
@@ -39,7 +45,7 @@ class JobClock:
 
     async def tick(self) -> list[Event]:
         now = self.clock()
-        ticks = [tick_event(job_id, now) for job_id in self.jobs()]
+        ticks = [tick_event(job_id, now, self.interval) for job_id in self.jobs()]
         if ticks:
             await self.bus.publish_many(ticks)
             self.ticks += len(ticks)

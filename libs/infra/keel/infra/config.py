@@ -170,7 +170,14 @@ class ControllerSettings(_Section):
     """A restart that has not brought the job back to stepping this long after it was decided stops the
     job and pages a human (the ``recovering`` stage never waits for ever)."""
     node_silence_timeout: Duration = parse_duration("30s")
-    """A node of a running job whose heartbeats stopped this long ago is lost (rung 1)."""
+    """A node of a running job the controller has not heard from this long is lost (rung 1). Judged on the
+    controller's recorded clock (when the node's events arrive, between two job-clock ticks), never on the
+    node's own timestamps, and only over time the clock was running."""
+    clock_skew_allowance: Duration = parse_duration("5s")
+    """How far a node's timestamps may lie from the controller's recorded clock before the controller
+    reports it (``NodeClockSkewed``, once per crossing; reported, never acted on). Also how much later
+    than ``clock_interval`` a tick may come before the job clock counts as interrupted (silence is then
+    judged from the first tick after the gap)."""
     clock_interval: Duration = parse_duration("1s")
     """How often the job clock (hosted by the controller) records a ``TimerTicked`` for each live job."""
     clock_linger: Duration = parse_duration("10m")

@@ -9,7 +9,8 @@ A decider is three pure functions over immutable state::
 ``decide`` returns ``Proposal``s (payload + subject + a stable key). ``materialise`` turns them into
 events whose ids are uuid5(causation id, decider, type, key): processing a redelivered input yields the
 same ids, so JetStream dedup and the Postgres primary key make every decision idempotent. A decision
-event's ``occurred_at`` is its cause's ``occurred_at`` — decision cores never read the clock.
+event's ``occurred_at`` is the decision's ``at`` (the time on its decider's recorded clock), else its
+cause's ``occurred_at`` — decision cores never read the clock.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Generic, Protocol, TypeVar
 
 from keel.events.envelope import Event, EventPayload
@@ -44,6 +46,9 @@ class Decision:
 
     reason: str
     proposals: tuple[Proposal, ...] = ()
+    at: datetime | None = None
+    """When the decider took it on its recorded clock; its events' ``occurred_at``. None: the cause's
+    ``occurred_at`` (a decider that keeps no clock of its own)."""
 
     @staticmethod
     def nothing(reason: str) -> Decision:
@@ -133,7 +138,7 @@ def materialise(decider_name: str, cause: Event, decision: Decision) -> list[Eve
                 job_id=cause.job_id,
                 subject=proposal.subject,
                 producer=decider_name,
-                occurred_at=cause.occurred_at,
+                occurred_at=decision.at or cause.occurred_at,
                 causation_id=cause.id,
                 correlation_id=proposal.correlation_id or cause.correlation_id or cause.id,
             )

@@ -82,6 +82,9 @@ class ActionPlan:
         """The proposals as events, as folded into ``job``: what ``materialise`` makes of ``decision()``."""
         self.reasons: list[str] = []
         self.subject = f"job/{event.job_id}"
+        self.now = self.recorded_now(job, event)
+        """The decision's time (``recorded_now``, fixed at the input): its expiries, deadlines and the
+        ``occurred_at`` of every event it emits."""
 
     def note(self, reason: str) -> None:
         """Add ``reason`` to the decision's reason (once)."""
@@ -96,7 +99,7 @@ class ActionPlan:
         if correlation_id is None and incident is not None:
             correlation_id = uuid.UUID(incident.id)
         proposal = Proposal(payload, subject=subject or self.subject, key=key, correlation_id=correlation_id)
-        [event] = materialise(NAME, self.event, Decision("", (proposal,)))
+        [event] = materialise(NAME, self.event, Decision("", (proposal,), at=self.now))
         self.proposals.append(proposal)
         self.events.append(event)
         self.job = evolve_job(self.job, event)
@@ -104,17 +107,34 @@ class ActionPlan:
 
     def decision(self, default: str) -> Decision:
         """The decision: every proposal, and the reasons noted (``default`` when none was)."""
-        return Decision(reason="; ".join(self.reasons) or default, proposals=tuple(self.proposals))
+        return Decision(reason="; ".join(self.reasons) or default, proposals=tuple(self.proposals), at=self.now)
 
-    @property
-    def now(self) -> datetime:
-        """The decision's time: a clock tick's recorded ``now``, else the event's ``occurred_at``."""
-        p = self.event.payload
-        return p.now if isinstance(p, TimerTicked) else self.event.occurred_at
+    @staticmethod
+    def recorded_now(job: JobView, event: Event) -> datetime:
+        """The decision's time on the controller's recorded clock (docs/architecture.md, "Time"):
+
+        - a tick: its ``now``;
+        - on the recorded clock (v2 ticks), a job whose clock runs (``needs_clock``): the latest tick's
+          ``now`` - the event arrived after it, and its producer's timestamp is not trusted: a clock
+          10 minutes behind or ahead, or an event delivered late, moves no deadline and no expiry;
+        - a job whose clock does not run (no ranks running): the producer's timestamp, never earlier
+          than the latest tick (the clock may have stopped long ago: see docs/known-limits.md);
+        - before any v2 tick of the job (a new job's first events; logs of v1 ticks): the producer's
+          timestamp, as such logs were decided.
+        """
+        p = event.payload
+        if isinstance(p, TimerTicked):
+            return p.now
+        if job.clock_at is None:
+            return event.occurred_at
+        if job.needs_clock:
+            return job.clock_at
+        return max(event.occurred_at, job.clock_at)
 
     @property
     def expires_at(self) -> datetime:
-        """When a command decided now expires (``policy.command_ttl`` later)."""
+        """When a command decided now expires (``policy.command_ttl`` after the decision's recorded time,
+        never after a producer's timestamp)."""
         return self.now + self.policy.command_ttl
 
     # incidents

@@ -86,9 +86,7 @@ class ControllerDecider:
     def needs_clock(self, state: ControllerState) -> list[str]:
         """Jobs whose rules depend on time now (a running job's silent nodes, a diagnostics deadline):
         the adapter records a ``TimerTicked`` for each, once per clock interval."""
-        return sorted(job_id for job_id, job in state.jobs.items()
-                      if (job.active and not job.stopped and not job.finished)
-                      or (job.incident is not None and job.incident.stage in ("diagnosing", "capturing", "replaying")))
+        return sorted(job_id for job_id, job in state.jobs.items() if job.needs_clock)
 
     def decide(self, state: ControllerState, event: Event) -> Decision:
         plan = ActionPlan(self.policy, state.jobs.get(event.job_id) or new_job(self.policy), event)

@@ -41,7 +41,12 @@ class ControllerPolicy:
     answers a request with a heartbeat at once): the round concludes without it."""
     diagnostics_checks: tuple[str, ...] = ALL_CHECKS
     node_silence_timeout: timedelta = timedelta(seconds=30)
-    """A node of the job whose heartbeats stopped this long ago is lost (rung 1)."""
+    """A node of the job the controller has not heard from (any event of its agent, by arrival on the
+    recorded clock) for this long is lost (rung 1)."""
+    clock_skew_allowance: timedelta = timedelta(seconds=5)
+    """How far a producer's timestamps may lie from the recorded clock before it is reported
+    (``NodeClockSkewed``), and how much later than its interval a tick may come before the clock counts
+    as interrupted (silence is then judged from the tick after the gap)."""
     recovery_timeout: timedelta = timedelta(minutes=10)
     """A restart that has not brought the job back to stepping this long after it was decided: the job
     stops and a human is paged (a recovery never waits for ever)."""

@@ -31,17 +31,20 @@ restart: an incident of kind ``code_update`` at rung 0, which is no failure (the
 not count it) but whose lost time ETTR accounts like any other.
 
 Time-dependent rules (a silent node, a diagnostic that timed out) fire on ``TimerTicked`` from the
-controller's clock (recorded, so a replay sees the same time): rules never read a clock.
+controller's clock (recorded, so a replay sees the same time): rules never read a clock. Liveness and
+every deadline and expiry go by the recorded clock (when events arrive between ticks), never by a
+producer's timestamp; a producer's clock skew is reported (``report_skews``), never acted on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
+from keel.controller.state import JobView, NodeView
 from keel.events.envelope import EventPayload
 from keel.events.types import (
     ApprovalGiven,
@@ -49,6 +52,7 @@ from keel.events.types import (
     DiagnosticsCompleted,
     FailSlowConvicted,
     MetricAnomalyDetected,
+    NodeClockSkewed,
     NodeCordoned,
     NodeHealthChanged,
     NodeHeartbeat,
@@ -307,6 +311,8 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
     diagnostics round past its deadline or waiting on nodes that are gone, and running nodes gone silent
     (rung 1)."""
     job, policy, now = plan.job, plan.policy, p.now
+    if p.interval_s is not None:
+        report_skews(plan, now)
     incident = job.incident
     if (incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None
             and now - incident.stacks_requested_at >= policy.stacks_verdict_timeout):
@@ -341,8 +347,8 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
             return
         # Every node still owing a result has gone silent too (no heartbeat for the silence
         # timeout): its agent is gone, and waiting for the deadline only loses time.
-        silent = [n for n in missing if (seen := job.node(n).last_heartbeat_at) is not None
-                  and now - seen > policy.node_silence_timeout]
+        silent = [n for n in missing if (quiet := job.silence(job.node(n), now)) is not None
+                  and quiet > policy.node_silence_timeout]
         if missing and len(silent) == len(missing) and len(missing) < len(incident.diag_nodes):
             plan.note(f"diagnostics round {incident.diag_round}: {', '.join(silent)} sent no heartbeat for "
                       f"over {policy.node_silence_timeout.total_seconds():g} s: not waiting for the deadline")
@@ -352,7 +358,7 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
         # is gone: its peers would only wait for it in the all-gather until the deadline.
         requested_at = incident.diag_requested_at
         if requested_at is not None and now - requested_at >= policy.diagnostics_ack_timeout:
-            unacked = [n for n in missing if (seen := job.node(n).last_heartbeat_at) is None or seen < requested_at]
+            unacked = [n for n in missing if not _heard_since(job, job.node(n), requested_at)]
             if unacked and len(unacked) < len(incident.diag_nodes):
                 plan.note(f"diagnostics round {incident.diag_round}: {', '.join(unacked)} sent nothing in the "
                           f"{policy.diagnostics_ack_timeout.total_seconds():g} s since the request: not waiting "
@@ -361,16 +367,51 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
         return
     if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
         return
-    lost = [n for n in job.active if not n.eviction_pending and n.last_heartbeat_at is not None
-            and now - n.last_heartbeat_at > policy.node_silence_timeout]
+    quiet_for = {n.node_id: q for n in job.active if not n.eviction_pending and (q := job.silence(n, now)) is not None}
+    lost = [n for n in job.active if n.node_id in quiet_for and quiet_for[n.node_id] > policy.node_silence_timeout]
     if not lost:
         return
-    silence = max((now - n.last_heartbeat_at).total_seconds() for n in lost if n.last_heartbeat_at)
+    silence = max(quiet_for[n.node_id].total_seconds() for n in lost)
     names = ", ".join(n.node_id for n in lost)
-    why = (f"rung 1: no heartbeat from {names} for {silence:.0f} s (timeout "
+    heard = ("nothing from" if job.recorded_clock else "no heartbeat from")
+    on = " (on the controller's recorded clock: by arrival, not by the node's timestamps)" if job.recorded_clock else ""
+    why = (f"rung 1: {heard} {names} for {silence:.0f} s{on} (timeout "
            f"{policy.node_silence_timeout.total_seconds():g} s): the node's agent is gone; evict it")
     plan.open_incident("lost_node", lost[0].node_id, "", why)
     plan.recover(1, frozenset(n.node_id for n in lost), why)
+
+def _heard_since(job: JobView, node: NodeView, at: datetime) -> bool:
+    """Whether ``node`` was heard after ``at`` (a decision's time). On the recorded clock a node is
+    credited at the tick after its event, so a credit at ``at`` itself came before the decision."""
+    seen = node.heard_at
+    if seen is None:
+        return False
+    return seen > at if job.recorded_clock else seen >= at
+
+
+def report_skews(plan: ActionPlan, now: datetime) -> None:
+    """A node whose newest timestamp in the window the tick closed lies further outside it than the
+    allowance is reported (``NodeClockSkewed``), once per crossing; back within half the allowance in an
+    unbroken run of ticks, the report is withdrawn. Reported only: nothing is decided on a producer's clock."""
+    job, allowance = plan.job, plan.policy.clock_skew_allowance.total_seconds()
+    unbroken = job.clock_since is not None and job.clock_since < now
+    for node_id, skew in sorted(job.skews.items()):
+        node = job.nodes.get(node_id)
+        if node is None or node.evicted:
+            continue
+        way = "ahead of" if skew > 0 else "behind"
+        if abs(skew) > allowance and not node.clock_skewed:
+            why = (f"{node_id}'s clock is at least {abs(skew):.1f} s {way} the controller's recorded clock "
+                   f"(allowance {allowance:g} s{'' if skew > 0 else '; or its events arrive that late'}): "
+                   f"reported, not acted on (liveness and expiry go by arrival)")
+        elif node.clock_skewed and unbroken and abs(skew) <= allowance / 2:
+            why = f"{node_id}'s clock is back within {allowance / 2:g} s of the controller's recorded clock"
+        else:
+            continue
+        plan.note(why)
+        plan.emit(NodeClockSkewed(node_id=node_id, skewed=abs(skew) > allowance, skew_s=round(skew, 3),
+                                  allowance_s=allowance, reason=why), subject=f"node/{node_id}", key=f"skew/{node_id}")
+
 
 def on_rollout(plan: ActionPlan, p: CodeRolloutRequested) -> None:
     """Hot-update asks for a rollout: a planned restart onto the pending version (rung 0), if ranks run

@@ -42,6 +42,7 @@ from keel.events.types import (
     JobRegistered,
     JobStopDecided,
     MetricAnomalyDetected,
+    NodeClockSkewed,
     NodeCordoned,
     NodeEvicted,
     NodeEvictionDecided,
@@ -58,7 +59,11 @@ from keel.events.types import (
     StandbyPromoted,
     StandbyPromotionRequested,
     StandbyRefillRequested,
+    TimerTicked,
 )
+
+AGENT_PRODUCER = "agent"
+"""The producer name of node agents' events (``keel.agent.agent.PRODUCER``): what hearing from a node means."""
 
 Stage = Literal["observing", "capturing", "diagnosing", "replaying", "recovering", "waiting_standby",
                 "awaiting_approval"]
@@ -85,7 +90,13 @@ class NodeView:
     checked: bool | None = None
     """A standby's self-check outcome (None: not reported yet; only a passing standby counts)."""
     promoting: bool = False
-    last_heartbeat_at: datetime | None = None
+    heard_at: datetime | None = None
+    """When the controller last heard from the node's agent, on its recorded clock: the tick after the
+    agent's latest event (any event it produced). In a log of v1 ticks: its latest registration, rank
+    start or heartbeat's own timestamp, as such logs were judged."""
+    clock_skewed: bool = False
+    """The node's clock is off the recorded clock by more than the allowance (``NodeClockSkewed``)."""
+    skew_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,43 @@ class JobView:
     code_rolled_back: frozenset[str] = frozenset()
     rollout_due: str = ""
     """Hot-update asked for a rollout that no restart has carried out yet."""
+    clock_at: datetime | None = None
+    """The job clock's latest tick (v2, ``TimerTicked.interval_s``): the controller's recorded time. None:
+    no such tick yet, or a log of v1 ticks (then producers' timestamps are the time, as they were)."""
+    clock_interval: timedelta = timedelta(seconds=1)
+    clock_since: datetime | None = None
+    """The first tick of the current unbroken run of ticks: the clock host was listening since then, so
+    no node is judged silent over a gap (the host down, catching up, or not ticking the job)."""
+    clock_allowance: timedelta = timedelta(seconds=5)
+    """``ControllerPolicy.clock_skew_allowance``: also how much later than its interval a tick may come
+    before the run of ticks counts as broken."""
+    heard: Mapping[str, datetime] = field(default_factory=dict)
+    """Nodes heard since the latest tick, with their newest timestamp: credited at the next tick."""
+    skews: Mapping[str, float] = field(default_factory=dict)
+    """The window the latest tick closed: each node heard in it and how far its newest timestamp lies
+    outside the window (seconds; + ahead, - behind, 0 inside): what ``NodeClockSkewed`` reports."""
+
+    @property
+    def recorded_clock(self) -> bool:
+        """Whether the job runs on the recorded clock (v2 ticks) rather than producers' timestamps."""
+        return self.clock_at is not None
+
+    @property
+    def needs_clock(self) -> bool:
+        """Whether the controller's rules depend on time for this job now (a running job's silent nodes,
+        a round's deadline): the clock host then ticks it every interval."""
+        return bool((self.active and not self.stopped and not self.finished)
+                    or (self.incident is not None and self.incident.stage in ("diagnosing", "capturing", "replaying")))
+
+    def silence(self, node: NodeView, now: datetime) -> timedelta | None:
+        """How long ``node`` has been silent at ``now`` (None: never heard). On the recorded clock only
+        the time the clock host was listening counts (from ``clock_since``, the end of the latest gap)."""
+        if node.heard_at is None:
+            return None
+        since = node.heard_at
+        if self.clock_since is not None and self.clock_since > since:
+            since = self.clock_since
+        return now - since
 
     @property
     def code_running(self) -> str:
@@ -236,7 +284,8 @@ _EMPTY = JobView()
 def new_job(policy: ControllerPolicy) -> JobView:
     """A job seen for the first time, with the policy's guardrail limits."""
     return JobView(evictions=EvictionBreaker(policy.eviction_window, policy.max_evictions, policy.max_eviction_fraction),
-                   crash_loop=CrashLoopBreaker(policy.restart_window, policy.restart_budget, policy.max_same_failure))
+                   crash_loop=CrashLoopBreaker(policy.restart_window, policy.restart_budget, policy.max_same_failure),
+                   clock_allowance=policy.clock_skew_allowance)
 
 
 # -- the fold ------------------------------------------------------------------------------------------
@@ -246,6 +295,11 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     """``job`` after ``event`` (pure). Every event the controller sees goes through here: the inputs
     (registrations, heartbeats, rank starts...) and its own decisions, live and on a cold start alike."""
     p, at = event.payload, event.occurred_at
+    if isinstance(p, TimerTicked):
+        return _evolve_tick(job, p)
+    legacy = job.clock_at is None
+    if not legacy and event.producer == AGENT_PRODUCER:
+        job = _heard(job, event)
     if job.first_seen_at is None and isinstance(p, (RankStarted, NodeRegistered, JobRegistered)):
         job = replace(job, first_seen_at=at)
     if isinstance(p, JobRegistered):
@@ -258,14 +312,15 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
             job = replace(job, refills_pending=job.refills_pending - 1)  # one of those asked for
         return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
                                      promoting=False, checked=None if p.standby else view.checked,
-                                     ranks=frozenset() if p.standby else view.ranks, last_heartbeat_at=at))
+                                     ranks=frozenset() if p.standby else view.ranks,
+                                     heard_at=at if legacy else view.heard_at))
     if isinstance(p, RankStarted):
         view = job.node(p.node_id)
         if p.generation < view.generation:
             return job
         ranks = view.ranks | {p.rank} if p.generation == view.generation else frozenset({p.rank})
         job = job.with_node(replace(view, ranks=frozenset(ranks), generation=p.generation, standby=False,
-                                    promoting=False, last_heartbeat_at=at))
+                                    promoting=False, heard_at=at if legacy else view.heard_at))
         for other in list(job.nodes.values()):  # a rank moved here (a promotion) left its old node
             if other.node_id != p.node_id and p.rank in other.ranks and other.generation < p.generation:
                 job = job.with_node(replace(other, ranks=other.ranks - {p.rank}))
@@ -279,7 +334,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
             job = replace(job, incident=replace(incident, started=incident.started | {p.node_id}))
         return job
     if isinstance(p, NodeHeartbeat):
-        job = job.with_node(replace(job.node(p.node_id), last_heartbeat_at=at))
+        if legacy:
+            job = job.with_node(replace(job.node(p.node_id), heard_at=at))
         if p.standby or job.incident is not None:
             return job
         # Past where it failed: no loop. A failure before any reported step (failed_at_step -1) is
@@ -289,6 +345,10 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         return replace(job, last_step=max(job.last_step, p.last_step))
     if isinstance(p, StandbyChecked):
         return job.with_node(replace(job.node(p.node_id), checked=p.passed))
+    if isinstance(p, NodeClockSkewed):
+        if p.node_id not in job.nodes:
+            return job
+        return job.with_node(replace(job.node(p.node_id), clock_skewed=p.skewed, skew_s=p.skew_s))
     if isinstance(p, NodeCordoned):
         return job.with_node(replace(job.node(p.node_id), cordoned=p.cordoned, cordoned_by=p.by if p.cordoned else ""))
     if isinstance(p, NodeEvictionDecided):
@@ -336,6 +396,47 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, CodeRolloutRequested):
         return replace(job, rollout_due=p.version_id)
     return _evolve_incident(job, event)
+
+def _heard(job: JobView, event: Event) -> JobView:
+    """An event its node's agent produced: the node is heard now (credited at the next tick)."""
+    node_id = getattr(event.payload, "node_id", None)
+    if not isinstance(node_id, str) or not node_id:
+        node_id = event.aggregate_id if event.aggregate_kind == "node" else ""
+    if not node_id:
+        return job
+    seen = job.heard.get(node_id)
+    if seen is not None and seen >= event.occurred_at:
+        return job
+    return replace(job, heard={**job.heard, node_id: event.occurred_at})
+
+
+def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
+    """A tick of the job clock. A v2 tick is the recorded clock: every node heard since the previous tick
+    is credited at this tick's ``now`` (its events arrived between the two), and how far their newest
+    timestamps lie outside that window is kept for the skew report. A tick later than its interval plus
+    the allowance after the previous one (or the first) starts a new unbroken run: silence is judged
+    from there. A v1 tick (an old log) leaves the job on producers' timestamps."""
+    if p.interval_s is None:
+        if job.clock_at is None:
+            return job
+        return replace(job, clock_at=None, clock_since=None, heard={}, skews={})
+    now, interval = p.now, timedelta(seconds=p.interval_s)
+    previous = job.clock_at
+    unbroken = previous is not None and timedelta(0) <= now - previous <= interval + job.clock_allowance
+    skews: dict[str, float] = {}
+    nodes = dict(job.nodes)
+    for node_id, newest in job.heard.items():
+        if newest > now:
+            skews[node_id] = (newest - now).total_seconds()
+        elif previous is not None and newest < previous:
+            skews[node_id] = (newest - previous).total_seconds()
+        else:
+            skews[node_id] = 0.0
+        if node_id in nodes:
+            nodes[node_id] = replace(nodes[node_id], heard_at=now)
+    return replace(job, nodes=nodes, clock_at=now, clock_interval=interval,
+                   clock_since=job.clock_since if unbroken else now, heard={}, skews=skews)
+
 
 def _evolve_incident(job: JobView, event: Event) -> JobView:
     """The controller's own decisions about an incident (folded live and on a cold start alike)."""

@@ -1,0 +1,225 @@
+"""Time from one place (issue 14): the controller judges liveness, deadlines and command expiry on its
+recorded clock - when events arrive, between two job-clock ticks in the log - never on producers'
+timestamps. A producer's clock skew is reported (``NodeClockSkewed``), never acted on as silence.
+
+Pure: a ``DeciderSession`` fed the log a live run records (agents' events stamped by their own clocks,
+the job clock's v2 ticks), and ``keel replay --verify``'s ``verify`` over it. The same inputs with v1
+ticks (a log recorded before) are still judged on producers' timestamps, as they were.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from keel.agent.clock import CLOCK_OFFSET_ENV, agent_clock, clock_offset
+from keel.controller.decider import ControllerDecider
+from keel.controller.policy import ControllerPolicy
+from keel.events.envelope import Event, EventPayload
+from keel.events.types import (
+    CLOCK_PRODUCER,
+    NodeHeartbeat,
+    NodeRegistered,
+    RankExited,
+    RankStarted,
+    TimerTicked,
+)
+from keel.kernel.decider import DeciderSession
+from keel.kernel.replay import verify
+
+T0 = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+TEN_MIN = timedelta(minutes=10)
+SILENCE = timedelta(seconds=30)
+
+
+class Clocked:
+    """A job of ``nodes`` single-rank nodes whose agents stamp events with their own (possibly skewed)
+    clocks, and the job clock ticking every second on the controller's host (``now``)."""
+
+    def __init__(self, nodes: int = 3, *, skews: dict[str, timedelta] | None = None, legacy: bool = False,
+                 policy: ControllerPolicy | None = None) -> None:
+        self.decider = ControllerDecider(policy or ControllerPolicy(node_silence_timeout=SILENCE))
+        self.session = DeciderSession(self.decider)
+        self.log: list[Event] = []
+        self.now = T0
+        self.count = 0
+        self.legacy = legacy
+        self.nodes = [f"n{i}" for i in range(nodes)]
+        self.skews = dict(skews or {})
+        self.step = 0
+        for i, node in enumerate(self.nodes):
+            self.feed(NodeRegistered(node_id=node, host=node), f"node/{node}", node=node)
+            self.feed(RankStarted(node_id=node, rank=i, local_rank=0, world_size=nodes, pid=100 + i, generation=0),
+                      f"rank/{i}", node=node)
+        self.tick()
+
+    def feed(self, payload: EventPayload, subject: str, *, node: str | None = None, producer: str = "agent",
+             at: datetime | None = None) -> list[Event]:
+        self.count += 1
+        stamp = at or (self.now + self.skews.get(node or "", timedelta(0)))
+        event = Event.create(payload, job_id="job1", subject=subject, producer=producer, occurred_at=stamp,
+                             event_id=uuid.uuid5(uuid.NAMESPACE_OID, f"clock-input-{self.count}"))
+        self.log.append(event)
+        result = self.session.observe(event)
+        self.log.extend(result.emitted)
+        return result.emitted
+
+    def tick(self) -> list[Event]:
+        interval = None if self.legacy else 1.0
+        return self.feed(TimerTicked(now=self.now, interval_s=interval), "clock/job1", producer=CLOCK_PRODUCER,
+                         at=self.now)
+
+    def beat(self, node: str) -> list[Event]:
+        return self.feed(NodeHeartbeat(node_id=node, ranks_alive=1, ranks_expected=1, last_step=self.step),
+                         f"node/{node}", node=node)
+
+    def run(self, seconds: int, *, silent: frozenset[str] = frozenset(), every: int = 5,
+            ticking: bool = True) -> list[Event]:
+        """``seconds`` of the job: heartbeats every ``every`` s from every node not ``silent``, a tick each
+        second (none while not ``ticking``: the clock host is down)."""
+        out: list[Event] = []
+        for _ in range(seconds):
+            self.now += timedelta(seconds=1)
+            self.step += 1
+            if int((self.now - T0).total_seconds()) % every == 0:
+                for node in self.nodes:
+                    if node not in silent:
+                        out += self.beat(node)
+            if ticking:
+                out += self.tick()
+        return out
+
+    def of(self, type_: str) -> list[Event]:
+        return [e for e in self.log if e.type == type_ and e.producer == "controller"]
+
+
+def evicted(events: list[Event]) -> list[str]:
+    return [e.payload.node_id for e in events if e.type == "NodeEvictionDecided"]
+
+
+def test_nodes_ten_minutes_ahead_and_behind_are_not_evicted_a_silent_one_is_and_the_skew_is_reported() -> None:
+    job = Clocked(skews={"n0": TEN_MIN, "n1": -TEN_MIN})
+    assert evicted(job.run(120)) == []
+    skewed = {e.payload.node_id: e.payload for e in job.of("NodeClockSkewed")}
+    assert set(skewed) == {"n0", "n1"}, skewed  # once per crossing: two minutes of heartbeats, one report each
+    assert len(job.of("NodeClockSkewed")) == 2
+    assert skewed["n0"].skewed and 595 <= skewed["n0"].skew_s <= 600, skewed["n0"]
+    assert skewed["n1"].skewed and -601 <= skewed["n1"].skew_s <= -595, skewed["n1"]
+    assert "ahead of" in skewed["n0"].reason and "behind" in skewed["n1"].reason
+
+    # The honest node goes silent: it alone is evicted, after the silence timeout on the recorded clock.
+    silent_since = job.now
+    decided = job.run(45, silent=frozenset({"n2"}))
+    assert evicted(decided) == ["n2"], [e.type for e in decided]
+    [eviction] = [e for e in decided if e.type == "NodeEvictionDecided"]
+    assert SILENCE < eviction.occurred_at - silent_since <= SILENCE + timedelta(seconds=7)
+    # Its command expires a TTL after the tick it was decided on, never after anyone's own clock.
+    assert eviction.payload.expires_at == eviction.occurred_at + ControllerPolicy().command_ttl
+    assert "recorded clock" in eviction.payload.reason
+    # The whole log replays to the same decisions (keel replay --verify).
+    report = verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log)
+    assert report.clean, report.summary()
+
+
+def test_the_same_inputs_with_v1_ticks_are_judged_on_timestamps_as_old_logs_were() -> None:
+    """What the recorded clock fixes, shown on a log of v1 ticks (which a replay still judges the old way):
+    the node whose clock lags 10 minutes is evicted while it heartbeats."""
+    job = Clocked(skews={"n1": -TEN_MIN}, legacy=True)
+    job.run(10)
+    assert evicted(job.log) == ["n1"]
+    assert job.of("NodeClockSkewed") == []
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_a_clock_back_within_the_allowance_is_reported_once() -> None:
+    job = Clocked(skews={"n0": TEN_MIN})
+    job.run(20)
+    job.skews["n0"] = timedelta(seconds=1)  # NTP fixed it
+    job.run(20)
+    reports = [(e.payload.node_id, e.payload.skewed) for e in job.of("NodeClockSkewed")]
+    assert reports == [("n0", True), ("n0", False)]
+    assert job.session.state.job("job1").node("n0").clock_skewed is False
+
+
+def test_a_future_dated_event_yields_commands_that_expire_and_deadlines_that_come() -> None:
+    job = Clocked()
+    job.run(10)
+    tick_at = job.now
+    a_day = timedelta(days=1)
+    decided = job.feed(RankExited(node_id="n1", rank=1, pid=1, generation=0, exit_code=1, classification="infrastructure",
+                                  error_type="RuntimeError", stderr_tail="RuntimeError: gloo"),
+                       "rank/1", node="n1", at=job.now + a_day)
+    [request] = [e for e in decided if e.type == "DiagnosticsRequested"]
+    assert request.occurred_at == tick_at  # the decision's time is the latest tick, not the producer's stamp
+    assert request.payload.expires_at == tick_at + ControllerPolicy().command_ttl
+    # The round's deadline counts from the recorded clock: it concludes (nobody reported: every node
+    # timed out, and the eviction breaker stops the job) a minute later, not a day.
+    for node in job.nodes:
+        job.beat(node)  # the agents acknowledge the request
+    decided = job.run(62)
+    [resolved] = [e for e in decided if e.type == "IncidentResolved"]
+    assert resolved.occurred_at == tick_at + ControllerPolicy().diagnostics_timeout
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_an_event_delivered_long_after_it_occurred_yields_commands_still_valid() -> None:
+    job = Clocked()
+    job.run(10)
+    late = job.now - timedelta(hours=1)  # occurred an hour ago; an outbox delivered it only now
+    decided = job.feed(RankExited(node_id="n1", rank=1, pid=1, generation=0, exit_code=1, classification="infrastructure",
+                                  error_type="RuntimeError", stderr_tail="RuntimeError: gloo"),
+                       "rank/1", node="n1", at=late)
+    [request] = [e for e in decided if e.type == "DiagnosticsRequested"]
+    assert request.payload.expires_at == job.now + ControllerPolicy().command_ttl > job.now
+    assert request.occurred_at == job.now
+    for node in job.nodes:
+        job.beat(node)  # the agents acknowledge the request
+    # The round waits its timeout from now: the next ticks do not conclude it at once.
+    assert not [e for e in job.run(30) if e.type in ("RestartDecided", "NodeEvictionDecided", "IncidentResolved")]
+    assert [e.type for e in job.run(31) if e.type == "IncidentResolved"] == ["IncidentResolved"]
+
+
+def test_no_node_is_judged_silent_over_a_gap_in_the_clock() -> None:
+    job = Clocked()
+    job.run(10)
+    # The clock host is down for two minutes and the agents' heartbeats pile up in the stream; when it
+    # is back, they arrive (a backlog) before its first tick: every node is credited, nobody is evicted.
+    job.run(120, ticking=False)
+    assert evicted(job.run(40)) == []
+    # Down again, and this time nothing is heard during the gap (NATS itself was down): the first tick
+    # after the gap starts a new run, so nobody is silent for longer than the host listened.
+    job.run(120, ticking=False, silent=frozenset(job.nodes))
+    first = job.run(1, silent=frozenset(job.nodes))
+    assert evicted(first) == []
+    # A node that stays silent for the timeout after the gap is lost all the same.
+    assert evicted(job.run(40, silent=frozenset({"n0"}))) == ["n0"]
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_a_late_tick_counts_as_a_gap_and_an_unheard_node_is_credited_from_it() -> None:
+    job = Clocked()
+    job.run(10)
+    state = job.session.state.job("job1")
+    assert state.clock_since == T0 and state.recorded_clock
+    job.now += timedelta(seconds=20)  # a tick 20 s after the previous one: more than 1 s + the 5 s allowance
+    job.tick()
+    state = job.session.state.job("job1")
+    assert state.clock_since == job.now
+    assert state.silence(state.node("n0"), job.now) == timedelta(0)
+
+
+@pytest.mark.parametrize(("text", "offset"), [("", timedelta(0)), ("600s", TEN_MIN), ("-10m", -TEN_MIN),
+                                              ("+1.5h", timedelta(hours=1.5))])
+def test_the_agent_clock_fault_hook_shifts_the_agents_clock(text: str, offset: timedelta) -> None:
+    assert clock_offset({CLOCK_OFFSET_ENV: text}) == offset
+    clock = agent_clock({CLOCK_OFFSET_ENV: text})
+    shifted = clock() - datetime.now(UTC)
+    assert abs(shifted - offset) < timedelta(seconds=5)
+
+
+@pytest.mark.parametrize("text", ["600", "-ten minutes", "400d"])
+def test_the_agent_clock_fault_hook_refuses_what_it_cannot_read(text: str) -> None:
+    with pytest.raises(ValueError, match=CLOCK_OFFSET_ENV):
+        clock_offset({CLOCK_OFFSET_ENV: text})
