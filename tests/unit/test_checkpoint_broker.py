@@ -722,3 +722,20 @@ async def test_manifest_waits_for_every_shard_file_then_reports_the_persisted_st
     assert persisted.payload.save_cost_s == 0.5 and persisted.payload.bytes == 21
     assert persisted.payload.manifest_digest == ckpt_disk.read_manifest(tmp_path / "p", JOB, 10).digest
     assert await broker.write_manifests() == []  # once
+
+
+def test_a_restore_wait_runs_on_the_recorded_clock_not_the_nodes_clocks() -> None:
+    """Issue 14 (producer clocks): with the job clock's v2 ticks, a restore plan's wait counts from the tick
+    before the first inventory arrived. An inventory stamped 10 minutes early (a node whose clock lags)
+    does not end the wait at the next tick, and one stamped 10 minutes late does not stretch it."""
+    session, _ = four_nodes()
+
+    def tick(seconds: float) -> Event:
+        return ev(TimerTicked(now=T0 + timedelta(seconds=seconds), interval_s=1.0), "clock/job1", producer="clock")
+
+    lagging = inventory("n0", 1, memory={0: [41]}, at=T0 - timedelta(minutes=10))
+    ahead = inventory("n1", 1, memory={1: [41]}, at=T0 + timedelta(minutes=10))
+    assert plan_events(session, [tick(0), lagging, ahead, tick(1)]) == (None, [])
+    assert plan_events(session, [tick(9)]) == (None, [])  # within the 10 s wait from the tick at 0 s
+    plan, _ = plan_events(session, [tick(11)])
+    assert plan is not None and "after the 10s wait with 2 inventory(ies)" in plan.reason, plan

@@ -196,14 +196,17 @@ class AnalyzerDecider:
         if isinstance(p, NodeHeartbeat):
             if p.standby:
                 return state
-            job = observe_heartbeat(job, p.node_id, p.rank_compute_time_p50_s, event.occurred_at)
+            # Dated on the recorded clock: a node whose clock lags is neither never fresh nor always fresh.
+            at = job.clock_at if job.clock_at is not None else event.occurred_at
+            job = observe_heartbeat(job, p.node_id, p.rank_compute_time_p50_s, at)
         elif isinstance(p, CheckpointRanksRegistered):
             job = observe_groups(job, {g.rank: g.dp for g in p.ranks})
         elif isinstance(p, TimerTicked):
             job = take_round(job, p.now, self.failslow)
+            job = replace(job, clock_at=p.now if p.interval_s is not None else None)
         elif isinstance(p, FailSlowConvicted):
             # Convicted: count afresh, without the convicted nodes' old samples.
-            job = JobFailSlow(self.failslow.fresh_rounds(), pools=job.pools,
+            job = JobFailSlow(self.failslow.fresh_rounds(), pools=job.pools, clock_at=job.clock_at,
                               samples={r: s for r, s in job.samples.items() if s.node_id not in p.group_nodes})
         return replace(state, failslow={**state.failslow, event.job_id: job})
 

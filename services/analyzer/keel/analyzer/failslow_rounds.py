@@ -63,6 +63,9 @@ class JobFailSlow:
     """rank -> the ranks doing the same work (its DP group), from the checkpoint registrations."""
     evidence: tuple[str, ...] = ()
     """One line per round in ``rounds``, oldest first."""
+    clock_at: datetime | None = None
+    """The job clock's latest v2 tick: samples are dated by it (when they arrived), not by the node's own
+    clock. None (no such tick yet; logs of v1 ticks): by the heartbeat's timestamp, as such logs were."""
 
 
 def observe_heartbeat(job: JobFailSlow, node_id: str, compute: Mapping[int, float], at: datetime) -> JobFailSlow:

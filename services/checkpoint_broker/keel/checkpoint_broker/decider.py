@@ -26,7 +26,7 @@ from __future__ import annotations
 from keel.checkpoint_broker.placement import decide_placement
 from keel.checkpoint_broker.restore import decide_commit, decide_restore
 from keel.checkpoint_broker.schedule import decide_schedule
-from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, fold
+from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, fold, received_at
 from keel.events.envelope import Event
 from keel.events.types import (
     CheckpointBackupFailed,
@@ -84,8 +84,7 @@ class CheckpointBrokerDecider:
                 isinstance(p, CheckpointShardsStored) and any(r.send_s > 0 for r in p.shards)):
             parts.append(decide_schedule(job, event, self.policy, subject))
         if isinstance(p, (CheckpointInventoryReported, RankStarted, TimerTicked)):
-            now = p.now if isinstance(p, TimerTicked) else event.occurred_at
-            parts.append(decide_restore(job, now, self.policy, subject))
+            parts.append(decide_restore(job, received_at(job, event), self.policy, subject))
         reasons = [part.reason for part in parts if part.reason]
         proposals = tuple(proposal for part in parts for proposal in part.proposals)
         return Decision(reason="; ".join(reasons) or f"{event.type}: nothing to decide", proposals=proposals)

@@ -5,14 +5,14 @@ estimate ``mtbf_estimate`` and the step time).
 The formulas are pure maths over plain values (seconds in, steps out). ``decide_schedule`` is the
 decider's schedule decision: ``CheckpointScheduleSet`` when the persist interval K moves past the
 hysteresis or the backup interval changes; ``announced_schedule`` is what ``CheckpointNodeBackupsAssigned``
-carries of it. No I/O, no clock: the elapsed time is the events' ``occurred_at``.
+carries of it. No I/O, no clock: the elapsed time is on the recorded clock (``state.received_at``).
 """
 
 from __future__ import annotations
 
 import math
 
-from keel.checkpoint_broker.state import BrokerPolicy, JobState, ScheduleState
+from keel.checkpoint_broker.state import BrokerPolicy, JobState, ScheduleState, received_at
 from keel.events.envelope import Event
 from keel.events.types import CheckpointScheduleSet
 from keel.kernel.decider import Decision, Proposal
@@ -87,8 +87,9 @@ def decide_schedule(job: JobState, event: Event, policy: BrokerPolicy, subject: 
     # Synchronous training runs at its slowest node's pace.
     step_time = max(schedule.step_times.values())
     cost = schedule.save_cost_s if schedule.save_cost_s is not None else policy.initial_save_cost.total_seconds()
-    started = schedule.started_at or event.occurred_at
-    elapsed = (event.occurred_at - started).total_seconds()
+    now = received_at(job, event)
+    started = schedule.started_at or now
+    elapsed = (now - started).total_seconds()
     failures = len(schedule.failures)
     prior = policy.mtbf_prior.total_seconds()
     mtbf = mtbf_estimate(elapsed, failures, prior)

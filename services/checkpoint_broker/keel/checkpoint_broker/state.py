@@ -169,6 +169,9 @@ class JobState:
     restore_below_reason: str = ""
     restore_below_planned: bool = False
     """A plan honoured ``restore_below``: from now on a memory or peer commit past it clears it."""
+    clock_at: datetime | None = None
+    """The job clock's latest v2 tick (``TimerTicked.interval_s``): the recorded clock, by which the broker
+    dates what arrives (``received_at``). None (no such tick yet, or a log of v1 ticks): producers' timestamps."""
 
     @property
     def all_registered(self) -> bool:
@@ -248,19 +251,33 @@ class BrokerPolicy:
 # -- the fold ---------------------------------------------------------------------------------------
 
 
+def received_at(job: JobState, event: Event) -> datetime:
+    """When ``event`` counts as having happened for the broker: a tick's ``now``; else the job's recorded
+    clock (the latest v2 tick: the event arrived after it), never a producer's own timestamp - a node
+    whose clock is 10 minutes off neither ends a restore plan's wait at once nor stretches it. Before any
+    v2 tick (and in logs of v1 ticks) the event's ``occurred_at``, as such logs were decided."""
+    p = event.payload
+    if isinstance(p, TimerTicked):
+        return p.now
+    return job.clock_at if job.clock_at is not None else event.occurred_at
+
+
 def fold(state: BrokerState, event: Event, policy: BrokerPolicy) -> BrokerState:
     """``state`` after ``event``: the decider's ``evolve``. Pure; events of other types leave it as is."""
     if event.type not in FOLDED:
         return state  # health reports and the like: the bulk of the log, nothing to learn here
     job = state.job(event.job_id)
     if job.schedule.started_at is None:
-        job = replace(job, schedule=replace(job.schedule, started_at=event.occurred_at))
+        job = replace(job, schedule=replace(job.schedule, started_at=received_at(job, event)))
     updated = _evolve_job(job, event, policy)
     return state.with_job(event.job_id, updated)
 
 
 def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
     p = event.payload
+    if isinstance(p, TimerTicked):
+        clock_at = p.now if p.interval_s is not None else None
+        return job if clock_at == job.clock_at else replace(job, clock_at=clock_at)
     if isinstance(p, JobRegistered):
         return replace(job, world_size=job.world_size or p.world_size)
     if isinstance(p, CheckpointRanksRegistered):
@@ -322,7 +339,7 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
         if job.planned and p.generation <= max(job.planned):
             return job  # that restart (or a newer one) is planned already: a late report
         wait = job.restores.get(p.generation) or RestoreWait(
-            p.generation, event.occurred_at + policy.restore_plan_timeout)
+            p.generation, received_at(job, event) + policy.restore_plan_timeout)
         wait = replace(wait, inventories={**wait.inventories, p.node_id: p})
         return replace(job, restores={**job.restores, p.generation: wait},
                        generation=max(job.generation, p.generation))

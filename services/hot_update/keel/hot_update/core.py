@@ -70,6 +70,17 @@ class JobCode:
     window_step: int | None = None
     """The current version's step when its stability window opened (None: not open)."""
     window_at: datetime | None = None
+    clock_at: datetime | None = None
+    """The job clock's latest v2 tick: the recorded clock (``received_at``). None: producers' timestamps
+    (before any v2 tick, and in logs of v1 ticks, as those were decided)."""
+
+    def received_at(self, event: Event) -> datetime:
+        """When ``event`` counts as having happened: a tick's ``now``, else the recorded clock (a heartbeat
+        from a node whose clock is 10 minutes ahead does not make a version stable 10 minutes early)."""
+        p = event.payload
+        if isinstance(p, TimerTicked):
+            return p.now
+        return self.clock_at if self.clock_at is not None else event.occurred_at
 
     @property
     def pending_version(self) -> CodeVersionRegistered | None:
@@ -110,7 +121,10 @@ class HotUpdateDecider:
         return state if updated is job else HotUpdateState(jobs={**state.jobs, event.job_id: updated})
 
     def evolve_job(self, job: JobCode, event: Event) -> JobCode:  # noqa: C901 - one branch per event type
-        p, at = event.payload, event.occurred_at
+        p, at = event.payload, job.received_at(event)
+        if isinstance(p, TimerTicked):
+            clock_at = p.now if p.interval_s is not None else None
+            return job if clock_at == job.clock_at else replace(job, clock_at=clock_at)
         if isinstance(p, CodeVersionRegistered):
             return replace(job, versions={**job.versions, p.version_id: p}, pending=p.version_id)
         if isinstance(p, CodeRolloutRequested):
@@ -179,8 +193,7 @@ class HotUpdateDecider:
         pending = job.pending_version
         if pending is None or job.requested or pending.version_id in job.rolled_back:
             return None
-        p = event.payload
-        now = p.now if isinstance(p, TimerTicked) else event.occurred_at
+        now = job.received_at(event)
         if pending.mode == "urgent":
             trigger, why = "urgent", f"urgent deploy of {pending.version_id} by {pending.by}"
         elif pending.deadline is not None and now >= pending.deadline:
@@ -197,8 +210,7 @@ class HotUpdateDecider:
         if job.window_step is None or job.window_at is None or job.current in job.stable or job.in_flight \
                 or job.incident_open:
             return None
-        p = event.payload
-        now = p.now if isinstance(p, TimerTicked) else event.occurred_at
+        now = job.received_at(event)
         steps = max(0, job.last_step - job.window_step)
         ran = max(0.0, (now - job.window_at).total_seconds())
         policy = self.policy
