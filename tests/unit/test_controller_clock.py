@@ -223,3 +223,14 @@ def test_the_agent_clock_fault_hook_shifts_the_agents_clock(text: str, offset: t
 def test_the_agent_clock_fault_hook_refuses_what_it_cannot_read(text: str) -> None:
     with pytest.raises(ValueError, match=CLOCK_OFFSET_ENV):
         clock_offset({CLOCK_OFFSET_ENV: text})
+
+
+def test_a_commands_age_is_taken_from_the_agents_clock_only_when_plausible() -> None:
+    from keel.agent.clock import plausible_age_s
+
+    issued = T0
+    assert plausible_age_s(T0 + timedelta(seconds=3), issued, 45) == 3.0  # a command 3 s in transit
+    # A node 10 minutes ahead would see every command as 10 minutes old (its diagnostics round cut to the
+    # 5 s floor); one 10 minutes behind, as issued in the future: both count as just issued.
+    assert plausible_age_s(T0 + TEN_MIN, issued, 45) == 0.0
+    assert plausible_age_s(T0 - TEN_MIN, issued, 45) == 0.0

@@ -158,7 +158,8 @@ class NodeAgent:
         """Each piece of a tick runs guarded: an exception is logged (rate-limited), the rest goes on."""
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
         self.metric_watch = MetricWatch(spec.node_id, metric_settings or MetricSettings())
-        self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json", warm=spec.warm_ranks)
+        self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json", warm=spec.warm_ranks,
+                                         clock=clock)
         # Ready files of a previous agent in this folder (killed with its node) name nothing alive.
         shutil.rmtree(spec.agent_dir / "warm", ignore_errors=True)
         self.generation_started_s = time.monotonic()

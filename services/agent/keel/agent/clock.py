@@ -44,3 +44,12 @@ def agent_clock(environ: Mapping[str, str]) -> Callable[[], datetime]:
     if not offset:
         return now_utc
     return lambda: now_utc() + offset
+
+
+def plausible_age_s(now: datetime, issued_at: datetime, within_s: float) -> float:
+    """How long ago a command was issued (``issued_at``: the controller's recorded clock), by this agent's
+    clock ``now``, when that is plausible: between 0 and ``within_s``. Anything else says more about the
+    two clocks than about the command (a node whose clock is minutes off), so it counts as just issued:
+    a skewed clock neither cuts a round's time to nothing nor stretches it."""
+    age = (now - issued_at).total_seconds()
+    return age if 0.0 <= age <= within_s else 0.0

@@ -41,6 +41,7 @@ from typing import Protocol
 
 from keel.agent.channel import RankChannel
 from keel.agent.checkpointing import NodeCheckpointing
+from keel.agent.clock import plausible_age_s
 from keel.agent.diagnostics import (
     LOCAL_CHECKS,
     DiagnosticsPolicy,
@@ -272,8 +273,10 @@ class DiagnosticsRounds:
         self.seen.add(payload.round)
         # The controller concludes the round at its decision time + timeout_s. Answer by three quarters of
         # that (stopping the ranks counts against it): peers that name a node which never joined must be
-        # heard before the controller's own deadline; the last quarter covers transport and clock skew.
-        deadline = max(time.time() + 5.0, command.occurred_at.timestamp() + 0.75 * payload.timeout_s)
+        # heard before the controller's own deadline; the last quarter covers transport. The time already
+        # gone is judged on this node's clock only when plausible (a clock minutes off is not a late command).
+        answer_s = 0.75 * payload.timeout_s
+        deadline = time.time() + max(5.0, answer_s - plausible_age_s(self.node.clock(), command.occurred_at, answer_s))
         self.node.stop_ranks()
         self.node.held = True
         request = RoundRequest(
@@ -518,7 +521,8 @@ class SdcReplays:
         # The analyzer judges at the request's time + timeout_s: answer by three quarters of that (stopping
         # the old ranks counts against it), so ranks that are merely slow are heard, not counted missing.
         now_s = time.monotonic()
-        left_s = max(5.0, command.occurred_at.timestamp() + 0.75 * payload.timeout_s - time.time())
+        answer_s = 0.75 * payload.timeout_s
+        left_s = max(5.0, answer_s - plausible_age_s(node.clock(), command.occurred_at, answer_s))
         self.active = ActiveReplay(command, directory, payload.generation, sorted(node.supervisor.ranks), now_s,
                                    now_s + left_s)
         log.info("%s: replay round %d started as generation %d (%d phase(s)): %s", node_id, payload.round,

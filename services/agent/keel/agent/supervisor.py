@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -99,8 +100,10 @@ class RankSupervisor:
     """Owns the rank processes of one node. Not thread-safe: call from the agent's loop only."""
 
     def __init__(self, spec: LaunchSpec, socket_path: Path, fault_file: Path, python: str = sys.executable,
-                 *, warm: bool = False) -> None:
+                 *, warm: bool = False, clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.spec = spec
+        self.clock = clock
+        """The agent's clock (``keel.agent.clock``): a rank's start is dated on the clock its reports are judged by."""
         self.warm = warm
         self.zygote: Zygote | None = None
         self.cold_starts = 0
@@ -202,7 +205,7 @@ class RankSupervisor:
                                                       command, cwd)
             if forked is not None:
                 self.ranks[rank] = RankProcess(rank, local_rank, generation, forked, time.monotonic(),
-                                               datetime.now(UTC), stderr_path=stderr_path)
+                                               self.clock(), stderr_path=stderr_path)
                 continue
             self.cold_starts += 1
             self.last_start_warm = False
@@ -216,7 +219,7 @@ class RankSupervisor:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-            process = RankProcess(rank, local_rank, generation, popen, time.monotonic(), datetime.now(UTC))
+            process = RankProcess(rank, local_rank, generation, popen, time.monotonic(), self.clock())
             assert popen.stderr is not None
             process.reader = threading.Thread(
                 target=_pump_stderr, args=(popen.stderr, process.stderr_tail, stderr_path),

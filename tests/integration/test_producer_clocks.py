@@ -1,0 +1,126 @@
+"""Producer clocks (issue 14): real NATS, PostgreSQL, recorder and controller, and real ``keel run`` agent
+processes whose clocks run 10 minutes ahead and 10 minutes behind (the agent's fault hook
+``KEEL_FAULT_CLOCK_OFFSET``). Nobody is evicted while they heartbeat, each skew is reported once
+(``NodeClockSkewed``), a node that really goes silent (SIGKILLed, agent and ranks) is still evicted, and
+the recorded log replays to the same decisions (``keel replay --verify``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from keel.agent.clock import CLOCK_OFFSET_ENV
+from keel.cluster.local import rendezvous_base_port, seed_overlay_root, spawn_agent
+from keel.controller.adapter import Controller, decider_from_settings
+from keel.events.envelope import Event
+from keel.infra.config import ControllerSettings
+from keel.kernel.replay import verify
+from tests.integration.test_crashes import service_env, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+JOB = "skewed"
+OFFSETS = {"n00": "+10m", "n01": "-10m", "n02": "0s"}
+SILENCE_S = 8.0
+
+
+@pytest.fixture
+def agents() -> Iterator[dict[str, subprocess.Popen]]:
+    started: dict[str, subprocess.Popen] = {}
+    yield started
+    for process in started.values():
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the agent and its ranks
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=10)
+
+
+def start_agents(settings, scratch: Path, started: dict[str, subprocess.Popen]) -> None:  # type: ignore[no-untyped-def]
+    script = scratch / "sleeper.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    port = rendezvous_base_port()
+    for index, (node_id, offset) in enumerate(OFFSETS.items()):
+        agent_dir = scratch / node_id
+        root = agent_dir / "root"
+        seed_overlay_root(root, gpus=1)
+        argv = [sys.executable, "-m", "keel.cli.main", "run", "--nnodes", str(len(OFFSETS)), "--nproc-per-node", "1",
+                "--node-rank", str(index), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--keel-job-id", JOB, "--keel-node-id", node_id, "--keel-agent-dir", str(agent_dir),
+                "--keel-root", str(root), "--keel-heartbeat-interval", "1s", "--keel-supervised", str(script)]
+        env = {**service_env(settings), CLOCK_OFFSET_ENV: offset}
+        started[node_id] = spawn_agent(argv, env, agent_dir)
+
+
+async def test_agents_ten_minutes_off_are_not_evicted_and_a_silent_one_is(keel_env, agents, scratch_dir: Path) -> None:
+    settings = keel_env.settings.model_copy(update={"controller": ControllerSettings(
+        node_silence_timeout=f"{SILENCE_S:g}s", clock_skew_allowance="2s", clock_interval="1s")})  # type: ignore[arg-type]
+    await keel_env.start_recorder()
+    controller = Controller(keel_env.bus, keel_env.store, settings)
+    await controller.start()
+    stop = asyncio.Event()
+    keel_env.stops.append(stop)
+    keel_env.tasks.append(asyncio.create_task(controller.run(stop)))
+
+    async def log() -> list[Event]:
+        return [r.event async for r in keel_env.store.read(job_id=JOB)]
+
+    def of(events: list[Event], type_: str) -> list[Event]:
+        return [e for e in events if e.type == type_]
+
+    start_agents(settings, scratch_dir, agents)
+
+    async def every_node_beats() -> bool:
+        beats = of(await log(), "NodeHeartbeat")
+        return {e.payload.node_id for e in beats} == set(OFFSETS) and len(of(await log(), "RankStarted")) == 3
+
+    await wait_until(every_node_beats, 90, "a heartbeat and a rank start from every agent")
+    events = await log()
+    # The fault hook works: each agent stamps its events with its own clock.
+    stamps = {e.payload.node_id: e.occurred_at for e in of(events, "NodeHeartbeat")}
+    ticks = [e for e in events if e.type == "TimerTicked"]
+    assert ticks and ticks[-1].payload.interval_s == 1.0
+    assert stamps["n00"] - ticks[-1].payload.now > timedelta(minutes=9), stamps
+    assert ticks[-1].payload.now - stamps["n01"] > timedelta(minutes=9), stamps
+
+    # Three silence timeouts of heartbeats from clocks 10 minutes off: nobody is evicted.
+    await asyncio.sleep(3 * SILENCE_S)
+    events = await log()
+    assert of(events, "NodeEvictionDecided") == [], [e.payload.reason for e in of(events, "NodeEvictionDecided")]
+    assert of(events, "IncidentOpened") == [], [(e.payload.node_id, e.payload.reason) for e in of(events, "IncidentOpened")] + [(e.payload.node_id, e.payload.check, e.payload.detail) for e in of(events, "NodeHealthChanged")]
+    skewed = [(e.payload.node_id, e.payload.skewed) for e in of(events, "NodeClockSkewed")]
+    assert sorted(skewed) == [("n00", True), ("n01", True)], skewed  # once each, the honest node never
+    by_node = {e.payload.node_id: e.payload.skew_s for e in of(events, "NodeClockSkewed")}
+    assert 590 < by_node["n00"] <= 601 and -601 <= by_node["n01"] < -590, by_node
+
+    # The honest node really goes silent (its agent and ranks killed): it alone is evicted.
+    killed_at = asyncio.get_running_loop().time()
+    os.killpg(agents["n02"].pid, signal.SIGKILL)
+
+    async def evicted() -> bool:
+        return bool(of(await log(), "NodeEvictionDecided"))
+
+    await wait_until(evicted, SILENCE_S + 30, "the silent node's eviction")
+    took = asyncio.get_running_loop().time() - killed_at
+    events = await log()
+    decided = of(events, "NodeEvictionDecided")
+    assert [e.payload.node_id for e in decided] == ["n02"], [e.payload.reason for e in decided]
+    assert SILENCE_S <= took, took
+    [eviction] = decided
+    assert "recorded clock" in eviction.payload.reason
+    # The command expires a TTL after the tick it was decided on (not after a skewed node's stamp).
+    assert eviction.payload.expires_at == eviction.occurred_at + settings.controller.command_ttl
+    assert eviction.occurred_at in {t.payload.now for t in of(events, "TimerTicked")}
+
+    # keel replay --verify: the recorded log gives the same decisions.
+    report = verify(decider_from_settings(settings), events)
+    assert report.clean, report.summary()
