@@ -102,6 +102,13 @@ async def test_agents_ten_minutes_off_are_not_evicted_and_a_silent_one_is(keel_e
     by_node = {e.payload.node_id: e.payload.skew_s for e in of(events, "NodeClockSkewed")}
     assert 590 < by_node["n00"] <= 601 and -601 <= by_node["n01"] < -590, by_node
 
+    # `keel incidents` shows both clocks (reported, not acted on).
+    shown = subprocess.run([sys.executable, "-m", "keel.cli.main", "incidents", "--job", JOB], env=service_env(settings),
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "keel: no incidents" in shown.stdout and "n00" in shown.stdout and "ahead" in shown.stdout \
+        and "n01" in shown.stdout and "behind" in shown.stdout, shown.stdout
+
     # The honest node really goes silent (its agent and ranks killed): it alone is evicted.
     killed_at = asyncio.get_running_loop().time()
     os.killpg(agents["n02"].pid, signal.SIGKILL)

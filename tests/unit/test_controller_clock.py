@@ -234,3 +234,17 @@ def test_a_commands_age_is_taken_from_the_agents_clock_only_when_plausible() -> 
     # 5 s floor); one 10 minutes behind, as issued in the future: both count as just issued.
     assert plausible_age_s(T0 + TEN_MIN, issued, 45) == 0.0
     assert plausible_age_s(T0 - TEN_MIN, issued, 45) == 0.0
+
+
+def test_keel_incidents_lists_the_clocks_still_off() -> None:
+    from keel.cli.incidents import format_skewed_clocks, skewed_clocks
+
+    job = Clocked(skews={"n0": TEN_MIN, "n1": -TEN_MIN})
+    job.run(20)
+    job.skews["n0"] = timedelta(0)
+    job.run(20)
+    clocks = skewed_clocks(job.log)
+    assert [c.node_id for c in clocks] == ["n1"] and -601 < clocks[0].skew_s < -595  # n0 came back within
+    text = format_skewed_clocks(clocks)
+    assert "n1" in text and "behind" in text and "n0" not in text
+    assert format_skewed_clocks([]) == ""

@@ -41,6 +41,7 @@ from keel.events.types import (
     IncidentOpened,
     IncidentResolved,
     JobStopDecided,
+    NodeClockSkewed,
     NodeCordoned,
 )
 from keel.events.units import format_duration as format_duration_spec
@@ -231,6 +232,45 @@ def format_incidents(incidents: Sequence[IncidentSummary], *, reason_width: int 
 
 def incidents_json(incidents: Sequence[IncidentSummary]) -> dict[str, Any]:
     return {"incidents": [i.to_json() for i in incidents]}
+
+
+CLOCK_TYPES = ("NodeClockSkewed",)
+
+
+@dataclass(frozen=True)
+class SkewedClock:
+    """A node whose clock the controller last reported off its recorded clock (``NodeClockSkewed``)."""
+
+    job_id: str
+    node_id: str
+    skew_s: float
+    since: datetime
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "node_id": self.node_id, "skew_s": self.skew_s,
+                "since": self.since.isoformat(), "reason": self.reason}
+
+
+def skewed_clocks(events: Iterable[Event]) -> list[SkewedClock]:
+    """Nodes whose latest ``NodeClockSkewed`` says their clock is off (not back within), by job and node."""
+    latest: dict[tuple[str, str], Event] = {}
+    for event in events:
+        if isinstance(event.payload, NodeClockSkewed):
+            latest[(event.job_id, event.payload.node_id)] = event
+    return [SkewedClock(job, node, e.payload.skew_s, e.occurred_at, e.payload.reason)
+            for (job, node), e in sorted(latest.items()) if isinstance(e.payload, NodeClockSkewed) and e.payload.skewed]
+
+
+def format_skewed_clocks(clocks: Sequence[SkewedClock]) -> str:
+    """A line per node whose clock is off (reported, never acted on); "" when none is."""
+    if not clocks:
+        return ""
+    lines = ["clocks off the controller's recorded clock (reported, not acted on: liveness and expiry go by arrival):"]
+    for c in clocks:
+        way = "ahead" if c.skew_s > 0 else "behind"
+        lines.append(f"  {c.job_id:<12} {c.node_id:<10} {abs(c.skew_s):.1f} s {way} (at least), since {_stamp(c.since)}")
+    return "\n".join(lines)
 
 
 # -- pure: the timeline of one incident ----------------------------------------------------------
@@ -496,6 +536,13 @@ async def load_incidents(store: EventStore, job_id: str | None = None) -> list[I
     return summarize_incidents(events)
 
 
+async def load_incidents_and_clocks(store: EventStore, job_id: str | None = None
+                                    ) -> tuple[list[IncidentSummary], list[SkewedClock]]:
+    incidents = await load_incidents(store, job_id)
+    clocks = skewed_clocks([r.event async for r in store.read(job_id=job_id, types=CLOCK_TYPES)])
+    return incidents, clocks
+
+
 async def load_ettr(store: EventStore, job_id: str | None, window: timedelta) -> list[tuple[str, JobEttr | None]]:
     """One entry per job (or just ``job_id``; ``LookupFailed`` when it has no events)."""
     spans = await load_job_spans(store.engine, job_id)
@@ -586,11 +633,13 @@ def cmd_ettr(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_incidents(args: argparse.Namespace, settings: Settings) -> int:
-    incidents = on_store(settings, lambda store: load_incidents(store, args.job))
+    incidents, clocks = on_store(settings, lambda store: load_incidents_and_clocks(store, args.job))
     if args.json:
-        print_json(incidents_json(incidents))
+        print_json({**incidents_json(incidents), "skewed_clocks": [c.to_json() for c in clocks]})
     else:
         print(format_incidents(incidents))
+        if clocks:
+            print("\n" + format_skewed_clocks(clocks))
     return 0
 
 
