@@ -248,3 +248,15 @@ def test_keel_incidents_lists_the_clocks_still_off() -> None:
     text = format_skewed_clocks(clocks)
     assert "n1" in text and "behind" in text and "n0" not in text
     assert format_skewed_clocks([]) == ""
+
+
+def test_the_recorded_clock_survives_a_snapshot_of_the_controllers_state() -> None:
+    """Cold starts begin from a snapshot (keel.kernel.snapshot): the clock's fields round-trip exactly."""
+    from keel.kernel.snapshot import decode_state, encode_state
+
+    job = Clocked(skews={"n0": TEN_MIN})
+    job.run(12)
+    job.beat("n1")  # heard since the latest tick: pending credit
+    state = job.session.state
+    assert state.job("job1").heard and state.job("job1").skews is not None
+    assert decode_state(encode_state(state)) == state
