@@ -217,8 +217,11 @@ class JobView:
     def needs_clock(self) -> bool:
         """Whether the controller's rules depend on time for this job now (a running job's silent nodes,
         a round's deadline): the clock host then ticks it every interval."""
-        return bool((self.active and not self.stopped and not self.finished)
-                    or (self.incident is not None and self.incident.stage in ("diagnosing", "capturing", "replaying")))
+        if self.incident is not None and self.incident.stage in ("diagnosing", "capturing", "replaying"):
+            return True
+        # Asked on every decision (``ActionPlan.recorded_now``): the first running node answers, no sort.
+        return not self.stopped and not self.finished and any(
+            n.ranks and not n.evicted and not n.standby for n in self.nodes.values())
 
     def silence(self, node: NodeView, now: datetime) -> timedelta | None:
         """How long ``node`` has been silent at ``now`` (None: never heard). On the recorded clock only
