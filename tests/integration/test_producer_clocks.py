@@ -1,8 +1,9 @@
 """Producer clocks (issue 14): real NATS, PostgreSQL, recorder and controller, and real ``keel run`` agent
 processes whose clocks run 10 minutes ahead and 10 minutes behind (the agent's fault hook
 ``KEEL_FAULT_CLOCK_OFFSET``). Nobody is evicted while they heartbeat, each skew is reported once
-(``NodeClockSkewed``), a node that really goes silent (SIGKILLed, agent and ranks) is still evicted, and
-the recorded log replays to the same decisions (``keel replay --verify``)."""
+(``NodeClockSkewed``), a node that really goes silent (SIGKILLed, agent and ranks) is still evicted, the
+skewed agents judge commands' expiries on the controller's clock (the skew it reported to them), and the
+recorded log replays to the same decisions (``keel replay --verify``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import pytest
 from keel.agent.clock import CLOCK_OFFSET_ENV
 from keel.cluster.local import rendezvous_base_port, seed_overlay_root, spawn_agent
 from keel.controller.adapter import Controller, decider_from_settings
-from keel.events.envelope import Event
+from keel.events.envelope import Event, now_utc
+from keel.events.types import RanksRestartRequested
 from keel.infra.config import ControllerSettings
 from keel.kernel.replay import verify
 from tests.integration.test_crashes import service_env, wait_until
@@ -129,6 +131,27 @@ async def test_agents_ten_minutes_off_are_not_evicted_and_a_silent_one_is(keel_e
     assert eviction.payload.expires_at == eviction.occurred_at + settings.controller.command_ttl
     assert eviction.occurred_at in {t.payload.now for t in of(events, "TimerTicked")}
 
+    # The skewed agents judge commands' expiries on the controller's clock (net of the skew it reported to
+    # them): a fresh restart is carried out by the node 10 minutes ahead (its own clock says it expired
+    # 9 minutes ago), one expired 30 s ago is refused by the node 10 minutes behind (its own clock says it
+    # has 9.5 minutes left). The reported skew is good to about a clock interval.
+    now = now_utc()
+    fresh = Event.create(RanksRestartRequested(node_id="n00", generation=5, reason="test: fresh",
+                                               expires_at=now + timedelta(minutes=1)),
+                         job_id=JOB, subject="node/n00", producer="controller", occurred_at=now)
+    stale = Event.create(RanksRestartRequested(node_id="n01", generation=5, reason="test: stale",
+                                               expires_at=now - timedelta(seconds=30)),
+                         job_id=JOB, subject="node/n01", producer="controller", occurred_at=now - timedelta(minutes=5))
+    await keel_env.bus.publish_many([fresh, stale])
+
+    async def answered() -> bool:
+        return len(of(await log(), "RanksRestarted")) >= 2
+
+    await wait_until(answered, 60, "both agents' answers to the restart commands")
+    outcomes = {e.payload.node_id: e.payload.outcome for e in of(await log(), "RanksRestarted")}
+    assert outcomes == {"n00": "restarted", "n01": "expired"}, outcomes
+
     # keel replay --verify: the recorded log gives the same decisions.
+    events = await log()
     report = verify(decider_from_settings(settings), events)
     assert report.clean, report.summary()

@@ -260,3 +260,13 @@ def test_the_recorded_clock_survives_a_snapshot_of_the_controllers_state() -> No
     state = job.session.state
     assert state.job("job1").heard and state.job("job1").skews is not None
     assert decode_state(encode_state(state)) == state
+
+
+def test_a_node_that_registers_again_gets_its_skew_reported_again() -> None:
+    """A restarted agent learns how far its clock is off only from a new report (it judges commands'
+    expiries net of it)."""
+    job = Clocked(skews={"n0": TEN_MIN})
+    job.run(10)
+    job.feed(NodeRegistered(node_id="n0", host="n0"), "node/n0", node="n0")
+    job.run(5)
+    assert [(e.payload.node_id, e.payload.skewed) for e in job.of("NodeClockSkewed")] == [("n0", True), ("n0", True)]

@@ -36,7 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -65,6 +65,7 @@ from keel.events.envelope import Event, EventPayload, now_utc
 from keel.events.types import (
     CodeRef,
     CodeVersionApplied,
+    NodeClockSkewed,
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
@@ -167,6 +168,9 @@ class NodeAgent:
         self.restarts_left = spec.max_restarts
         self.failed = False
         self.last_heartbeat_at: datetime | None = None
+        self.clock_skew = timedelta(0)
+        """How far this node's clock runs ahead of the controller's recorded clock, as the controller
+        reported it (``NodeClockSkewed``): commands' expiries are judged on ``controller_time``."""
         self.held = False
         """The ranks were stopped on command (diagnostics, a replay) and wait for the next one: not "finished"."""
         self._wake: Callable[[], None] = lambda: None
@@ -276,6 +280,21 @@ class NodeAgent:
             self.report_exit(exit_)
 
     # -- commands ----------------------------------------------------------------------------------
+
+    def controller_time(self) -> datetime:
+        """The controller's recorded clock as this node can tell it: its own clock less the skew the
+        controller reported. Commands carry expiries on that clock; a node whose clock is 10 minutes off
+        neither refuses fresh commands as expired nor runs stale ones."""
+        return self.clock() - self.clock_skew
+
+    def note_clock_skew(self, report: Event) -> None:
+        """The controller's ``NodeClockSkewed`` about this node: judge expiries net of it from now on."""
+        p = report.payload
+        if not isinstance(p, NodeClockSkewed) or p.node_id != self.spec.node_id:
+            return
+        self.clock_skew = timedelta(seconds=p.skew_s) if p.skewed else timedelta(0)
+        log.warning("%s: the controller reports this node's clock %s: %s", self.spec.node_id,
+                    "off its recorded clock" if p.skewed else "back within the allowance", p.reason)
 
     def handle_command(self, command: Event) -> None:
         """Carry out a command addressed to this node (others are ignored): ``commands.handle_command``."""

@@ -98,6 +98,10 @@ class Node(Protocol):
 
     def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None: ...
 
+    def controller_time(self) -> datetime:
+        """The controller's recorded clock as the node can tell it: what commands' expiries are judged on."""
+        ...
+
     def start_ranks(self, generation: int, extra_env: dict[str, str] | None = None) -> None: ...
 
     def stop_ranks(self) -> None: ...
@@ -129,7 +133,7 @@ def handle_restart(node: Node, command: Event) -> None:
     """Restart the ranks in place as the command's generation (``RanksRestarted`` says how it went)."""
     payload = command.payload
     assert isinstance(payload, RanksRestartRequested)
-    now = node.clock()
+    now = node.controller_time()
     if now > payload.expires_at:
         outcome, detail = "expired", f"command expired at {payload.expires_at.isoformat()}; not executed"
     elif payload.generation <= node.generation:
@@ -186,7 +190,7 @@ def handle_promotion(node: Node, command: Event) -> None:
     assert isinstance(payload, StandbyPromotionRequested)
     if payload.node_id != node.spec.node_id:
         return
-    if node.clock() > payload.expires_at:
+    if node.controller_time() > payload.expires_at:
         outcome, detail = "expired", f"command expired at {payload.expires_at.isoformat()}; not executed"
     elif not node.spec.standby:
         outcome, detail = "not_standby", f"{node.spec.node_id} is not a standby (it runs node rank {node.spec.node_rank})"
@@ -257,7 +261,7 @@ class DiagnosticsRounds:
         if spec.standby or spec.node_id not in payload.nodes:
             log.debug("%s: diagnostics round %d is not for this node", spec.node_id, payload.round)
             return
-        if self.node.clock() > payload.expires_at:
+        if self.node.controller_time() > payload.expires_at:
             log.warning("%s: diagnostics round %d expired at %s; not run (the ranks keep running)", spec.node_id,
                         payload.round, payload.expires_at.isoformat())
             return
@@ -276,7 +280,8 @@ class DiagnosticsRounds:
         # heard before the controller's own deadline; the last quarter covers transport. The time already
         # gone is judged on this node's clock only when plausible (a clock minutes off is not a late command).
         answer_s = 0.75 * payload.timeout_s
-        deadline = time.time() + max(5.0, answer_s - plausible_age_s(self.node.clock(), command.occurred_at, answer_s))
+        gone_s = plausible_age_s(self.node.controller_time(), command.occurred_at, answer_s)
+        deadline = time.time() + max(5.0, answer_s - gone_s)
         self.node.stop_ranks()
         self.node.held = True
         request = RoundRequest(
@@ -364,7 +369,7 @@ class StackCaptures:
         node = spec.node_id
         if node not in payload.nodes or spec.standby:
             return
-        if self.node.clock() > payload.expires_at:
+        if self.node.controller_time() > payload.expires_at:
             log.warning("%s: stack capture round %d expired at %s; not run", node, payload.round,
                         payload.expires_at.isoformat())
             return
@@ -500,8 +505,8 @@ class SdcReplays:
         if node.spec.standby or node_id not in payload.nodes or payload.round in self.seen:
             return
         self.seen.add(payload.round)
-        if node.clock() > payload.expires_at or payload.generation <= node.generation:
-            why = (f"command expired at {payload.expires_at.isoformat()}" if node.clock() > payload.expires_at
+        if node.controller_time() > payload.expires_at or payload.generation <= node.generation:
+            why = (f"command expired at {payload.expires_at.isoformat()}" if node.controller_time() > payload.expires_at
                    else f"already at generation {node.generation}")
             log.warning("%s: replay round %d not run: %s", node_id, payload.round, why)
             node.emit(SdcReplayCompleted(node_id=node_id, request_id=str(command.id), round=payload.round, ran=False,
@@ -522,7 +527,7 @@ class SdcReplays:
         # the old ranks counts against it), so ranks that are merely slow are heard, not counted missing.
         now_s = time.monotonic()
         answer_s = 0.75 * payload.timeout_s
-        left_s = max(5.0, answer_s - plausible_age_s(node.clock(), command.occurred_at, answer_s))
+        left_s = max(5.0, answer_s - plausible_age_s(node.controller_time(), command.occurred_at, answer_s))
         self.active = ActiveReplay(command, directory, payload.generation, sorted(node.supervisor.ranks), now_s,
                                    now_s + left_s)
         log.info("%s: replay round %d started as generation %d (%d phase(s)): %s", node_id, payload.round,

@@ -12,6 +12,8 @@ What it subscribes to (``command_subjects``; subjects ``<prefix>.<job>.<kind>.<a
   wide: each names its ``nodes`` in one event, since the round that answers it is keyed on that one
   request id (the controller and the analyzer collect the answers by it); every agent takes them and sees
   whether it is named;
+- the controller's reports about this node's clock, ``node.<this node>.NodeClockSkewed``: the agent then
+  judges commands' expiries on the controller's recorded clock (``NodeAgent.controller_time``);
 - with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``) and its parts
   addressed to this node (``BROKER_NODE_EVENT_TYPES``: the node's backup assignments and its part of a
   restore plan).
@@ -42,6 +44,7 @@ from keel.agent.launch_spec import LaunchSpec
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     DiagnosticsRequested,
+    NodeClockSkewed,
     RanksRestarted,
     RanksRestartRequested,
     SdcReplayRequested,
@@ -61,6 +64,8 @@ JOB_COMMANDS = (DiagnosticsRequested, StacksRequested, SdcReplayRequested)
 """Requests to several nodes at once (their ``nodes`` list): one job-wide event each (the module docstring
 says why), taken by every agent."""
 COMMAND_TYPES = frozenset(c.event_name for c in (*NODE_COMMANDS, *JOB_COMMANDS))
+NODE_REPORTS = (NodeClockSkewed,)
+"""The controller's reports about one node that its agent acts on (not commands: nothing to answer)."""
 
 
 def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: bool) -> list[str]:
@@ -68,6 +73,7 @@ def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: b
     (``checkpointing``) the checkpoint broker's job-wide events and its parts for this node."""
     subjects = [subject_filter(prefix, job_id, c.aggregate, node_id, c.event_name) for c in NODE_COMMANDS]
     subjects += [subject_filter(prefix, job_id, c.aggregate, None, c.event_name) for c in JOB_COMMANDS]
+    subjects += [subject_filter(prefix, job_id, r.aggregate, node_id, r.event_name) for r in NODE_REPORTS]
     if checkpointing:
         subjects += [subject_filter(prefix, job_id, "job", None, name) for name in BROKER_EVENT_TYPES]
         subjects += [subject_filter(prefix, job_id, "node", node_id, name) for name in BROKER_NODE_EVENT_TYPES]
@@ -93,6 +99,8 @@ class CommandTarget(Protocol):
     def heartbeat(self, now: datetime) -> None: ...
 
     def handle_command(self, command: Event) -> None: ...
+
+    def note_clock_skew(self, report: Event) -> None: ...
 
     def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None: ...
 
@@ -190,5 +198,7 @@ class CommandConsumer:
                 assert agent.outbox is not None
                 await agent.outbox.flush(1.0)
             agent.handle_command(event)
+        elif isinstance(event.payload, NodeClockSkewed):
+            agent.note_clock_skew(event)
         elif agent.checkpointing is not None:
             agent.checkpointing.handle_event(event)

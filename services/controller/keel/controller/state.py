@@ -310,13 +310,14 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, NodeRegistered):
         view = job.node(p.node_id)
         # A node registering (again) is a new agent: a repaired or replacement machine, or a restarted
-        # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it.
+        # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it. Its
+        # clock is judged afresh (the new agent learns its skew from a new ``NodeClockSkewed``).
         if p.standby and job.refills_pending:
             job = replace(job, refills_pending=job.refills_pending - 1)  # one of those asked for
         return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
                                      promoting=False, checked=None if p.standby else view.checked,
                                      ranks=frozenset() if p.standby else view.ranks,
-                                     heard_at=at if legacy else view.heard_at))
+                                     heard_at=at if legacy else view.heard_at, clock_skewed=False))
     if isinstance(p, RankStarted):
         view = job.node(p.node_id)
         if p.generation < view.generation:
