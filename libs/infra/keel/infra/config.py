@@ -96,6 +96,10 @@ class BusSettings(_Section):
     """...up to this."""
     publish_timeout: Duration = parse_duration("5s")
     """How long a publish waits for JetStream's acknowledgement before the attempt counts as failed."""
+    outage_tolerance: Duration = parse_duration("15m")
+    """How long a publisher waits for a lost NATS connection to come back (the client reconnects on its
+    own) before ``PublishFailed``; attempts made while the connection is down do not count against
+    ``publish_attempts``. A NATS outage shorter than this is ridden out, not a crash."""
 
     @field_validator("subject_prefix", "stream", "dlq_stream")
     @classmethod
