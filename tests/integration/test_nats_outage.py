@@ -1,6 +1,6 @@
 """NATS down for two minutes in the middle of a job, with real servers and processes.
 
-The control plane (recorder, controller, checkpoint broker, analyzer, actuator) runs under ``keel up``'s
+The control plane (recorder, controller, checkpoint broker, analyzer, hot-update, actuator) runs under ``keel up``'s
 supervisor; a local cluster of two node agents trains the example GPT (DP 2, every-step checkpoints with
 peer backups). Once the job steps, the embedded nats-server is stopped, left down for
 ``KEEL_TEST_NATS_OUTAGE_S`` (120 s), and started again on the same port and store directory. Afterwards:
@@ -50,7 +50,7 @@ STEP_TIME_S = 0.1
 STEPS = int((OUTAGE_S + 60) / STEP_TIME_S)
 TRAIN = ["-m", "keel.workload.train", "--size", "tiny", "--steps", str(STEPS), "--min-step-time",
          f"{int(STEP_TIME_S * 1000)}ms"]
-SERVICES = ("recorder", "controller", "checkpoint-broker", "analyzer", "actuator")
+SERVICES = ("recorder", "controller", "checkpoint-broker", "analyzer", "hot-update", "actuator")
 DECIDERS = {"controller", "checkpoint-broker", "analyzer", "hot-update"}
 
 

@@ -11,12 +11,17 @@ The contract, the same for every consumer:
   is exactly what the log keeps (an event from a component still on an older subject scheme included).
 - A message is acknowledged only after its handler returns. A handler that raises leaves the message
   unacknowledged and the exception propagates (crash-only: the process restarts and sees it again).
+- An event id this consumer has already handled (the last ``RECENT_IDS`` of them) is acknowledged and
+  not handed over again: a copy the stream holds twice (a publish whose acknowledgement was lost to a
+  NATS outage and that was retried after the dedup window) or a redelivery whose ack was lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +33,9 @@ from keel.infra.bus import BatchPuller, Bus, fetch_batch, stream_sequence
 
 log = logging.getLogger(__name__)
 
+RECENT_IDS = 50_000
+"""How many handled event ids each consumer remembers to recognise a second copy (about 4 MB)."""
+
 Handler = Callable[[Event, int], Awaitable[None]]
 """``handle(event, stream_sequence)``: called once per valid message, in stream order; ack follows."""
 
@@ -36,6 +44,8 @@ Handler = Callable[[Event, int], Awaitable[None]]
 class ConsumerStats:
     handled: int = 0
     malformed: int = 0
+    duplicates: int = 0
+    """Messages whose event id this consumer had already handled (acknowledged, not handed over again)."""
 
 
 class EventConsumer:
@@ -55,6 +65,7 @@ class EventConsumer:
         self.inactive_threshold = inactive_threshold
         self.stats = ConsumerStats()
         self._sub: BatchPuller | None = None
+        self._handled_ids: OrderedDict[uuid.UUID, None] = OrderedDict()
 
     @property
     def started(self) -> bool:
@@ -96,7 +107,16 @@ class EventConsumer:
                 self.stats.malformed += 1
                 await msg.term()
                 continue
+            if event.id in self._handled_ids:
+                log.warning("%s: %s %s (stream sequence %d) was handled already: a second copy, acknowledged and "
+                            "skipped", self.durable, event.type, event.id, stream_sequence(msg))
+                self.stats.duplicates += 1
+                await msg.ack()
+                continue
             await handle(event, stream_sequence(msg))
+            self._handled_ids[event.id] = None
+            if len(self._handled_ids) > RECENT_IDS:
+                self._handled_ids.popitem(last=False)
             await msg.ack()
             self.stats.handled += 1
         return len(msgs)
