@@ -78,32 +78,3 @@ async def test_publish_gives_up_after_the_outage_tolerance(own_nats: NatsServer)
         await asyncio.to_thread(own_nats.start)
         await bus.close()
 
-
-async def test_a_second_copy_of_an_event_in_the_stream_is_handled_once(own_nats: NatsServer) -> None:
-    """What a publish retried after the dedup window leaves: the same event twice in the stream (two message
-    ids). The consumer hands it over once and acknowledges the copy."""
-    bus = await Bus.connect(own_nats.url, SETTINGS, name="duplicates")
-    try:
-        event, other = registered("twice"), registered("once")
-        for msg_id in ("first-try", "retried-after-the-window"):
-            await bus.publish_raw(bus.subject_for(event), event.to_json(), msg_id=msg_id)
-        await bus.publish(other)
-        assert (await bus.js.stream_info(SETTINGS.stream)).state.messages == 3
-        consumer = EventConsumer(bus, "duplicates-test", fetch_timeout_s=0.2)
-        seen: list[Event] = []
-
-        async def handle(e: Event, _seq: int) -> None:
-            seen.append(e)
-
-        deadline = time.monotonic() + 10
-        while consumer.stats.handled + consumer.stats.duplicates < 3 and time.monotonic() < deadline:
-            await consumer.run_once(handle)
-        assert [e.id for e in seen] == [event.id, other.id]
-        assert consumer.stats.duplicates == 1
-        deadline = time.monotonic() + 10
-        while (info := await bus.js.consumer_info(SETTINGS.stream, "duplicates-test")).num_ack_pending and \
-                time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert info.num_ack_pending == 0 and info.num_pending == 0  # the copy was acknowledged too
-    finally:
-        await bus.close()

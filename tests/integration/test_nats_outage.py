@@ -12,6 +12,10 @@ peer backups). Once the job steps, the embedded nats-server is stopped, left dow
   payload under another id);
 - no node was evicted, no incident opened: the outage is not the nodes' silence;
 - ``keel replay --verify`` finds every recorded decision again.
+
+No false eviction needs the controller to judge silence on its recorded clock over unbroken runs of ticks
+(the clock host's first tick after the outage starts a new run): the agents' buffered heartbeats reach it
+only after that tick.
 """
 
 from __future__ import annotations
