@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -330,6 +331,38 @@ class Bus:
                             f"{outage.describe()}")
 
     # -- consuming -----------------------------------------------------------------------------
+
+    async def consumer_ack_floor(self, durable: str) -> int | None:
+        """The stream sequence up to which ``durable`` has acknowledged every message (its ack floor), or
+        None when there is no such consumer (never created, or gone with the stream it was on)."""
+        try:
+            info = await self.js.consumer_info(self.settings.stream, durable)
+        except nats.js.errors.NotFoundError:
+            return None
+        return int(info.ack_floor.stream_seq) if info.ack_floor is not None else 0
+
+    async def stream_bounds(self) -> tuple[int, int]:
+        """``(first_seq, last_seq)`` of the events stream as it is now (``(1, 0)`` or so when empty)."""
+        state = (await self.js.stream_info(self.settings.stream)).state
+        return int(state.first_seq), int(state.last_seq)
+
+    async def stream_holds(self, seq: int, event_id: uuid.UUID) -> bool:
+        """Whether the events stream's message ``seq`` is event ``event_id``: how a cold start tells that
+        the log's newest sequences belong to this stream and not to one deleted and recreated since (a
+        recreated stream numbers its messages from 1 again). A message retention has already removed
+        (``seq`` below the first) counts as held: only a reset makes the stream younger than the log."""
+        first, last = await self.stream_bounds()
+        if seq > last:
+            return False
+        if seq < first:
+            return True
+        try:
+            message = await self.js.get_msg(self.settings.stream, seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        headers = message.headers or {}
+        return headers.get(api.Header.MSG_ID) == str(event_id)
+
 
     async def pull_consumer(
         self,

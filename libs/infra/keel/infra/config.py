@@ -306,6 +306,20 @@ class SupervisorSettings(_Section):
         return self
 
 
+class SnapshotSettings(_Section):
+    """Deciders' snapshots (``keel.kernel.snapshot``): a cold start folds the newest one plus the log after it."""
+
+    enabled: bool = True
+    """Write and load snapshots. Off: every cold start folds the whole log."""
+    interval: Duration = parse_duration("10m")
+    """How often a running decider folds the log it has acknowledged into a new snapshot (in the background,
+    from its newest snapshot); also done at every cold start."""
+    min_events: int = Field(10_000, ge=1)
+    """A new snapshot is written only when at least this many events were folded since the newest one."""
+    keep: int = Field(3, ge=1)
+    """Snapshots kept per decider; older ones are deleted."""
+
+
 class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
@@ -327,6 +341,7 @@ class Settings(_Section):
     analyzer: AnalyzerSettings = AnalyzerSettings()
     hot_update: HotUpdateSettings = HotUpdateSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
+    snapshots: SnapshotSettings = SnapshotSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

@@ -70,7 +70,8 @@ class CheckpointBroker:
     ) -> None:
         self.decider = decider_from_settings(settings)
         self.runner: DeciderRunner[BrokerState] = DeciderRunner(
-            self.decider, bus, store, consumer=self.decider.name, job_id=job_id, fetch_timeout_s=fetch_timeout_s)
+            self.decider, bus, store, consumer=self.decider.name, job_id=job_id, fetch_timeout_s=fetch_timeout_s,
+            snapshots=settings.snapshots)
         self.bus = bus
         self.persist_root: Path = settings.checkpoint.resolved_persist_root(settings.home)
         self.retention = settings.checkpoint.retention

@@ -47,7 +47,7 @@ class Controller:
                  clock: Callable[[], datetime] = now_utc, fetch_timeout_s: float = 0.2) -> None:
         self.decider = decider_from_settings(settings)
         self.runner = DeciderRunner(self.decider, bus, store, fetch_timeout_s=fetch_timeout_s,
-                                    on_input=self._note_input)
+                                    on_input=self._note_input, snapshots=settings.snapshots)
         self.bus = bus
         self.clock = clock
         self.clock_linger = settings.controller.clock_linger
