@@ -126,9 +126,12 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
                 )
             (services_dir / "supervisor.pid").write_text(f"{process.pid}\n")
             supervisor = process.pid
+            exited: Callable[[], bool] = lambda: process.poll() is not None  # noqa: E731
         else:
             os.kill(supervisor, signal.SIGHUP)  # start again what it gave up on
-        _wait_until_ready(settings, supervisor, timeout_s=60.0)
+            pid = supervisor
+            exited = lambda: not _pid_alive(pid)  # noqa: E731
+        _wait_until_ready(settings, supervisor, exited, timeout_s=60.0)
     print(json.dumps({"nats_url": nats_url, "database_url": database_url, **_status(settings, state)}, indent=2, default=str))
     return 0
 
@@ -157,14 +160,15 @@ def _supervisor_state(settings: Settings) -> dict[str, Any]:
         return {}
 
 
-def _wait_until_ready(settings: Settings, supervisor: int, timeout_s: float) -> None:
+def _wait_until_ready(settings: Settings, supervisor: int, exited: Callable[[], bool], timeout_s: float) -> None:
     """Return once every service consumes live; raise with its log tail if one dies while starting (or the
-    supervisor does)."""
+    supervisor does: ``exited``, which asks its ``Popen`` when this command started it; its pid's command
+    line is not yet ``keel``'s while it starts)."""
     services_dir = settings.home / "services"
     deadline = time.monotonic() + timeout_s
     waiting = set(SERVICES)
     while waiting:
-        if not _pid_alive(supervisor):
+        if exited():
             log_tail = (services_dir / "supervisor.log").read_text(errors="replace")[-2000:]
             raise CliError(f"the supervisor (pid {supervisor}) exited while starting the services:\n{log_tail}")
         state = _supervisor_state(settings).get("services", {})
