@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from keel.events.envelope import payload_of
-from keel.events.types import CONTROL_PLANE_JOB, ServiceGaveUp, ServiceRestarted
+from keel.events.types import SYSTEM_JOB, ServiceGaveUp, ServiceRestarted
 from keel.infra.supervision import RestartPolicy
 from keel.infra.supervisor import STATE_FILE, ServiceSpec, Supervisor
 from tests.conftest import KeelEnv
@@ -78,7 +78,7 @@ async def test_a_killed_service_is_restarted_and_a_crash_loop_given_up(keel_env:
 
         # Every restart and the give-up are recorded: published on the bus, persisted by the recorder.
         await keel_env.wait_for_count(5)
-        recorded = [r.event async for r in keel_env.store.read(job_id=CONTROL_PLANE_JOB)]
+        recorded = [r.event async for r in keel_env.store.read(job_id=SYSTEM_JOB)]
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.events.envelope import Event, now_utc
-from keel.events.types import CONTROL_PLANE_JOB, ServiceGaveUp, ServiceRestarted
+from keel.events.types import SYSTEM_JOB, ServiceGaveUp, ServiceRestarted
 from keel.infra.config import BusSettings, SupervisorSettings
 from keel.infra.outbox import Outbox
 from keel.infra.service import READY_FILE_ENV
@@ -216,7 +216,7 @@ class Supervisor:
                                        reason=decision.reason), name)
 
     def _record(self, payload: ServiceRestarted | ServiceGaveUp, name: str) -> None:
-        event = Event.create(payload, job_id=CONTROL_PLANE_JOB, subject=f"service/{name}", producer=PRODUCER,
+        event = Event.create(payload, job_id=SYSTEM_JOB, subject=f"service/{name}", producer=PRODUCER,
                              occurred_at=now_utc())
         self.events.append(event)
         if self.outbox is not None:

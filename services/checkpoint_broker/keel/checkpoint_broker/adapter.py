@@ -52,7 +52,8 @@ class BrokerStats:
 
 
 def decider_from_settings(settings: Settings) -> CheckpointBrokerDecider:
-    return CheckpointBrokerDecider(BrokerPolicy.from_settings(settings.checkpoint))
+    return CheckpointBrokerDecider(BrokerPolicy.from_settings(settings.checkpoint,
+                                                              max_event_bytes=int(settings.bus.max_event_bytes)))
 
 
 class CheckpointBroker:

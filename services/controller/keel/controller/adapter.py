@@ -17,7 +17,7 @@ from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
 from keel.controller.state import ControllerState
 from keel.events.envelope import Event, now_utc
-from keel.events.types import CONTROL_PLANE_JOB, TimerTicked
+from keel.events.types import SYSTEM_JOB, TimerTicked
 from keel.infra.bus import Bus
 from keel.infra.clock import JobClock
 from keel.infra.config import Settings
@@ -66,8 +66,7 @@ class Controller:
         await self.runner.start()
 
     def _note_input(self, event: Event) -> None:
-        # The control plane's own events (the supervisor's) belong to no job: no clock for them.
-        if event.type != TimerTicked.event_name and event.job_id != CONTROL_PLANE_JOB:
+        if event.type != TimerTicked.event_name and event.job_id != SYSTEM_JOB:  # Keel's own reports need no clock
             self._last_input[event.job_id] = self.clock()
 
     def jobs_to_tick(self) -> list[str]:
