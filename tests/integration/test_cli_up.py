@@ -106,3 +106,54 @@ def test_up_with_a_taken_port_says_which_and_starts_nothing(scratch_dir: Path) -
     assert result.returncode == 2
     assert env["KEEL_NATS__PORT"] in result.stderr and "Traceback" not in result.stderr
     assert not json.loads(keel(env, "status").stdout)["runtime"]["nats"]["running"]
+
+
+def test_up_restarts_a_killed_service_and_records_it(scratch_dir: Path) -> None:
+    """kill -9 the controller under `keel up`: the supervisor starts it again after its back-off, the
+    restart is an event in the log and `keel status` shows it; `keel down` stops the supervisor too."""
+    env = cli_env(scratch_dir / "home")
+    up = keel(env, "up")
+    try:
+        assert up.returncode == 0, up.stderr
+        state = json.loads(up.stdout)
+        supervisor = state["supervisor"]["pid"]
+        killed = state["services"]["controller"]["pid"]
+        assert supervisor and pid_alive(supervisor) and killed and pid_alive(killed)
+        assert state["services"]["controller"]["state"] == "running"
+        os.kill(killed, 9)
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = json.loads(keel(env, "status").stdout)
+            controller = status["services"]["controller"]
+            if controller["running"] and controller["pid"] != killed and controller.get("state") == "running":
+                break
+            time.sleep(0.5)
+        assert controller["pid"] != killed and controller["running"], controller
+        assert controller["restarts"] == 1 and controller["last_exit"]["signal"] == "SIGKILL", controller
+        assert "SIGKILL" in controller["reason"] and pid_alive(controller["pid"])
+
+        async def restarts() -> list:
+            engine = create_engine(state["database_url"])
+            store = EventStore(engine)
+            deadline = time.monotonic() + 30
+            found: list = []
+            while not found and time.monotonic() < deadline:
+                found = [r.event async for r in store.read(types=["ServiceRestarted"])]
+                await asyncio.sleep(0.2)
+            await engine.dispose()
+            return found
+
+        recorded = asyncio.run(restarts())
+        assert [(e.payload.service, e.payload.signal, e.payload.attempt, e.payload.previous_pid, e.payload.pid)
+                for e in recorded] == [("controller", "SIGKILL", 1, killed, controller["pid"])]
+        assert "restart" in (scratch_dir / "home" / "services" / "supervisor.log").read_text()
+    finally:
+        down = keel(env, "down")
+    assert down.returncode == 0, down.stderr
+    deadline = time.monotonic() + 10
+    pids = [supervisor, controller["pid"]]
+    while any(pid_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(pid) for pid in pids)
+    assert not json.loads(keel(env, "status").stdout)["supervisor"]["running"]

@@ -1,16 +1,20 @@
 """The runtime commands: the embedded servers and the services.
 
     keel up [--no-services]          start the embedded NATS + PostgreSQL (unless external ones are
-                                     configured), migrate, start every service in the background
-    keel down | status               stop them all; what is running (JSON)
+                                     configured), migrate, start every service in the background,
+                                     supervised
+    keel down | status               stop them all; what is running (JSON), restarts included
     keel migrate                     bring the event store schema up to date
+    keel supervise                   run every service in the foreground, supervised
     keel service NAME                run one service in the foreground (recorder, controller,
                                      checkpoint-broker, actuator, analyzer, hot-update)
 
-``keel up`` starts each service as ``python -m keel.cli.main service NAME`` in its own session, with its
-pid in ``<home>/services/NAME.pid`` and its output in ``NAME.log``; it returns once every service has
-written its ready file (``KEEL_SERVICE_READY_FILE``: it consumes live) or fails with the log tail of one
-that died.
+``keel up`` starts one background ``keel supervise`` (pid in ``<home>/services/supervisor.pid``, output
+in ``supervisor.log``), which starts each service as ``python -m keel.cli.main service NAME`` in its own
+session, with its pid in ``<home>/services/NAME.pid`` and its output in ``NAME.log``, and restarts one
+that exits (``keel.infra.supervisor``: back-off, crash-loop give-up, ``ServiceRestarted`` events). ``keel
+up`` returns once every service has written its ready file (``KEEL_SERVICE_READY_FILE``: it consumes
+live) or fails with the log tail of one that died while starting.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def register(sub: Subparsers) -> None:
     sub.add_parser("down", help="stop the services and the embedded servers").set_defaults(func=cmd_down)
     sub.add_parser("status", help="what is running").set_defaults(func=cmd_status)
     sub.add_parser("migrate", help="bring the event store schema up to date").set_defaults(func=cmd_migrate)
+    sub.add_parser("supervise", help="run every service in the foreground, restarting those that exit "
+                   "(what keel up starts in the background)").set_defaults(func=cmd_supervise)
 
     service = sub.add_parser("service", help="run one service in the foreground")
     service.add_argument("name", choices=SERVICES)
@@ -109,61 +115,107 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     asyncio.run(administer_streams(nats_url, settings))
     services_dir = settings.home / "services"
     services_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
-    started: dict[str, subprocess.Popen] = {}
-    for service in SERVICES if not args.no_services else ():
-        if _service_pid(settings, service):
-            continue
-        log_path = services_dir / f"{service}.log"
-        ready_file = services_dir / f"{service}.ready"
-        ready_file.unlink(missing_ok=True)
-        with open(log_path, "ab") as log_file:
-            command = [sys.executable, "-m", "keel.cli.main"]
-            if args.config:
-                command += ["--config", args.config]
-            process = subprocess.Popen(
-                [*command, "service", service],
-                env={**env, "KEEL_SERVICE_READY_FILE": str(ready_file)},
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        _pid_file(settings, service).write_text(f"{process.pid}\n")
-        started[service] = process
-    _wait_until_ready(settings, started, timeout_s=60.0)
+    if not args.no_services:
+        supervisor = _supervisor_pid(settings)
+        if supervisor is None:
+            env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
+            with open(services_dir / "supervisor.log", "ab") as log_file:
+                process = subprocess.Popen(
+                    [*_keel_command(args), "supervise"], env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            (services_dir / "supervisor.pid").write_text(f"{process.pid}\n")
+            supervisor = process.pid
+            exited: Callable[[], bool] = lambda: process.poll() is not None  # noqa: E731
+        else:
+            os.kill(supervisor, signal.SIGHUP)  # start again what it gave up on
+            pid = supervisor
+            exited = lambda: not _pid_alive(pid)  # noqa: E731
+        _wait_until_ready(settings, supervisor, exited, timeout_s=60.0)
     print(json.dumps({"nats_url": nats_url, "database_url": database_url, **_status(settings, state)}, indent=2, default=str))
     return 0
 
 
-def _wait_until_ready(settings: Settings, started: dict[str, subprocess.Popen], timeout_s: float) -> None:
-    """Return once every started service consumes live; raise with its log tail if one dies."""
+def _keel_command(args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "keel.cli.main"]
+    if getattr(args, "config", None):
+        command += ["--config", args.config]
+    return command
+
+
+def _supervisor_pid(settings: Settings) -> int | None:
+    try:
+        pid = int((settings.home / "services" / "supervisor.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _pid_alive(pid) else None
+
+
+def _supervisor_state(settings: Settings) -> dict[str, Any]:
+    from keel.infra.supervisor import STATE_FILE
+
+    try:
+        return dict(json.loads((settings.home / "services" / STATE_FILE).read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _wait_until_ready(settings: Settings, supervisor: int, exited: Callable[[], bool], timeout_s: float) -> None:
+    """Return once every service consumes live; raise with its log tail if one dies while starting (or the
+    supervisor does: ``exited``, which asks its ``Popen`` when this command started it; its pid's command
+    line is not yet ``keel``'s while it starts)."""
+    services_dir = settings.home / "services"
     deadline = time.monotonic() + timeout_s
-    waiting = dict(started)
+    waiting = set(SERVICES)
     while waiting:
-        for service, process in list(waiting.items()):
-            if (settings.home / "services" / f"{service}.ready").exists():
-                del waiting[service]
-            elif process.poll() is not None:
-                log_tail = (settings.home / "services" / f"{service}.log").read_text(errors="replace")[-2000:]
-                raise CliError(f"service {service} exited with status {process.returncode} while starting:\n{log_tail}")
+        if exited():
+            log_tail = (services_dir / "supervisor.log").read_text(errors="replace")[-2000:]
+            raise CliError(f"the supervisor (pid {supervisor}) exited while starting the services:\n{log_tail}")
+        state = _supervisor_state(settings).get("services", {})
+        for service in sorted(waiting):
+            entry = state.get(service, {})
+            if entry.get("state") == "running" and (services_dir / f"{service}.ready").exists():
+                waiting.discard(service)
+            elif entry.get("state") in ("backoff", "gave_up") and not entry.get("ever_ready"):
+                log_tail = (services_dir / f"{service}.log").read_text(errors="replace")[-2000:]
+                raise CliError(f"service {service} {entry.get('reason') or 'exited'} while starting; the supervisor "
+                               f"(pid {supervisor}) goes on retrying it, `keel down` stops everything:\n{log_tail}")
         if waiting and time.monotonic() > deadline:
-            raise CliError(f"services not ready after {timeout_s:.0f} s: {', '.join(waiting)} (see {settings.home / 'services'})")
+            raise CliError(f"services not ready after {timeout_s:.0f} s: {', '.join(sorted(waiting))} "
+                           f"(see {services_dir})")
         time.sleep(0.05)
 
 
 def _status(settings: Settings, runtime_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    supervisor = _supervisor_pid(settings)
+    supervised = _supervisor_state(settings).get("services", {}) if supervisor else {}
     services = {}
     for service in SERVICES:
         pid = _service_pid(settings, service)
         services[service] = {"running": pid is not None, "pid": pid}
-    result: dict[str, Any] = {"services": services}
+        if service in supervised:
+            entry = supervised[service]
+            # What the supervisor knows: restarting / gave_up, restarts so far, how the last process ended.
+            services[service].update({key: entry[key] for key in ("state", "restarts", "last_exit", "restart_in_s",
+                                                                   "reason") if key in entry})
+    result: dict[str, Any] = {"supervisor": {"running": supervisor is not None, "pid": supervisor},
+                              "services": services}
     if not (settings.nats_url and settings.database_url):
         result["runtime"] = runtime_state or runtime_for(settings).status()
     return result
 
 
 def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
+    supervisor = _supervisor_pid(settings)
+    if supervisor:
+        # First the supervisor (it stops its services), so nothing is restarted behind our back.
+        os.kill(supervisor, signal.SIGTERM)
+        deadline = time.monotonic() + settings.supervisor.stop_timeout.total_seconds() + 5
+        while _pid_alive(supervisor) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _pid_alive(supervisor):
+            os.kill(supervisor, signal.SIGKILL)
+    (settings.home / "services" / "supervisor.pid").unlink(missing_ok=True)
     for service in SERVICES:
         pid = _service_pid(settings, service)
         if pid:
@@ -187,6 +239,21 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 # -- services -------------------------------------------------------------------------------------
+
+
+def cmd_supervise(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.infra.supervisor import ServiceSpec, Supervisor, policy_from_settings, run_supervisor
+
+    nats_url, database_url = endpoints(settings)
+    services_dir = settings.home / "services"
+    services_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
+    specs = [ServiceSpec(service, [*_keel_command(args), "service", service], env) for service in SERVICES]
+    supervisor = Supervisor(specs, services_dir, policy_from_settings(settings.supervisor), nats_url=nats_url,
+                            bus_settings=settings.bus,
+                            stop_timeout_s=settings.supervisor.stop_timeout.total_seconds())
+    run_supervisor(supervisor, pid_file=services_dir / "supervisor.pid")
+    return 0
 
 
 def cmd_service(args: argparse.Namespace, settings: Settings) -> int:

@@ -1097,6 +1097,41 @@ class CodeVersionStable(EventPayload):
     reason: str
 
 
+# -- the control plane's own processes (``keel up``'s supervisor) ----------------------------------
+
+
+
+@event_type("ServiceRestarted", version=1, aggregate="service")
+class ServiceRestarted(EventPayload):
+    """``keel up``'s supervisor restarted a control-plane service that exited (a crash, a kill), after
+    ``backoff_s`` of back-off. ``attempt`` counts restarts since the service last ran healthy (its
+    back-off doubles with each); ``exit_code`` or ``signal`` say how it ended (both empty: it was not
+    the supervisor's child and its status is unknown)."""
+
+    service: str = Field(min_length=1, max_length=64)
+    exit_code: int | None = None
+    signal: str | None = Field(default=None, max_length=32)
+    attempt: int = Field(ge=1)
+    backoff_s: float = Field(ge=0)
+    uptime_s: float = Field(ge=0)
+    """How long the exited process had run."""
+    previous_pid: int = Field(ge=0)
+    pid: int = Field(ge=0)
+    """The restarted process."""
+    reason: str = Field(max_length=2000)
+
+
+@event_type("ServiceGaveUp", version=1, aggregate="service")
+class ServiceGaveUp(EventPayload):
+    """The supervisor stopped restarting a service that crash-looped: it exited again after ``restarts``
+    restarts within ``window_s``. It stays down until ``keel up`` (or ``keel down`` then ``keel up``)."""
+
+    service: str = Field(min_length=1, max_length=64)
+    exit_code: int | None = None
+    signal: str | None = Field(default=None, max_length=32)
+    restarts: int = Field(ge=0)
+    window_s: float = Field(ge=0)
+    reason: str = Field(max_length=2000)
 # -- the control plane itself: dead letters, the recorder ---------------------------------------------
 
 SYSTEM_JOB = "_keel"

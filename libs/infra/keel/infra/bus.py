@@ -7,7 +7,9 @@ Contracts:
 - ``publish`` / ``publish_many`` set ``Nats-Msg-Id`` to the event id and return only once JetStream
   acknowledged every message (with ``sync_interval: always``, acknowledged means on disk). Transient
   errors (timeouts, no responders, a reconnect) are retried with capped exponential backoff, a bounded
-  number of times, then raised as ``PublishFailed``.
+  number of times, then raised as ``PublishFailed``. While the connection is down (the client reconnects
+  on its own, for ever) attempts are not counted: a publish waits up to ``outage_tolerance`` for NATS to
+  come back, so a NATS outage is ridden out rather than turned into a crash of every service.
 - Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
 - ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
   original raw bytes, the headers say why and where it came from.
@@ -100,6 +102,46 @@ class PublishResult:
     duplicate: bool
 
 
+class _Outage:
+    """One publish call's view of a lost connection: while the client is disconnected (it reconnects on
+    its own), a failed attempt is not counted; the call waits for the connection instead, up to
+    ``bus.outage_tolerance`` in all."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.started: float | None = None
+        self.waited_s = 0.0
+        self.gave_up = False
+
+    async def wait_for_connection(self, what: str) -> bool:
+        """True once the connection is back after having been down (retry without counting); False when
+        it was up all along (count the attempt), or the tolerance ran out or the client was closed."""
+        nc = self.bus.nc
+        if nc.is_connected or nc.is_closed or self.gave_up:
+            return False
+        loop = asyncio.get_running_loop()
+        tolerance_s = self.bus.settings.outage_tolerance.total_seconds()
+        if self.started is None:
+            self.started = loop.time()
+            log.warning("publish of %s: NATS connection lost; waiting up to %g s for it to come back", what,
+                        tolerance_s)
+        while not nc.is_connected:
+            if nc.is_closed or loop.time() - self.started > tolerance_s:
+                self.gave_up = True
+                self.waited_s = loop.time() - self.started
+                return False
+            await asyncio.sleep(0.1)
+        self.waited_s = loop.time() - self.started
+        log.warning("publish of %s: NATS connection back after %.1f s; retrying", what, self.waited_s)
+        return True
+
+    def describe(self) -> str:
+        if self.started is None:
+            return ""
+        return f" (NATS unreachable for {self.waited_s:.0f} s; bus.outage_tolerance " \
+               f"{self.bus.settings.outage_tolerance.total_seconds():g} s)"
+
+
 class Bus:
     """One connection to NATS plus the JetStream context, for one subject prefix."""
 
@@ -142,9 +184,13 @@ class Bus:
         if not self.nc.is_closed:
             try:
                 await self.nc.flush(timeout=2)
-            except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError):
+            except (TimeoutError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
+                    nats.errors.ConnectionReconnectingError, nats.errors.StaleConnectionError):
                 pass
-            await self.nc.close()
+            try:
+                await self.nc.close()
+            except OSError as exc:  # the connection was lost under it (a NATS restart): closed all the same
+                log.debug("closing the NATS connection: %r", exc)
 
     @property
     def events_subjects(self) -> str:
@@ -220,7 +266,9 @@ class Bus:
         all_headers = {api.Header.MSG_ID: msg_id, **(headers or {})}
         delay_s = self.settings.retry_backoff_initial.total_seconds()
         last_error: BaseException | None = None
-        for attempt in range(1, self.settings.publish_attempts + 1):
+        attempt = 0
+        outage = _Outage(self)
+        while attempt < self.settings.publish_attempts:
             try:
                 ack = await self.js.publish(subject, data, headers=all_headers)
                 if self._stream_full_said:
@@ -228,6 +276,9 @@ class Bus:
                 return PublishResult(ack.seq, bool(ack.duplicate))
             except _TRANSIENT as exc:
                 last_error = exc
+                if not is_stream_full(exc) and await outage.wait_for_connection(subject):
+                    continue  # the connection was down: that attempt does not count
+                attempt += 1
                 if is_stream_full(exc):
                     self._note_stream_full(subject)
                 else:
@@ -236,7 +287,8 @@ class Bus:
                 delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
         if last_error is not None and is_stream_full(last_error):
             raise StreamFull(self._stream_full_text(subject, self.settings.publish_attempts))
-        raise PublishFailed(f"publish to {subject} not acknowledged after {self.settings.publish_attempts} attempts: {last_error!r}")
+        raise PublishFailed(f"publish to {subject} not acknowledged after {self.settings.publish_attempts} attempts"
+                            f"{outage.describe()}: {last_error!r}")
 
     async def _probe(self, event: Event) -> tuple[PublishResult | None, bool]:
         """Publish one event synchronously: (its result, or None; whether a full stream refused it)."""
@@ -281,7 +333,10 @@ class Bus:
         prefix = self.settings.subject_prefix
         msg_id = api.Header.MSG_ID
         full = False
-        for attempt in range(1, self.settings.publish_attempts + 1):
+        outage = _Outage(self)
+        attempt = 0
+        while attempt < self.settings.publish_attempts:
+            attempt += 1
             if full:  # the last round met a full stream: ask with one event before sending them all again
                 result, full = await self._probe(events[pending[0]])
                 if result is not None:
@@ -353,17 +408,21 @@ class Bus:
                 if self._stream_full_said:
                     self._stream_full_ended()
                 return [r for r in results if r is not None]
+            pending = sorted(failed)
+            if not full and await outage.wait_for_connection(f"{len(pending)} events"):
+                attempt -= 1  # the connection was down: that attempt does not count
+                continue
             if full:
                 self._note_stream_full(event_subject(prefix, events[failed[0]]))
             else:
-                log.warning("%d of %d publishes not acknowledged (attempt %d); retrying", len(failed), len(pending),
+                log.warning("%d of %d publishes not acknowledged (attempt %d); retrying", len(failed), len(events),
                             attempt)
-            pending = sorted(failed)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
         if full:
             raise StreamFull(self._stream_full_text(f"{len(pending)} events", self.settings.publish_attempts))
-        raise PublishFailed(f"{len(pending)} events not acknowledged after {self.settings.publish_attempts} attempts")
+        raise PublishFailed(f"{len(pending)} events not acknowledged after {self.settings.publish_attempts} attempts"
+                            f"{outage.describe()}")
 
     # -- consuming -----------------------------------------------------------------------------
 
@@ -540,7 +599,14 @@ class BatchPuller:
             return False
 
     async def fetch(self, batch: int, timeout_s: float) -> list[Msg]:
-        """Up to ``batch`` messages; ``[]`` when none arrived within ``timeout_s``."""
+        """Up to ``batch`` messages; ``[]`` when none arrived within ``timeout_s``.
+
+        While the connection is down no pull request is sent (the client would buffer every one and flush
+        them all on reconnect, each asking for a batch the consumer then cannot work off within
+        ``ack_wait``): the call waits out the timeout and returns what is buffered."""
+        if not self._buffer and not self._nc.is_connected:
+            await asyncio.sleep(timeout_s)
+            return []
         if not self._buffer:
             await self._request(batch, no_wait=True)
             await self._wait(self._request_done, timeout_s)

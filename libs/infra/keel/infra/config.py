@@ -100,6 +100,10 @@ class BusSettings(_Section):
     """...up to this."""
     publish_timeout: Duration = parse_duration("5s")
     """How long a publish waits for JetStream's acknowledgement before the attempt counts as failed."""
+    outage_tolerance: Duration = parse_duration("15m")
+    """How long a publisher waits for a lost NATS connection to come back (the client reconnects on its
+    own) before ``PublishFailed``; attempts made while the connection is down do not count against
+    ``publish_attempts``. A NATS outage shorter than this is ridden out, not a crash."""
 
     @field_validator("subject_prefix", "stream", "dlq_stream")
     @classmethod
@@ -310,6 +314,36 @@ class HotUpdateSettings(_Section):
     """The version store (default ``<home>/versions``); agents must see the same path."""
 
 
+class SupervisorSettings(_Section):
+    """``keel up``'s supervisor (``keel supervise``): restarts a control-plane service that exits."""
+
+    restart_backoff_initial: Duration = parse_duration("1s")
+    """The wait before the first restart of a service that exited; it doubles with each restart since the
+    service last ran healthy..."""
+    restart_backoff_max: Duration = parse_duration("30s")
+    """...up to this."""
+    healthy_after: Duration = parse_duration("60s")
+    """A service that ran this long before it exited was healthy: its back-off starts over."""
+    crash_loop_restarts: int = Field(5, ge=1)
+    """A service that exits again after this many restarts within ``crash_loop_window`` is crash-looping:
+    the supervisor gives up on it (``ServiceGaveUp``, a log line, ``keel status``) until ``keel up``..."""
+    crash_loop_window: Duration = parse_duration("5m")
+    """...this window."""
+    stop_timeout: Duration = parse_duration("10s")
+    """``keel down``: how long a service may take to stop after SIGTERM before it is killed."""
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> SupervisorSettings:
+        if self.restart_backoff_initial.total_seconds() <= 0:
+            raise ValueError("restart_backoff_initial must be positive")
+        if self.restart_backoff_max < self.restart_backoff_initial:
+            raise ValueError(f"restart_backoff_max ({self.restart_backoff_max}) is below restart_backoff_initial "
+                             f"({self.restart_backoff_initial})")
+        if self.crash_loop_window.total_seconds() <= 0:
+            raise ValueError("crash_loop_window must be positive")
+        return self
+
+
 class SnapshotSettings(_Section):
     """Deciders' snapshots (``keel.kernel.snapshot``): a cold start folds the newest one plus the log after it."""
 
@@ -344,6 +378,7 @@ class Settings(_Section):
     checkpoint: CheckpointSettings = CheckpointSettings()
     analyzer: AnalyzerSettings = AnalyzerSettings()
     hot_update: HotUpdateSettings = HotUpdateSettings()
+    supervisor: SupervisorSettings = SupervisorSettings()
     snapshots: SnapshotSettings = SnapshotSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked

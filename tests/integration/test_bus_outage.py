@@ -1,0 +1,80 @@
+"""A publisher and a consumer across a NATS restart (real nats-server, stopped and started on the same port
+and store): a publish waits for the connection instead of spending its attempts, up to
+``bus.outage_tolerance``; a consumer sends no pull requests while disconnected and goes on afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from keel.events.envelope import Event, now_utc
+from keel.events.types import NodeRegistered
+from keel.infra.bus import Bus, PublishFailed
+from keel.infra.config import BusSettings
+from keel.infra.consumer import EventConsumer
+from keel.infra.embedded import NatsServer
+
+pytestmark = pytest.mark.integration
+
+# Without waiting for the connection, two attempts of one second each fail a publish in about 2 s.
+SETTINGS = BusSettings(subject_prefix="ko", stream="KO", dlq_stream="KO_DLQ", max_bytes="64MiB", publish_attempts=2,
+                       publish_timeout="1s", retry_backoff_initial="50ms", outage_tolerance="60s")
+
+
+def registered(node: str) -> Event:
+    return Event.create(NodeRegistered(node_id=node, host=node), job_id="j", subject=f"node/{node}",
+                        producer="test", occurred_at=now_utc())
+
+
+async def test_publish_and_consume_ride_out_a_nats_restart(own_nats: NatsServer) -> None:
+    bus = await Bus.connect(own_nats.url, SETTINGS, name="outage-publisher")
+    consumer_bus = await Bus.connect(own_nats.url, SETTINGS, name="outage-consumer")
+    try:
+        consumer = EventConsumer(consumer_bus, "outage-test", fetch_timeout_s=0.2)
+        await consumer.start()
+        seen: list[Event] = []
+
+        async def handle(event: Event, _seq: int) -> None:
+            seen.append(event)
+
+        stop = asyncio.Event()
+        consuming = asyncio.create_task(consumer.run(handle, stop))
+        await bus.publish(registered("before"))
+        await asyncio.to_thread(own_nats.stop)
+        started = time.monotonic()
+        one = asyncio.create_task(bus.publish(registered("during-1")))
+        many = asyncio.create_task(bus.publish_many([registered("during-2"), registered("during-3")]))
+        await asyncio.sleep(6)  # three times what the attempts alone would last
+        assert not one.done() and not many.done()
+        assert not consuming.done()
+        await asyncio.to_thread(own_nats.start)
+        await asyncio.wait_for(asyncio.gather(one, many), 30)
+        assert time.monotonic() - started >= 6
+        deadline = time.monotonic() + 20
+        while len(seen) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        stop.set()
+        await asyncio.wait_for(consuming, 10)
+        assert [e.payload.node_id for e in seen] == ["before", "during-1", "during-2", "during-3"]
+        info = await bus.js.stream_info(SETTINGS.stream)
+        assert info.state.messages == 4  # each once
+    finally:
+        await bus.close()
+        await consumer_bus.close()
+
+
+async def test_publish_gives_up_after_the_outage_tolerance(own_nats: NatsServer) -> None:
+    settings = SETTINGS.model_copy(update={"outage_tolerance": BusSettings(outage_tolerance="2s").outage_tolerance})
+    bus = await Bus.connect(own_nats.url, settings, name="outage-publisher")
+    try:
+        await asyncio.to_thread(own_nats.stop)
+        started = time.monotonic()
+        with pytest.raises(PublishFailed, match="NATS unreachable for .*outage_tolerance 2 s"):
+            await bus.publish(registered("lost"))
+        assert 2 <= time.monotonic() - started < 15
+    finally:
+        await asyncio.to_thread(own_nats.start)
+        await bus.close()
+
