@@ -39,6 +39,7 @@ from keel.events.types import (
     CheckpointShardsStored,
     CheckpointStepCommitted,
     CheckpointTierFallback,
+    NodeHeartbeat,
 )
 from keel.kernel.decider import DeciderSession
 
@@ -102,6 +103,7 @@ class Node:
         self.groups: dict[int, dict[str, list[int]] | None] = {r: solo_groups(r) for r in ranks}
         self.steps: dict[int, int] = {}
         self.payloads: dict[tuple[int, int], bytes] = {}  # (rank, step) -> payload
+        self.last_stored: dict[str, Any] = {}
 
     def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None:
         # As NodeAgent.emit: the subject defaults to the node's own.
@@ -126,6 +128,13 @@ class Node:
 
     def tick(self) -> None:
         self.ckpt.tick(time.monotonic(), self.groups, self.steps)
+        # The agent's heartbeat carries the node's memory and peer holdings; here one goes whenever they
+        # change (the agent sends one per report round: ``report_due``, tested on its own).
+        stored = self.ckpt.holdings()
+        if stored != self.last_stored:
+            self.last_stored = stored
+            self.emit(NodeHeartbeat(node_id=self.node_id, ranks_alive=len(self.ranks),
+                                    ranks_expected=len(self.ranks), stored=stored))
 
     def restart(self, generation: int) -> None:
         """The agent's restart: the inventory runs on the pool; the next tick publishes it (or, unsupervised,
@@ -218,9 +227,11 @@ class Cluster:
         return dict(self.session.state.job(JOB).backups)
 
     def held(self, node: Node, rank: int, step: int, owner: str) -> list[Any]:
-        """``CheckpointShardsStored`` tier "peer" records ``node`` reported for ``rank`` at ``step``."""
-        return [s for p in self.payloads(CheckpointShardsStored, node_id=node.node_id, tier="peer")
-                for s in p.shards if s.rank == rank and s.step == step and s.owner_node_id == owner]
+        """The distinct peer records ``node``'s heartbeats reported for ``rank`` at ``step`` (a heartbeat
+        carries every holding, so a record recurs until it is dropped)."""
+        found = [s for p in self.payloads(NodeHeartbeat, node_id=node.node_id)
+                 for s in p.stored.get("peer", []) if s.rank == rank and s.step == step and s.owner_node_id == owner]
+        return list({(s.digest, s.bytes): s for s in found}.values())
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -100,6 +100,18 @@ class AgentResult:
     reason: str
 
 
+def heartbeat_cadence(since_last: timedelta | None, interval: timedelta, *, round_done: bool,
+                      rounds_flowing: bool) -> bool:
+    """Whether a heartbeat goes now. It goes at once when a checkpoint report round completed (the
+    heartbeat carries it: every node reports the same step, so the broker can commit it); otherwise once
+    per ``interval`` - twice that while report rounds come (every ``interval`` to twice that, see
+    ``keel.agent.checkpointing.report_round_steps``), so a stepping job sends one heartbeat per round,
+    not two. ``since_last``: None before the first heartbeat."""
+    if since_last is None or round_done:
+        return True
+    return since_last >= (2 * interval if rounds_flowing else interval)
+
+
 class NodeAgent:
     """One node's agent: ``run(stop)`` until the ranks finish (or fail for good) or ``stop`` is set.
     ``tick()`` is one pass of the loop; ``handle_command(event)`` carries out a command."""
@@ -135,6 +147,8 @@ class NodeAgent:
         self.restarts_left = spec.max_restarts
         self.failed = False
         self.last_heartbeat_at: datetime | None = None
+        self.last_round_heartbeat_s: float | None = None
+        """When a heartbeat last carried a completed report round (monotonic s)."""
         self.held = False
         """The ranks were stopped on command (diagnostics, a replay) and wait for the next one: not "finished"."""
         self._wake: Callable[[], None] = lambda: None
@@ -278,8 +292,30 @@ class NodeAgent:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def heartbeat(self, now: datetime) -> None:
+    def step_time_p50_s(self) -> float | None:
+        """The median step time over the ranks' last 20 steps (None: no step yet)."""
         step_times = [t for s in self.channel.ranks.values() for t in list(s.step_times_s)[-20:]]
+        return statistics.median(step_times) if step_times else None
+
+    def heartbeat_due(self, now: datetime, monotonic_s: float) -> bool:
+        """Whether the heartbeat goes now (``heartbeat_cadence``): a report round completed, or the
+        heartbeat interval passed (twice that while report rounds carry the heartbeats)."""
+        round_done = False
+        if self.checkpointing is not None and not self.spec.standby:
+            ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
+            period = max(self.spec.heartbeat_interval, self.checkpointing.report_interval)
+            round_done = self.checkpointing.report_due(monotonic_s, {r: s.checkpoint_step for r, s in ranks.items()},
+                                                       self.step_time_p50_s(), period)
+        since = None if self.last_heartbeat_at is None else now - self.last_heartbeat_at
+        rounds_flowing = (self.last_round_heartbeat_s is not None
+                          and monotonic_s - self.last_round_heartbeat_s <= 2 * self.spec.heartbeat_interval.total_seconds())
+        due = heartbeat_cadence(since, self.spec.heartbeat_interval, round_done=round_done,
+                                rounds_flowing=rounds_flowing)
+        if due and round_done:
+            self.last_round_heartbeat_s = monotonic_s
+        return due
+
+    def heartbeat(self, now: datetime) -> None:
         # Per rank (one slow GPU among eight must not vanish in a node-wide median), ranks stepping now.
         compute = {rank: round(statistics.median(list(s.compute_times_s)[-20:]), 6)
                    for rank, s in self.channel.ranks.items() if s.compute_times_s and s.phase == "step"}
@@ -290,8 +326,9 @@ class NodeAgent:
                 ranks_alive=len(self.supervisor.alive()),
                 ranks_expected=0 if self.spec.standby else self.spec.nproc_per_node,
                 last_step=max((s.step for s in self.channel.ranks.values()), default=-1),
-                step_time_p50_s=statistics.median(step_times) if step_times else None,
+                step_time_p50_s=self.step_time_p50_s(),
                 rank_compute_time_p50_s=compute,
+                stored=self.checkpointing.holdings() if self.checkpointing is not None else {},
             )
         )
         self.last_heartbeat_at = now
@@ -337,7 +374,7 @@ class NodeAgent:
             ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
             self.checkpointing.tick(time.monotonic(), {r: s.groups for r, s in ranks.items()},
                                     {r: s.checkpoint_step for r, s in ranks.items()})
-        if self.last_heartbeat_at is None or now - self.last_heartbeat_at >= self.spec.heartbeat_interval:
+        if self.heartbeat_due(now, time.monotonic()):
             self.heartbeat(now)
         if probe:
             self.keep_zygote()

@@ -56,6 +56,23 @@ log = logging.getLogger(__name__)
 _SEND_FAILURES_REPORTED = 3
 _SEND_RETRY_INTERVAL_S = 10.0
 
+ROUND_PEER_GRACE_S = 2.0
+"""How long a completed report round waits for the backups this node holds for peers to reach it."""
+
+
+def report_round_steps(backup_every: int, step_time_s: float | None, period: timedelta) -> int | None:
+    """Steps between two report rounds: the smallest power of two, at least the backup interval (a power
+    of two itself), whose steps take at least ``period`` (so report rounds come every ``period`` to
+    twice that). None while the step time is unknown (no round: the heartbeat's own interval reports)."""
+    if step_time_s is None or step_time_s <= 0:
+        return None
+    every = max(1, backup_every)
+    wanted = period.total_seconds() / step_time_s
+    while every < wanted and every < 1 << 40:
+        every *= 2
+    return every
+
+
 # Broker events every agent of the job consumes (besides its own commands).
 BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned",
                       "CheckpointStepCommitted")
@@ -334,10 +351,10 @@ class NodeCheckpointing:
         """rank -> (the generation its backup send started in, the send: the step it backed up)."""
         self.persisting: dict[int, tuple[int, Future]] = {}
         self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
-        self.last_report_at = 0.0
-        self.last_reported: dict[str, Any] = {}
-        self.sent_since_report = False
-        self.received_at_report = 0
+        self.reported_round = -1
+        """The newest report round a heartbeat carried (``report_due``)."""
+        self.round_ready_since: float | None = None
+        """When the memory part of the pending report round completed (monotonic s; None: not yet)."""
         self.plan: _Plan | None = None
         self.inventory_future: tuple[int, Future] | None = None
         self.early_plans: dict[int, CheckpointRestorePlanned] = {}
@@ -380,7 +397,8 @@ class NodeCheckpointing:
         self.persisting = {r: f for r, f in self.persisting.items() if r in self.progress}
         self.persisted.clear()
         self.verified = {}
-        self.last_reported = {}
+        self.reported_round = -1
+        self.round_ready_since = None
         self.registered_generation = None
 
     # -- before a restart ---------------------------------------------------------------------------
@@ -399,6 +417,8 @@ class NodeCheckpointing:
         self.generation = generation
         self.registered_generation = None
         self.plan = None
+        self.reported_round = -1  # the new generation may resume from an older step
+        self.round_ready_since = None
         for progress in self.progress.values():
             # The new generation may resume from an older step: its snapshots must replace the failed
             # generation's backups on the peers, and its persists the failed generation's steps.
@@ -613,20 +633,8 @@ class NodeCheckpointing:
         self._finish_plan_if_ready()
         self._start_sends(checkpoint_steps)
         self._start_persists(checkpoint_steps)
-        # Memory and backups are reported once per report interval, and also as soon as a round of
-        # backups moves (a send finished here, a backup landed here): rounds fall on the same steps on
-        # every node, so reports of them let the broker commit a step on every rank even when steps are
-        # much faster than the interval (time-based reports of the newest step would rarely coincide).
-        received = self.transport.backups_received() if self.transport is not None else 0
-        due = monotonic_s - self.last_report_at >= self.report_interval.total_seconds()
-        if due or self.sent_since_report:
-            self._report_memory()
-        if due or received != self.received_at_report:
-            self._report_backups()
-            self.received_at_report = received
-        if due:
-            self.last_report_at = monotonic_s
-        self.sent_since_report = False
+        # Memory and peer holdings are no events of their own: they ride on the agent's heartbeat
+        # (``holdings``), which goes early when a report round completes (``report_due``).
 
     def _register(self, groups: dict[int, dict[str, list[int]] | None]) -> None:
         if self.registered_generation == self.generation:
@@ -639,29 +647,71 @@ class NodeCheckpointing:
                                             ranks=ranks), subject=f"node/{self.node_id}")
         self.registered_generation = self.generation
 
-    def _report(self, tier: CheckpointTier, shards: list[ShardRecord]) -> None:
-        key = tier
-        signature = [(s.rank, s.step, s.digest, s.owner_node_id) for s in shards]
-        if not shards or self.last_reported.get(key) == signature:
-            return
-        self.last_reported[key] = signature
-        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),
-                  subject=f"node/{self.node_id}")
+    # -- reports (carried by the heartbeat) -----------------------------------------------------------
 
-    def _report_memory(self) -> None:
+    def holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
+        """What the node holds now, per tier, for ``NodeHeartbeat.stored``: a memory record per local rank
+        and step its slots (and sent copies) hold, the steps of backup rounds only (the multiples of the
+        broker's backup interval: the only ones every node holds alike, so the only ones that can
+        commit), and a peer record per backup held for another node's rank. Tiers with nothing held are
+        left out."""
+        every = max(1, self.backup_every)
         held = {(rank, header.step): header for rank in self.local_ranks
-                for _, header in reversed(complete_slots(self.node_dir, rank))}
-        shards = [ShardRecord(rank=rank, step=step, bytes=header.payload_len, digest=header.digest,
-                              send_s=round(self.progress[rank].last_send_s, 3))
+                for _, header in reversed(complete_slots(self.node_dir, rank)) if header.step % every == 0}
+        found: dict[CheckpointTier, list[ShardRecord]] = {}
+        memory = [ShardRecord(rank=rank, step=step, bytes=header.payload_len, digest=header.digest,
+                              send_s=round(self.progress[rank].last_send_s, 3) if rank in self.progress else 0.0)
                   for (rank, step), header in sorted(held.items())]
-        self._report("memory", shards)
+        if memory:
+            found["memory"] = memory
+        if self.transport is not None:
+            peer = sorted((ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
+                                       owner_node_id=h["owner_node_id"]) for h in self.transport.held_backups()[0]),
+                          key=lambda s: (s.rank, s.step))
+            if peer:
+                found["peer"] = peer
+        return found
 
-    def _report_backups(self) -> None:
-        if self.transport is None:
-            return
-        shards = [ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
-                              owner_node_id=h["owner_node_id"]) for h in self.transport.held_backups()[0]]
-        self._report("peer", sorted(shards, key=lambda s: (s.rank, s.step)))
+    def _backups_behind(self, step: int) -> bool:
+        """A backup this node holds for a peer's rank is older than ``step`` (its round has not landed)."""
+        assert self.transport is not None
+        newest: dict[int, int] = {}
+        for held in self.transport.held_backups()[0]:
+            newest[held["rank"]] = max(newest.get(held["rank"], -1), held["step"])
+        return any(s < step for s in newest.values())
+
+    def report_due(self, monotonic_s: float, checkpoint_steps: dict[int, int], step_time_s: float | None,
+                   period: timedelta) -> bool:
+        """True when a report round completed and the heartbeat should go now, carrying it.
+
+        A report round is a step that is a multiple of ``report_round_steps`` (a power of two, so nodes
+        whose step times round differently still share every multiple of the larger one): every node
+        reports the same steps, and the broker can commit them although heartbeats are minutes apart
+        in total. The round is complete when every local rank holds it in memory (its backup sent, with
+        a peer tier) and every backup this node holds for peers reached it, or ``ROUND_PEER_GRACE_S``
+        after the memory part completed (a peer's send may be late or skipped)."""
+        every = report_round_steps(self.backup_every, step_time_s, period)
+        if every is None or not self.local_ranks:
+            return False
+        if self.transport is not None:
+            if not self.assignments:
+                return False  # no backups yet: time-based heartbeats carry what is held
+            newest = min(self.progress[r].last_sent_step if r in self.assignments else checkpoint_steps.get(r, -1)
+                         for r in self.local_ranks)
+        else:
+            newest = min(checkpoint_steps.get(r, -1) for r in self.local_ranks)
+        round_step = newest - newest % every if newest >= 0 else -1
+        if round_step <= self.reported_round:
+            self.round_ready_since = None
+            return False
+        if self.transport is not None:
+            if self.round_ready_since is None:
+                self.round_ready_since = monotonic_s
+            if monotonic_s - self.round_ready_since < ROUND_PEER_GRACE_S and self._backups_behind(round_step):
+                return False
+        self.reported_round = round_step
+        self.round_ready_since = None
+        return True
 
     # backups to peers
 
@@ -713,7 +763,6 @@ class NodeCheckpointing:
             if exc is None:
                 progress.last_sent_step = future.result()
                 progress.send_failures = 0
-                self.sent_since_report = True
             elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":
                 # The ring overwrote the step before it was copied: the copy is slower than two steps.
                 log.warning("%s: rank %d's snapshot moved on before it could be backed up (%s)", self.node_id, rank, exc)

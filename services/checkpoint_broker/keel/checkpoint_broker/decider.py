@@ -21,7 +21,7 @@ from __future__ import annotations
 from keel.checkpoint_broker.placement import decide_placement
 from keel.checkpoint_broker.restore import decide_commit, decide_restore
 from keel.checkpoint_broker.schedule import decide_schedule
-from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, fold
+from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, fold, heartbeat_reports
 from keel.events.envelope import Event
 from keel.events.types import (
     CheckpointBackupFailed,
@@ -75,6 +75,9 @@ class CheckpointBrokerDecider:
             parts.append(decide_placement(job, p, subject))
         if isinstance(p, CheckpointShardsStored):
             parts.append(decide_commit(job, p, subject))
+        if isinstance(p, NodeHeartbeat):
+            # Its memory and peer holdings (v3): each tier as a shard report of its own.
+            parts.extend(decide_commit(job, report, subject) for report in heartbeat_reports(p))
         if isinstance(p, (NodeHeartbeat, CheckpointPersisted, RankExited, NodeEvictionDecided)) or (
                 isinstance(p, CheckpointShardsStored) and any(r.send_s > 0 for r in p.shards)):
             parts.append(decide_schedule(job, event, self.policy, subject))

@@ -288,15 +288,16 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
         return replace(job, generation=max(job.generation, p.generation), started_generation=p.generation,
                        started=started, world_size=job.world_size or p.world_size)
     if isinstance(p, NodeHeartbeat):
+        # Since v3 the heartbeat carries the node's memory and peer holdings: folded as the
+        # ``CheckpointShardsStored`` events older agents sent for them (older logs fold those).
+        for report in heartbeat_reports(p):
+            job = _evolve_stored(job, report, event.occurred_at)
         if p.standby or not p.step_time_p50_s or p.step_time_p50_s <= 0:
             return job
         times = {**job.schedule.step_times, p.node_id: p.step_time_p50_s}
         return replace(job, schedule=replace(job.schedule, step_times=times))
     if isinstance(p, CheckpointShardsStored):
-        sends = {r.rank: r.send_s for r in p.shards if p.tier == "memory" and r.send_s > 0}
-        if sends:
-            job = replace(job, schedule=replace(job.schedule, send_s={**job.schedule.send_s, **sends}))
-        return _evolve_shards(job, p, event.occurred_at)
+        return _evolve_stored(job, p, event.occurred_at)
     if isinstance(p, CheckpointStepCommitted):
         return _evolve_commit(job, p, event)
     if isinstance(p, CheckpointScheduleSet):
@@ -336,6 +337,20 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
                        restores={g: w for g, w in job.restores.items() if g > p.generation},
                        restore_below_planned=job.restore_below is not None)
     return job
+
+
+def heartbeat_reports(p: NodeHeartbeat) -> list[CheckpointShardsStored]:
+    """The shard reports a heartbeat carries (``NodeHeartbeat.stored``), one per tier with shards, in a
+    fixed order: the fold and the commit decision treat each as a ``CheckpointShardsStored``."""
+    return [CheckpointShardsStored(node_id=p.node_id, tier=tier, shards=p.stored[tier])
+            for tier in ("memory", "peer", "disk") if p.stored.get(tier)]
+
+
+def _evolve_stored(job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
+    sends = {r.rank: r.send_s for r in p.shards if p.tier == "memory" and r.send_s > 0}
+    if sends:
+        job = replace(job, schedule=replace(job.schedule, send_s={**job.schedule.send_s, **sends}))
+    return _evolve_shards(job, p, at)
 
 
 def _evolve_shards(job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
