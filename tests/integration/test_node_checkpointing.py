@@ -572,3 +572,65 @@ def test_restarted_peer_with_a_new_address_gets_backups_again(cluster: Cluster) 
         if x.rank == 0 and x.backup_address == b2.transport.address])
     [record] = cluster.wait_for("B's new store holding rank 0 step 3", lambda: cluster.held(b2, 0, 3, "A"))
     assert record.digest == sha(payload)
+
+
+# -- report rounds: what the agent's heartbeat carries, and when it goes early --------------------------
+
+
+def test_a_report_round_completes_once_when_every_local_send_and_every_held_backup_reached_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    from keel.agent import checkpointing
+
+    monkeypatch.setattr(checkpointing, "ROUND_PEER_GRACE_S", 60.0)  # only the backups landing complete a round here
+    nodes = three_nodes(cluster)
+    backed_up(cluster, 2)
+    period = timedelta(seconds=5)
+    step_time = 2.5  # two steps a round (report_round_steps)
+
+    def due(node: Node) -> bool:
+        return node.ckpt.report_due(time.monotonic(), node.steps, step_time, period)
+
+    for node in nodes:
+        cluster.wait_for(f"{node.node_id}'s round of step 2", lambda node=node: due(node))
+        assert not due(node), "a round completes once"
+    for node in nodes:
+        [rank] = node.ranks
+        node.snapshot(rank, 3)
+    cluster.settle(0.3)
+    assert not any(due(node) for node in nodes), "step 3 is no round"
+    for node in nodes:
+        [rank] = node.ranks
+        node.snapshot(rank, 4)
+    for node in nodes:
+        cluster.wait_for(f"{node.node_id}'s round of step 4", lambda node=node: due(node))
+        # What its heartbeat then carries: its own rank's step 4, and the step-4 backup it holds.
+        stored = node.ckpt.holdings()
+        assert (node.ranks[0], 4) in {(s.rank, s.step) for s in stored["memory"]}
+        assert 4 in {s.step for s in stored["peer"]}
+        assert all(s.owner_node_id not in ("", node.node_id) for s in stored["peer"])
+    cluster.wait_for("peer commit of step 4", lambda: cluster.payloads(CheckpointStepCommitted, tier="peer", step=4))
+
+
+def test_without_a_peer_tier_a_round_is_the_newest_step_of_every_local_rank(cluster: Cluster) -> None:
+    node = cluster.add("solo", [0, 1], 2, transport=False)
+    period = timedelta(seconds=1)
+
+    def due() -> bool:
+        return node.ckpt.report_due(time.monotonic(), node.steps, 0.25, period)  # 4 steps a round
+
+    assert not node.ckpt.report_due(time.monotonic(), node.steps, None, period), "no step time: no round"
+    node.snapshot(0, 1)
+    node.snapshot(1, 1)
+    assert due(), "step 0 is a round (a multiple of every interval)"
+    for step in (2, 3):
+        node.snapshot(0, step)
+        node.snapshot(1, step)
+        assert not due()
+    node.snapshot(0, 4)
+    assert not due(), "rank 1 has not reached the round"
+    node.snapshot(1, 4)
+    assert due() and not due()
+    assert {(s.rank, s.step) for s in node.ckpt.holdings()["memory"]} == {(0, 3), (0, 4), (1, 3), (1, 4)}
+    # A restart may resume from an older step: its rounds are new.
+    node.ckpt.prepare_restart(generation=1)
+    assert node.ckpt.reported_round == -1

@@ -213,9 +213,10 @@ class BrokerPolicy:
     """The share of wall time one rank's backup transfer may take (sets the backup interval)."""
     backup_min_period: timedelta = timedelta(seconds=0.5)
     """The shortest time between two backup rounds (sets the backup interval's floor)."""
-    schedule_hysteresis: float = 0.1
+    schedule_hysteresis: float = 0.2
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
-    the step time jitters every heartbeat, and agents need not hear every rounding flip."""
+    the step time jitters every heartbeat, and agents need not hear every rounding flip (Young's optimum
+    is flat: a K 20 % off wastes about 2 % more than the optimum)."""
 
     @classmethod
     def from_settings(cls, settings: CheckpointSettings) -> BrokerPolicy:
