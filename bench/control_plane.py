@@ -102,6 +102,9 @@ async def measure_steady_events(servers: Servers, work: Path, settle_s: float, m
     # Two cores shared by every rank, agent and service: compute times jitter far past the fail-slow
     # ratio, and a false conviction is a fault (an eviction, a promotion). Fail-slow judges 10x only.
     stack.knobs["KEEL_ANALYZER__FAILSLOW_RATIO"] = "10"
+    # Likewise throughput: the agents' decline check (a rank's tokens/s under 80 % of its best window)
+    # fires on every rank whenever another process takes the cores for a while. Only under 30 % here.
+    stack.knobs["KEEL_ANALYZER__METRIC_DECLINE_FRACTION"] = "0.3"
     try:
         log(f"steady: starting the services and a local cluster of {recovery.NODES} x {recovery.NPROC} ranks "
             f"+ 1 standby")

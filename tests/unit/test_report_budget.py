@@ -249,3 +249,23 @@ def test_jittering_step_times_announce_one_schedule_not_one_per_heartbeat() -> N
     # The first transfer (0.1 s: 9.1 steps within the duty) keeps the 8 the period floor set: within 25 %.
     assert [(s.every_k_steps, s.backup_every_k_steps) for s in announced] == [(1000, 8)]
     assert later == [], [(s.every_k_steps, s.backup_every_k_steps) for s in later]
+
+
+def test_a_schedule_change_waits_a_minute_unless_the_backup_interval_must_go_coarser() -> None:
+    from keel.events.types import CheckpointScheduleSet
+    from tests.unit.test_checkpoint_broker import heartbeat
+
+    session = DeciderSession(CheckpointBrokerDecider())
+    [first] = emitted_of(session, [heartbeat("n0", 2.0, T0)], CheckpointScheduleSet)
+    assert first.every_k_steps == 190
+    # The step time halves: K doubles, an efficiency change: not within the minute...
+    assert emitted_of(session, [heartbeat("n0", 1.0, T0 + timedelta(seconds=10))], CheckpointScheduleSet) == []
+    # ...but transfers that exceed the duty of the backup interval in force cannot wait.
+    slow = ev(CheckpointShardsStored(node_id="n0", tier="memory", shards=records([(0, 5)], send_s=0.5)), "node/n0",
+              T0 + timedelta(seconds=20))
+    [coarser] = emitted_of(session, [slow], CheckpointScheduleSet)
+    assert coarser.backup_every_k_steps == 8 and coarser.every_k_steps == 380
+    later = emitted_of(session, [heartbeat("n0", 2.0, T0 + timedelta(seconds=50))], CheckpointScheduleSet)
+    assert later == []
+    [after] = emitted_of(session, [heartbeat("n0", 2.0, T0 + timedelta(seconds=81))], CheckpointScheduleSet)
+    assert after.every_k_steps == 190

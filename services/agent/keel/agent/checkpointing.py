@@ -693,13 +693,10 @@ class NodeCheckpointing:
         every = report_round_steps(self.backup_every, step_time_s, period)
         if every is None or not self.local_ranks:
             return False
-        if self.transport is not None:
-            if not self.assignments:
-                return False  # no backups yet: time-based heartbeats carry what is held
-            newest = min(self.progress[r].last_sent_step if r in self.assignments else checkpoint_steps.get(r, -1)
-                         for r in self.local_ranks)
-        else:
-            newest = min(checkpoint_steps.get(r, -1) for r in self.local_ranks)
+        # A rank with a backup peer holds a round once its backup was sent (the sent copy keeps it); one
+        # without (no peer tier, a one-node job, before placement) once it stepped there.
+        newest = min(self.progress[r].last_sent_step if r in self.assignments and r in self.progress
+                     else checkpoint_steps.get(r, -1) for r in self.local_ranks)
         round_step = newest - newest % every if newest >= 0 else -1
         if round_step <= self.reported_round:
             self.round_ready_since = None

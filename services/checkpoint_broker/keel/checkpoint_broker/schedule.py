@@ -125,6 +125,10 @@ def decide_schedule(job: JobState, event: Event, policy: BrokerPolicy, subject: 
     if (current is not None and abs(k - current) < max(1.0, policy.schedule_hysteresis * current)
             and backup_every == (schedule.backup_every or 1)):
         return Decision("")
+    coarser = backup_every > (schedule.backup_every or 1)
+    if (current is not None and not coarser and schedule.announced_at is not None
+            and event.occurred_at - schedule.announced_at < policy.schedule_min_period):
+        return Decision("")  # an efficiency change: it waits for the period (the next heartbeat after it decides)
     cost_from = (f"EWMA of {schedule.measurements} measured persist(s)" if schedule.save_cost_s is not None
                  else "initial estimate, nothing persisted yet")
     reason = (f"Young: K = sqrt(2 x C {cost:.2f}s x MTBF {mtbf:.0f}s) / step time {step_time:.4f}s = {raw:.1f} "

@@ -126,6 +126,7 @@ class ScheduleState:
     failures: frozenset[int] = frozenset()  # generations in which the job was interrupted
     step_times: Mapping[str, float] = field(default_factory=dict)  # node -> latest p50 step time, s
     started_at: datetime | None = None
+    announced_at: datetime | None = None  # when the schedule in force was announced (its event's time)
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,10 @@ class BrokerPolicy:
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
     the step time jitters every heartbeat, and agents need not hear every rounding flip (Young's optimum
     is flat: a K 20 % off wastes about 2 % more than the optimum)."""
+    schedule_min_period: timedelta = timedelta(seconds=60)
+    """A schedule is announced at most once per this period (by the log's time), unless the backup
+    interval in force must go coarser (its transfers exceed the duty past the margin): a job whose step
+    time swings keeps one schedule a minute, not one per heartbeat."""
 
     @classmethod
     def from_settings(cls, settings: CheckpointSettings) -> BrokerPolicy:
@@ -303,7 +308,9 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
         return _evolve_commit(job, p, event)
     if isinstance(p, CheckpointScheduleSet):
         return replace(job, schedule=replace(job.schedule, every_k=p.every_k_steps,
-                                             backup_every=p.backup_every_k_steps))
+                                             backup_every=p.backup_every_k_steps,
+                                             # The placeholder before any step time (0) is replaced at once.
+                                             announced_at=event.occurred_at if p.step_time_s > 0 else None))
     if isinstance(p, CheckpointPersisted):
         return _evolve_persisted(job, p, policy)
     if isinstance(p, CheckpointInventoryReported):
