@@ -630,7 +630,12 @@ def test_without_a_peer_tier_a_round_is_the_newest_step_of_every_local_rank(clus
     assert not due(), "rank 1 has not reached the round"
     node.snapshot(1, 4)
     assert due() and not due()
-    assert {(s.rank, s.step) for s in node.ckpt.holdings()["memory"]} == {(0, 3), (0, 4), (1, 3), (1, 4)}
+    # The heartbeat carries each rank's newest round step only (the ring also holds step 3).
+    assert {(s.rank, s.step) for s in node.ckpt.holdings()["memory"]} == {(0, 4), (1, 4)}
+    node.snapshot(0, 5)
+    node.snapshot(1, 5)
+    assert not due()
+    assert {(s.rank, s.step) for s in node.ckpt.holdings()["memory"]} == {(0, 4), (1, 4)}
     # A restart may resume from an older step: its rounds are new.
     node.ckpt.prepare_restart(generation=1)
     assert node.ckpt.reported_round == -1

@@ -147,8 +147,8 @@ class NodeHeartbeat(EventPayload):
     loop marks no collective waits). Every rank of a synchronous job steps as slowly as the slowest;
     only a fail-slow rank also computes longer than the peers doing the same work."""
     stored: dict[CheckpointTier, list[ShardRecord]] = Field(default_factory=dict)
-    """Per tier ("memory", "peer"): the shards the node holds now (a memory record per rank and
-    backup-round step it holds; a peer record per backup it holds for another node's rank). Empty: a
+    """Per tier ("memory", "peer"): what the node holds now, the newest report-round step of each of its
+    ranks in memory and of each backup it holds for another node's rank (one record each). Empty: a
     node without checkpointing, or nothing held yet. The broker folds each tier as a
     ``CheckpointShardsStored`` of that tier."""
 

@@ -353,6 +353,8 @@ class NodeCheckpointing:
         self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
         self.reported_round = -1
         """The newest report round a heartbeat carried (``report_due``)."""
+        self.round_every: int | None = None
+        """Steps between report rounds, as ``report_due`` last computed it (None: no step time yet)."""
         self.round_ready_since: float | None = None
         """When the memory part of the pending report round completed (monotonic s; None: not yet)."""
         self.plan: _Plan | None = None
@@ -650,26 +652,33 @@ class NodeCheckpointing:
     # -- reports (carried by the heartbeat) -----------------------------------------------------------
 
     def holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
-        """What the node holds now, per tier, for ``NodeHeartbeat.stored``: a memory record per local rank
-        and step its slots (and sent copies) hold, the steps of backup rounds only (the multiples of the
-        broker's backup interval: the only ones every node holds alike, so the only ones that can
-        commit), and a peer record per backup held for another node's rank. Tiers with nothing held are
-        left out."""
-        every = max(1, self.backup_every)
-        held = {(rank, header.step): header for rank in self.local_ranks
-                for _, header in reversed(complete_slots(self.node_dir, rank)) if header.step % every == 0}
+        """What the node holds now, per tier, for ``NodeHeartbeat.stored``: per local rank, the newest
+        report-round step its slots (and sent copies) hold in memory, and per backup held for another
+        node's rank, the newest report-round step held. Only round steps (multiples of the report round,
+        or of the broker's backup interval before a round is known) are ones every node reports alike,
+        so only they can commit; one record per rank and tier keeps a heartbeat small (about 170 bytes a
+        record). Tiers with nothing held are left out."""
+        every = max(1, self.round_every or self.backup_every)
+        memory: dict[int, ShardRecord] = {}
+        for rank in self.local_ranks:
+            for _, header in complete_slots(self.node_dir, rank):  # newest first
+                if header.step % every == 0:
+                    memory[rank] = ShardRecord(
+                        rank=rank, step=header.step, bytes=header.payload_len, digest=header.digest,
+                        send_s=round(self.progress[rank].last_send_s, 3) if rank in self.progress else 0.0)
+                    break
         found: dict[CheckpointTier, list[ShardRecord]] = {}
-        memory = [ShardRecord(rank=rank, step=step, bytes=header.payload_len, digest=header.digest,
-                              send_s=round(self.progress[rank].last_send_s, 3) if rank in self.progress else 0.0)
-                  for (rank, step), header in sorted(held.items())]
         if memory:
-            found["memory"] = memory
+            found["memory"] = [memory[r] for r in sorted(memory)]
         if self.transport is not None:
-            peer = sorted((ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
-                                       owner_node_id=h["owner_node_id"]) for h in self.transport.held_backups()[0]),
-                          key=lambda s: (s.rank, s.step))
+            peer: dict[tuple[str, int], ShardRecord] = {}
+            for h in self.transport.held_backups()[0]:
+                key = (h["owner_node_id"], h["rank"])
+                if h["step"] % every == 0 and (key not in peer or peer[key].step < h["step"]):
+                    peer[key] = ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
+                                            owner_node_id=h["owner_node_id"])
             if peer:
-                found["peer"] = peer
+                found["peer"] = sorted(peer.values(), key=lambda s: (s.rank, s.owner_node_id))
         return found
 
     def _backups_behind(self, step: int) -> bool:
@@ -691,6 +700,7 @@ class NodeCheckpointing:
         a peer tier) and every backup this node holds for peers reached it, or ``ROUND_PEER_GRACE_S``
         after the memory part completed (a peer's send may be late or skipped)."""
         every = report_round_steps(self.backup_every, step_time_s, period)
+        self.round_every = every
         if every is None or not self.local_ranks:
             return False
         # A rank with a backup peer holds a round once its backup was sent (the sent copy keeps it); one
