@@ -28,6 +28,7 @@ from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slo
 from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
 from keel.checkpoint_broker.decider import CheckpointBrokerDecider
+from keel.checkpoint_broker.state import BrokerPolicy
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointBackupAssigned,
@@ -155,7 +156,9 @@ class Cluster:
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        self.session = DeciderSession(CheckpointBrokerDecider())
+        # Commits as soon as every rank is reported (the broker holds heartbeat-carried commits back to
+        # one per 10 s per tier: tests/unit/test_report_budget.py), so each test commits step after step.
+        self.session = DeciderSession(CheckpointBrokerDecider(BrokerPolicy(commit_min_period=timedelta(0))))
         self.nodes: dict[str, Node] = {}
         self.retired: list[Node] = []  # replaced by a restarted agent of the same node
         self.queue: list[Event] = []

@@ -103,7 +103,10 @@ def test_heartbeats_carrying_a_report_round_commit_memory_and_peer_once_each() -
     # The same holdings again (the next heartbeat before the next round): nothing new.
     assert emitted_of(session, [beat("n1", [(2, 64), (3, 64)], [(0, 64), (1, 64)], owner="n0", at_s=7)],
                       CheckpointStepCommitted) == []
-    [later] = emitted_of(session, [beat("n1", [(2, 128), (3, 128)], at_s=9)], CheckpointStepCommitted)
+    # Round 128 is complete at 9 s, 7 s after the last commit: held back (one commit per 10 s and tier)
+    # until a heartbeat after the period reports it again.
+    assert emitted_of(session, [beat("n1", [(2, 128), (3, 128)], at_s=9)], CheckpointStepCommitted) == []
+    [later] = emitted_of(session, [beat("n1", [(2, 128), (3, 128)], at_s=12)], CheckpointStepCommitted)
     assert (later.tier, later.step) == ("memory", 128)
     job = session.state.job(JOB)
     assert job.committed == {"memory": 128, "peer": 64}
@@ -269,3 +272,24 @@ def test_a_schedule_change_waits_a_minute_unless_the_backup_interval_must_go_coa
     assert later == []
     [after] = emitted_of(session, [heartbeat("n0", 2.0, T0 + timedelta(seconds=81))], CheckpointScheduleSet)
     assert after.every_k_steps == 190
+
+
+def test_a_restore_plan_lets_the_next_heartbeat_commit_at_once() -> None:
+    from keel.events.types import CheckpointRestorePlanned
+
+    session = registered_session(topology(2, 2, 1, 2))
+    commits = emitted_of(session, [beat("n0", [(0, 64), (1, 64)]), beat("n1", [(2, 64), (3, 64)], at_s=1)],
+                         CheckpointStepCommitted)
+    assert [(c.tier, c.step) for c in commits] == [("memory", 64)]
+    planned = ev(CheckpointRestorePlanned(generation=1, step=64, sources=[], reason="test"), f"job/{JOB}",
+                 T0 + timedelta(seconds=2), producer="checkpoint-broker")
+    session.observe(planned)
+    assert "memory" not in session.state.job(JOB).committed_at
+    again = emitted_of(session, [beat("n0", [(0, 64), (1, 64)], at_s=3), beat("n1", [(2, 64), (3, 64)], at_s=4)],
+                       CheckpointStepCommitted)
+    assert [(c.tier, c.step) for c in again] == [("memory", 64)]  # the resumed history's step, 3 s later
+    # Old shard-report events are never held back (older logs replay as they were decided).
+    old = emitted_of(session, [shards("n0", "memory", [(0, 128), (1, 128)], at=T0 + timedelta(seconds=5)),
+                               shards("n1", "memory", [(2, 128), (3, 128)], at=T0 + timedelta(seconds=5))],
+                     CheckpointStepCommitted)
+    assert [(c.tier, c.step) for c in old] == [("memory", 128)]

@@ -153,6 +153,7 @@ class JobState:
     shards: Mapping[str, Mapping[int, Mapping[int, ShardRecord]]] = field(default_factory=dict)  # tier, step, rank
     disk_first_seen: Mapping[int, datetime] = field(default_factory=dict)
     committed: Mapping[str, int] = field(default_factory=dict)  # tier -> newest committed step
+    committed_at: Mapping[str, datetime] = field(default_factory=dict)  # tier -> log time of that commit
     disk_commits: Mapping[int, DiskCommit] = field(default_factory=dict)
     persisted: Mapping[int, PersistedStep] = field(default_factory=dict)  # the newest ``retention`` steps
     schedule: ScheduleState = ScheduleState()
@@ -218,6 +219,11 @@ class BrokerPolicy:
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
     the step time jitters every heartbeat, and agents need not hear every rounding flip (Young's optimum
     is flat: a K 20 % off wastes about 2 % more than the optimum)."""
+    commit_min_period: timedelta = timedelta(seconds=10)
+    """Heartbeat-carried reports (``NodeHeartbeat.stored``) commit a memory or peer step at most once per
+    this period per tier (by the log's time): report rounds come every 5-10 s, and a commit every other
+    round is enough to pin a recent step (restores plan from inventories, not from commits). The first
+    commit after a restore plan is never held back. Shard-report events (older logs) commit as before."""
     schedule_min_period: timedelta = timedelta(seconds=60)
     """A schedule is announced at most once per this period (by the log's time), unless the backup
     interval in force must go coarser (its transfers exceed the duty past the margin): a job whose step
@@ -342,6 +348,7 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
                 rewound[tier] = min(rewound[tier], p.step - 1)
         shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
         return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
+                       committed_at={t: at for t, at in job.committed_at.items() if t not in ("memory", "peer")},
                        restores={g: w for g, w in job.restores.items() if g > p.generation},
                        restore_below_planned=job.restore_below is not None)
     return job
@@ -385,6 +392,7 @@ def _evolve_shards(job: JobState, p: CheckpointShardsStored, at: datetime) -> Jo
 def _evolve_commit(job: JobState, p: CheckpointStepCommitted, event: Event) -> JobState:
     by_step = job.shards.get(p.tier, {})
     job = replace(job, committed={**job.committed, p.tier: max(p.step, job.committed.get(p.tier, -1))},
+                  committed_at={**job.committed_at, p.tier: event.occurred_at},
                   shards={**job.shards, p.tier: {s: r for s, r in by_step.items() if s > p.step}})
     if (job.restore_below is not None and job.restore_below_planned and p.tier != "disk"
             and p.step >= job.restore_below):
