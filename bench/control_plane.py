@@ -141,6 +141,7 @@ async def measure_steady_events(servers: Servers, work: Path, settle_s: float, m
                     f"{e.payload.backup_every_k_steps}: {e.payload.reason[:160]}")
         _, last = await stack.steady(min_steps=1, timeout_s=60.0)
         return {
+            "load_avg_1m_after": os.getloadavg()[0],
             "events": len(window), "nodes": nodes, "seconds": seconds,
             "per_node_s": len(window) / nodes / seconds,
             "node_events_per_node_s": node_scoped / nodes / seconds,
@@ -187,7 +188,8 @@ def steady_kinds() -> list[Kind]:
         Kind("NodeHeartbeat", "node", heartbeat, "one per report round (every heartbeat interval to twice that)"),
         Kind("CheckpointShardsStored", "node", persist_s, "disk tier, one per persisted step (Young's interval)"),
         Kind("TimerTicked", "job", ctl.clock_quiet_interval.total_seconds(), "the job clock, quiet job"),
-        Kind("CheckpointStepCommitted", "job", heartbeat / 2, "memory and peer commit per report round"),
+        Kind("CheckpointStepCommitted", "job", 10.0 / 2, "memory and peer commit, at most one per tier and 10 s "
+             "(the broker's commit_min_period)"),
         Kind("CheckpointStepCommitted", "job", persist_s, "disk commit per persisted step"),
         Kind("CheckpointPersisted", "job", persist_s, "manifest per persisted step"),
     ]
@@ -278,6 +280,7 @@ async def measure_recorder_lag(servers: Servers, home: Path, duration_s: float, 
         log(f"lag: {kind.name:<24} per {kind.per}: every {kind.every_s:7.1f} s -> {count / kind.every_s:8.2f} events/s"
             f"  ({kind.why})")
     schedule = lag_events(kinds, nodes, ranks_per_node, duration_s)
+    log(f"lag: host load average (1 min) {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     sizes = [len(e.to_json()) for _, e in schedule]
     offered = len(schedule) / duration_s
     log(f"lag: {len(schedule):,} events over {duration_s:.0f} s ({offered:.1f} events/s, heartbeat "
@@ -339,7 +342,13 @@ async def measure_recorder_lag(servers: Servers, home: Path, duration_s: float, 
             await conn.close()
             await listener.close()
     lags = [visible[i] - due for i, due in scheduled.items() if i in visible]
-    return {"events": len(schedule), "offered_eps": offered, "lost": len(schedule) - len(lags),
+    buckets: dict[int, list[float]] = {}
+    for i, due in scheduled.items():
+        if i in visible:
+            buckets.setdefault(int((due - start) // 5), []).append(visible[i] - due)
+    by_5s = {f"{5 * k}-{5 * k + 5}s": round(percentile(v, 0.99), 3) for k, v in sorted(buckets.items())}
+    log(f"lag: p99 by 5 s of the period: {by_5s}")
+    return {"load_avg_1m_after": os.getloadavg()[0], "p99_s_by_5s": by_5s,"events": len(schedule), "offered_eps": offered, "lost": len(schedule) - len(lags),
             "p50_s": percentile(lags, 0.50), "p99_s": percentile(lags, 0.99), "max_s": max(lags, default=float("nan")),
             "kinds": [dataclasses.asdict(k) for k in kinds], "nodes": nodes, "ranks_per_node": ranks_per_node,
             "max_event_bytes": max(sizes)}
