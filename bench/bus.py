@@ -236,7 +236,7 @@ def stream_config(name: str, subjects: str):  # type: ignore[no-untyped-def]
         max_bytes=s.max_bytes,
         max_msg_size=NATS_MAX_PAYLOAD_BYTES,
         duplicate_window=s.duplicate_window.total_seconds(),
-        discard=api.DiscardPolicy.OLD,
+        discard=api.DiscardPolicy.NEW,
     )
 
 

@@ -116,7 +116,7 @@ async def inplace_trial(stack: KeelStack, i: int, timeout_s: float = 120.0) -> d
              "back": back.back_at}
     plan = next((e for e in stack.events("CheckpointRestorePlanned") if e.payload.generation == new_gen), None)
     return {"version": version, "s_d": s_d, "generation": new_gen, "restored_step": back.restored,
-            "restore_tiers": sorted({s.tier for s in plan.payload.sources}) if plan else None,
+            "restore_tiers": sorted(t for t, n in plan.payload.tiers.items() if n) if plan else None,
             "warm": all(e.payload.warm for e in stack.events("CodeVersionApplied") if e.payload.version_id == version),
             "lost_s": round(back.back_at - t0, 3),  # type: ignore[operator]
             # restart: hot-update's request, the controller's decision, the ranks stopped and forked

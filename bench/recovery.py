@@ -530,7 +530,7 @@ def keel_marks(stack: KeelStack, since: datetime, t_fault: float, back: Back, ge
         out["decision"] = {"rung": r.rung, "evict": r.evict, "promotions": [p.model_dump() for p in r.promotions],
                            "reason": r.reason[:300]}
     if plan:
-        out["restore_plan"] = {"step": plan[0].payload.step, "tiers": sorted({s.tier for s in plan[0].payload.sources}),
+        out["restore_plan"] = {"step": plan[0].payload.step, "tiers": sorted(t for t, n in plan[0].payload.tiers.items() if n),
                                "planned_after_decision_s": round(ts(plan[0]) - (marks["decided"] or ts(plan[0])), 3)}
     return out
 

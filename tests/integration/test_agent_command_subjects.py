@@ -17,7 +17,13 @@ from keel.agent.inspector_adapter import classify
 from keel.agent.launch_spec import LaunchSpec
 from keel.cluster.local import rendezvous_base_port, seed_overlay_root
 from keel.events.envelope import Event, EventPayload, now_utc
-from keel.events.types import DiagnosticsRequested, NodeHeartbeat, RanksRestartRequested, StandbyPromotionRequested
+from keel.events.types import (
+    DiagnosticsRequested,
+    NodeHeartbeat,
+    RanksRestarted,
+    RanksRestartRequested,
+    StandbyPromotionRequested,
+)
 from keel.infra.outbox import Outbox
 
 pytestmark = pytest.mark.integration
@@ -113,8 +119,8 @@ async def test_an_agent_consumes_only_its_own_nodes_commands(keel_env, scratch_d
 
 
 async def test_a_command_whose_handling_raises_does_not_end_the_agents_command_intake(keel_env, scratch_dir: Path) -> None:
-    """The consumer is supervised: the failing command is redelivered (it was never acknowledged) and the
-    next command is still handled; the failure is counted."""
+    """Each message is isolated: the failing command is tried again at once (it succeeds the second time
+    here) and the next command is still handled; the failure is counted."""
     node = NODES[0]
     expires = now_utc() + timedelta(minutes=5)
     first, second = (command(RanksRestartRequested(node_id=node, generation=g, reason="test", expires_at=expires),
@@ -151,3 +157,51 @@ async def test_a_command_whose_handling_raises_does_not_end_the_agents_command_i
                 await asyncio.wait_for(task, 5)
             except Exception:  # noqa: BLE001 - teardown: the test has already reported
                 task.cancel()
+
+
+async def test_a_command_that_always_raises_is_answered_failed_and_holds_up_nothing(keel_env, scratch_dir: Path) -> None:
+    """Given up after its attempts: answered (``RanksRestarted`` failed, with the error) and acknowledged;
+    the command published right after it is handled at once, not after ``ack_wait`` (10 s) nor a back-off."""
+    node = NODES[0]
+    expires = now_utc() + timedelta(minutes=5)
+    poison, after = (command(RanksRestartRequested(node_id=node, generation=g, reason="test", expires_at=expires),
+                             f"node/{node}") for g in (1, 2))
+    stop = asyncio.Event()
+    outbox = Outbox(keel_env.settings.nats_url, keel_env.settings.bus, name="test-isolated")
+    agent = make_agent(scratch_dir, node, outbox)
+    handled: list[Event] = []
+    emitted: list[EventPayload] = []
+
+    def broken(event: Event) -> None:
+        if event.id == poison.id:
+            raise RuntimeError("a bug in the restart handler")
+        handled.append(event)
+
+    agent.handle_command = broken  # type: ignore[method-assign]
+    agent.emit = lambda payload, subject=None, causation=None: emitted.append(payload)  # type: ignore[method-assign]
+    consumer = CommandConsumer(agent)
+    tasks = [asyncio.create_task(outbox.run(stop)), asyncio.create_task(consumer.run(stop))]
+    try:
+        await outbox.connected.wait()
+        await keel_env.bus.publish(poison)
+        await keel_env.bus.publish(after)
+        started = asyncio.get_running_loop().time()
+        while not handled:
+            assert asyncio.get_running_loop().time() - started < 5, (consumer.failures, consumer.restarts)
+            await asyncio.sleep(0.05)
+        assert [e.id for e in handled] == [after.id]
+        assert (consumer.failures, consumer.given_up, consumer.restarts) == (2, 1, 0)
+        answers = [p for p in emitted if isinstance(p, RanksRestarted)]
+        assert len(answers) == 1 and answers[0].outcome == "failed" and answers[0].command_id == str(poison.id)
+        assert "a bug in the restart handler" in answers[0].detail
+        await asyncio.sleep(1.5)  # acknowledged: not delivered again
+        assert consumer.failures == 2
+    finally:
+        stop.set()
+        for task in tasks:
+            try:
+                await asyncio.wait_for(task, 5)
+            except Exception:  # noqa: BLE001 - teardown: the test has already reported
+                task.cancel()
+        await outbox.close()
+        agent.channel.close()

@@ -128,11 +128,14 @@ async def test_placement_commits_and_the_manifest_written_atomically_with_retent
     observer = await Observer(keel_env).start()
     broker = await start_broker(keel_env, root)
     await keel_env.bus.publish_many(registrations())
-    [assigned] = await observer.wait_for(of_type("CheckpointBackupAssigned"))
-    backups = {a.rank: a.backup_node_id for a in assigned.payload.assignments}
+    # One part per node, on that node's subject, with the assignments of the rank it runs.
+    parts = await observer.wait_for(of_type("CheckpointNodeBackupsAssigned"), count=WORLD)
+    assignments = [a for e in parts for a in e.payload.assignments]
+    backups = {a.rank: a.backup_node_id for a in assignments}
     assert sorted(backups) == list(range(WORLD))
-    assert all(a.fallback == "" and a.backup_node_id != a.node_id for a in assigned.payload.assignments)
-    assert assigned.producer == "checkpoint-broker" and assigned.subject == f"job/{JOB}"
+    assert all(a.fallback == "" and a.backup_node_id != a.node_id for a in assignments)
+    assert all(e.producer == "checkpoint-broker" and e.subject == f"node/{e.payload.node_id}"
+               and [a.node_id for a in e.payload.assignments] == [e.payload.node_id] for e in parts)
 
     # Memory tier: each node's rank at steps 5 and 6; step 6 commits once the last node reports it.
     await keel_env.bus.publish_many([
@@ -200,13 +203,18 @@ async def test_restore_plans_when_every_inventory_arrived_or_after_the_timeout(k
     await start_broker(keel_env, scratch_dir / "persist")
     await run_job_clock(keel_env, timedelta(seconds=1))
     await keel_env.bus.publish_many(registrations())
-    await observer.wait_for(of_type("CheckpointBackupAssigned"))
+    await observer.wait_for(of_type("CheckpointNodeBackupsAssigned"), count=WORLD)
 
     # Generation 1: every node answers; everything restores from memory.
     await keel_env.bus.publish_many([inventory(f"n{r}", 1, [memory_entry(r, 40), memory_entry(r, 41)], 10)
                                      for r in range(WORLD)])
     [plan] = await observer.wait_for(of_type("CheckpointRestorePlanned", generation=1))
-    assert plan.payload.step == 41 and {s.tier for s in plan.payload.sources} == {"memory"}
+    assert plan.payload.step == 41 and plan.payload.tiers == {"memory": WORLD} and plan.payload.node_parts == WORLD
+    # Each node's part, on its subject, before the plan: its rank from its own memory.
+    parts = [e for e in observer.seen if e.type == "CheckpointNodeRestorePlanned"]
+    assert sorted((e.subject, [(s.rank, s.tier, s.node_id) for s in e.payload.sources]) for e in parts) == [
+        (f"node/n{r}", [(r, "memory", f"n{r}")]) for r in range(WORLD)]
+    assert all(observer.seen.index(e) < observer.seen.index(plan) for e in parts)
     assert not [e for e in observer.seen if e.type == "CheckpointTierFallback"]
 
     # Generation 2: n3 never answers. After the 1 s wait the job clock ticks and the broker plans with
@@ -228,7 +236,7 @@ async def test_cold_start_writes_a_manifest_a_crash_left_unwritten(keel_env, scr
     inputs = registrations() + persisted_shards(root, 700, 1)
     previous = DeciderSession(CheckpointBrokerDecider())
     decisions = [e for event in inputs for e in previous.observe(event).emitted]
-    assert [e.type for e in decisions] == ["CheckpointBackupAssigned", "CheckpointStepCommitted"]
+    assert [e.type for e in decisions] == ["CheckpointNodeBackupsAssigned"] * WORLD + ["CheckpointStepCommitted"]
     await keel_env.bus.publish_many(inputs + decisions)
     await keel_env.start_recorder()
     assert await keel_env.wait_for_count(len(inputs) + len(decisions)) == len(inputs) + len(decisions)
@@ -237,7 +245,7 @@ async def test_cold_start_writes_a_manifest_a_crash_left_unwritten(keel_env, scr
     observer = await Observer(keel_env).start()
     broker = await start_broker(keel_env, root)  # folds the log, then repairs
     [persisted] = await observer.wait_for(of_type("CheckpointPersisted", step=700))
-    assert persisted.causation_id == decisions[1].id
+    assert persisted.causation_id == decisions[-1].id
     assert ckpt_disk.read_manifest(root, JOB, 700).digest == persisted.payload.manifest_digest
     # The old decisions are not made again.
     await asyncio.sleep(0.5)

@@ -184,3 +184,110 @@ async def test_postgres_restarted_recorder_retries_and_catches_up(own_postgres: 
             await bus.js.delete_stream(stream)
         await bus.close()
         await engine.dispose()
+
+
+async def test_controller_killed_between_two_events_of_a_decision_publishes_the_rest_after_restart(
+    keel_env, scratch_dir: Path
+) -> None:
+    """The fault hook makes the controller process exit after the first event of a decision; restarted,
+    it publishes the missing ones with the same ids, nothing is recorded twice, and the log replays clean."""
+    from keel.controller.adapter import decider_from_settings
+    from keel.events.envelope import now_utc
+    from keel.events.types import IncidentOpened
+    from keel.infra.runner import EXIT_MID_DECISION_ENV
+    from keel.kernel.decider import DeciderSession
+    from keel.kernel.replay import verify
+    from tests.incident_factories import T0, incident_log
+
+    # A rank dies with no culprit (rung 2): the decision opens an incident and requests diagnostics.
+    story = incident_log(start_s=(now_utc() - T0).total_seconds() - 60)
+    inputs = [e for e in story.events[:story.events.index(story.exited) + 1] if e.producer != "controller"]
+    expected = DeciderSession(decider_from_settings(keel_env.settings))
+    decision = [e for event in inputs for e in expected.observe(event).emitted if event.id == story.exited.id]
+    assert len(decision) >= 2 and any(isinstance(e.payload, IncidentOpened) for e in decision)
+
+    await keel_env.start_recorder()
+    log = scratch_dir / "controller.log"
+    env = {"KEEL_HOME": str(scratch_dir / "home")}
+    controller = start_service_process("controller", keel_env.settings, log, {**env, EXIT_MID_DECISION_ENV: "controller"})
+    try:
+        await keel_env.bus.publish_many(inputs)
+        exit_code = await asyncio.to_thread(controller.wait, 120)
+        assert exit_code == 70, log.read_text()[-3000:]
+
+        async def controller_events() -> list:
+            return [r.event async for r in keel_env.store.read()
+                    if r.event.producer == "controller" and r.event.causation_id == story.exited.id]
+
+        await asyncio.sleep(1.0)
+        partial = await controller_events()
+        assert len(partial) == 1, partial  # the crash: one event of the decision out, the rest never sent
+
+        controller = start_service_process("controller", keel_env.settings, log, env)
+
+        async def completed() -> bool:
+            return len(await controller_events()) >= len(decision)
+
+        await wait_until(completed, 120, "the restarted controller to publish the rest of the decision")
+        await asyncio.sleep(1.0)  # anything doubled would show up now
+        recorded = await controller_events()
+        assert sorted(str(e.id) for e in recorded) == sorted(str(e.id) for e in decision)  # the same ids, once each
+        log_events = [r.event async for r in keel_env.store.read()]
+        report = verify(decider_from_settings(keel_env.settings), log_events)
+        assert report.clean, report.summary()
+    finally:
+        if controller.poll() is None:
+            controller.terminate()
+            controller.wait(30)
+
+
+
+async def test_services_go_on_when_the_stream_is_deleted_and_created_again(keel_env, scratch_dir: Path, ) -> None:
+    """The recorder and controller processes, with their durable consumers gone with the stream, create
+    them again on the new one: a fault after the reset is recorded and decided, a controller restarted
+    after it decides nothing twice, and the log replays clean."""
+    from keel.controller.adapter import decider_from_settings
+    from keel.kernel.replay import verify
+    from tests.factories import health_event
+    from tests.integration.test_replay_cli import registrations
+
+    env = {"KEEL_HOME": str(scratch_dir / "home"), "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "1h"}
+    recorder = start_service_process("recorder", keel_env.settings, scratch_dir / "recorder.log", env)
+    controller = start_service_process("controller", keel_env.settings, scratch_dir / "controller.log", env)
+    store = keel_env.store
+
+    async def evictions() -> list:
+        return [r.event async for r in store.read(types=["NodeEvictionDecided"])]
+
+    try:
+        await keel_env.bus.publish_many([*registrations(), health_event("n2", status="failed", fatal=True,
+                                                                        confidence="high", component="gpu")])
+
+        async def first_eviction() -> bool:
+            return len(await evictions()) == 1
+
+        await wait_until(first_eviction, 120, "the eviction of n2 before the reset")
+
+        await keel_env.bus.js.delete_stream(keel_env.settings.bus.stream)
+        await keel_env.bus.ensure_streams()  # what `keel migrate` does on a missing stream
+        await keel_env.bus.publish(health_event("n4", status="failed", fatal=True, confidence="high", component="disk"))
+
+        async def second_eviction() -> bool:
+            return len(await evictions()) == 2
+
+        await wait_until(second_eviction, 120, "the eviction of n4 after the reset")
+        controller.terminate()
+        controller.wait(30)
+        controller = start_service_process("controller", keel_env.settings, scratch_dir / "controller.log", env)
+        await asyncio.sleep(8)  # a restarted controller that decided anything twice would show it now
+        assert [e.payload.node_id for e in await evictions()] == ["n2", "n4"]
+        log_events = [r.event async for r in store.read()]
+        assert len({e.id for e in log_events}) == len(log_events)
+        report = verify(decider_from_settings(keel_env.settings), log_events)
+        assert report.clean, report.summary()
+    finally:
+        for process in (controller, recorder):
+            if process.poll() is None:
+                process.terminate()
+                process.wait(30)
+    assert recorder.returncode == 0, (scratch_dir / "recorder.log").read_text()[-3000:]

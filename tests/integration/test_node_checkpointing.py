@@ -28,12 +28,15 @@ from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slo
 from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
 from keel.checkpoint_broker.decider import CheckpointBrokerDecider
+from keel.checkpoint_broker.restore import joined_sources
 from keel.checkpoint_broker.state import BrokerPolicy
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
+    CheckpointNodeBackupsAssigned,
+    CheckpointNodeRestorePlanned,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
     CheckpointScheduleSet,
@@ -189,7 +192,8 @@ class Cluster:
 
     def broadcast(self, event: Event) -> None:
         for node in self.nodes.values():
-            if node.alive:
+            # As the agents' subject filters do: an event on a node's subject reaches that node only.
+            if node.alive and (not event.subject.startswith("node/") or event.subject == f"node/{node.node_id}"):
                 node.ckpt.handle_event(event)
         self.pump()
 
@@ -217,6 +221,33 @@ class Cluster:
         while time.monotonic() < deadline:
             self.tick()
             time.sleep(0.02)
+
+    def placement_events(self) -> list[Event]:
+        """Each placement decision's per-node parts (``CheckpointNodeBackupsAssigned``) as one event
+        with every assignment (in the shape of the job-wide ``CheckpointBackupAssigned`` of before), in
+        log order; each part is checked to be on its node's subject."""
+        by_cause: dict[Any, list[Event]] = {}
+        for event in self.events(CheckpointNodeBackupsAssigned):
+            assert event.subject == f"node/{event.payload.node_id}"
+            assert all(a.node_id == event.payload.node_id for a in event.payload.assignments)
+            by_cause.setdefault(event.causation_id, []).append(event)
+        joined = []
+        for parts in by_cause.values():
+            first = parts[0].payload
+            payload = CheckpointBackupAssigned(
+                assignments=sorted((a for e in parts for a in e.payload.assignments), key=lambda a: a.rank),
+                reason=first.reason, every_k_steps=first.every_k_steps, backup_every_k_steps=first.backup_every_k_steps)
+            joined.append(parts[0].model_copy(update={"payload": payload}))
+        return joined
+
+    def placements(self) -> list[CheckpointBackupAssigned]:
+        return [e.payload for e in self.placement_events()]
+
+    def plans(self, generation: int) -> list[CheckpointRestorePlanned]:
+        """The broker's plans for ``generation``, each with its nodes' parts joined into ``sources``."""
+        parts = self.payloads(CheckpointNodeRestorePlanned, generation=generation)
+        return [p.model_copy(update={"sources": joined_sources(p, parts)})
+                for p in self.payloads(CheckpointRestorePlanned, generation=generation)]
 
     def payloads(self, kind: type, **fields: Any) -> list[Any]:
         return [e.payload for e in self.events(kind, **fields)]
@@ -275,13 +306,13 @@ def backed_up(cluster: Cluster, step: int) -> dict[int, str]:
 
 def test_registration_placement_backup_and_commits(cluster: Cluster) -> None:
     a, b, c = three_nodes(cluster)
-    cluster.wait_for("backup assignments", lambda: cluster.payloads(CheckpointBackupAssigned))
+    cluster.wait_for("backup assignments", lambda: cluster.placements())
 
     registered = cluster.payloads(CheckpointRanksRegistered)
     assert {(p.node_id, tuple(g.rank for g in p.ranks), p.world_size, p.generation) for p in registered} == {
         ("A", (0,), 3, 0), ("B", (1,), 3, 0), ("C", (2,), 3, 0)}
     assert {p.node_id: p.store_address for p in registered} == {n.node_id: n.transport.address for n in (a, b, c)}
-    [assigned] = cluster.payloads(CheckpointBackupAssigned)
+    [assigned] = cluster.placements()
     assert "all 3 ranks registered" in assigned.reason
     by_rank = {x.rank: x for x in assigned.assignments}
     assert sorted(by_rank) == [0, 1, 2]
@@ -328,16 +359,17 @@ def test_dead_backup_peer_is_replaced_after_three_failed_sends(cluster: Cluster)
     assert (failed.node_id, failed.rank, failed.backup_node_id) == ("A", 0, dead.node_id)
     assert failed.reason.startswith("PeerUnavailable") and dead.transport.address in failed.reason
     moved = cluster.wait_for("rank 0 re-placed", lambda: [
-        x for p in cluster.payloads(CheckpointBackupAssigned) for x in p.assignments
+        x for p in cluster.placements() for x in p.assignments
         if x.rank == 0 and x.backup_node_id != dead.node_id])
     assert [(x.node_id, x.backup_node_id, x.backup_address) for x in moved] == [
         ("A", survivor.node_id, survivor.transport.address)]
-    [reassigned] = [e for e in cluster.events(CheckpointBackupAssigned)
+    [reassigned] = [e for e in cluster.placement_events()
                     if any(x.rank == 0 and x.backup_node_id == survivor.node_id for x in e.payload.assignments)]
     assert f"A could not back up rank 0 on {dead.node_id}" in reassigned.payload.reason
     # Only rank 0 moved; the broker's failure report came before the re-placement.
     assert [x.rank for x in reassigned.payload.assignments] == [0]
-    assert cluster.log.index(cluster.events(CheckpointBackupFailed)[0]) < cluster.log.index(reassigned)
+    assert cluster.log.index(cluster.events(CheckpointBackupFailed)[0]) < min(
+        i for i, e in enumerate(cluster.log) if e.causation_id == reassigned.causation_id)
 
     [record] = cluster.wait_for("the new peer holding rank 0 step 3",
                                 lambda: cluster.held(survivor, 0, 3, "A"))
@@ -382,7 +414,7 @@ def test_corrupted_slot_is_restored_from_the_peer_copy(cluster: Cluster) -> None
     assert [(e.tier, e.step, e.digest) for e in holder_inventory.entries if e.rank == 0] == [
         ("peer", 2, sha(original))]
 
-    [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
+    [planned] = cluster.plans(1)
     assert planned.step == 2
     sources = {s.rank: s for s in planned.sources}
     assert (sources[0].tier, sources[0].node_id, sources[0].address, sources[0].digest) == (
@@ -425,7 +457,7 @@ def test_failed_peer_fetch_reports_a_job_fallback_and_writes_the_plan(cluster: C
         if node is holder:
             node.kill_store()
         cluster.pump()
-    [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
+    [planned] = cluster.plans(1)
     assert {s.rank: s.node_id for s in planned.sources if s.tier == "peer"} == {0: holder.node_id}
 
     path = plan_file(a.agent_dir, 1)
@@ -530,7 +562,7 @@ def test_new_generation_backups_replace_the_failed_generations(cluster: Cluster)
         node.groups, node.steps = {}, {}
         node.restart(1)
         cluster.pump()
-    [planned] = cluster.payloads(CheckpointRestorePlanned, generation=1)
+    [planned] = cluster.plans(1)
     assert planned.step == 2
     # Generation 1 runs again (say from step 1 of another source) and snapshots step 2 anew: the backup
     # held for rank 0 must become generation 1's (docs: the new generation's shards replace the old).
@@ -562,7 +594,7 @@ def test_restarted_peer_with_a_new_address_gets_backups_again(cluster: Cluster) 
     assert (failed.node_id, failed.rank, failed.backup_node_id) == ("A", 0, "B")
     cluster.settle(0.2)
     # No other node: the broker keeps rank 0 on B (nothing to announce) and A stops sending to it.
-    assert [x.backup_node_id for p in cluster.payloads(CheckpointBackupAssigned) for x in p.assignments
+    assert [x.backup_node_id for p in cluster.placements() for x in p.assignments
             if x.rank == 0] == ["B"]
     assert a.ckpt.progress[0].send_failures == 3 and not a.ckpt.sending
 
@@ -571,7 +603,7 @@ def test_restarted_peer_with_a_new_address_gets_backups_again(cluster: Cluster) 
     b2 = cluster.restart("B")
     assert b2.transport.address != b.transport.address
     cluster.wait_for("rank 0's assignment with B's new address", lambda: [
-        x for p in cluster.payloads(CheckpointBackupAssigned) for x in p.assignments
+        x for p in cluster.placements() for x in p.assignments
         if x.rank == 0 and x.backup_address == b2.transport.address])
     [record] = cluster.wait_for("B's new store holding rank 0 step 3", lambda: cluster.held(b2, 0, 3, "A"))
     assert record.digest == sha(payload)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from keel.checkpoint_broker.restore import joined_sources
 from keel.cluster.local import cluster_down, cluster_status, cluster_up, kill_node, start_node
 from keel.events.envelope import Event, now_utc
 from keel.events.types import RanksRestartRequested
@@ -135,8 +136,12 @@ class Run:
                                                          expires_at=now_utc() + timedelta(minutes=2)),
                                    job_id="ckpt", subject=f"node/{node}", producer="controller", occurred_at=now_utc())
             await self.env.bus.publish(command)
-        return await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 60,
+        plan = await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 60,
                                    f"the restore plan of generation {generation}")
+        # Each rank's source is in its node's part of the plan (recorded before the plan itself).
+        parts = [e.payload for e in await self.events(["CheckpointNodeRestorePlanned"])]
+        return plan.model_copy(update={"payload": plan.payload.model_copy(
+            update={"sources": joined_sources(plan.payload, parts)})})
 
     async def wait_peer_commit_after(self, plan: Event, timeout_s: float = 90) -> int:
         """Wait until the peer tier commits a step newer than ``plan``'s, decided after it: a full round
@@ -208,11 +213,17 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
 
     # Backups are placed outside every group of their rank: rank r's DP peer and PP peer live on two
     # other nodes, so exactly one node is left for its backup.
-    assigned = await run.wait_for(["CheckpointBackupAssigned"], lambda e: len(e.payload.assignments) == 4, 60,
-                                  "backup placement")
-    backup_of = {a.rank: a.backup_node_id for a in assigned.payload.assignments}
+    # One part per node (on its subject), all from the placement decided once every rank registered.
+    deadline = time.monotonic() + 60
+    while True:
+        parts = await run.events(["CheckpointNodeBackupsAssigned"])
+        assigned = [a for e in parts if e.causation_id == parts[0].causation_id for a in e.payload.assignments]
+        if len(assigned) == 4 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.3)
+    backup_of = {a.rank: a.backup_node_id for a in assigned}
     assert backup_of == {0: "n03", 1: "n02", 2: "n01", 3: "n00"}, backup_of
-    assert all(not a.fallback for a in assigned.payload.assignments)
+    assert all(not a.fallback for a in assigned)
 
     # 1. One rank SIGKILLed at a random step: restored from local memory.
     await run.wait_step(rng.randint(6, 14))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.checkpoint_broker.restore import joined_sources
 from keel.cluster.local import FaultSpec, cluster_down, cluster_up, inject, kill_node, start_node
 from keel.events.envelope import Event, EventPayload, now_utc
 from keel.events.types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
@@ -145,7 +146,7 @@ async def test_diagnostics_stop_the_ranks_report_per_node_and_a_restart_resumes(
                                      f"the restart of {node}")
         assert (done.payload.outcome, done.payload.generation) == ("restarted", 1), done.payload
     plan = await ladder.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == 1, 30, "the restore plan")
-    assert plan.payload.step >= 0 and {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    assert plan.payload.step >= 0 and set(plan.payload.tiers) == {"memory"}, plan.payload
     await ladder.wait_training(min_step=plan.payload.step + 3, since=plan.occurred_at)
 
 
@@ -182,7 +183,8 @@ async def test_a_standby_takes_a_lost_nodes_slice_and_the_job_finishes_from_the_
     assert started.payload.node_id == "s00"
 
     plan = await ladder.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == 1, 40, "the restore plan")
-    tiers = {s.rank: (s.tier, s.node_id) for s in plan.payload.sources}
+    parts = [e.payload for e in await ladder.events(["CheckpointNodeRestorePlanned"])]
+    tiers = {s.rank: (s.tier, s.node_id) for s in joined_sources(plan.payload, parts)}
     assert tiers[1] == ("peer", "n00"), plan.payload  # the lost rank comes from the copy n00 held
     assert tiers[0][0] in ("memory", "peer"), plan.payload
     assert committed.payload.step <= plan.payload.step < steps - 1

@@ -120,7 +120,7 @@ async def test_a_bad_lazy_version_crashes_twice_and_rung4_rolls_back_to_the_last
     assert {e.payload.node_id for e in applied} == {"n00", "n01"}, applied
     plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == applied[0].payload.generation,
                                 30, "the rollback's restore plan")
-    assert plan.payload.step == bug_at - 1 and {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    assert plan.payload.step == bug_at - 1 and set(plan.payload.tiers) == {"memory"}, plan.payload
     # Nothing but the launch code afterwards: the job finishes, its losses those of a run without the bad code.
     await stack.wait_for(["RankExited"], lambda e: e.payload.classification == "success", 120, "the job's end")
     kinds = [e.payload.kind for e in await stack.events(["IncidentOpened"])]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from keel.checkpoint_broker.restore import joined_sources
 from keel.cluster.local import FaultSpec, cluster_down, cluster_up, inject, load_cluster
 from keel.events.envelope import Event
 from tests.integration.test_crashes import service_env, start_service_process
@@ -190,12 +191,13 @@ async def test_rung1_promotes_the_standby_and_rung2_diagnoses_then_restarts_in_p
     # The promoted rank comes from its peer copy, at the newest peer-committed step or later; from disk
     # only when the persistent tier holds a newer step for every rank (the planner takes the newest).
     assert plan.payload.step >= max(5, committed), (committed, plan.payload)
-    [promoted_source] = [s for s in plan.payload.sources if s.rank == 1]
+    sources = joined_sources(plan.payload, [e.payload for e in await stack.events(["CheckpointNodeRestorePlanned"])])
+    [promoted_source] = [s for s in sources if s.rank == 1]
     if promoted_source.tier == "disk":
         assert plan.payload.step > committed, (committed, plan.payload)
     else:
         assert promoted_source.tier == "peer", plan.payload
-        assert {s.tier for s in plan.payload.sources} <= {"memory", "peer"}, plan.payload
+        assert {s.tier for s in sources} <= {"memory", "peer"}, plan.payload
     assert load_cluster(stack.directory)["nodes"][1]["evicted"] is True
 
     # Rung 2: a crash that names no culprit: diagnostics on every node pass; restart in place.

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from keel.checkpoint_broker.decider import CheckpointBrokerDecider
 from keel.checkpoint_broker.placement import place_backups, ranks_text
-from keel.checkpoint_broker.restore import plan_restore
+from keel.checkpoint_broker.restore import joined_sources, plan_restore
 from keel.checkpoint_broker.schedule import backup_interval, mtbf_estimate, young_interval
 from keel.checkpoint_broker.state import BrokerPolicy, PersistedStep, RankSite
 from keel.events.envelope import Event, EventPayload
@@ -19,6 +20,8 @@ from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
+    CheckpointNodeBackupsAssigned,
+    CheckpointNodeRestorePlanned,
     CheckpointPersisted,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
@@ -211,9 +214,24 @@ def registrations(sites: list[RankSite], generation: int = 0, at: datetime = T0)
 
 
 def emitted_of(session: DeciderSession, events: list[Event], kind: type) -> list:
+    """The payloads of ``kind`` the decisions on ``events`` emitted. ``CheckpointBackupAssigned``: each
+    placement decision's per-node parts (``CheckpointNodeBackupsAssigned``, each checked to be on its
+    node's subject) joined into one job-wide view, as before per-node parts."""
     out = []
     for event in events:
-        out += [e.payload for e in session.observe(event).emitted if isinstance(e.payload, kind)]
+        emitted = session.observe(event).emitted
+        if kind is CheckpointBackupAssigned:
+            parts = [e for e in emitted if isinstance(e.payload, CheckpointNodeBackupsAssigned)]
+            assert all(e.subject == f"node/{e.payload.node_id}" for e in parts)
+            assert all(a.node_id == e.payload.node_id for e in parts for a in e.payload.assignments)
+            if parts:
+                first = parts[0].payload
+                out.append(CheckpointBackupAssigned(
+                    assignments=sorted((a for e in parts for a in e.payload.assignments), key=lambda a: a.rank),
+                    reason=first.reason, every_k_steps=first.every_k_steps,
+                    backup_every_k_steps=first.backup_every_k_steps))
+            continue
+        out += [e.payload for e in emitted if isinstance(e.payload, kind)]
     return out
 
 
@@ -231,14 +249,17 @@ def test_placement_waits_for_every_rank_then_assigns_all_and_resends_on_reregist
     for event in events[:-1]:
         result = session.observe(event)
         assert result.emitted == [] and "waits for every rank" in result.decision.reason
-    [assigned] = session.observe(events[-1]).emitted
-    assert isinstance(assigned.payload, CheckpointBackupAssigned)
-    assert assigned.subject == f"job/{JOB}" and "all 4 ranks registered" in assigned.payload.reason
-    assert {a.rank: a.backup_node_id for a in assigned.payload.assignments} == {
+    parts = session.observe(events[-1]).emitted
+    # One part per node, on that node's subject, holding the assignments of the ranks it runs.
+    assert [(e.subject, e.payload.node_id) for e in parts] == [(f"node/n{i}", f"n{i}") for i in range(4)]
+    assert all(isinstance(e.payload, CheckpointNodeBackupsAssigned) and (e.payload.part, e.payload.parts) == (0, 1)
+               for e in parts)
+    assert all("all 4 ranks registered" in e.payload.reason for e in parts)
+    assert {a.rank: a.backup_node_id for e in parts for a in e.payload.assignments} == {
         a.rank: a.backup_node_id for a in place_backups(sites, addresses(sites))}
     # The same node registers again (its agent restarted): it hears its own assignments again, unchanged.
     [again] = session.observe(registrations(sites, generation=1, at=T0 + timedelta(minutes=1))[1]).emitted
-    assert [a.rank for a in again.payload.assignments] == [1]
+    assert again.subject == "node/n1" and [a.rank for a in again.payload.assignments] == [1]
     assert "n1 registered again, unchanged" in again.payload.reason
 
 
@@ -423,15 +444,28 @@ def inventory(node: str, generation: int, memory: dict[int, list[int]] | None = 
 
 
 def plan_events(session: DeciderSession, events: list[Event]) -> tuple[CheckpointRestorePlanned | None, list]:
-    plans, fallbacks = [], []
+    """The plan decided on ``events`` (its node parts joined back into ``sources``) and its fallbacks.
+    Checks the parts: each on its node's subject, published before the plan, counted by it, holding
+    the ranks that node runs."""
+    plans, fallbacks, parts = [], [], []
     for event in events:
         for produced in session.observe(event).emitted:
-            if isinstance(produced.payload, CheckpointRestorePlanned):
+            if isinstance(produced.payload, CheckpointNodeRestorePlanned):
+                assert not plans and produced.subject == f"node/{produced.payload.node_id}"
+                parts.append(produced.payload)
+            elif isinstance(produced.payload, CheckpointRestorePlanned):
                 plans.append(produced.payload)
             elif isinstance(produced.payload, CheckpointTierFallback):
                 fallbacks.append(produced.payload)
     assert len(plans) <= 1
-    return (plans[0] if plans else None), fallbacks
+    if not plans:
+        assert parts == []
+        return None, fallbacks
+    plan = plans[0]
+    assert plan.node_parts == len(parts) and all(p.generation == plan.generation and p.step == plan.step for p in parts)
+    sources = joined_sources(plan, parts)
+    assert plan.ranks == len(sources) and plan.tiers == dict(sorted(Counter(s.tier for s in sources).items()))
+    return plan.model_copy(update={"sources": sources}), fallbacks
 
 
 def four_nodes() -> tuple[DeciderSession, dict[int, str]]:
@@ -630,7 +664,7 @@ def test_replay_of_own_decisions_is_stable() -> None:
     for _ in range(2):
         session = DeciderSession(CheckpointBrokerDecider())
         runs.append([e for event in inputs for e in session.observe(event).emitted])
-    assert runs[0] == runs[1] and len(runs[0]) == 3
+    assert runs[0] == runs[1] and len(runs[0]) == 6  # 4 nodes' placements, the initial schedule, the new one
 
 
 def test_replaced_node_registering_moves_only_its_ranks_and_the_backups_it_held() -> None:

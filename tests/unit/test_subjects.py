@@ -101,6 +101,9 @@ def test_an_agent_subscribes_to_its_own_nodes_commands_and_the_job_wide_requests
                         "keel.train.job.*.SdcReplayRequested"]
     with_broker = command_subjects("keel", "train", "gpu01.dc1", checkpointing=True)
     assert with_broker[:5] == subjects and "keel.train.job.*.CheckpointRestorePlanned" in with_broker
+    # The broker's per-node parts (a restore plan's, a placement's): this node's only.
+    assert with_broker[-2:] == ["keel.train.node.gpu01%2Edc1.CheckpointNodeBackupsAssigned",
+                                "keel.train.node.gpu01%2Edc1.CheckpointNodeRestorePlanned"]
 
     def restart(node: str) -> Event:
         return Event.create(RanksRestartRequested(node_id=node, generation=1, reason="r", expires_at=T0),

@@ -71,9 +71,17 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     checkpointing = None
     if spec.ckpt_dir is not None:
         checkpointing = build_checkpointing(spec, settings, supervised=supervised)
-    agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
-                      checkpointing=checkpointing, diagnostics_policy=diagnostics_policy,
-                      metric_settings=settings.analyzer.metric_settings())
+    from keel.agent.rejoin import AgentDirBusy
+
+    try:
+        agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
+                          checkpointing=checkpointing, diagnostics_policy=diagnostics_policy,
+                          metric_settings=settings.analyzer.metric_settings())
+    except AgentDirBusy as exc:
+        if checkpointing is not None:
+            checkpointing.close(job_finished=False)
+        print(f"keel run: {exc}", file=sys.stderr)
+        return 2
     if checkpointing is not None:
         checkpointing.emit = agent.emit
 

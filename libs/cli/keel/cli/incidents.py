@@ -473,15 +473,19 @@ def choose_job(node_id: str, jobs: Sequence[str]) -> str:
 
 
 async def load_job_spans(engine: AsyncEngine, job_id: str | None = None) -> list[tuple[str, datetime, datetime]]:
-    """(job, first ``occurred_at``, last ``occurred_at``) of every job in the log (or of ``job_id``)."""
+    """(job, first ``occurred_at``, last ``occurred_at``) of every job in the log (or of ``job_id``); Keel's own
+    reports (job ``_keel``) are no training job."""
     import sqlalchemy as sa
 
+    from keel.events.types import SYSTEM_JOB
     from keel.infra.store import events_table
 
     t = events_table.c
     query = sa.select(t.job_id, sa.func.min(t.occurred_at), sa.func.max(t.occurred_at)).group_by(t.job_id)
     if job_id is not None:
         query = query.where(t.job_id == job_id)
+    else:
+        query = query.where(t.job_id != SYSTEM_JOB)
     async with engine.connect() as conn:
         rows = (await conn.execute(query.order_by(t.job_id))).all()
     return [(row[0], row[1], row[2]) for row in rows]

@@ -7,6 +7,7 @@ handlers together, so a new command or flag touches one module):
     keel.cli.runtime       up, down, status, migrate, service   the embedded servers and the services
     keel.cli.replay        replay [--verify]                    refold the log through today's deciders
     keel.cli.events_cmd    events tail | show | schema          the event log and the event catalogue
+    keel.cli.dlq           dlq ls | show | redrive              the dead-letter stream
     keel.cli.agent_cmd     run                                  one node's agent, a torchrun-compatible launcher
     keel.cli.cluster_cmd   cluster up | down | status, inject   a local multi-node cluster, and faults
     keel.cli.checkpoints   checkpoints ls                       the persistent checkpoint tier
@@ -39,6 +40,7 @@ from keel.cli import (
     checkpoints,
     cluster_cmd,
     demo,
+    dlq,
     events_cmd,
     incidents,
     replay,
@@ -48,7 +50,7 @@ from keel.cli import (
 from keel.cli.common import CliError, settings_from_args
 from keel.infra.config import ConfigError
 
-COMMAND_MODULES = (runtime, replay, events_cmd, agent_cmd, cluster_cmd, checkpoints, incidents, approvals, versions, demo)
+COMMAND_MODULES = (runtime, replay, events_cmd, dlq, agent_cmd, cluster_cmd, checkpoints, incidents, approvals, versions, demo)
 """Every command module, in the order ``keel --help`` lists their commands."""
 
 

@@ -2,6 +2,8 @@
 deciders and diff the decisions they take now against the ones in the log.
 
 Prints one summary per decider and every divergence; with ``--verify`` a divergence is exit status 1.
+The deciders' stored snapshots (of this code and policy) are checked on the way: the log folded to a
+snapshot's position must give exactly the state the snapshot holds, or that is a divergence too.
 """
 
 from __future__ import annotations
@@ -44,26 +46,78 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
         raise CliError(f"no decider named {args.service!r}; known: {', '.join(deciders)}")
     chosen = [deciders[args.service]] if args.service else list(deciders.values())
 
-    async def replay_all() -> list[Any]:
+    async def replay_all() -> tuple[list[Any], list[str]]:
         # One pass over the log feeds every decider, streaming: memory stays flat for any log size.
         engine = create_engine(database_url, settings.db_schema)
+        store = EventStore(engine)
         verifiers = [ReplayVerifier(decider, max_event_bytes=settings.bus.max_event_bytes) for decider in chosen]
+        checks = [await SnapshotCheck.load(store, decider, args.job or "*") for decider in chosen]
         gc.collect()
         gc.freeze()  # the long-lived heap is not rescanned by every collection during a long replay
         try:
-            async for recorded in EventStore(engine).read(job_id=args.job):
+            async for recorded in store.read(job_id=args.job):
                 for verifier in verifiers:
                     verifier.observe(recorded.event)
+                for check in checks:
+                    check.observe(recorded)
         finally:
             await engine.dispose()
-        return [verifier.finish() for verifier in verifiers]
+        return [verifier.finish() for verifier in verifiers], [line for check in checks for line in check.finish()]
 
     diverged = False
-    for report in asyncio.run(replay_all()):
+    reports, snapshot_lines = asyncio.run(replay_all())
+    for report in reports:
         print(report.summary())
         for divergence in report.divergences:
             print("  " + divergence.describe().replace("\n", "\n  "))
         diverged |= not report.clean
+    for line in snapshot_lines:
+        print(line)
+        diverged |= line.startswith("DIVERGED")
     if args.verify and diverged:
         return 1
     return 0
+
+
+class SnapshotCheck:
+    """Folds the log (evolve only, as a cold start does) beside the replay and compares the state at each
+    stored snapshot's position with the snapshot."""
+
+    def __init__(self, decider: Any, snapshots: list[Any]) -> None:
+        from keel.kernel.decider import DeciderSession
+
+        self.decider = decider
+        self.pending = sorted(snapshots, key=lambda s: s.position)
+        self.session: Any = DeciderSession(decider) if self.pending else None
+        self.lines: list[str] = []
+        self.checked = 0
+
+    @classmethod
+    async def load(cls, store: Any, decider: Any, scope: str) -> SnapshotCheck:
+        from keel.infra.snapshots import decider_fingerprint
+
+        return cls(decider, await store.snapshots(decider.name, scope, fingerprint=decider_fingerprint(decider)))
+
+    def observe(self, recorded: Any) -> None:
+        if not self.pending:
+            return
+        from keel.kernel.snapshot import encode_state, state_digest
+
+        self.session.rebuild([recorded.event])
+        while self.pending and self.pending[0].position <= recorded.position:
+            snapshot = self.pending.pop(0)
+            self.checked += 1
+            if snapshot.position != recorded.position:
+                self.lines.append(f"DIVERGED {self.decider.name}: snapshot at position {snapshot.position} names no "
+                                  "event of this log")
+            elif state_digest(encode_state(self.session.state)) != snapshot.digest:
+                self.lines.append(f"DIVERGED {self.decider.name}: the log folded to position {snapshot.position} "
+                                  "does not give the state its snapshot holds")
+
+    def finish(self) -> list[str]:
+        for snapshot in self.pending:
+            self.lines.append(f"DIVERGED {self.decider.name}: snapshot at position {snapshot.position} is past "
+                              "the end of the log")
+        if self.checked or self.lines:
+            self.lines.insert(0, f"{self.decider.name}: {self.checked + len(self.pending)} snapshot(s) checked")
+        return self.lines

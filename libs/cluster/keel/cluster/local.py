@@ -144,7 +144,8 @@ def cluster_up(
 
     Each node gets its own shared-memory checkpoint folder under one ``/dev/shm/keel-cluster-*`` root
     (removed by ``cluster_down``; ``kill_node`` removes one node's, as losing the machine would) and
-    the persistent tier under ``persist_root`` (default ``<directory>/checkpoints``).
+    the persistent tier under ``persist_root`` (default: the configured ``checkpoint.persist_root``,
+    ``<home>/checkpoints``, the folder the checkpoint broker of ``keel up`` writes manifests in).
     """
     if (directory / "cluster.json").exists():
         state = json.loads((directory / "cluster.json").read_text())
@@ -156,7 +157,9 @@ def cluster_up(
     directory.mkdir(parents=True)
     master_port = rendezvous_base_port()
     shm_root = Path("/dev/shm") / f"keel-cluster-{uuid.uuid4().hex[:10]}"
-    persist_root = persist_root or directory / "checkpoints"
+    # The agents write shards where the broker looks for them: one setting for both, or the disk tier
+    # never commits (the broker would wait for shard files in another folder and give every step up).
+    persist_root = persist_root or settings.checkpoint.resolved_persist_root(settings.home)
     env = dict(os.environ, **(extra_env or {}))
     if nats_url:
         env["KEEL_NATS_URL"] = nats_url

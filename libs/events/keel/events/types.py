@@ -308,6 +308,24 @@ def _backup_assigned_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     # v1 did not carry the schedule: an old placement says nothing about it.
     return {**payload, "every_k_steps": None, "backup_every_k_steps": None}
 
+
+@event_type("CheckpointNodeBackupsAssigned", version=1, aggregate="node")
+class CheckpointNodeBackupsAssigned(EventPayload):
+    """One node's part of a placement: the backup peers of the ranks ``node_id`` runs, on that node's
+    subject (its agent reads only its own). What ``CheckpointBackupAssigned`` said in one job-wide event,
+    which grows ~250 B per rank; a node with more assignments than one event takes is sent several parts
+    (``part`` of ``parts``), each complete in itself."""
+
+    node_id: str
+    assignments: list[BackupAssignment] = Field(min_length=1)
+    reason: str
+    every_k_steps: int | None = Field(default=None, ge=1)
+    backup_every_k_steps: int | None = Field(default=None, ge=1)
+    """The schedule in force, as in ``CheckpointBackupAssigned``."""
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1)
+
+
 class ShardRecord(EventPayload):
     rank: int = Field(ge=0)
     step: int = Field(ge=0)
@@ -407,15 +425,53 @@ class RestoreSource(EventPayload):
     bytes: int = Field(ge=0)
 
 
-@event_type("CheckpointRestorePlanned", version=1, aggregate="job")
+@event_type("CheckpointNodeRestorePlanned", version=1, aggregate="node")
+class CheckpointNodeRestorePlanned(EventPayload):
+    """One node's part of a restore plan: where each rank ``node_id`` runs in ``generation`` restores
+    ``step`` from, on that node's subject (its agent reads only its own part). Published before the plan
+    itself (``CheckpointRestorePlanned``, job-wide, which counts the parts); a node with more sources
+    than one event takes is sent several parts (``part`` of ``parts``)."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    step: int = Field(ge=0)
+    sources: list[RestoreSource] = Field(min_length=1)
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1)
+
+
+@event_type("CheckpointRestorePlanned", version=2, aggregate="job")
 class CheckpointRestorePlanned(EventPayload):
     """The broker's plan for the ranks of ``generation``: resume after ``step`` (``-1``: start fresh),
-    each rank's shard from the fastest tier that holds it verified."""
+    each rank's shard from the fastest tier that holds it verified.
+
+    Version 2 is the job-wide summary: each rank's source is in its node's part
+    (``CheckpointNodeRestorePlanned``, ``node_parts`` of them, published before this event), so the plan
+    stays within the event size limit at any job size. ``sources`` holds only the ranks no node is known
+    to run (every agent reads them); in version 1 it held every rank's source."""
 
     generation: int = Field(ge=0)
     step: int = Field(ge=-1)
     sources: list[RestoreSource] = Field(default_factory=list)
     reason: str
+    ranks: int = Field(default=0, ge=0)
+    """Ranks planned (the job's world size; 0 when starting fresh with the size unknown)."""
+    tiers: dict[str, int] = Field(default_factory=dict)
+    """Ranks restored from each tier ("memory", "peer", "disk")."""
+    node_parts: int = Field(default=0, ge=0)
+    """``CheckpointNodeRestorePlanned`` events of this plan (every node's parts together)."""
+
+
+@upcaster("CheckpointRestorePlanned", from_version=1)
+def _restore_planned_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 listed every rank's source in the plan itself: no node parts, the counts read off the sources.
+    sources = payload.get("sources") or []
+    tiers: dict[str, int] = {}
+    for source in sources:
+        tier = source.get("tier") if isinstance(source, dict) else None
+        if isinstance(tier, str):
+            tiers[tier] = tiers.get(tier, 0) + 1
+    return {**payload, "ranks": len(sources), "tiers": tiers, "node_parts": 0}
 
 
 @event_type("CheckpointTierFallback", version=1, aggregate="job")
@@ -1023,3 +1079,50 @@ class CodeVersionStable(EventPayload):
     steps: int = Field(ge=0)
     ran_s: float = Field(ge=0)
     reason: str
+
+
+# -- the control plane itself: dead letters, the recorder ---------------------------------------------
+
+SYSTEM_JOB = "_keel"
+"""The job id of events about Keel itself rather than a training job (``RecorderLagReported``)."""
+
+
+@event_type("DeadLetterRedriven", version=1, aggregate="dead_letter")
+class DeadLetterRedriven(EventPayload):
+    """``keel dlq redrive`` re-published a dead letter (``dlq_stream`` sequence ``dlq_seq``) on the subject its
+    event belongs on, as it was (a code fix made it acceptable) or with a corrected body, and removed it
+    from the dead-letter stream. The id is derived from the dead letter, so a redrive is recorded once.
+    The event's job is the redriven event's."""
+
+    dlq_stream: str
+    dlq_seq: int = Field(ge=1)
+    original_subject: str
+    original_stream_seq: int = Field(ge=0)
+    """The message's sequence in the events stream when it was dead-lettered (0: unknown)."""
+    reason: str
+    """Why it was dead-lettered."""
+    event_id: str
+    event_type: str
+    subject: str
+    """The subject it was re-published on."""
+    corrected: bool
+    """True: a corrected body was published in place of the dead-lettered bytes."""
+    body_sha256: str
+    """SHA-256 of the bytes re-published."""
+    by: str
+
+
+@event_type("RecorderLagReported", version=1, aggregate="recorder")
+class RecorderLagReported(EventPayload):
+    """How far the recorder is behind the stream: published when its lag crosses ``recorder.lag_threshold``
+    (either way) and every ``recorder.lag_report_interval`` while it stays above. Job ``_keel``
+    (``SYSTEM_JOB``). The same figures are the ``keel_recorder_lag_*`` metrics (``keel.infra.metrics``)."""
+
+    consumer: str
+    lag_s: float = Field(ge=0)
+    """Now minus the arrival in the stream of the oldest message of the newest batch written."""
+    pending: int = Field(ge=0)
+    """Messages in the stream the recorder had not yet been delivered (JetStream's pending count)."""
+    threshold_s: float = Field(ge=0)
+    above: bool
+    """The lag is above the threshold (False: the report of a return below it)."""

@@ -14,7 +14,12 @@ Contracts:
 
 Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 2 GiB per stream (reserved up front by
 JetStream), ``replicas`` 1 (3 in production clusters) — the stream is a durable
-buffer in front of Postgres, which keeps history for good; ``duplicate_window`` 2 min for dedup on
+buffer in front of Postgres, which keeps history for good. The events stream discards *new* messages at
+its limit, never old ones: a full stream refuses a publish (``StreamFull``, a ``PublishFailed``, after the
+usual retries with back-off, logged as such) instead of silently dropping its oldest events, which the
+recorder may not have stored yet. The recorder makes room: past ``recorder.stream_trim_at`` of the limit it
+purges, oldest first, what it has stored (``keel.recorder.core.trim_point``). The dead-letter stream keeps
+discarding old messages (the ``dead_letters`` table holds every one), so dead-lettering never blocks; ``duplicate_window`` 2 min for dedup on
 ``Nats-Msg-Id``; ``max_msg_size`` 1 MiB (NATS's max_payload) so that an oversized event still reaches
 the recorder and is dead-lettered with a reason rather than silently refused to the publisher's
 successor; the event limit itself is ``max_event_bytes`` (256 KiB).
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +45,7 @@ from nats.js import JetStreamContext, api
 
 from keel.events.envelope import Event
 from keel.infra.config import BusSettings
+from keel.infra.metrics import STREAM_FULL_REFUSALS
 from keel.infra.subjects import event_subject
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,23 @@ class PublishFailed(RuntimeError):
     """JetStream did not acknowledge a publish after every retry."""
 
 
+class StreamFull(PublishFailed):
+    """The events stream is at its limit and refuses new messages (discard-new): back-pressure. What it holds
+    is not all recorded yet (the recorder purges what it has stored): keep the event and publish it later."""
+
+
+STREAM_FULL_ERR_CODE = 10077
+"""JetStream's "stream store failed" error code, which a full discard-new stream answers with ("maximum
+bytes exceeded", "maximum messages exceeded")."""
+
+
+def is_stream_full(error: BaseException) -> bool:
+    """Whether ``error`` is JetStream refusing a publish because the stream is at its limit."""
+    description = str(getattr(error, "description", "") or "")
+    return (isinstance(error, nats.js.errors.APIError) and getattr(error, "err_code", None) == STREAM_FULL_ERR_CODE
+            and "exceeded" in description)
+
+
 @dataclass(frozen=True)
 class PublishResult:
     stream_seq: int
@@ -83,6 +107,7 @@ class Bus:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=settings.publish_timeout.total_seconds())
         self.settings = settings
+        self._stream_full_said = False
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -147,7 +172,7 @@ class Bus:
                 max_bytes=s.max_bytes,
                 max_msg_size=NATS_MAX_PAYLOAD_BYTES,
                 duplicate_window=s.duplicate_window.total_seconds(),
-                discard=api.DiscardPolicy.OLD,
+                discard=api.DiscardPolicy.NEW,
                 num_replicas=s.replicas,
             ),
             administer,
@@ -157,6 +182,7 @@ class Bus:
                 name=s.dlq_stream,
                 subjects=[f"{self.dlq_prefix}.>"],
                 storage=api.StorageType.FILE,
+                discard=api.DiscardPolicy.OLD,
                 max_age=s.max_age.total_seconds(),
                 max_bytes=s.max_bytes,
                 duplicate_window=s.duplicate_window.total_seconds(),
@@ -197,13 +223,49 @@ class Bus:
         for attempt in range(1, self.settings.publish_attempts + 1):
             try:
                 ack = await self.js.publish(subject, data, headers=all_headers)
+                if self._stream_full_said:
+                    self._stream_full_ended()
                 return PublishResult(ack.seq, bool(ack.duplicate))
             except _TRANSIENT as exc:
                 last_error = exc
-                log.warning("publish to %s failed (attempt %d): %r", subject, attempt, exc)
+                if is_stream_full(exc):
+                    self._note_stream_full(subject)
+                else:
+                    log.warning("publish to %s failed (attempt %d): %r", subject, attempt, exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+        if last_error is not None and is_stream_full(last_error):
+            raise StreamFull(self._stream_full_text(subject, self.settings.publish_attempts))
         raise PublishFailed(f"publish to {subject} not acknowledged after {self.settings.publish_attempts} attempts: {last_error!r}")
+
+    async def _probe(self, event: Event) -> tuple[PublishResult | None, bool]:
+        """Publish one event synchronously: (its result, or None; whether a full stream refused it)."""
+        try:
+            ack = await self.js.publish(self.subject_for(event), event.to_json(),
+                                        headers={api.Header.MSG_ID: str(event.id)})
+            return PublishResult(ack.seq, bool(ack.duplicate)), False
+        except _TRANSIENT as exc:
+            return None, is_stream_full(exc)
+        except nats.js.errors.APIError:
+            return None, False
+
+    def _stream_full_text(self, subject: str, attempts: int) -> str:
+        return (f"stream {self.settings.stream} is full (it discards new messages, never unrecorded ones): publish to "
+                f"{subject} refused {attempts} times; is the recorder running and keeping up? Keep the event and "
+                "retry later")
+
+    def _stream_full_ended(self) -> None:
+        self._stream_full_said = False
+        log.warning("stream %s accepts events again", self.settings.stream)
+
+    def _note_stream_full(self, subject: str) -> None:
+        """Back-pressure, said once per episode (a publish that goes through ends it), and counted."""
+        STREAM_FULL_REFUSALS.inc()
+        if not self._stream_full_said:
+            self._stream_full_said = True
+            log.error("stream %s is full: JetStream refuses new events (discard-new) until the recorder has stored and "
+                      "purged older ones; publishers back off and keep what they could not publish (first: %s)",
+                      self.settings.stream, subject)
 
     async def publish_many(self, events: Sequence[Event], *, max_in_flight: int = 256) -> list[PublishResult]:
         """Publish many events with up to ``max_in_flight`` unacknowledged; returns once all are acked.
@@ -218,8 +280,22 @@ class Bus:
         delay_s = self.settings.retry_backoff_initial.total_seconds()
         prefix = self.settings.subject_prefix
         msg_id = api.Header.MSG_ID
+        full = False
         for attempt in range(1, self.settings.publish_attempts + 1):
+            if full:  # the last round met a full stream: ask with one event before sending them all again
+                result, full = await self._probe(events[pending[0]])
+                if result is not None:
+                    results[pending[0]] = result
+                    pending = pending[1:]
+                if full or not pending:
+                    if not pending:
+                        return [r for r in results if r is not None]
+                    self._note_stream_full(event_subject(prefix, events[pending[0]]))
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+                    continue
             failed: list[int] = []
+            full = False
             slots = asyncio.Semaphore(max_in_flight)
             in_flight: dict[asyncio.Future, int] = {}
 
@@ -261,17 +337,67 @@ class Bus:
                         results[in_flight[future]] = PublishResult(ack.seq, bool(ack.duplicate))
                     elif isinstance(error, (*_TRANSIENT, nats.js.errors.APIError)):
                         failed.append(in_flight[future])
+                        full = full or is_stream_full(error)
                     else:
                         raise error
+                if not_done and not full:
+                    # nats-py never resolves an asynchronous publish that JetStream answers with an error
+                    # (its reply handler raises instead of failing the future): ask with one event, whose
+                    # synchronous publish does say why (a full stream, typically).
+                    first = min(in_flight[future] for future in not_done)
+                    result, full = await self._probe(events[first])
+                    if result is not None:
+                        results[first] = result
+                        failed.remove(first)
             if not failed:
+                if self._stream_full_said:
+                    self._stream_full_ended()
                 return [r for r in results if r is not None]
-            log.warning("%d of %d publishes not acknowledged (attempt %d); retrying", len(failed), len(pending), attempt)
+            if full:
+                self._note_stream_full(event_subject(prefix, events[failed[0]]))
+            else:
+                log.warning("%d of %d publishes not acknowledged (attempt %d); retrying", len(failed), len(pending),
+                            attempt)
             pending = sorted(failed)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+        if full:
+            raise StreamFull(self._stream_full_text(f"{len(pending)} events", self.settings.publish_attempts))
         raise PublishFailed(f"{len(pending)} events not acknowledged after {self.settings.publish_attempts} attempts")
 
     # -- consuming -----------------------------------------------------------------------------
+
+    async def consumer_ack_floor(self, durable: str) -> int | None:
+        """The stream sequence up to which ``durable`` has acknowledged every message (its ack floor), or
+        None when there is no such consumer (never created, or gone with the stream it was on)."""
+        try:
+            info = await self.js.consumer_info(self.settings.stream, durable)
+        except nats.js.errors.NotFoundError:
+            return None
+        return int(info.ack_floor.stream_seq) if info.ack_floor is not None else 0
+
+    async def stream_bounds(self) -> tuple[int, int]:
+        """``(first_seq, last_seq)`` of the events stream as it is now (``(1, 0)`` or so when empty)."""
+        state = (await self.js.stream_info(self.settings.stream)).state
+        return int(state.first_seq), int(state.last_seq)
+
+    async def stream_holds(self, seq: int, event_id: uuid.UUID) -> bool:
+        """Whether the events stream's message ``seq`` is event ``event_id``: how a cold start tells that
+        the log's newest sequences belong to this stream and not to one deleted and recreated since (a
+        recreated stream numbers its messages from 1 again). A message retention has already removed
+        (``seq`` below the first) counts as held: only a reset makes the stream younger than the log."""
+        first, last = await self.stream_bounds()
+        if seq > last:
+            return False
+        if seq < first:
+            return True
+        try:
+            message = await self.js.get_msg(self.settings.stream, seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        headers = message.headers or {}
+        return headers.get(api.Header.MSG_ID) == str(event_id)
+
 
     async def pull_consumer(
         self,
@@ -441,6 +567,16 @@ def stream_sequence(msg: Msg) -> int:
     """
     tokens = msg.reply.split(".")
     return int(tokens[5] if len(tokens) == 9 else tokens[7])
+
+
+def delivery_info(msg: Msg) -> tuple[int, int, int]:
+    """(stream sequence, arrival in the stream in ns since the epoch, messages pending after it for this
+    consumer) of a JetStream delivery, read from its reply subject like ``stream_sequence``:
+    ``...<stream seq>.<consumer seq>.<timestamp ns>.<pending>`` (then a random token with a domain)."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:
+        return int(tokens[5]), int(tokens[7]), int(tokens[8])
+    return int(tokens[7]), int(tokens[9]), int(tokens[10])
 
 
 async def fetch_batch(sub: BatchPuller | JetStreamContext.PullSubscription, batch: int, timeout_s: float) -> list[Msg]:

@@ -72,7 +72,11 @@ class BusSettings(_Section):
     max_age: Duration = parse_duration("7d")
     """Stream retention: Postgres is the system of record, the stream is a durable buffer in front of it."""
     max_bytes: ByteSize = parse_size("2GiB")
-    """Per stream. JetStream reserves this much file storage up front, so it must fit the disk."""
+    """Per stream. JetStream reserves this much file storage up front, so it must fit the disk. At this limit
+    the events stream refuses new events (discard-new: publishers back off and keep them) until the recorder
+    has stored and purged older ones; size it for the event rate times the longest recorder or PostgreSQL
+    outage to ride through without back-pressure (2.2 events/s per node of ~500 B: 1,000 nodes fill 2 GiB
+    in about 30 min)."""
     replicas: int = Field(1, ge=1, le=5)
     """JetStream stream replicas: 1 for the embedded single server, 3 (R3) in production clusters."""
     duplicate_window: Duration = parse_duration("2m")
@@ -115,6 +119,28 @@ class RecorderSettings(_Section):
     and never waits for a batch to fill)."""
     consumer: str = "recorder"
     """The durable JetStream consumer's name; also the recorder's row in the ``tracking`` table."""
+    stream_trim_at: float = Field(0.8, gt=0, le=1)
+    """The events stream refuses new events at its limit (discard-new: publishers back off and retry, never
+    drop) rather than drop unrecorded ones. Once it is this full (of ``bus.max_bytes``), the recorder purges
+    the oldest events it has stored..."""
+    stream_trim_to: float = Field(0.5, ge=0, lt=1)
+    """...down to about this fraction of the limit (never an event it has not stored). A running consumer
+    further behind than that never receives the purged events (a stopped one loses nothing: a decider's
+    cold start takes its unacknowledged tail from the log)."""
+    stream_check_interval: Duration = parse_duration("1s")
+    """How often the recorder checks how full the events stream is."""
+    lag_threshold: Duration = parse_duration("10s")
+    """Recorder lag (now minus the arrival in the stream of the oldest event not yet stored) above which it
+    publishes ``RecorderLagReported``; it reports again when the lag falls back below."""
+    lag_report_interval: Duration = parse_duration("1m")
+    """While the lag stays above ``lag_threshold``, a ``RecorderLagReported`` this often."""
+
+    @model_validator(mode="after")
+    def _trim_below_threshold(self) -> RecorderSettings:
+        if self.stream_trim_to >= self.stream_trim_at:
+            raise ValueError(f"stream_trim_to ({self.stream_trim_to}) must be below stream_trim_at "
+                             f"({self.stream_trim_at})")
+        return self
 
 
 class ControllerSettings(_Section):
@@ -199,6 +225,11 @@ class CheckpointSettings(_Section):
     """Young's MTBF prior: MTBF = (observed time + prior) / (failures + 1)."""
     restore_plan_timeout: Duration = parse_duration("10s")
     """How long the broker waits for every node's inventory before planning with what arrived."""
+    restore_plan_max_wait: Duration = parse_duration("60s")
+    """How long the broker waits at most (from the first inventory) when planning after
+    ``restore_plan_timeout`` would restore a step older than the newest memory or peer commit while a
+    node not known lost has not reported (survivors stopping their ranks answer later than a promoted
+    standby, which has none to stop). Below ``restore_plan_timeout``: no longer wait."""
     report_interval: Duration = parse_duration("1s")
     """How often agents report stored shards (and how often the broker looks again for a shard file it cannot see yet)."""
     backup_max_duty: float = Field(0.1, gt=0, le=1)
@@ -281,6 +312,20 @@ class HotUpdateSettings(_Section):
     """The version store (default ``<home>/versions``); agents must see the same path."""
 
 
+class SnapshotSettings(_Section):
+    """Deciders' snapshots (``keel.kernel.snapshot``): a cold start folds the newest one plus the log after it."""
+
+    enabled: bool = True
+    """Write and load snapshots. Off: every cold start folds the whole log."""
+    interval: Duration = parse_duration("10m")
+    """How often a running decider folds the log it has acknowledged into a new snapshot (in the background,
+    from its newest snapshot); also done at every cold start."""
+    min_events: int = Field(10_000, ge=1)
+    """A new snapshot is written only when at least this many events were folded since the newest one."""
+    keep: int = Field(3, ge=1)
+    """Snapshots kept per decider; older ones are deleted."""
+
+
 class Settings(_Section):
     """All of Keel's settings. Build with ``load_settings``; never read the environment elsewhere."""
 
@@ -301,6 +346,7 @@ class Settings(_Section):
     checkpoint: CheckpointSettings = CheckpointSettings()
     analyzer: AnalyzerSettings = AnalyzerSettings()
     hot_update: HotUpdateSettings = HotUpdateSettings()
+    snapshots: SnapshotSettings = SnapshotSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

@@ -3,8 +3,10 @@
 ``put`` never blocks and never raises, so the process that observes (and the training it watches)
 keeps going when NATS is unreachable. A background task connects (retrying with capped backoff,
 saying so once in the log), publishes in order and keeps what it could not publish. When the buffer is
-full the oldest event is dropped and counted: a node agent must not grow without bound while the
-control plane is away, and its state events are re-sent by the next heartbeat anyway.
+full the oldest event is dropped, counted and logged (the first drop, then every 1,000th): a node agent
+must not grow without bound while the control plane is away, and its state events are re-sent by the next
+heartbeat anyway. A full events stream is such an absence: its refusal (``StreamFull``) is retried like
+any failed publish, and the event stays pending until the recorder has made room.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Outbox:
     def put(self, event: Event) -> None:
         if len(self.pending) == self.pending.maxlen:
             self.dropped += 1
+            if self.dropped % 1000 == 1:
+                log.error("%s: outbox full (%d events unpublished): dropped its oldest event (%d dropped so far)",
+                          self.name, len(self.pending), self.dropped)
         self.pending.append(event)
         self._wakeup.set()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from keel.infra.bus import Bus
-from keel.infra.config import ConfigError, Settings, load_settings, resolve_endpoints
+from keel.infra.config import ConfigError, Settings, SnapshotSettings, load_settings, resolve_endpoints
 from keel.infra.runner import DeciderRunner
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.kernel.decider import Decider
@@ -46,9 +46,11 @@ class RunnerService(Generic[S]):
     """A decider service with no I/O of its own: the shared runner alone (cold start from the store, then
     live events). ``start()``, then ``run(stop)``."""
 
-    def __init__(self, decider: Decider[S], bus: Bus, store: EventStore | None, *, fetch_timeout_s: float = 0.2) -> None:
+    def __init__(self, decider: Decider[S], bus: Bus, store: EventStore | None, *, fetch_timeout_s: float = 0.2,
+                 snapshots: SnapshotSettings | None = None) -> None:
         self.decider = decider
-        self.runner: DeciderRunner[S] = DeciderRunner(decider, bus, store, fetch_timeout_s=fetch_timeout_s)
+        self.runner: DeciderRunner[S] = DeciderRunner(decider, bus, store, fetch_timeout_s=fetch_timeout_s,
+                                                      snapshots=snapshots)
 
     @property
     def state(self) -> S:

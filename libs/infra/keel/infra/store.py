@@ -11,6 +11,8 @@ Tables (created by the Alembic migrations under ``migrations/``):
   same transaction as the events and projections.
 - ``dead_letters``: what the recorder could not accept, with the raw bytes and the reason.
 - ``node_status``: a projection (read model) of every node's latest health and eviction state.
+- ``snapshots``: deciders' states folded through a position (``keel.kernel.snapshot``), compressed, with
+  the digest of the uncompressed state and the fingerprint of the code that folded it.
 
 SQLAlchemy 2 (async, asyncpg) for everything except the bulk append, which uses asyncpg's binary COPY
 (``bench/bus.py`` measures why).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -85,6 +88,43 @@ node_status_table = sa.Table(
     sa.Column("last_event_id", UUID(as_uuid=True), nullable=False),
     sa.Column("updated_at", sa.DateTime(timezone=True), nullable=False),
 )
+
+snapshots_table = sa.Table(
+    "snapshots",
+    metadata,
+    sa.Column("id", sa.BigInteger, sa.Identity(always=False), primary_key=True),
+    sa.Column("decider", sa.Text, nullable=False),
+    sa.Column("scope", sa.Text, nullable=False),
+    sa.Column("position", sa.BigInteger, nullable=False),
+    sa.Column("js_seq", sa.BigInteger, nullable=True),
+    sa.Column("event_id", UUID(as_uuid=True), nullable=True),
+    sa.Column("fingerprint", sa.Text, nullable=False),
+    sa.Column("digest", sa.Text, nullable=False),
+    sa.Column("events_folded", sa.BigInteger, nullable=False),
+    sa.Column("state", BYTEA, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()),
+    sa.UniqueConstraint("decider", "scope", "position", "fingerprint", name="snapshots_unique"),
+)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A decider's state folded through ``position`` (every event at or before it, in log order).
+    ``state`` is the typed JSON of ``keel.kernel.snapshot`` (uncompressed here); ``digest`` its SHA-256."""
+
+    decider: str
+    scope: str
+    """The job the decider folded (``*``: every job)."""
+    position: int
+    js_seq: int | None
+    event_id: uuid.UUID | None
+    """The event at ``position``, and its stream sequence: where the snapshot's log ends."""
+    fingerprint: str
+    digest: str
+    events_folded: int
+    state: bytes
+    created_at: datetime | None = None
+
 
 EVENT_COLUMNS = (
     "event_id",
@@ -369,6 +409,37 @@ class EventStore:
             ).first()
         return None if row is None else (row.last_js_seq, row.last_position)
 
+    async def save_snapshot(self, snapshot: Snapshot, *, keep: int = 3) -> None:
+        """Store ``snapshot`` (idempotent) and drop all but the newest ``keep`` of its decider and scope."""
+        row = {"decider": snapshot.decider, "scope": snapshot.scope, "position": snapshot.position,
+               "js_seq": snapshot.js_seq, "event_id": snapshot.event_id, "fingerprint": snapshot.fingerprint,
+               "digest": snapshot.digest, "events_folded": snapshot.events_folded,
+               "state": zlib.compress(snapshot.state, 1)}
+        t = snapshots_table.c
+        async with self.engine.begin() as conn:
+            await conn.execute(insert(snapshots_table).values(**row).on_conflict_do_nothing(
+                constraint="snapshots_unique"))
+            newest = (sa.select(t.id).where(t.decider == snapshot.decider, t.scope == snapshot.scope)
+                      .order_by(t.position.desc(), t.id.desc()).limit(keep))
+            await conn.execute(sa.delete(snapshots_table).where(
+                t.decider == snapshot.decider, t.scope == snapshot.scope, t.id.not_in(newest)))
+
+    async def snapshots(self, decider: str, scope: str = "*", *, fingerprint: str | None = None,
+                        newest_only: bool = False) -> list[Snapshot]:
+        """The stored snapshots of ``decider`` for ``scope``, newest first (of ``fingerprint`` only, if given)."""
+        t = snapshots_table.c
+        query = sa.select(snapshots_table).where(t.decider == decider, t.scope == scope)
+        if fingerprint is not None:
+            query = query.where(t.fingerprint == fingerprint)
+        query = query.order_by(t.position.desc(), t.id.desc())
+        if newest_only:
+            query = query.limit(1)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [Snapshot(decider=r.decider, scope=r.scope, position=r.position, js_seq=r.js_seq, event_id=r.event_id,
+                         fingerprint=r.fingerprint, digest=r.digest, events_folded=r.events_folded,
+                         state=zlib.decompress(r.state), created_at=r.created_at) for r in rows]
+
     async def dead_letters(self) -> list[dict[str, Any]]:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(sa.select(dead_letters_table).order_by(dead_letters_table.c.id))).all()
@@ -379,6 +450,7 @@ __all__ = [
     "EventStore",
     "InvalidEvent",
     "RecordedEvent",
+    "Snapshot",
     "append_events",
     "create_engine",
     "event_row",

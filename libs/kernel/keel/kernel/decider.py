@@ -189,6 +189,44 @@ class DeciderSession(Generic[S]):
             self._awaiting_echo.add(produced.id)
         return StepResult(decision, emitted)
 
+    def catch_up(self, event: Event, recorded: frozenset[uuid.UUID] = frozenset()) -> StepResult[S]:
+        """``observe`` for an input the log holds but this decider may not have finished deciding on (a
+        cold start's unacknowledged tail); ``recorded``: the ids of the decisions about ``event`` that the
+        log already holds (they follow it in the log).
+
+        The decision is taken again (the same state and input give the same decision and ids); the
+        returned ``emitted`` are only its events the log lacks, the rest of a decision published in part
+        before a crash. Every event of the decision is evolved now and awaited as an echo, so the recorded
+        ones, folded next, are not evolved twice. Should the log hold a decision about ``event`` that
+        this one does not contain (the decider changed since, or the live run saw another order), the
+        log wins: nothing is evolved or published here and the recorded decisions are folded as they come.
+        """
+        if not recorded:
+            return self.observe(event)
+        if is_foreign_tick(event):
+            return StepResult(None)
+        if event.id in self._awaiting_echo:
+            self._awaiting_echo.discard(event.id)
+            return StepResult(None)
+        self.state, error = evolve_or_keep(self.decider, self.state, event)
+        if event.producer == self.decider.name:
+            return StepResult(None)
+        if error is not None:
+            decision = refusal(self.decider.name, event, "evolve", error)
+        elif not self.decider.interested_in(event):
+            return StepResult(None)
+        else:
+            decision = decide_or_refuse(self.decider, self.state, event)
+        decision, emitted = publishable(self.decider.name, event, decision, self.max_event_bytes)
+        if not recorded <= {produced.id for produced in emitted}:
+            return StepResult(Decision.nothing(
+                f"the log holds another decision about {event.type} {event.id} than the one taken now: "
+                "the recorded one stands"))
+        for produced in emitted:
+            self.state, _ = evolve_or_keep(self.decider, self.state, produced)
+            self._awaiting_echo.add(produced.id)
+        return StepResult(decision, [produced for produced in emitted if produced.id not in recorded])
+
     def expect_echo(self, event_id: uuid.UUID) -> None:
         """``event_id`` (a decision already evolved into the state) will come back through the stream:
         take it then without evolving it again."""

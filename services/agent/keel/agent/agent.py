@@ -11,6 +11,12 @@ polled from the loop. The handlers share the agent's state through ``commands.No
 A standby runs the local checks (GPU matmul, intra-node all-to-all) once when it starts and reports
 ``StandbyChecked``: only a passing standby counts for the pool.
 
+Every piece of a tick runs isolated (``keel.agent.isolation``): one that raises is logged, rate-limited,
+and the rest of the tick (the heartbeat included) and the next ticks go on; the ranks are never stopped
+for it. The agent holds its folder's lock and records its state there (``keel.agent.rejoin``): an agent
+restarted after its predecessor died stops what that one left running and, under the same job and node,
+rejoins it with the node's memory tier intact.
+
 Failure handling without a controller (``supervised=False``, plain ``keel run``): like torchrun,
 a failed rank stops the node's other ranks, then the agent restarts them locally while
 ``--max-restarts`` allows, else exits non-zero. Supervised (a local cluster, a real deployment),
@@ -20,7 +26,9 @@ the agent reports and waits: the controller decides.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -33,22 +41,36 @@ from pathlib import Path
 from typing import Protocol
 
 from keel.agent import commands
-from keel.agent.channel import RankChannel
+from keel.agent.channel import RankChannel, RankState
 from keel.agent.checkpointing import NodeCheckpointing
 from keel.agent.commands import DiagnosticsRounds, SdcReplays, StackCaptures
 from keel.agent.consumer import CommandConsumer
 from keel.agent.diagnostics import DiagnosticsPolicy
+from keel.agent.isolation import Pieces
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.metric_watch import MetricWatch
-from keel.agent.supervisor import RankExit, RankSupervisor
+from keel.agent.rejoin import (
+    AgentLock,
+    AgentState,
+    ProcessRef,
+    decide_rejoin,
+    leftover_processes,
+    read_state,
+    remove_state,
+    stop_processes,
+    write_state,
+)
+from keel.agent.supervisor import RankExit, RankSupervisor, file_tail
 from keel.events.envelope import Event, EventPayload, now_utc
 from keel.events.types import (
+    CheckpointTier,
     CodeRef,
     CodeVersionApplied,
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
     RankStarted,
+    ShardRecord,
 )
 from keel.infra.outbox import Outbox
 from keel.rules.metrics import MetricSettings
@@ -68,6 +90,8 @@ STEPPING_PHASES = frozenset({"step", "checkpoint", "eval", "done"})
 ZYGOTE_RESTART_AFTER_S = 60.0
 """Replace a dead zygote this long after a start even if the ranks never said they step (a program
 without the SDK sends no reports)."""
+REJOIN_CONNECT_WAIT_S = 5.0
+"""A rejoining agent waits this long for NATS before it stops its predecessor's ranks (see ``_run``)."""
 ZYGOTE_READY_WAIT_S = 60.0
 """At agent start, how long the first ranks wait for the zygote before starting as fresh processes."""
 
@@ -137,6 +161,15 @@ class NodeAgent:
         self.clock = clock
         self.checkpointing = checkpointing
         spec.agent_dir.mkdir(parents=True, exist_ok=True)
+        # One agent per folder (``AgentDirBusy`` otherwise), before anything in it is touched: binding the
+        # socket below would unbind a live agent's.
+        self.lock = AgentLock(spec.agent_dir)
+        self.previous = read_state(spec.agent_dir)
+        """What the folder's previous agent recorded, if it died without ending (``keel.agent.rejoin``)."""
+        self._recorded_state = ""
+        self._recorded_fingerprint: tuple[object, ...] | None = None
+        self.pieces = Pieces(spec.node_id, log)
+        """Each piece of a tick runs guarded: an exception is logged (rate-limited), the rest goes on."""
         self.channel = RankChannel(spec.agent_dir / "agent.sock")
         self.metric_watch = MetricWatch(spec.node_id, metric_settings or MetricSettings())
         self.supervisor = RankSupervisor(spec, self.channel.path, spec.agent_dir / "fault.json", warm=spec.warm_ranks)
@@ -202,6 +235,7 @@ class NodeAgent:
                                   f" running {' '.join(command)[:300]}" + (f" in {cwd}" if cwd else "")))
         log.info("%s: started %d ranks, generation %d%s", self.spec.node_id, self.spec.nproc_per_node, generation,
                  f" on code version {code.version_id}" if code is not None else "")
+        self.pieces.run("agent state", self.record_state)
 
     def use_code(self, code: CodeRef | None) -> str:
         """Switch the code the next ranks run (None: keep it). Returns why it cannot, or ""."""
@@ -304,8 +338,11 @@ class NodeAgent:
         if self.checkpointing is not None and not self.spec.standby:
             ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
             period = max(self.spec.heartbeat_interval, self.checkpointing.report_interval)
-            round_done = self.checkpointing.report_due(monotonic_s, {r: s.checkpoint_step for r, s in ranks.items()},
-                                                       self.step_time_p50_s(), period)
+            try:
+                round_done = self.checkpointing.report_due(
+                    monotonic_s, {r: s.checkpoint_step for r, s in ranks.items()}, self.step_time_p50_s(), period)
+            except Exception as exc:  # noqa: BLE001 - the heartbeat's liveness never depends on the checkpoint store
+                log.warning("%s: checking the checkpoint report round failed: %r", self.spec.node_id, exc)
         since = None if self.last_heartbeat_at is None else now - self.last_heartbeat_at
         rounds_flowing = (self.last_round_heartbeat_s is not None
                           and monotonic_s - self.last_round_heartbeat_s <= 2 * self.spec.heartbeat_interval.total_seconds())
@@ -314,6 +351,17 @@ class NodeAgent:
         if due and round_done:
             self.last_round_heartbeat_s = monotonic_s
         return due
+
+    def _holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
+        """What the heartbeat carries of the checkpoint tiers; nothing when reading them fails (the
+        heartbeat is the node's liveness: it goes without them)."""
+        if self.checkpointing is None:
+            return {}
+        try:
+            return self.checkpointing.holdings()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("%s: reading the checkpoint holdings failed: %r", self.spec.node_id, exc)
+            return {}
 
     def heartbeat(self, now: datetime) -> None:
         # Per rank (one slow GPU among eight must not vanish in a node-wide median), ranks stepping now.
@@ -328,74 +376,242 @@ class NodeAgent:
                 last_step=max((s.step for s in self.channel.ranks.values()), default=-1),
                 step_time_p50_s=self.step_time_p50_s(),
                 rank_compute_time_p50_s=compute,
-                stored=self.checkpointing.holdings() if self.checkpointing is not None else {},
+                stored=self._holdings(),
             )
         )
         self.last_heartbeat_at = now
 
     def tick(self, probe: bool = True) -> AgentResult | None:
         """One pass of the loop; an ``AgentResult`` when the agent should stop. ``probe``: also sample
-        the health probes (once per probe interval; exits and reports are handled on every wake-up)."""
+        the health probes (once per probe interval; exits and reports are handled on every wake-up).
+
+        Every piece runs guarded (``self.pieces``, ``keel.agent.isolation``): one that raises is logged
+        (rate-limited) and the others still run, the heartbeat included; the ranks are never touched
+        because of it."""
         now = self.clock()
-        if self.supervisor.zygote is not None:
-            self.supervisor.zygote.drain()  # what woke the loop (a child started or exited)
-        self.channel.drain(now, self.generation)
-        for rank, state in self.channel.ranks.items():
-            for anomaly in self.metric_watch.check(rank, state.generation, state.metric_samples):
-                log.warning("%s: %s", self.spec.node_id, anomaly.reason)
-                self.emit(anomaly)
-            if state.phase == "failed" and self.supervisor.kill_failed(rank, state.error):
-                log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank,
-                         (state.error.strip().splitlines() or ["?"])[-1])
+        run = self.pieces.run
+        zygote = self.supervisor.zygote
+        if zygote is not None:
+            run("zygote drain", zygote.drain)  # what woke the loop (a child started or exited)
+        run("rank reports", self.channel.drain, now, self.generation)
+        for rank, state in list(self.channel.ranks.items()):
+            run("metric watch", self._watch_rank, rank, state)
         # A replay's ranks end by design: their exits answer the replay, they are not the job's.
-        exits = self.replays.take_exits(self.supervisor.poll())
-        failures = [e for e in exits if self.report_exit(e)]
-        self.rounds.poll()
-        self.stacks.poll()
+        polled: list[RankExit] = run("rank exits", self.supervisor.poll) or []
+        exits = run("sdc replay exits", self.replays.take_exits, polled, default=polled) or []
+        failures = [e for e in exits if self._report_exit_guarded(e)]
+        run("diagnostics rounds", self.rounds.poll)
+        run("stack captures", self.stacks.poll)
         if failures and not self.failed:
             self.failed = True
             if not self.supervised:
-                # torchrun semantics: the job is broken; stop the rest and restart or give up.
-                self.supervisor.stop_all()
-                for exit_ in self.supervisor.poll():
-                    self.report_exit(exit_)
-                if self.restarts_left > 0:
-                    self.restarts_left -= 1
-                    self.start_ranks(self.generation + 1)
-                    if self.checkpointing is not None:
-                        self.checkpointing.prepare_restart(self.generation)
-                    self.failed = False
-                else:
-                    return AgentResult(1, f"rank {failures[0].rank} failed and no restarts are left")
+                outcome = run("local restart", self._restart_locally, failures)
+                if outcome is not None:
+                    return outcome
         if probe and self.watcher is not None:
-            for payload in self.watcher.sample(now, self.channel, self.supervisor):
-                self.emit(payload)
+            run("health probes", self._sample_health, now)
         if self.checkpointing is not None:
-            ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
-            self.checkpointing.tick(time.monotonic(), {r: s.groups for r, s in ranks.items()},
-                                    {r: s.checkpoint_step for r, s in ranks.items()})
+            run("checkpointing", self._checkpointing_tick)
         if self.heartbeat_due(now, time.monotonic()):
-            self.heartbeat(now)
+            run("heartbeat", self.heartbeat, now)
         if probe:
-            self.keep_zygote()
+            run("zygote upkeep", self.keep_zygote)
+        run("agent state", self.record_state)
         if not self.spec.standby and not self.supervisor.ranks and not self.failed and not self.held:
             return AgentResult(0, "every rank finished successfully")
         return None
 
-    async def run(self, stop: asyncio.Event) -> AgentResult:
-        self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(), standby=self.spec.standby,
-                                 fault_domain=self.spec.fault_domain))
-        if self.spec.warm_ranks:
-            # One import for the node's ranks, rounds and promotions from now on (forks take ms).
-            self.supervisor.start_zygote()
-            await self.wait_zygote_ready()
-        if not self.spec.standby:
+    def _watch_rank(self, rank: int, state: RankState) -> None:
+        for anomaly in self.metric_watch.check(rank, state.generation, state.metric_samples):
+            log.warning("%s: %s", self.spec.node_id, anomaly.reason)
+            self.emit(anomaly)
+        if state.phase == "failed" and self.supervisor.kill_failed(rank, state.error):
+            log.info("%s: rank %d reported %s; ending it now", self.spec.node_id, rank,
+                     (state.error.strip().splitlines() or ["?"])[-1])
+
+    def _report_exit_guarded(self, exit_: RankExit) -> bool:
+        """``report_exit``, guarded: if reporting raises, the exit still counts as what its status says."""
+        reported = self.pieces.run("exit report", self.report_exit, exit_)
+        if reported is None:
+            return not exit_.stopped_by_agent and exit_.exit_code != 0
+        return reported
+
+    def _restart_locally(self, failures: list[RankExit]) -> AgentResult | None:
+        """torchrun semantics (unsupervised): the job is broken; stop the rest and restart or give up."""
+        self.supervisor.stop_all()
+        for exit_ in self.supervisor.poll():
+            self._report_exit_guarded(exit_)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.start_ranks(self.generation + 1)
             if self.checkpointing is not None:
-                self.checkpointing.start_fresh()
-            self.start_ranks(0)
+                self.checkpointing.prepare_restart(self.generation)
+            self.failed = False
+            return None
+        return AgentResult(1, f"rank {failures[0].rank} failed and no restarts are left")
+
+    def _sample_health(self, now: datetime) -> None:
+        assert self.watcher is not None
+        for payload in self.watcher.sample(now, self.channel, self.supervisor):
+            self.emit(payload)
+
+    def _checkpointing_tick(self) -> None:
+        assert self.checkpointing is not None
+        ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
+        self.checkpointing.tick(time.monotonic(), {r: s.groups for r, s in ranks.items()},
+                                {r: s.checkpoint_step for r, s in ranks.items()})
+
+    # -- a restarted agent ------------------------------------------------------------------------------
+
+    def current_state(self) -> AgentState:
+        """What this agent records for a successor (``keel.agent.rejoin``)."""
+        me = ProcessRef.of(os.getpid()) or ProcessRef(os.getpid(), 0)
+        ranks = {rank: ref for rank, process in self.supervisor.ranks.items()
+                 if (ref := ProcessRef.of(process.pid)) is not None}
+        zygote = self.supervisor.zygote
+        code = self.supervisor.code
+        return AgentState(job_id=self.spec.job_id, node_id=self.spec.node_id, agent=me, generation=self.generation,
+                          standby=self.spec.standby, node_rank=self.spec.node_rank, ranks=ranks,
+                          zygote=ProcessRef.of(zygote.pid) if zygote is not None and zygote.alive() else None,
+                          code=code.model_dump(mode="json") if code is not None else None, held=self.held,
+                          failed=self.failed)
+
+    def record_state(self) -> None:
+        """Write ``<agent_dir>/agent.json`` when what it says changed. Runs on every wake-up: a cheap
+        fingerprint first, the ``/proc`` reads only when it moved."""
+        zygote, code = self.supervisor.zygote, self.supervisor.code
+        fingerprint = (self.generation, self.spec.node_rank, self.spec.standby, self.held, self.failed,
+                       tuple((rank, p.pid) for rank, p in self.supervisor.ranks.items()),
+                       zygote.pid if zygote is not None and zygote.popen.returncode is None else None,
+                       code.version_id if code is not None else None)
+        if fingerprint == self._recorded_fingerprint:
+            return
+        state = self.current_state()
+        text = state.to_json()
+        if text != self._recorded_state:
+            write_state(self.spec.agent_dir, state)
+            self._recorded_state = text
+        self._recorded_fingerprint = fingerprint
+
+    def find_leftovers(self) -> list[int]:
+        """What a previous agent of this folder left running (ranks, their workers, its zygote, a diagnostics
+        round). Call before this agent starts any process of its own (they carry the same socket)."""
+        previous = self.previous
+        recorded = [] if previous is None else [*previous.ranks.values(),
+                                                *([previous.zygote] if previous.zygote else [])]
+        return leftover_processes(self.channel.path, recorded)
+
+    async def stop_leftovers(self, pids: list[int]) -> list[int]:
+        """Stop ``find_leftovers``' processes: no orphan survives, no old rank writes a slot again. Returns
+        the pids stopped."""
+        if not pids:
+            return []
+        log.warning("%s: the previous agent of %s left %d process(es) running (%s); stopping them",
+                    self.spec.node_id, self.spec.agent_dir, len(pids), ", ".join(map(str, pids)))
+        survivors = await asyncio.to_thread(stop_processes, pids)
+        if survivors:
+            log.error("%s: process(es) %s of the previous agent did not end after SIGKILL", self.spec.node_id,
+                      ", ".join(map(str, survivors)))
+        return pids
+
+    def take_over_from(self, previous: AgentState) -> None:
+        """Take over the job the previous agent died in (see ``keel.agent.rejoin``): its generation, slice and
+        code version, its memory tier kept. Its ranks are reported by ``report_previous_ranks``."""
+        spec = self.spec
+        if previous.node_rank != spec.node_rank:  # a promoted standby's slice
+            self.spec = dataclasses.replace(spec, node_rank=previous.node_rank, standby=False)
+            self.supervisor.spec = self.spec
+            if self.checkpointing is not None:
+                self.checkpointing.take_over([self.spec.global_rank(i) for i in range(self.spec.nproc_per_node)])
+        if previous.code is not None:
+            try:
+                self.supervisor.code = CodeRef.model_validate(previous.code)
+            except ValueError as exc:
+                log.warning("%s: the previous agent's code version is unreadable (%s); running the launch "
+                            "command", spec.node_id, exc)
+        self.generation = previous.generation
+        self.supervisor.generation = previous.generation
+        if self.checkpointing is not None:
+            self.checkpointing.rejoin(previous.generation)
+        self.held = previous.held
+        self.failed = bool(previous.ranks) or previous.failed
+
+    def report_previous_ranks(self, previous: AgentState, stopped: list[int], why: str) -> None:
+        """The previous agent's ranks ended (stopped by this agent, or already gone): report them as an
+        infrastructure failure of their generation, so the job restarts from the memory tier."""
+        spec = self.spec
+        ended = sorted(previous.ranks)
+        for rank in ended:
+            ref = previous.ranks[rank]
+            how = "stopped by this agent" if ref.pid in stopped else "already gone, exit status unknown"
+            stderr = file_tail(self.supervisor.logs_dir / f"rank{rank}.g{previous.generation}.stderr", 40)
+            self.emit(RankExited(
+                node_id=self.spec.node_id, rank=rank, pid=ref.pid, generation=previous.generation, exit_code=None,
+                signal="SIGTERM" if ref.pid in stopped else None, classification="infrastructure",
+                error_type="AgentRestarted", stderr_tail=printable(stderr[-4000:]),
+                reason=f"the node's agent died (pid {previous.agent.pid}) and was restarted; the rank it ran "
+                       f"({how}) is restarted from the node's memory tier"), subject=f"rank/{rank}")
+        log.warning("%s: %s; %d rank(s) of generation %d ended, memory tier kept (%s)", spec.node_id, why,
+                    len(ended), previous.generation, "held for the next command" if self.held else
+                    "waiting for the controller's restart" if self.supervised else "restarting them locally")
+        if not self.supervised and self.failed:
+            # Without a controller: restart from the memory tier now (a local plan), using no --max-restarts.
+            self.start_ranks(previous.generation + 1)
+            if self.checkpointing is not None:
+                self.checkpointing.prepare_restart(self.generation)
+            self.failed = False
+
+    async def run(self, stop: asyncio.Event) -> AgentResult:
+        try:
+            return await self._run(stop)
+        finally:
+            self.lock.release()
+
+    async def _run(self, stop: asyncio.Event) -> AgentResult:
+        decision = decide_rejoin(self.previous, job_id=self.spec.job_id, node_id=self.spec.node_id,
+                                 standby=self.spec.standby)
+        leftovers = self.find_leftovers()
+        consumer: asyncio.Task[None] | None = None
+        if decision.mode == "rejoin" and decision.previous is not None:
+            previous = decision.previous
+            self.take_over_from(previous)
+            self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(), standby=False,
+                                     fault_domain=self.spec.fault_domain))
+            if self.outbox is not None:
+                # Reachable before the old ranks are stopped: their end fails the job's other ranks, and the
+                # controller's diagnostics round that follows wants this node's acknowledgement within seconds.
+                consumer = asyncio.create_task(CommandConsumer(self).run(stop))
+                try:
+                    await asyncio.wait_for(self.outbox.connected.wait(), REJOIN_CONNECT_WAIT_S)
+                except TimeoutError:
+                    log.warning("%s: not connected to NATS after %.0f s; rejoining anyway", self.spec.node_id,
+                                REJOIN_CONNECT_WAIT_S)
+                self.pieces.run("heartbeat", self.heartbeat, self.clock())
+            stopped = await self.stop_leftovers(leftovers)
+            if self.spec.warm_ranks:
+                self.supervisor.start_zygote()  # not waited for: the restart command comes after a round
+                if not self.supervised:
+                    await self.wait_zygote_ready()
+            self.report_previous_ranks(previous, stopped, decision.reason)
         else:
-            self.rounds.start_self_check()
-        consumer = asyncio.create_task(CommandConsumer(self).run(stop)) if self.outbox is not None else None
+            await self.stop_leftovers(leftovers)
+            if self.previous is not None:
+                log.info("%s: %s", self.spec.node_id, decision.reason)
+            self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(),
+                                     standby=self.spec.standby, fault_domain=self.spec.fault_domain))
+            if self.spec.warm_ranks:
+                # One import for the node's ranks, rounds and promotions from now on (forks take ms).
+                self.supervisor.start_zygote()
+                await self.wait_zygote_ready()
+            if not self.spec.standby:
+                if self.checkpointing is not None:
+                    self.checkpointing.start_fresh()
+                self.start_ranks(0)
+            else:
+                self.rounds.start_self_check()
+        self.pieces.run("agent state", self.record_state)
+        if consumer is None and self.outbox is not None:
+            consumer = asyncio.create_task(CommandConsumer(self).run(stop))
         result = AgentResult(143, "stopped")
         # Wake at once when a rank reports or a child exits, not only once per probe interval: a
         # crash is then seen within milliseconds of the process ending.
@@ -426,7 +642,11 @@ class NodeAgent:
                 if probe:
                     next_probe_at = loop.time() + interval_s
                 wake.clear()
-                outcome = self.tick(probe=probe)
+                try:
+                    outcome = self.tick(probe=probe)
+                except Exception as exc:  # noqa: BLE001 - tick guards its pieces; this is the last resort
+                    self.pieces.failed("tick", exc)
+                    outcome = None
                 if outcome is not None:
                     result = outcome
                     break
@@ -436,21 +656,27 @@ class NodeAgent:
                 for waiter in waiters:
                     waiter.cancel()
         finally:
-            loop.remove_reader(self.channel.sock.fileno())
+            # Each step guarded: one that raises must not leave the ranks running without an agent.
+            run = self.pieces.run
+            run("shutdown", loop.remove_reader, self.channel.sock.fileno())
             if zygote_fd is not None:
-                loop.remove_reader(zygote_fd)
-            loop.remove_signal_handler(signal.SIGCHLD)
-            self.rounds.cancel()
-            self.supervisor.stop_all()
-            self.supervisor.close_zygote()
-            self.stacks.close()
-            for exit_ in self.supervisor.poll():
-                self.report_exit(exit_)
-            self.heartbeat(self.clock())
+                run("shutdown", loop.remove_reader, zygote_fd)
+            run("shutdown", loop.remove_signal_handler, signal.SIGCHLD)
+            run("shutdown", self.rounds.cancel)
+            run("shutdown", self.supervisor.stop_all)
+            run("shutdown", self.supervisor.close_zygote)
+            run("shutdown", self.stacks.close)
+            last_exits: list[RankExit] = run("shutdown", self.supervisor.poll) or []
+            for exit_ in last_exits:
+                self._report_exit_guarded(exit_)
+            run("shutdown", self.heartbeat, self.clock())
             if consumer is not None:
                 consumer.cancel()
-            self.channel.close()
+            run("shutdown", self.channel.close)
             if self.checkpointing is not None:
-                self.checkpointing.close(job_finished=result.exit_code == 0 and not self.spec.standby)
+                run("shutdown", self.checkpointing.close, job_finished=result.exit_code == 0 and not self.spec.standby)
+            # Ended by itself (finished, failed for good, told to stop, its ranks stopped): the next agent in
+            # this folder is a new launch. Only an agent that dies leaves its state behind (a rejoin).
+            run("shutdown", remove_state, self.spec.agent_dir)
         return result
 

@@ -124,7 +124,11 @@ class RankChannel:
                 self.malformed += 1
                 log.warning("ignoring a rank report: %s", problem)
                 continue
-            self.apply(report, now)
+            try:
+                self.apply(report, now)
+            except Exception as exc:  # noqa: BLE001 - one report that cannot be folded is dropped, not the rest
+                self.malformed += 1
+                log.warning("dropping a report of rank %d that could not be folded: %r", report.rank, exc)
 
     def apply(self, report: node_local_pb2.RankReport, now: datetime) -> None:
         state = self.ranks.get(report.rank)

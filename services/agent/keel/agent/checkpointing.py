@@ -9,8 +9,10 @@ and the rest of the cluster.
 - Sends each rank's newest committed snapshot to the rank's backup peer (latest wins: steps are
   skipped, never queued), and persists every K-th step (K from the broker's ``CheckpointScheduleSet``).
 - Before a restart: takes a verified inventory (``CheckpointInventoryReported``); after the broker's
-  ``CheckpointRestorePlanned``: stages each local rank's shard (fetching from a peer when needed) and
-  writes the plan file the ranks' ``Checkpointer.restore()`` waits for.
+  ``CheckpointRestorePlanned`` and this node's parts of it (``CheckpointNodeRestorePlanned``, on the
+  node's subject): stages each local rank's shard (fetching from a peer when needed) and writes the plan
+  file the ranks' ``Checkpointer.restore()`` waits for. Backup assignments come as this node's parts too
+  (``CheckpointNodeBackupsAssigned``).
 
 Slow work (hashing, gRPC transfers, disk writes) runs on a small thread pool; its results are folded
 into events on the agent's loop (``tick``), so ``emit`` is only ever called from the loop.
@@ -29,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+from keel.agent.isolation import Pieces
 from keel.checkpoint import slots as ckpt_slots
 from keel.events.envelope import Event
 from keel.events.types import (
@@ -36,6 +39,8 @@ from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
+    CheckpointNodeBackupsAssigned,
+    CheckpointNodeRestorePlanned,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
     CheckpointScheduleSet,
@@ -73,9 +78,13 @@ def report_round_steps(backup_every: int, step_time_s: float | None, period: tim
     return every
 
 
-# Broker events every agent of the job consumes (besides its own commands).
+# Broker events every agent of the job consumes (besides its own commands). CheckpointBackupAssigned:
+# the job-wide placement of a broker from before per-node parts (still in older logs and streams).
 BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned",
                       "CheckpointStepCommitted")
+# Broker events addressed to one node (its parts of a placement and of a restore plan): an agent takes
+# only its own node's, so none reads the whole placement or plan of a large job.
+BROKER_NODE_EVENT_TYPES = ("CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned")
 
 
 class PeerTransport(Protocol):
@@ -338,6 +347,8 @@ class NodeCheckpointing:
         if transport is not None:
             transport.on_backup_received(lambda: self.wake())  # self.wake is replaced once the loop runs
         self.node_dir.mkdir(parents=True, exist_ok=True)
+        self.pieces = Pieces(f"{node_id} checkpointing", log)
+        """Each duty of a tick runs guarded: one that raises is logged (rate-limited), the others go on."""
         self.pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"keel-ckpt-{node_id}")
         self.generation = 0
         self.registered_generation: int | None = None
@@ -360,6 +371,10 @@ class NodeCheckpointing:
         self.plan: _Plan | None = None
         self.inventory_future: tuple[int, Future] | None = None
         self.early_plans: dict[int, CheckpointRestorePlanned] = {}
+        self.plan_summaries: dict[int, CheckpointRestorePlanned] = {}
+        """generation -> the broker's job-wide plan, until this node's parts of it are all here."""
+        self.plan_parts: dict[int, dict[int, CheckpointNodeRestorePlanned]] = {}
+        """generation -> this node's parts of the broker's plan, by part number."""
         self.verified: dict[tuple[int, int, str], Path] = {}
         """(rank, step, digest) -> the local copy the last inventory hashed (what a plan may trust)."""
 
@@ -378,6 +393,13 @@ class NodeCheckpointing:
         shutil.rmtree(self.node_dir / SENT_DIR, ignore_errors=True)
         shutil.rmtree(self.agent_dir / "restore", ignore_errors=True)
         self._write_plan(0, -1, {}, reason="a new launch starts fresh")
+
+    def rejoin(self, generation: int) -> None:
+        """A restarted agent took over ``generation`` of a running job (``keel.agent.rejoin``): the node's
+        slots, sent copies and held backups are kept as they are (no ``start_fresh``) for the inventory of
+        the restart that follows; its ranks are gone, so nothing is registered for this generation."""
+        self.generation = generation
+        self.registered_generation = generation
 
     def close(self, *, job_finished: bool) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -421,6 +443,9 @@ class NodeCheckpointing:
         self.plan = None
         self.reported_round = -1  # the new generation may resume from an older step
         self.round_ready_since = None
+        # Plans (or parts) of restarts this one supersedes will never be applied.
+        self.plan_summaries = {g: p for g, p in self.plan_summaries.items() if g >= generation}
+        self.plan_parts = {g: p for g, p in self.plan_parts.items() if g >= generation}
         for progress in self.progress.values():
             # The new generation may resume from an older step: its snapshots must replace the failed
             # generation's backups on the peers, and its persists the failed generation's steps.
@@ -521,7 +546,8 @@ class NodeCheckpointing:
 
     def handle_event(self, event: Event) -> None:
         payload = event.payload
-        if isinstance(payload, CheckpointBackupAssigned):
+        if isinstance(payload, CheckpointBackupAssigned | CheckpointNodeBackupsAssigned):
+            # The node's part (on its subject), or the job-wide placement of an older broker.
             if payload.every_k_steps is not None:  # the schedule in force (news to a replacement node)
                 self.every_k_steps = payload.every_k_steps
                 self.backup_every = payload.backup_every_k_steps or 1
@@ -535,6 +561,10 @@ class NodeCheckpointing:
                             assignment.backup_node_id, assignment.backup_address):
                         self.progress[assignment.rank].last_sent_step = -1
                         self.progress[assignment.rank].send_failures = 0
+        elif isinstance(payload, CheckpointNodeRestorePlanned) and self.supervised:
+            if payload.node_id == self.node_id and payload.generation >= self.generation:
+                self.plan_parts.setdefault(payload.generation, {})[payload.part] = payload
+                self._plan_if_complete(payload.generation)
         elif isinstance(payload, CheckpointStepCommitted):
             if payload.tier == "peer" and payload.step > self.peer_committed_step:
                 self.peer_committed_step = payload.step
@@ -544,12 +574,38 @@ class NodeCheckpointing:
             self.every_k_steps = payload.every_k_steps
             self.backup_every = payload.backup_every_k_steps
         elif isinstance(payload, CheckpointRestorePlanned) and self.supervised:
-            if payload.generation > self.generation or (payload.generation == self.generation
-                                                        and self.inventory_future is not None):
-                # Before this node's restart command, or before its inventory is out: apply it then.
-                self.early_plans[payload.generation] = payload
-            elif payload.generation == self.generation:
-                self._start_plan(payload)
+            if payload.generation >= self.generation:
+                self.plan_summaries[payload.generation] = payload
+                self._plan_if_complete(payload.generation)
+
+    def _plan_if_complete(self, generation: int) -> None:
+        """Apply the broker's plan for ``generation`` once it is whole here: the job-wide plan, and this
+        node's parts of it (published before it, so normally here first). Complete when the plan starts
+        fresh, names every local rank's source, or every part addressed to this node arrived (a rank it
+        still lacks is then reported in the plan file as having no source)."""
+        summary = self.plan_summaries.get(generation)
+        if summary is None:
+            return
+        parts = self.plan_parts.get(generation, {})
+        sources = {s.rank: s for s in summary.sources}
+        for part in parts.values():
+            if part.step == summary.step:
+                sources.update({s.rank: s for s in part.sources})
+        counts = {p.parts for p in parts.values() if p.step == summary.step}
+        all_parts = bool(counts) and len([p for p in parts.values() if p.step == summary.step]) >= max(counts)
+        if summary.step >= 0 and summary.node_parts > 0 and not all_parts and not all(
+                r in sources for r in self.local_ranks):
+            return  # a part addressed to this node is still on its way
+        del self.plan_summaries[generation]
+        self.plan_parts.pop(generation, None)
+        for old in [g for g in self.plan_parts if g < generation]:
+            del self.plan_parts[old]
+        planned = summary.model_copy(update={"sources": [sources[r] for r in sorted(sources)]})
+        if generation > self.generation or (generation == self.generation and self.inventory_future is not None):
+            # Before this node's restart command, or before its inventory is out: apply it then.
+            self.early_plans[generation] = planned
+        elif generation == self.generation:
+            self._start_plan(planned)
 
     def _start_plan(self, planned: CheckpointRestorePlanned) -> None:
         plan = _Plan(planned.generation, planned.step)
@@ -581,6 +637,10 @@ class NodeCheckpointing:
                 plan.pending[source.rank] = self.pool.submit(
                     self._fetch, source.address, source.rank, planned.step, dest, source.digest, source.node_id)
             plan.entries[source.rank] = entry
+        if planned.step >= 0:
+            for rank in self.local_ranks:
+                plan.entries.setdefault(rank, {"error": f"the broker's plan for generation {planned.generation} "
+                                                        f"(step {planned.step}) names no source for rank {rank}"})
         self.plan = plan
         self._finish_plan_if_ready()
 
@@ -627,14 +687,16 @@ class NodeCheckpointing:
         """Fold finished background work into events and start new work.
 
         ``groups``/``checkpoint_steps``: what the channel knows of each local rank of the current generation.
+        Each duty runs guarded (``self.pieces``): one that raises does not keep the others from running.
         """
-        self._register(groups)
-        self._collect_inventory()
-        self._collect_sends()
-        self._collect_persists()
-        self._finish_plan_if_ready()
-        self._start_sends(checkpoint_steps)
-        self._start_persists(checkpoint_steps)
+        run = self.pieces.run
+        run("registration", self._register, groups)
+        run("inventory", self._collect_inventory)
+        run("backup sends", self._collect_sends)
+        run("persists", self._collect_persists)
+        run("restore plan", self._finish_plan_if_ready)
+        run("backup sends", self._start_sends, checkpoint_steps)
+        run("persists", self._start_persists, checkpoint_steps)
         # Memory and peer holdings are no events of their own: they ride on the agent's heartbeat
         # (``holdings``), which goes early when a report round completes (``report_due``).
 

@@ -12,10 +12,20 @@ What it subscribes to (``command_subjects``; subjects ``<prefix>.<job>.<kind>.<a
   wide: each names its ``nodes`` in one event, since the round that answers it is keyed on that one
   request id (the controller and the analyzer collect the answers by it); every agent takes them and sees
   whether it is named;
-- with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``).
+- with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``) and its parts
+  addressed to this node (``BROKER_NODE_EVENT_TYPES``: the node's backup assignments and its part of a
+  restore plan).
 
 A message is acknowledged once the agent has carried it out (commands act at once; long work, a round or
 a replay, runs in the background and answers with its own event).
+
+Each message is handled in isolation (``handle``): one whose handling raises is tried once more at once (a
+passing condition), then given up: logged (rate-limited), counted, answered where the command has an answer
+(``RanksRestarted`` / ``StandbyPromoted`` with outcome ``failed`` and the error) and acknowledged. Raising
+out of the handler instead would leave the rest of the fetched batch unacknowledged until ``ack_wait``
+(10 s), past the controller's acknowledgement deadline for a diagnostics round, and put the consumer into
+its back-off; a redelivery would fail the same way. What still ends the consumer's loop (the bus) is
+supervised: logged and resumed after a back-off.
 """
 
 from __future__ import annotations
@@ -26,14 +36,17 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Protocol
 
-from keel.agent.checkpointing import BROKER_EVENT_TYPES, NodeCheckpointing
+from keel.agent.checkpointing import BROKER_EVENT_TYPES, BROKER_NODE_EVENT_TYPES, NodeCheckpointing
+from keel.agent.isolation import Pieces
 from keel.agent.launch_spec import LaunchSpec
-from keel.events.envelope import Event
+from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     DiagnosticsRequested,
+    RanksRestarted,
     RanksRestartRequested,
     SdcReplayRequested,
     StacksRequested,
+    StandbyPromoted,
     StandbyPromotionRequested,
 )
 from keel.infra.consumer import EventConsumer
@@ -52,11 +65,12 @@ COMMAND_TYPES = frozenset(c.event_name for c in (*NODE_COMMANDS, *JOB_COMMANDS))
 
 def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: bool) -> list[str]:
     """The subjects node ``node_id``'s agent consumes: its own node's commands, the job-wide requests, and
-    (``checkpointing``) the checkpoint broker's job-wide events."""
+    (``checkpointing``) the checkpoint broker's job-wide events and its parts for this node."""
     subjects = [subject_filter(prefix, job_id, c.aggregate, node_id, c.event_name) for c in NODE_COMMANDS]
     subjects += [subject_filter(prefix, job_id, c.aggregate, None, c.event_name) for c in JOB_COMMANDS]
     if checkpointing:
         subjects += [subject_filter(prefix, job_id, "job", None, name) for name in BROKER_EVENT_TYPES]
+        subjects += [subject_filter(prefix, job_id, "node", node_id, name) for name in BROKER_NODE_EVENT_TYPES]
     return subjects
 
 
@@ -80,7 +94,11 @@ class CommandTarget(Protocol):
 
     def handle_command(self, command: Event) -> None: ...
 
+    def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None: ...
 
+
+HANDLE_ATTEMPTS = 2
+"""How often a message whose handling raises is tried (at once) before it is given up (``handle``)."""
 SUPERVISOR_BACKOFF_INITIAL_S = 0.5
 SUPERVISOR_BACKOFF_MAX_S = 30.0
 
@@ -93,7 +111,12 @@ class CommandConsumer:
         self.events: EventConsumer | None = None
         """The consumer, once connected."""
         self.failures = 0
-        """How often handling a command raised (each time the consumer resumed after a back-off)."""
+        """How often handling a message raised (each attempt counts)."""
+        self.given_up = 0
+        """Messages given up after ``HANDLE_ATTEMPTS`` failed attempts (acknowledged, answered ``failed``)."""
+        self.restarts = 0
+        """How often the consumer's loop itself failed and resumed after a back-off."""
+        self.pieces = Pieces(f"{agent.spec.node_id} command consumer", log)
 
     async def run(self, stop: asyncio.Event) -> None:
         agent = self.agent
@@ -117,9 +140,9 @@ class CommandConsumer:
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the supervisor's whole point
-                self.failures += 1
+                self.restarts += 1
                 log.exception("%s: the command consumer failed (%d so far); resuming in %.1f s",
-                              spec.node_id, self.failures, backoff_s)
+                              spec.node_id, self.restarts, backoff_s)
                 try:
                     await asyncio.wait_for(stop.wait(), backoff_s)
                 except TimeoutError:
@@ -129,6 +152,34 @@ class CommandConsumer:
                 backoff_s = SUPERVISOR_BACKOFF_INITIAL_S
 
     async def handle(self, event: Event, _seq: int) -> None:
+        """One message, isolated (see the module docstring): never raises an ``Exception``."""
+        for attempt in range(1, HANDLE_ATTEMPTS + 1):
+            try:
+                await self._handle(event)
+                return
+            except Exception as exc:  # noqa: BLE001 - one message must not hold up the others
+                self.failures += 1
+                self.pieces.failed(f"handling {event.type}", exc)
+                if attempt == HANDLE_ATTEMPTS:
+                    self.given_up += 1
+                    self._answer_failed(event, exc)
+
+    def _answer_failed(self, event: Event, exc: Exception) -> None:
+        """A command given up still gets its answer, so whoever waits for it is not left waiting."""
+        payload, node_id = event.payload, self.agent.spec.node_id
+        detail = f"handling the command raised {type(exc).__name__}: {exc}"[:1000]
+        answer: EventPayload | None = None
+        if isinstance(payload, RanksRestartRequested) and payload.node_id == node_id:
+            answer = RanksRestarted(node_id=node_id, command_id=str(event.id), generation=payload.generation,
+                                    outcome="failed", detail=detail)
+        elif isinstance(payload, StandbyPromotionRequested) and payload.node_id == node_id:
+            answer = StandbyPromoted(node_id=node_id, command_id=str(event.id),
+                                     replaces_node_id=payload.replaces_node_id, generation=payload.generation,
+                                     outcome="failed", detail=detail)
+        if answer is not None:
+            self.pieces.run("answering a failed command", self.agent.emit, answer, causation=event)
+
+    async def _handle(self, event: Event) -> None:
         agent = self.agent
         if event.type in COMMAND_TYPES:
             if (isinstance(event.payload, DiagnosticsRequested) and not agent.spec.standby

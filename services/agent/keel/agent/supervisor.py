@@ -56,11 +56,12 @@ class RankProcess:
 
     def tail_text(self) -> str:
         if self.reader is None and self.stderr_path is not None:
-            return _file_tail(self.stderr_path, STDERR_TAIL_LINES)
+            return file_tail(self.stderr_path, STDERR_TAIL_LINES)
         return "".join(self.stderr_tail)
 
 
-def _file_tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> str:
+def file_tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> str:
+    """The last ``lines`` lines of a log file ('' when it cannot be read)."""
     try:
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)

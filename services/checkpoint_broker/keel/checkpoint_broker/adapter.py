@@ -52,7 +52,8 @@ class BrokerStats:
 
 
 def decider_from_settings(settings: Settings) -> CheckpointBrokerDecider:
-    return CheckpointBrokerDecider(BrokerPolicy.from_settings(settings.checkpoint))
+    return CheckpointBrokerDecider(BrokerPolicy.from_settings(settings.checkpoint,
+                                                              max_event_bytes=int(settings.bus.max_event_bytes)))
 
 
 class CheckpointBroker:
@@ -70,7 +71,8 @@ class CheckpointBroker:
     ) -> None:
         self.decider = decider_from_settings(settings)
         self.runner: DeciderRunner[BrokerState] = DeciderRunner(
-            self.decider, bus, store, consumer=self.decider.name, job_id=job_id, fetch_timeout_s=fetch_timeout_s)
+            self.decider, bus, store, consumer=self.decider.name, job_id=job_id, fetch_timeout_s=fetch_timeout_s,
+            snapshots=settings.snapshots)
         self.bus = bus
         self.persist_root: Path = settings.checkpoint.resolved_persist_root(settings.home)
         self.retention = settings.checkpoint.retention

@@ -3,13 +3,18 @@
 Four decisions per job, each with a reason (docs/checkpointing.md), each in its own module:
 
 - **Placement** (``placement``): every rank's backup peer on a node that shares no parallel group with
-  the rank's node -> ``CheckpointBackupAssigned``.
+  the rank's node -> ``CheckpointNodeBackupsAssigned``, one per node that runs the ranks concerned, on
+  its subject.
 - **Commits** (``restore.decide_commit``): the newest step every rank has a shard of in a tier ->
   ``CheckpointStepCommitted``.
 - **Schedule** (``schedule``): the persistent tier's interval K from Young's formula and the backup
   interval -> ``CheckpointScheduleSet`` when either changes.
 - **Restore** (``restore.decide_restore``): once every node's inventory for a generation arrived (or the
-  wait timed out), where each rank restores from -> ``CheckpointRestorePlanned`` and its fallbacks.
+  wait timed out), where each rank restores from -> each node's part (``CheckpointNodeRestorePlanned``,
+  on its subject), then the job-wide ``CheckpointRestorePlanned`` (a summary) and its fallbacks.
+
+Every event stays within the bus's event limit at any job size (``parts``); the kernel's size check
+at publish refuses, with a reason, anything that still would not.
 
 The state and its fold are ``state``. The manifest of a disk-committed step is written by the adapter
 (I/O); it reads ``JobState.pending_manifests`` and reports ``CheckpointPersisted``, which the fold takes
@@ -81,7 +86,7 @@ class CheckpointBrokerDecider:
         parts: list[Decision] = []
         subject = f"job/{event.job_id}"
         if isinstance(p, (CheckpointRanksRegistered, CheckpointBackupFailed, NodeEvictionDecided, NodeEvicted)):
-            parts.append(decide_placement(job, p, subject))
+            parts.append(decide_placement(job, p, subject, self.policy.part_budget_bytes))
         if isinstance(p, CheckpointShardsStored):
             parts.append(decide_commit(job, p, subject))
         if isinstance(p, NodeHeartbeat):

@@ -7,7 +7,8 @@ a rank moved) keeps every assignment that is still as good as the best available
 ranks move.
 
 ``place_backups`` and ``ranks_text`` are pure maths over plain values; ``decide_placement`` is the
-decider's placement decision (``CheckpointBackupAssigned``) over a job's state. No I/O, no clock.
+decider's placement decision (``CheckpointNodeBackupsAssigned``, one part per node that runs ranks whose
+backup moved: it used to be one job-wide ``CheckpointBackupAssigned``) over a job's state. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
+from keel.checkpoint_broker.parts import PART_BUDGET_BYTES, split
 from keel.checkpoint_broker.schedule import announced_schedule
 from keel.checkpoint_broker.state import JobState, RankSite
 from keel.events.envelope import EventPayload
 from keel.events.types import (
     BackupAssignment,
-    CheckpointBackupAssigned,
     CheckpointBackupFailed,
+    CheckpointNodeBackupsAssigned,
     CheckpointRanksRegistered,
     NodeEvicted,
     NodeEvictionDecided,
@@ -75,8 +77,8 @@ class _Topology:
 
     def shared_ranks(self, site: RankSite, backup: str) -> list[int]:
         """The rank's DP/PP/TP peers running on ``backup``."""
-        groups = [self.group_members[g] for g in (site.dp, site.pp, site.tp)]
-        return sorted(m for m in self.hosts.get(backup, ()) if m != site.rank and any(m in g for g in groups))
+        peers = self.group_members[site.dp] | self.group_members[site.pp] | self.group_members[site.tp]
+        return sorted((peers & self.hosts.get(backup, set())) - {site.rank})  # O(group size), not O(node's ranks)
 
     def level(self, signature: Signature, candidate: str) -> int | None:
         """How good ``candidate`` is as a backup for ranks of ``signature`` (``None``: their own node). O(1)."""
@@ -217,7 +219,7 @@ def ranks_text(ranks: Collection[int]) -> str:
 # -- the decision ------------------------------------------------------------------------------------
 
 
-def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
+def decide_placement(job: JobState, p: EventPayload, subject: str, part_budget_bytes: int = PART_BUDGET_BYTES) -> Decision:
     """Place or move backups after a registration, a failed backup or a node leaving the job.
 
     Waits until every rank of the job registered. An empty reason: nothing to say about ``p``."""
@@ -232,13 +234,13 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
         # placement (costly on large jobs) and remind the node of its assignments.
         resent = sorted((job.backups[g.rank] for g in p.ranks), key=lambda a: a.rank)
         reason = f"{p.node_id} registered again, unchanged: its {len(resent)} assignment(s) re-sent"
-        payload = CheckpointBackupAssigned(assignments=resent, reason=reason, **announced_schedule(job.schedule))
-        return Decision(reason, (Proposal(payload, subject=subject, key="placement"),))
+        return Decision(reason, assignment_proposals(resent, reason, job, part_budget_bytes))
     placed = place_backups(list(job.sites.values()), candidates, current=job.backups, avoid=job.avoid)
     changed = [a for a in placed if job.backups.get(a.rank) != a]
     registering = p.node_id if isinstance(p, CheckpointRanksRegistered) else None
     # A registering node's agent may have restarted: tell it its assignments again.
-    resent = [a for a in placed if a.node_id == registering and a not in changed]
+    moved_ranks = {a.rank for a in changed}
+    resent = [a for a in placed if a.node_id == registering and a.rank not in moved_ranks]
     unplaced = sorted(set(job.sites) - {a.rank for a in placed})
     note = f"; no other live node for ranks {ranks_text(unplaced)}" if unplaced else ""
     if not changed and not resent:
@@ -258,8 +260,25 @@ def decide_placement(job: JobState, p: EventPayload, subject: str) -> Decision:
               + (f", {weaker} with a fallback" if weaker else "")
               + (f", {len(resent)} re-sent to {registering}" if resent else "") + note)
     assignments = sorted(changed + resent, key=lambda a: a.rank)
-    payload = CheckpointBackupAssigned(assignments=assignments, reason=reason, **announced_schedule(job.schedule))
-    return Decision(reason, (Proposal(payload, subject=subject, key="placement"),))
+    return Decision(reason, assignment_proposals(assignments, reason, job, part_budget_bytes))
+
+
+def assignment_proposals(assignments: Sequence[BackupAssignment], reason: str, job: JobState,
+                         part_budget_bytes: int = PART_BUDGET_BYTES) -> tuple[Proposal, ...]:
+    """``assignments`` as per-node parts (``CheckpointNodeBackupsAssigned``), each on the subject of the
+    node that runs the ranks (the one that sends their backups): nodes in sorted order, each node's
+    assignments by rank, split under ``PART_BUDGET_BYTES``."""
+    by_node: dict[str, list[BackupAssignment]] = {}
+    for assignment in sorted(assignments, key=lambda a: a.rank):
+        by_node.setdefault(assignment.node_id, []).append(assignment)
+    proposals = []
+    for node in sorted(by_node):
+        chunks = split(by_node[node], part_budget_bytes)
+        proposals += [Proposal(CheckpointNodeBackupsAssigned(node_id=node, assignments=chunk, reason=reason, part=i,
+                                                             parts=len(chunks), **announced_schedule(job.schedule)),
+                               subject=f"node/{node}", key=f"placement/{node}/{i}")
+                      for i, chunk in enumerate(chunks)]
+    return tuple(proposals)
 
 
 def _same_as_before(job: JobState, p: CheckpointRanksRegistered, candidates: Mapping[str, str]) -> bool:

@@ -5,9 +5,13 @@
   within a history: a restore plan to step P winds the memory and peer tiers' commits back to before P,
   because the resumed generation writes those steps anew; the disk tier's persisted steps stay).
 - **Restore** (``plan_restore``, pure maths over the inventories): once every node's inventory for a
-  generation arrived (or the wait timed out; ``decide_restore``), the newest step every rank can
-  restore, each rank from its fastest reachable tier (memory, a peer's copy, disk) ->
+  generation arrived (or the wait timed out; ``decide_restore``: longer, up to ``restore_plan_max_wait``,
+  while a node not known lost is missing and planning without it would restore a step older than the
+  newest memory or peer commit), the newest step every rank can restore, each rank from its fastest
+  reachable tier (memory, a peer's copy, disk) ->
   ``CheckpointRestorePlanned`` plus one ``CheckpointTierFallback`` per rank that cannot use its memory.
+  Each rank's source goes to the node that runs it, on that node's subject (``CheckpointNodeRestorePlanned``,
+  ``node_parts``): the job-wide plan is a summary whose size does not grow with the job.
   After an anomaly (a NaN or a spike at step s), only steps below s are candidates.
 
 No I/O, no clock: the wait times out on the job clock's ``TimerTicked`` (``keel.infra.clock``), an event.
@@ -16,14 +20,16 @@ No I/O, no clock: the wait times out on the job clock's ``TimerTicked`` (``keel.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from keel.checkpoint_broker.parts import PART_BUDGET_BYTES, split
 from keel.checkpoint_broker.placement import ranks_text
 from keel.checkpoint_broker.state import BrokerPolicy, JobState, PersistedStep, RestoreWait
 from keel.events.types import (
     CheckpointInventoryReported,
+    CheckpointNodeRestorePlanned,
     CheckpointRestorePlanned,
     CheckpointShardsStored,
     CheckpointStepCommitted,
@@ -241,10 +247,10 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
     if not complete and now < wait.deadline:
         waiting_for = ", ".join(missing_nodes) or f"the nodes of ranks {ranks_text(unknown)}"
         return Decision(f"generation {generation}: waiting for inventories from {waiting_for}")
+    timeout = policy.restore_plan_timeout.total_seconds()
     if complete:
         waited = f"inventories from all {len(wait.inventories)} node(s) arrived"
     else:
-        timeout = policy.restore_plan_timeout.total_seconds()
         absent = ", ".join(missing_nodes) or "none"
         waited = (f"planned after the {timeout:g}s wait with {len(wait.inventories)} inventory(ies); "
                   f"absent: {absent}" + (f"; no node known for ranks {ranks_text(unknown)}" if unknown else ""))
@@ -252,11 +258,63 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
                         previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited,
                         below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
                         else None)
-    payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=list(plan.sources),
-                                       reason=plan.reason)
-    proposals = [Proposal(payload, subject=subject, key=f"plan/{generation}")]
+    if not complete:
+        # The wait's deadline counts from the first inventory, often a promoted standby's (it has no ranks
+        # to stop) while the survivors are still stopping theirs. Planning without a node that is not known
+        # lost, when that would restore an older step than one committed in memory or on the peer tier,
+        # throws committed steps away for a late report: wait longer, up to restore_plan_max_wait.
+        promised, tier = max((job.committed.get(t, -1), t) for t in ("memory", "peer"))
+        if job.restore_below is not None and promised >= job.restore_below:
+            promised = -1  # the anomaly rules those steps out anyway
+        late = [n for n in missing_nodes if n not in job.left]
+        longest = wait.deadline - policy.restore_plan_timeout + policy.restore_plan_max_wait
+        if plan.step < promised and late and now < longest:
+            return Decision(
+                f"generation {generation}: the {timeout:g}s wait for inventories ended without {', '.join(late)} "
+                f"(not known lost); planning now would restore step {plan.step}, older than step {promised} "
+                f"committed on the {tier} tier: waiting longer, until {longest.isoformat()}")
+    parts, unplaced = node_parts(plan, targets, policy.part_budget_bytes)
+    payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=unplaced, reason=plan.reason,
+                                       ranks=len(plan.sources), tiers=dict(sorted(Counter(s.tier for s in plan.sources).items())),
+                                       node_parts=len(parts))
+    # The parts first: an agent that has the plan has (in stream order) every part addressed to it.
+    proposals = [Proposal(part, subject=f"node/{part.node_id}", key=f"plan/{generation}/{part.node_id}/{part.part}")
+                 for part in parts]
+    proposals.append(Proposal(payload, subject=subject, key=f"plan/{generation}"))
     proposals += [Proposal(f, subject=subject, key=f"fallback/{generation}/{f.rank}") for f in plan.fallbacks]
     return Decision(plan.reason, tuple(proposals))
+
+
+def node_parts(plan: RestorePlan, targets: Mapping[int, str], budget_bytes: int = PART_BUDGET_BYTES,
+               ) -> tuple[list[CheckpointNodeRestorePlanned], list[RestoreSource]]:
+    """``plan``'s sources by the node that runs each rank (``targets``): every node's parts (nodes in
+    sorted order, each split under ``budget_bytes``), and the sources of ranks no node is known to
+    run (they stay in the job-wide plan, where every agent reads them)."""
+    by_node: dict[str, list[RestoreSource]] = {}
+    unplaced: list[RestoreSource] = []
+    for source in plan.sources:
+        node = targets.get(source.rank)
+        if node:
+            by_node.setdefault(node, []).append(source)
+        else:
+            unplaced.append(source)
+    parts = []
+    for node in sorted(by_node):
+        chunks = split(by_node[node], budget_bytes)
+        parts += [CheckpointNodeRestorePlanned(node_id=node, generation=plan.generation, step=plan.step,
+                                               sources=chunk, part=i, parts=len(chunks))
+                  for i, chunk in enumerate(chunks)]
+    return parts, unplaced
+
+
+def joined_sources(plan: CheckpointRestorePlanned, parts: Iterable[CheckpointNodeRestorePlanned]) -> list[RestoreSource]:
+    """Every rank's source of ``plan``, from the plan itself (version 1: all of them) and its nodes'
+    ``parts`` (those of other plans are ignored), by rank."""
+    sources = {s.rank: s for s in plan.sources}
+    for part in parts:
+        if part.generation == plan.generation and part.step == plan.step:
+            sources.update({s.rank: s for s in part.sources})
+    return [sources[r] for r in sorted(sources)]
 
 
 def restore_targets(job: JobState, wait: RestoreWait) -> dict[int, str]:

@@ -4,7 +4,7 @@ estimate ``mtbf_estimate`` and the step time).
 
 The formulas are pure maths over plain values (seconds in, steps out). ``decide_schedule`` is the
 decider's schedule decision: ``CheckpointScheduleSet`` when the persist interval K moves past the
-hysteresis or the backup interval changes; ``announced_schedule`` is what ``CheckpointBackupAssigned``
+hysteresis or the backup interval changes; ``announced_schedule`` is what ``CheckpointNodeBackupsAssigned``
 carries of it. No I/O, no clock: the elapsed time is the events' ``occurred_at``.
 """
 
@@ -80,7 +80,7 @@ def young_interval(
 
 
 def announced_schedule(schedule: ScheduleState) -> dict[str, int]:
-    """The schedule last announced, as ``CheckpointBackupAssigned`` carries it (nothing before one)."""
+    """The schedule last announced, as ``CheckpointNodeBackupsAssigned`` carries it (nothing before one)."""
     if schedule.every_k is None:
         return {}
     return {"every_k_steps": schedule.every_k, "backup_every_k_steps": schedule.backup_every or 1}

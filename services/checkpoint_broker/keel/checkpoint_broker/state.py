@@ -25,6 +25,7 @@ from keel.events.types import (
     CheckpointBackupAssigned,
     CheckpointBackupFailed,
     CheckpointInventoryReported,
+    CheckpointNodeBackupsAssigned,
     CheckpointPersisted,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
@@ -59,7 +60,9 @@ FOLDED = frozenset({
     RankExited.event_name, RankStarted.event_name, NodeEvictionDecided.event_name, NodeEvicted.event_name,
     TimerTicked.event_name,
     # Learnt from, never decided on: the job's size, the broker's own decisions and the analyzer's anomalies.
-    JobRegistered.event_name, CheckpointBackupAssigned.event_name, CheckpointStepCommitted.event_name,
+    # CheckpointBackupAssigned: the job-wide placement of logs written before per-node parts.
+    JobRegistered.event_name, CheckpointBackupAssigned.event_name, CheckpointNodeBackupsAssigned.event_name,
+    CheckpointStepCommitted.event_name,
     CheckpointScheduleSet.event_name, CheckpointRestorePlanned.event_name, MetricAnomalyDetected.event_name,
 })
 """Event types ``fold`` learns from; any other leaves the state unchanged."""
@@ -208,6 +211,9 @@ class BrokerPolicy:
     initial_save_cost: timedelta = timedelta(seconds=5)
     mtbf_prior: timedelta = timedelta(hours=4)
     restore_plan_timeout: timedelta = timedelta(seconds=10)
+    restore_plan_max_wait: timedelta = timedelta(seconds=60)
+    """The longest wait for inventories when planning after ``restore_plan_timeout`` would lose committed
+    steps (``keel.checkpoint_broker.restore.decide_restore``)."""
     retention: int = 3  # persisted steps kept
     save_cost_weight: float = 0.3
     """EWMA weight of the newest save-cost measurement."""
@@ -229,14 +235,22 @@ class BrokerPolicy:
     interval in force must go coarser (its transfers exceed the duty past the margin): a job whose step
     time swings keeps one schedule a minute, not one per heartbeat."""
 
+    part_budget_bytes: int = 64 * 1024
+    """The most entry bytes in one per-node part of a plan or a placement (``keel.checkpoint_broker.parts``)."""
+
     @classmethod
-    def from_settings(cls, settings: CheckpointSettings) -> BrokerPolicy:
+    def from_settings(cls, settings: CheckpointSettings, *, max_event_bytes: int | None = None) -> BrokerPolicy:
+        """``max_event_bytes``: the bus's event limit; parts then hold at most a quarter of it in entries
+        (and never more than 64 KiB), leaving room for the envelope and the reason."""
+        budget = 64 * 1024 if max_event_bytes is None else max(1024, min(64 * 1024, int(max_event_bytes) // 4))
         return cls(
+            part_budget_bytes=budget,
             persist_every_floor=settings.persist_every_floor,
             persist_every_ceiling=settings.persist_every_ceiling,
             initial_save_cost=settings.initial_save_cost,
             mtbf_prior=settings.mtbf_prior,
             restore_plan_timeout=settings.restore_plan_timeout,
+            restore_plan_max_wait=settings.restore_plan_max_wait,
             retention=settings.retention,
             backup_max_duty=settings.backup_max_duty,
             backup_min_period=settings.backup_min_period,
@@ -273,7 +287,7 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
                        generation=max(job.generation, p.generation), sites=sites, site_generation=gens,
                        addresses={**job.addresses, p.node_id: p.store_address}, left=job.left - {p.node_id},
                        avoid=avoid)
-    if isinstance(p, CheckpointBackupAssigned):
+    if isinstance(p, (CheckpointBackupAssigned, CheckpointNodeBackupsAssigned)):
         return replace(job, backups={**job.backups, **{a.rank: a for a in p.assignments}})
     if isinstance(p, CheckpointBackupFailed):
         current = job.backups.get(p.rank)

@@ -20,6 +20,7 @@ from keel.controller.policy import ControllerPolicy
 from keel.controller.state import ControllerState
 from keel.events.envelope import Event, now_utc
 from keel.events.types import (
+    SYSTEM_JOB,
     CheckpointPersisted,
     CheckpointScheduleSet,
     CheckpointShardsStored,
@@ -75,7 +76,7 @@ class Controller:
                  clock: Callable[[], datetime] = now_utc, fetch_timeout_s: float = 0.2) -> None:
         self.decider = decider_from_settings(settings)
         self.runner = DeciderRunner(self.decider, bus, store, fetch_timeout_s=fetch_timeout_s,
-                                    on_input=self._note_input)
+                                    on_input=self._note_input, snapshots=settings.snapshots)
         self.bus = bus
         self.clock = clock
         self.clock_linger = settings.controller.clock_linger
@@ -98,9 +99,9 @@ class Controller:
         await self.runner.start()
 
     def _note_input(self, event: Event) -> None:
-        if event.type != TimerTicked.event_name:
+        if event.type != TimerTicked.event_name and event.job_id != SYSTEM_JOB:  # Keel's own reports need no clock
             self._last_input[event.job_id] = self.clock()
-        if event.type not in ROUTINE_INPUTS:
+        if event.type not in ROUTINE_INPUTS and event.job_id != SYSTEM_JOB:
             self._last_busy_input[event.job_id] = self.clock()
 
     def jobs_to_tick(self) -> list[str]:

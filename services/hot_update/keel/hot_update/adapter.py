@@ -22,4 +22,5 @@ class HotUpdate(RunnerService[HotUpdateState]):
     """The running service: ``start()`` (cold start), then ``run(stop)``."""
 
     def __init__(self, bus: Bus, store: EventStore | None, settings: Settings, *, fetch_timeout_s: float = 0.2) -> None:
-        super().__init__(decider_from_settings(settings), bus, store, fetch_timeout_s=fetch_timeout_s)
+        super().__init__(decider_from_settings(settings), bus, store, fetch_timeout_s=fetch_timeout_s,
+                         snapshots=settings.snapshots)

@@ -11,6 +11,17 @@ messages), so the tracking row (highest sequence and position made durable) is f
 never a reason to skip a message: skipping "old" sequences lost a killed recorder's batch. Transient Postgres errors (restart, lost connection) are retried with capped
 backoff for as long as it takes: the consumer is unbounded (``max_deliver=-1``) because the recorder
 must never give up on an event.
+
+The stream discards new messages at its limit (``keel.infra.bus``): every ``recorder.stream_check_interval``
+the recorder checks how full it is and, past ``recorder.stream_trim_at``, purges the oldest messages it has
+stored (below its consumer's acknowledgement floor, never beyond: ``core.trim_point``).
+
+Lag: per batch, now minus the arrival in the stream of the batch's oldest message (JetStream metadata in
+the reply subject), and the messages still pending for the recorder; kept as metrics
+(``keel.infra.metrics``: ``keel_recorder_lag_seconds``, ``keel_recorder_lag_events``) and published as
+``RecorderLagReported`` when it crosses ``recorder.lag_threshold`` and periodically while above
+(``core.lag_report_due``). While Postgres is away the lag of the batch in hand keeps growing and is
+reported too.
 """
 
 from __future__ import annotations
@@ -22,17 +33,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from keel.events.envelope import InvalidEvent, decode_wire
-from keel.infra.bus import Bus, stream_sequence
+from keel.events.envelope import Event, InvalidEvent, decode_wire, now_utc
+from keel.events.types import SYSTEM_JOB, RecorderLagReported
+from keel.infra.bus import Bus, PublishFailed, delivery_info, stream_sequence
 from keel.infra.config import RecorderSettings
 from keel.infra.consumer import EventConsumer
+from keel.infra.metrics import REGISTRY
 from keel.infra.store import append_events, event_row, metadata, record_dead_letter, save_tracking
-from keel.recorder.core import DEFAULT_PROJECTIONS, BatchPlan, Projection, Upsert
+from keel.recorder.core import (
+    DEFAULT_PROJECTIONS,
+    BatchPlan,
+    LagReporting,
+    Projection,
+    Upsert,
+    lag_report_due,
+    trim_point,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +70,15 @@ def transient_db_error(exc: DBAPIError) -> bool:
     return exc.connection_invalidated or sqlstate in _TRANSIENT_SQLSTATES or sqlstate.startswith("08")
 
 
+RECORDED = REGISTRY.counter("keel_events_recorded_total", "Events persisted to PostgreSQL")
+DEAD_LETTERED = REGISTRY.counter("keel_events_dead_lettered_total", "Messages moved to the dead-letter stream")
+BATCH_SECONDS = REGISTRY.histogram("keel_recorder_batch_seconds", "One recorder transaction, retries included")
+LAG_SECONDS = REGISTRY.gauge("keel_recorder_lag_seconds",
+                             "Now minus the arrival in the stream of the oldest message of the batch in hand")
+LAG_EVENTS = REGISTRY.gauge("keel_recorder_lag_events", "Messages in the stream not yet delivered to the recorder")
+TRIMMED = REGISTRY.counter("keel_stream_trimmed_total", "Recorded messages the recorder purged from the full stream")
+
+
 @dataclass
 class RecorderStats:
     batches: int = 0
@@ -56,6 +87,10 @@ class RecorderStats:
     dead_lettered: int = 0
     db_retries: int = 0
     last_js_seq: int = 0
+    lag_s: float = 0.0
+    pending: int = 0
+    lag_reports: int = 0
+    trimmed: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
 
@@ -76,6 +111,9 @@ class Recorder:
         # still outstanding, and an AckAll from the successor would acknowledge them unrecorded.
         self._events = EventConsumer(bus, settings.consumer, batch_size=settings.batch_size,
                                      fetch_timeout_s=settings.fetch_timeout.total_seconds(), max_deliver=-1)
+        self._lag = LagReporting()
+        self._reporting: asyncio.Task[None] | None = None
+        self._next_trim_check_s = 0.0
 
     async def start(self) -> None:
         await self._events.start()
@@ -99,9 +137,15 @@ class Recorder:
                     return
                 fetching = asyncio.create_task(self._fetch())
                 await self._record(msgs)
+                await self._maybe_trim()
         finally:
             if not fetching.done():
                 fetching.cancel()
+            if self._reporting is not None and not self._reporting.done():
+                try:
+                    await asyncio.wait_for(self._reporting, 5)
+                except TimeoutError:
+                    log.warning("recorder: its last lag report was not published before it stopped")
 
     async def run_once(self) -> int:
         """Fetch and record one batch; returns the number of messages handled."""
@@ -113,13 +157,18 @@ class Recorder:
 
     async def _record(self, msgs: list[Msg]) -> int:
         if not msgs:
+            await self._observe_lag(None, 0)
             return 0
+        started = time.monotonic()
+        deliveries = [delivery_info(m) for m in msgs]
+        oldest_ns = min(arrival for _, arrival, _ in deliveries)
+        pending = max(deliveries)[2]  # after the newest message of the batch
         plan = self.plan(msgs)
         for seq, reason in plan.rejected:
             msg = next(m for m in msgs if stream_sequence(m) == seq)
             await self.bus.dead_letter(msg, reason)
         by_seq = {stream_sequence(m): m for m in msgs}
-        fresh, duplicates = await self._commit_with_retry(plan, by_seq)
+        fresh, duplicates = await self._commit_with_retry(plan, by_seq, oldest_ns, pending)
         last_seq = max(by_seq)
         for msg in msgs:
             await msg.ack()
@@ -128,7 +177,72 @@ class Recorder:
         self.stats.duplicates += duplicates
         self.stats.dead_lettered += len(plan.rejected)
         self.stats.last_js_seq = max(self.stats.last_js_seq, last_seq)
+        RECORDED.inc(fresh)
+        DEAD_LETTERED.inc(len(plan.rejected))
+        BATCH_SECONDS.observe(time.monotonic() - started)
+        await self._observe_lag(oldest_ns, pending)
         return len(msgs)
+
+    async def _observe_lag(self, oldest_ns: int | None, pending: int) -> None:
+        """Keep the lag metrics of the batch in hand (``oldest_ns`` None: nothing waits) and publish a
+        ``RecorderLagReported`` when ``core.lag_report_due`` says so; a report that cannot be published is
+        logged, never a reason to stop recording."""
+        lag_s = 0.0 if oldest_ns is None else max(0.0, time.time() - oldest_ns / 1e9)
+        self.stats.lag_s, self.stats.pending = lag_s, pending
+        LAG_SECONDS.set(lag_s)
+        LAG_EVENTS.set(pending)
+        threshold_s = self.settings.lag_threshold.total_seconds()
+        self._lag, due = lag_report_due(self._lag, lag_s, time.monotonic(), threshold_s=threshold_s,
+                                        interval_s=self.settings.lag_report_interval.total_seconds())
+        if not due:
+            return
+        now = now_utc()
+        report = Event.create(
+            RecorderLagReported(consumer=self.settings.consumer, lag_s=round(lag_s, 3), pending=pending,
+                                threshold_s=threshold_s, above=self._lag.above),
+            job_id=SYSTEM_JOB, subject=f"recorder/{self.settings.consumer}", producer="recorder", occurred_at=now)
+        log.log(logging.WARNING if self._lag.above else logging.INFO, "recorder lag %.1f s (%d pending) is %s the "
+                "%.0f s threshold", lag_s, pending, "above" if self._lag.above else "back below", threshold_s)
+        # In the background: a report must never hold up recording (a full stream refuses it after retries).
+        if self._reporting is not None and not self._reporting.done():
+            log.warning("recorder: the previous lag report is still being published; this one is left out")
+            return
+        self._reporting = asyncio.create_task(self._publish_report(report))
+
+    async def _publish_report(self, report: Event) -> None:
+        try:
+            await self.bus.publish(report)
+            self.stats.lag_reports += 1
+        except PublishFailed as exc:
+            log.warning("recorder: could not publish its lag report: %s", exc)
+
+    async def _maybe_trim(self) -> None:
+        """Every ``stream_check_interval``: purge what the recorder has stored from a stream past
+        ``stream_trim_at`` (``core.trim_point``). A failed check is logged and tried again later."""
+        now_s = time.monotonic()
+        if now_s < self._next_trim_check_s:
+            return
+        self._next_trim_check_s = now_s + self.settings.stream_check_interval.total_seconds()
+        stream = self.bus.settings.stream
+        try:
+            info = await self.bus.js.stream_info(stream)
+            state, config = info.state, info.config
+            floor = (await self.bus.js.consumer_info(stream, self.settings.consumer)).ack_floor
+            below = trim_point(first_seq=state.first_seq, last_seq=state.last_seq, messages=state.messages,
+                               stored_bytes=state.bytes, max_bytes=config.max_bytes or -1,
+                               max_msgs=config.max_msgs or -1, recorded_floor=floor.stream_seq if floor else 0,
+                               trim_at=self.settings.stream_trim_at, trim_to=self.settings.stream_trim_to)
+            if below is None:
+                return
+            await self.bus.js.purge_stream(stream, seq=below)
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("recorder: could not check or trim stream %s: %r", stream, exc)
+            return
+        purged = max(0, below - state.first_seq)
+        self.stats.trimmed += purged
+        TRIMMED.inc(purged)
+        log.info("recorder: stream %s was %d messages / %d bytes; purged the recorded ones below sequence %d",
+                 stream, state.messages, state.bytes, below)
 
     def plan(self, msgs: Sequence[Msg]) -> BatchPlan:
         plan = BatchPlan()
@@ -146,8 +260,10 @@ class Recorder:
             plan.accepted.append((seq, as_sent, event))
         return plan
 
-    async def _commit_with_retry(self, plan: BatchPlan, by_seq: dict[int, Msg]) -> tuple[int, int]:
-        """Write the batch in one transaction, retrying transient failures; (new, duplicate) counts."""
+    async def _commit_with_retry(self, plan: BatchPlan, by_seq: dict[int, Msg], oldest_ns: int | None = None,
+                                 pending: int = 0) -> tuple[int, int]:
+        """Write the batch in one transaction, retrying transient failures; (new, duplicate) counts. While
+        it retries, the lag of the batch in hand (arrived at ``oldest_ns``) keeps being observed."""
         delay_s = 0.1
         while True:
             try:
@@ -161,6 +277,8 @@ class Recorder:
                 self._note_retry(exc)
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 5.0)
+            if oldest_ns is not None:
+                await self._observe_lag(oldest_ns, pending)
 
     def _note_retry(self, exc: BaseException) -> None:
         self.stats.db_retries += 1

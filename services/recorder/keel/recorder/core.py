@@ -74,3 +74,42 @@ class BatchPlan:
 
 
 DEFAULT_PROJECTIONS: tuple[Projection, ...] = (NodeStatusProjection(),)
+
+
+def trim_point(*, first_seq: int, last_seq: int, messages: int, stored_bytes: int, max_bytes: int, max_msgs: int,
+               recorded_floor: int, trim_at: float, trim_to: float) -> int | None:
+    """Where to purge the events stream (every message below the returned sequence), or None.
+
+    The stream discards new messages at its limit, so the recorder makes room: once it is ``trim_at`` full
+    (of ``max_bytes`` or ``max_msgs``, whichever is fuller; a limit <= 0 is none), purge the oldest messages
+    down to about ``trim_to`` of the limit, but never past ``recorded_floor``, the highest sequence below
+    which the recorder has stored (acknowledged) every message: an unrecorded event is never purged."""
+    fills = [stored_bytes / max_bytes] if max_bytes > 0 else []
+    if max_msgs > 0:
+        fills.append(messages / max_msgs)
+    fill = max(fills, default=0.0)
+    if messages <= 0 or fill < trim_at:
+        return None
+    keep = int(messages * trim_to / fill)
+    below = min(last_seq + 1 - keep, recorded_floor + 1)
+    return below if below > first_seq else None
+
+
+@dataclass
+class LagReporting:
+    """Whether the recorder's lag was above its threshold at the last report, and when that was."""
+
+    above: bool = False
+    last_report_s: float | None = None
+
+
+def lag_report_due(state: LagReporting, lag_s: float, now_s: float, *, threshold_s: float,
+                   interval_s: float) -> tuple[LagReporting, bool]:
+    """Report the lag when it crosses ``threshold_s`` (either way) and every ``interval_s`` while it stays
+    above (``now_s``: a monotonic clock); (the new state, whether to report now)."""
+    above = lag_s > threshold_s
+    crossed = above != state.above
+    periodic = above and (state.last_report_s is None or now_s - state.last_report_s >= interval_s)
+    if crossed or periodic:
+        return LagReporting(above, now_s), True
+    return state, False
