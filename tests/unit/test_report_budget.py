@@ -293,3 +293,15 @@ def test_a_restore_plan_lets_the_next_heartbeat_commit_at_once() -> None:
                                shards("n1", "memory", [(2, 128), (3, 128)], at=T0 + timedelta(seconds=5))],
                      CheckpointStepCommitted)
     assert [(c.tier, c.step) for c in old] == [("memory", 128)]
+
+
+def test_the_new_broker_state_survives_a_decider_snapshot() -> None:
+    from dataclasses import replace
+
+    from keel.checkpoint_broker.state import BrokerState, JobState, ScheduleState
+    from keel.kernel.snapshot import decode_state, encode_state
+
+    job = replace(JobState(), committed={"memory": 64}, committed_at={"memory": T0, "peer": T0 + timedelta(seconds=3)},
+                  schedule=replace(ScheduleState(), announced_at=T0))
+    state = BrokerState(jobs={JOB: job})
+    assert decode_state(encode_state(state)) == state
