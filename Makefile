@@ -18,7 +18,7 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
 DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'grpcio-tools>=1.85.1' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
 
-.PHONY: install test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer schema proto config-docs clean
+.PHONY: install test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs clean
 
 install: $(STAMP)
 
@@ -60,6 +60,7 @@ bench-quick: install
 	$(BIN)/python -m bench.checkpoint --quick --variants none,torch_save,dcp_async,keel_nobackup,keel
 	$(BIN)/python -m bench.recovery --quick
 	$(BIN)/python -m bench.analyzer --quick
+	$(BIN)/python -m bench.control_plane --quick
 
 # The ft_launcher peer is a benchmark-only dependency; it drags in the deprecated pynvml shim, which
 # would print a warning in every rank, so the shim goes again (nvidia-ml-py provides pynvml).
@@ -81,6 +82,11 @@ bench-recovery: install
 # Stack capture with py-spy, aggregation from 1k to 64k ranks, and SDC localisation (under a minute).
 bench-analyzer: install
 	$(BIN)/python -m bench.analyzer --json bench/results/analyzer.json
+
+# The control plane's steady-state cost (a real local cluster) and recorder lag (a simulated 1,000-node
+# job): about 15 minutes; `python -m bench.control_plane --quick` in under 5.
+bench-control-plane: install
+	$(BIN)/python -m bench.control_plane --json bench/results/control_plane.json
 
 schema: install
 	$(BIN)/keel events schema --write

@@ -125,13 +125,15 @@ async def test_an_agent_killed_and_restarted_under_a_running_job_resumes_it_from
     for node in ("n00", "n01"):
         await job.wait_for(["NodeHeartbeat"], lambda e, n=node: e.payload.node_id == n and e.payload.last_step >= 5,
                            180, f"{node} stepping")
-    held = await job.wait_for(["CheckpointShardsStored"], lambda e: e.payload.node_id == "n01"
-                              and e.payload.tier == "memory" and max(s.step for s in e.payload.shards) >= 5, 60,
+    # What a node holds in memory and on behalf of peers rides on its heartbeats (``NodeHeartbeat.stored``).
+    held = await job.wait_for(["NodeHeartbeat"], lambda e: e.payload.node_id == "n01"
+                              and max((s.step for s in e.payload.stored.get("memory", [])), default=-1) >= 5, 60,
                               "n01's memory tier past step 5")
-    in_memory_before = max(s.step for s in held.payload.shards)
+    in_memory_before = max(s.step for s in held.payload.stored["memory"])
     # n01 holds rank 0's backup for n00 (the peer tier): the restart must not lose that either.
-    await job.wait_for(["CheckpointShardsStored"], lambda e: e.payload.node_id == "n01" and e.payload.tier == "peer"
-                       and any(s.rank == 0 for s in e.payload.shards), 60, "n01 holding rank 0's backup")
+    await job.wait_for(["NodeHeartbeat"], lambda e: e.payload.node_id == "n01"
+                       and any(s.rank == 0 for s in e.payload.stored.get("peer", [])), 60,
+                       "n01 holding rank 0's backup")
     recorded = read_state(agent_dir)
     assert recorded is not None and recorded.generation == 0 and list(recorded.ranks) == [1], recorded
     old_ranks = ranks_of(agent_dir)
@@ -164,9 +166,13 @@ async def test_an_agent_killed_and_restarted_under_a_running_job_resumes_it_from
     plan = await job.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation >= 1, 180,
                               "the restore plan of the restarted job")
     generation = plan.payload.generation
-    sources = {s.rank: s for s in plan.payload.sources}
+    # The plan's sources travel per node (CheckpointNodeRestorePlanned parts) beside the job-wide summary.
+    from keel.checkpoint_broker.restore import joined_sources
+
+    parts = [e.payload for e in await job.events(["CheckpointNodeRestorePlanned"])]
+    sources = {s.rank: s for s in joined_sources(plan.payload, parts)}
     assert (sources[1].tier, sources[1].node_id) == ("memory", "n01"), plan.payload
-    assert {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    assert {s.tier for s in sources.values()} == {"memory"}, plan.payload
     assert plan.payload.step >= in_memory_before > 0, (plan.payload.step, in_memory_before)
     inventory = await job.wait_for(["CheckpointInventoryReported"], lambda e: e.payload.node_id == "n01"
                                    and e.payload.generation == generation, 10, "n01's inventory")

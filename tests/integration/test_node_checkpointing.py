@@ -29,6 +29,7 @@ from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
 from keel.checkpoint_broker.decider import CheckpointBrokerDecider
 from keel.checkpoint_broker.restore import joined_sources
+from keel.checkpoint_broker.state import BrokerPolicy
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointBackupAssigned,
@@ -42,6 +43,7 @@ from keel.events.types import (
     CheckpointShardsStored,
     CheckpointStepCommitted,
     CheckpointTierFallback,
+    NodeHeartbeat,
 )
 from keel.kernel.decider import DeciderSession
 
@@ -105,6 +107,7 @@ class Node:
         self.groups: dict[int, dict[str, list[int]] | None] = {r: solo_groups(r) for r in ranks}
         self.steps: dict[int, int] = {}
         self.payloads: dict[tuple[int, int], bytes] = {}  # (rank, step) -> payload
+        self.last_stored: dict[str, Any] = {}
 
     def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None:
         # As NodeAgent.emit: the subject defaults to the node's own.
@@ -129,6 +132,13 @@ class Node:
 
     def tick(self) -> None:
         self.ckpt.tick(time.monotonic(), self.groups, self.steps)
+        # The agent's heartbeat carries the node's memory and peer holdings; here one goes whenever they
+        # change (the agent sends one per report round: ``report_due``, tested on its own).
+        stored = self.ckpt.holdings()
+        if stored != self.last_stored:
+            self.last_stored = stored
+            self.emit(NodeHeartbeat(node_id=self.node_id, ranks_alive=len(self.ranks),
+                                    ranks_expected=len(self.ranks), stored=stored))
 
     def restart(self, generation: int) -> None:
         """The agent's restart: the inventory runs on the pool; the next tick publishes it (or, unsupervised,
@@ -149,7 +159,9 @@ class Cluster:
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        self.session = DeciderSession(CheckpointBrokerDecider())
+        # Commits as soon as every rank is reported (the broker holds heartbeat-carried commits back to
+        # one per 10 s per tier: tests/unit/test_report_budget.py), so each test commits step after step.
+        self.session = DeciderSession(CheckpointBrokerDecider(BrokerPolicy(commit_min_period=timedelta(0))))
         self.nodes: dict[str, Node] = {}
         self.retired: list[Node] = []  # replaced by a restarted agent of the same node
         self.queue: list[Event] = []
@@ -249,9 +261,11 @@ class Cluster:
         return dict(self.session.state.job(JOB).backups)
 
     def held(self, node: Node, rank: int, step: int, owner: str) -> list[Any]:
-        """``CheckpointShardsStored`` tier "peer" records ``node`` reported for ``rank`` at ``step``."""
-        return [s for p in self.payloads(CheckpointShardsStored, node_id=node.node_id, tier="peer")
-                for s in p.shards if s.rank == rank and s.step == step and s.owner_node_id == owner]
+        """The distinct peer records ``node``'s heartbeats reported for ``rank`` at ``step`` (a heartbeat
+        carries every holding, so a record recurs until it is dropped)."""
+        found = [s for p in self.payloads(NodeHeartbeat, node_id=node.node_id)
+                 for s in p.stored.get("peer", []) if s.rank == rank and s.step == step and s.owner_node_id == owner]
+        return list({(s.digest, s.bytes): s for s in found}.values())
 
 
 @pytest.fixture
@@ -593,3 +607,70 @@ def test_restarted_peer_with_a_new_address_gets_backups_again(cluster: Cluster) 
         if x.rank == 0 and x.backup_address == b2.transport.address])
     [record] = cluster.wait_for("B's new store holding rank 0 step 3", lambda: cluster.held(b2, 0, 3, "A"))
     assert record.digest == sha(payload)
+
+
+# -- report rounds: what the agent's heartbeat carries, and when it goes early --------------------------
+
+
+def test_a_report_round_completes_once_when_every_local_send_and_every_held_backup_reached_it(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    from keel.agent import checkpointing
+
+    monkeypatch.setattr(checkpointing, "ROUND_PEER_GRACE_S", 60.0)  # only the backups landing complete a round here
+    nodes = three_nodes(cluster)
+    backed_up(cluster, 2)
+    period = timedelta(seconds=5)
+    step_time = 2.5  # two steps a round (report_round_steps)
+
+    def due(node: Node) -> bool:
+        return node.ckpt.report_due(time.monotonic(), node.steps, step_time, period)
+
+    for node in nodes:
+        cluster.wait_for(f"{node.node_id}'s round of step 2", lambda node=node: due(node))
+        assert not due(node), "a round completes once"
+    for node in nodes:
+        [rank] = node.ranks
+        node.snapshot(rank, 3)
+    cluster.settle(0.3)
+    assert not any(due(node) for node in nodes), "step 3 is no round"
+    for node in nodes:
+        [rank] = node.ranks
+        node.snapshot(rank, 4)
+    for node in nodes:
+        cluster.wait_for(f"{node.node_id}'s round of step 4", lambda node=node: due(node))
+        # What its heartbeat then carries: its own rank's step 4, and the step-4 backup it holds.
+        stored = node.ckpt.holdings()
+        assert (node.ranks[0], 4) in {(s.rank, s.step) for s in stored["memory"]}
+        assert 4 in {s.step for s in stored["peer"]}
+        assert all(s.owner_node_id not in ("", node.node_id) for s in stored["peer"])
+    cluster.wait_for("peer commit of step 4", lambda: cluster.payloads(CheckpointStepCommitted, tier="peer", step=4))
+
+
+def test_without_a_peer_tier_a_round_is_the_newest_step_of_every_local_rank(cluster: Cluster) -> None:
+    node = cluster.add("solo", [0, 1], 2, transport=False)
+    period = timedelta(seconds=1)
+
+    def due() -> bool:
+        return node.ckpt.report_due(time.monotonic(), node.steps, 0.25, period)  # 4 steps a round
+
+    assert not node.ckpt.report_due(time.monotonic(), node.steps, None, period), "no step time: no round"
+    node.snapshot(0, 1)
+    node.snapshot(1, 1)
+    assert due(), "step 0 is a round (a multiple of every interval)"
+    for step in (2, 3):
+        node.snapshot(0, step)
+        node.snapshot(1, step)
+        assert not due()
+    node.snapshot(0, 4)
+    assert not due(), "rank 1 has not reached the round"
+    node.snapshot(1, 4)
+    assert due() and not due()
+    # The heartbeat carries each rank's newest round step only (the ring also holds step 3).
+    assert {(s.rank, s.step) for s in node.ckpt.holdings()["memory"]} == {(0, 4), (1, 4)}
+    node.snapshot(0, 5)
+    node.snapshot(1, 5)
+    assert not due()
+    assert {(s.rank, s.step) for s in node.ckpt.holdings()["memory"]} == {(0, 4), (1, 4)}
+    # A restart may resume from an older step: its rounds are new.
+    node.ckpt.prepare_restart(generation=1)
+    assert node.ckpt.reported_round == -1

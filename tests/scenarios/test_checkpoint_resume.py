@@ -159,8 +159,8 @@ class Run:
                       and event.payload.step > plan.payload.step):
                     return event.payload.step
             await asyncio.sleep(0.2)
-        reports = [(e.payload.node_id, [(r.rank, r.step) for r in e.payload.shards])
-                   for e in await self.events(["CheckpointShardsStored"]) if e.payload.tier == "peer"][-12:]
+        reports = [(e.payload.node_id, [(r.rank, r.step) for r in e.payload.stored.get("peer", [])])
+                   for e in await self.events(["NodeHeartbeat"]) if e.payload.stored.get("peer")][-12:]
         commits = [(e.payload.tier, e.payload.step) for e in await self.events(["CheckpointStepCommitted"])][-8:]
         schedule = [e.payload.model_dump() for e in await self.events(["CheckpointScheduleSet"])][-2:]
         raise AssertionError(f"no peer-tier commit after step {plan.payload.step} within {timeout_s}s "

@@ -367,10 +367,16 @@ def test_schedule_is_set_when_k_changes_with_the_numbers() -> None:
     assert third.mtbf_s == pytest.approx(9000) and third.step_time_s == 2.05
     assert third.every_k_steps == round(math.sqrt(2 * 20 * 9000) / 2.05) == 293
     assert "1 failure(s)" in third.reason and "was 381" in third.reason
-    # Later measurements are smoothed: C = 20 + 0.3 x (5 - 20) = 15.5.
-    [fourth] = emitted_of(session, [persisted_event(200, 5.0, T0 + timedelta(hours=1, seconds=1))], CheckpointScheduleSet)
-    assert fourth.save_cost_s == pytest.approx(15.5)
-    assert fourth.every_k_steps == round(math.sqrt(2 * 15.5 * (3601 + 14400) / 2) / 2.05) == 258
+    # Later measurements are smoothed: C = 20 + 0.3 x (5 - 20) = 15.5, K 258: within 20 % of 293, kept.
+    assert emitted_of(session, [persisted_event(200, 5.0, T0 + timedelta(hours=1, seconds=1))],
+                      CheckpointScheduleSet) == []
+    # C = 15.5 + 0.3 x (80 - 15.5) = 34.85: K 386, past the hysteresis; but a minute has not passed since
+    # the schedule in force was announced: it waits for the next input after the minute.
+    assert emitted_of(session, [persisted_event(300, 80.0, T0 + timedelta(hours=1, seconds=2))],
+                      CheckpointScheduleSet) == []
+    [fourth] = emitted_of(session, [heartbeat("n1", 2.05, T0 + timedelta(hours=1, minutes=1))], CheckpointScheduleSet)
+    assert fourth.save_cost_s == pytest.approx(34.85)
+    assert fourth.every_k_steps == round(math.sqrt(2 * 34.85 * (3660 + 14400) / 2) / 2.05) == 387
     # A stopped rank is not a failure.
     stopped = ev(RankExited(node_id="n0", rank=1, pid=2, generation=0, exit_code=0, classification="stopped_by_agent"),
                  "rank/1", T0 + timedelta(hours=1, seconds=1))

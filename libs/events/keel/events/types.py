@@ -157,9 +157,12 @@ ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent"
 FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
 
 
-@event_type("NodeHeartbeat", version=2, aggregate="node")
+@event_type("NodeHeartbeat", version=3, aggregate="node")
 class NodeHeartbeat(EventPayload):
-    """Periodic liveness of a node agent and a summary of its ranks (not every sample)."""
+    """Periodic liveness of a node agent and a summary of its ranks (not every sample). Since v3 it also
+    carries what the node holds in the memory and peer checkpoint tiers (``stored``): shard reports ride
+    on the heartbeat instead of being events of their own (``CheckpointShardsStored`` now only reports
+    the disk tier), and a heartbeat is sent early when a report round completes (see the agent)."""
 
     node_id: str
     standby: bool = False
@@ -173,11 +176,21 @@ class NodeHeartbeat(EventPayload):
     """Per rank: its median time per step outside collectives over the last interval (absent: the
     loop marks no collective waits). Every rank of a synchronous job steps as slowly as the slowest;
     only a fail-slow rank also computes longer than the peers doing the same work."""
+    stored: dict[CheckpointTier, list[ShardRecord]] = Field(default_factory=dict)
+    """Per tier ("memory", "peer"): what the node holds now, the newest report-round step of each of its
+    ranks in memory and of each backup it holds for another node's rank (one record each). Empty: a
+    node without checkpointing, or nothing held yet. The broker folds each tier as a
+    ``CheckpointShardsStored`` of that tier."""
 
 
 @upcaster("NodeHeartbeat", from_version=1)
 def _node_heartbeat_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "rank_compute_time_p50_s": {}}  # v1 did not measure it
+
+
+@upcaster("NodeHeartbeat", from_version=2)
+def _node_heartbeat_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "stored": {}}  # v2 agents reported shards as CheckpointShardsStored events
 
 
 @event_type("RankStarted", version=1, aggregate="rank")
@@ -356,7 +369,8 @@ class ShardRecord(EventPayload):
 @event_type("CheckpointShardsStored", version=1, aggregate="node")
 class CheckpointShardsStored(EventPayload):
     """A node holds verified shards in one tier (its ranks' own snapshots, backups it holds for peers,
-    or shards it persisted). Sent at most once per report interval per tier, newest step only."""
+    or shards it persisted). Agents now send it for the disk tier only (memory and peer holdings ride
+    on ``NodeHeartbeat.stored``); older logs hold it for every tier, and the broker folds both alike."""
 
     node_id: str
     tier: CheckpointTier

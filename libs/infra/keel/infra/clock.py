@@ -36,16 +36,21 @@ class JobClock:
     """Publishes a tick for each job ``jobs()`` names; the host calls ``tick()`` once per ``interval``."""
 
     def __init__(self, bus: Bus, jobs: Callable[[], Iterable[str]], interval: timedelta, *,
-                 clock: Callable[[], datetime] = now_utc) -> None:
+                 clock: Callable[[], datetime] = now_utc,
+                 interval_of: Callable[[str], timedelta] | None = None) -> None:
         self.bus = bus
         self.jobs = jobs
         self.interval = interval
+        self.interval_of = interval_of
+        """The interval a job's ticks come at, when it is not ``interval`` for every job (a quiet job is
+        ticked less often): each tick says its own, so a slower clock is not taken for a gap."""
         self.clock = clock
         self.ticks = 0
 
     async def tick(self) -> list[Event]:
         now = self.clock()
-        ticks = [tick_event(job_id, now, self.interval) for job_id in self.jobs()]
+        ticks = [tick_event(job_id, now, self.interval_of(job_id) if self.interval_of else self.interval)
+                 for job_id in self.jobs()]
         if ticks:
             await self.bus.publish_many(ticks)
             self.ticks += len(ticks)

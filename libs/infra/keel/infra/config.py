@@ -184,6 +184,15 @@ class ControllerSettings(_Section):
     judged from the first tick after the gap)."""
     clock_interval: Duration = parse_duration("1s")
     """How often the job clock (hosted by the controller) records a ``TimerTicked`` for each live job."""
+    clock_quiet_interval: Duration = parse_duration("5s")
+    """The job clock's interval for a quiet job: no incident, and no input but routine reports
+    (heartbeats, shard reports, commits, ticks) for ``clock_busy_window``. Deadlines of a quiet job (a
+    node's silence, mostly) are then decided up to this late; set it to ``clock_interval`` to tick every
+    job at that rate. A busy job is ticked every ``clock_interval``."""
+    clock_busy_window: Duration = parse_duration("60s")
+    """How long after a job's latest input other than a routine report the job clock ticks it every
+    ``clock_interval`` (another decider may wait on a short deadline it started: a restore plan, a
+    diagnostics round)."""
     clock_linger: Duration = parse_duration("10m")
     """How long the job clock keeps ticking a job after its last input (any event but a tick), even when
     the controller itself needs no time for it: another decider may still wait on a deadline (the

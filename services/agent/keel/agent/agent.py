@@ -63,6 +63,7 @@ from keel.agent.rejoin import (
 from keel.agent.supervisor import RankExit, RankSupervisor, file_tail
 from keel.events.envelope import Event, EventPayload, now_utc
 from keel.events.types import (
+    CheckpointTier,
     CodeRef,
     CodeVersionApplied,
     NodeClockSkewed,
@@ -70,6 +71,7 @@ from keel.events.types import (
     NodeRegistered,
     RankExited,
     RankStarted,
+    ShardRecord,
 )
 from keel.infra.outbox import Outbox
 from keel.rules.metrics import MetricSettings
@@ -123,6 +125,18 @@ class AgentResult:
     reason: str
 
 
+def heartbeat_cadence(since_last: timedelta | None, interval: timedelta, *, round_done: bool,
+                      rounds_flowing: bool) -> bool:
+    """Whether a heartbeat goes now. It goes at once when a checkpoint report round completed (the
+    heartbeat carries it: every node reports the same step, so the broker can commit it); otherwise once
+    per ``interval`` - twice that while report rounds come (every ``interval`` to twice that, see
+    ``keel.agent.checkpointing.report_round_steps``), so a stepping job sends one heartbeat per round,
+    not two. ``since_last``: None before the first heartbeat."""
+    if since_last is None or round_done:
+        return True
+    return since_last >= (2 * interval if rounds_flowing else interval)
+
+
 class NodeAgent:
     """One node's agent: ``run(stop)`` until the ranks finish (or fail for good) or ``stop`` is set.
     ``tick()`` is one pass of the loop; ``handle_command(event)`` carries out a command."""
@@ -171,6 +185,8 @@ class NodeAgent:
         self.clock_skew = timedelta(0)
         """How far this node's clock runs ahead of the controller's recorded clock, as the controller
         reported it (``NodeClockSkewed``): commands' expiries are judged on ``controller_time``."""
+        self.last_round_heartbeat_s: float | None = None
+        """When a heartbeat last carried a completed report round (monotonic s)."""
         self.held = False
         """The ranks were stopped on command (diagnostics, a replay) and wait for the next one: not "finished"."""
         self._wake: Callable[[], None] = lambda: None
@@ -330,8 +346,44 @@ class NodeAgent:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def heartbeat(self, now: datetime) -> None:
+    def step_time_p50_s(self) -> float | None:
+        """The median step time over the ranks' last 20 steps (None: no step yet)."""
         step_times = [t for s in self.channel.ranks.values() for t in list(s.step_times_s)[-20:]]
+        return statistics.median(step_times) if step_times else None
+
+    def heartbeat_due(self, now: datetime, monotonic_s: float) -> bool:
+        """Whether the heartbeat goes now (``heartbeat_cadence``): a report round completed, or the
+        heartbeat interval passed (twice that while report rounds carry the heartbeats)."""
+        round_done = False
+        if self.checkpointing is not None and not self.spec.standby:
+            ranks = {r: s for r, s in self.channel.ranks.items() if s.generation == self.generation}
+            period = max(self.spec.heartbeat_interval, self.checkpointing.report_interval)
+            try:
+                round_done = self.checkpointing.report_due(
+                    monotonic_s, {r: s.checkpoint_step for r, s in ranks.items()}, self.step_time_p50_s(), period)
+            except Exception as exc:  # noqa: BLE001 - the heartbeat's liveness never depends on the checkpoint store
+                log.warning("%s: checking the checkpoint report round failed: %r", self.spec.node_id, exc)
+        since = None if self.last_heartbeat_at is None else now - self.last_heartbeat_at
+        rounds_flowing = (self.last_round_heartbeat_s is not None
+                          and monotonic_s - self.last_round_heartbeat_s <= 2 * self.spec.heartbeat_interval.total_seconds())
+        due = heartbeat_cadence(since, self.spec.heartbeat_interval, round_done=round_done,
+                                rounds_flowing=rounds_flowing)
+        if due and round_done:
+            self.last_round_heartbeat_s = monotonic_s
+        return due
+
+    def _holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
+        """What the heartbeat carries of the checkpoint tiers; nothing when reading them fails (the
+        heartbeat is the node's liveness: it goes without them)."""
+        if self.checkpointing is None:
+            return {}
+        try:
+            return self.checkpointing.holdings()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.warning("%s: reading the checkpoint holdings failed: %r", self.spec.node_id, exc)
+            return {}
+
+    def heartbeat(self, now: datetime) -> None:
         # Per rank (one slow GPU among eight must not vanish in a node-wide median), ranks stepping now.
         compute = {rank: round(statistics.median(list(s.compute_times_s)[-20:]), 6)
                    for rank, s in self.channel.ranks.items() if s.compute_times_s and s.phase == "step"}
@@ -342,8 +394,9 @@ class NodeAgent:
                 ranks_alive=len(self.supervisor.alive()),
                 ranks_expected=0 if self.spec.standby else self.spec.nproc_per_node,
                 last_step=max((s.step for s in self.channel.ranks.values()), default=-1),
-                step_time_p50_s=statistics.median(step_times) if step_times else None,
+                step_time_p50_s=self.step_time_p50_s(),
                 rank_compute_time_p50_s=compute,
+                stored=self._holdings(),
             )
         )
         self.last_heartbeat_at = now
@@ -379,7 +432,7 @@ class NodeAgent:
             run("health probes", self._sample_health, now)
         if self.checkpointing is not None:
             run("checkpointing", self._checkpointing_tick)
-        if self.last_heartbeat_at is None or now - self.last_heartbeat_at >= self.spec.heartbeat_interval:
+        if self.heartbeat_due(now, time.monotonic()):
             run("heartbeat", self.heartbeat, now)
         if probe:
             run("zygote upkeep", self.keep_zygote)

@@ -61,6 +61,23 @@ log = logging.getLogger(__name__)
 _SEND_FAILURES_REPORTED = 3
 _SEND_RETRY_INTERVAL_S = 10.0
 
+ROUND_PEER_GRACE_S = 2.0
+"""How long a completed report round waits for the backups this node holds for peers to reach it."""
+
+
+def report_round_steps(backup_every: int, step_time_s: float | None, period: timedelta) -> int | None:
+    """Steps between two report rounds: the smallest power of two, at least the backup interval (a power
+    of two itself), whose steps take at least ``period`` (so report rounds come every ``period`` to
+    twice that). None while the step time is unknown (no round: the heartbeat's own interval reports)."""
+    if step_time_s is None or step_time_s <= 0:
+        return None
+    every = max(1, backup_every)
+    wanted = period.total_seconds() / step_time_s
+    while every < wanted and every < 1 << 40:
+        every *= 2
+    return every
+
+
 # Broker events every agent of the job consumes (besides its own commands). CheckpointBackupAssigned:
 # the job-wide placement of a broker from before per-node parts (still in older logs and streams).
 BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "CheckpointRestorePlanned",
@@ -345,10 +362,12 @@ class NodeCheckpointing:
         """rank -> (the generation its backup send started in, the send: the step it backed up)."""
         self.persisting: dict[int, tuple[int, Future]] = {}
         self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
-        self.last_report_at = 0.0
-        self.last_reported: dict[str, Any] = {}
-        self.sent_since_report = False
-        self.received_at_report = 0
+        self.reported_round = -1
+        """The newest report round a heartbeat carried (``report_due``)."""
+        self.round_every: int | None = None
+        """Steps between report rounds, as ``report_due`` last computed it (None: no step time yet)."""
+        self.round_ready_since: float | None = None
+        """When the memory part of the pending report round completed (monotonic s; None: not yet)."""
         self.plan: _Plan | None = None
         self.inventory_future: tuple[int, Future] | None = None
         self.early_plans: dict[int, CheckpointRestorePlanned] = {}
@@ -402,7 +421,8 @@ class NodeCheckpointing:
         self.persisting = {r: f for r, f in self.persisting.items() if r in self.progress}
         self.persisted.clear()
         self.verified = {}
-        self.last_reported = {}
+        self.reported_round = -1
+        self.round_ready_since = None
         self.registered_generation = None
 
     # -- before a restart ---------------------------------------------------------------------------
@@ -421,6 +441,8 @@ class NodeCheckpointing:
         self.generation = generation
         self.registered_generation = None
         self.plan = None
+        self.reported_round = -1  # the new generation may resume from an older step
+        self.round_ready_since = None
         # Plans (or parts) of restarts this one supersedes will never be applied.
         self.plan_summaries = {g: p for g, p in self.plan_summaries.items() if g >= generation}
         self.plan_parts = {g: p for g, p in self.plan_parts.items() if g >= generation}
@@ -675,22 +697,8 @@ class NodeCheckpointing:
         run("restore plan", self._finish_plan_if_ready)
         run("backup sends", self._start_sends, checkpoint_steps)
         run("persists", self._start_persists, checkpoint_steps)
-        # Memory and backups are reported once per report interval, and also as soon as a round of
-        # backups moves (a send finished here, a backup landed here): rounds fall on the same steps on
-        # every node, so reports of them let the broker commit a step on every rank even when steps are
-        # much faster than the interval (time-based reports of the newest step would rarely coincide).
-        transport = self.transport
-        counted = run("backup report", transport.backups_received) if transport is not None else 0
-        received = self.received_at_report if counted is None else counted
-        due = monotonic_s - self.last_report_at >= self.report_interval.total_seconds()
-        if due or self.sent_since_report:
-            run("memory report", self._report_memory)
-        if due or received != self.received_at_report:
-            run("backup report", self._report_backups)
-            self.received_at_report = received
-        if due:
-            self.last_report_at = monotonic_s
-        self.sent_since_report = False
+        # Memory and peer holdings are no events of their own: they ride on the agent's heartbeat
+        # (``holdings``), which goes early when a report round completes (``report_due``).
 
     def _register(self, groups: dict[int, dict[str, list[int]] | None]) -> None:
         if self.registered_generation == self.generation:
@@ -703,29 +711,76 @@ class NodeCheckpointing:
                                             ranks=ranks), subject=f"node/{self.node_id}")
         self.registered_generation = self.generation
 
-    def _report(self, tier: CheckpointTier, shards: list[ShardRecord]) -> None:
-        key = tier
-        signature = [(s.rank, s.step, s.digest, s.owner_node_id) for s in shards]
-        if not shards or self.last_reported.get(key) == signature:
-            return
-        self.last_reported[key] = signature
-        self.emit(CheckpointShardsStored(node_id=self.node_id, tier=tier, shards=shards),
-                  subject=f"node/{self.node_id}")
+    # -- reports (carried by the heartbeat) -----------------------------------------------------------
 
-    def _report_memory(self) -> None:
-        held = {(rank, header.step): header for rank in self.local_ranks
-                for _, header in reversed(complete_slots(self.node_dir, rank))}
-        shards = [ShardRecord(rank=rank, step=step, bytes=header.payload_len, digest=header.digest,
-                              send_s=round(self.progress[rank].last_send_s, 3))
-                  for (rank, step), header in sorted(held.items())]
-        self._report("memory", shards)
+    def holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
+        """What the node holds now, per tier, for ``NodeHeartbeat.stored``: per local rank, the newest
+        report-round step its slots (and sent copies) hold in memory, and per backup held for another
+        node's rank, the newest report-round step held. Only round steps (multiples of the report round,
+        or of the broker's backup interval before a round is known) are ones every node reports alike,
+        so only they can commit; one record per rank and tier keeps a heartbeat small (about 170 bytes a
+        record). Tiers with nothing held are left out."""
+        every = max(1, self.round_every or self.backup_every)
+        memory: dict[int, ShardRecord] = {}
+        for rank in self.local_ranks:
+            for _, header in complete_slots(self.node_dir, rank):  # newest first
+                if header.step % every == 0:
+                    memory[rank] = ShardRecord(
+                        rank=rank, step=header.step, bytes=header.payload_len, digest=header.digest,
+                        send_s=round(self.progress[rank].last_send_s, 3) if rank in self.progress else 0.0)
+                    break
+        found: dict[CheckpointTier, list[ShardRecord]] = {}
+        if memory:
+            found["memory"] = [memory[r] for r in sorted(memory)]
+        if self.transport is not None:
+            peer: dict[tuple[str, int], ShardRecord] = {}
+            for h in self.transport.held_backups()[0]:
+                key = (h["owner_node_id"], h["rank"])
+                if h["step"] % every == 0 and (key not in peer or peer[key].step < h["step"]):
+                    peer[key] = ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
+                                            owner_node_id=h["owner_node_id"])
+            if peer:
+                found["peer"] = sorted(peer.values(), key=lambda s: (s.rank, s.owner_node_id))
+        return found
 
-    def _report_backups(self) -> None:
-        if self.transport is None:
-            return
-        shards = [ShardRecord(rank=h["rank"], step=h["step"], bytes=h["bytes"], digest=h["sha256"],
-                              owner_node_id=h["owner_node_id"]) for h in self.transport.held_backups()[0]]
-        self._report("peer", sorted(shards, key=lambda s: (s.rank, s.step)))
+    def _backups_behind(self, step: int) -> bool:
+        """A backup this node holds for a peer's rank is older than ``step`` (its round has not landed)."""
+        assert self.transport is not None
+        newest: dict[int, int] = {}
+        for held in self.transport.held_backups()[0]:
+            newest[held["rank"]] = max(newest.get(held["rank"], -1), held["step"])
+        return any(s < step for s in newest.values())
+
+    def report_due(self, monotonic_s: float, checkpoint_steps: dict[int, int], step_time_s: float | None,
+                   period: timedelta) -> bool:
+        """True when a report round completed and the heartbeat should go now, carrying it.
+
+        A report round is a step that is a multiple of ``report_round_steps`` (a power of two, so nodes
+        whose step times round differently still share every multiple of the larger one): every node
+        reports the same steps, and the broker can commit them although heartbeats are minutes apart
+        in total. The round is complete when every local rank holds it in memory (its backup sent, with
+        a peer tier) and every backup this node holds for peers reached it, or ``ROUND_PEER_GRACE_S``
+        after the memory part completed (a peer's send may be late or skipped)."""
+        every = report_round_steps(self.backup_every, step_time_s, period)
+        self.round_every = every
+        if every is None or not self.local_ranks:
+            return False
+        # A rank with a backup peer holds a round once its backup was sent (the sent copy keeps it); one
+        # without (no peer tier, a one-node job, before placement) once it stepped there.
+        newest = min(self.progress[r].last_sent_step if r in self.assignments and r in self.progress
+                     else checkpoint_steps.get(r, -1) for r in self.local_ranks)
+        round_step = newest - newest % every if newest >= 0 else -1
+        if round_step <= self.reported_round:
+            self.round_ready_since = None
+            return False
+        if self.transport is not None:
+            if self.round_ready_since is None:
+                self.round_ready_since = monotonic_s
+            if monotonic_s - self.round_ready_since < ROUND_PEER_GRACE_S and self._backups_behind(round_step):
+                return False
+        self.reported_round = round_step
+        self.round_ready_since = None
+        return True
 
     # backups to peers
 
@@ -777,7 +832,6 @@ class NodeCheckpointing:
             if exc is None:
                 progress.last_sent_step = future.result()
                 progress.send_failures = 0
-                self.sent_since_report = True
             elif isinstance(exc, ckpt_slots.SlotError) or type(exc).__name__ == "LocalShardError":
                 # The ring overwrote the step before it was copied: the copy is slower than two steps.
                 log.warning("%s: rank %d's snapshot moved on before it could be backed up (%s)", self.node_id, rank, exc)

@@ -23,10 +23,12 @@ back in.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from keel.checkpoint_broker.placement import decide_placement
 from keel.checkpoint_broker.restore import decide_commit, decide_restore
 from keel.checkpoint_broker.schedule import decide_schedule
-from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, fold, received_at
+from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, JobState, fold, heartbeat_reports, received_at
 from keel.events.envelope import Event
 from keel.events.types import (
     CheckpointBackupFailed,
@@ -50,6 +52,13 @@ INPUTS = frozenset({
     TimerTicked.event_name,
 })
 """Event types ``decide`` has something to say about; all of them are in ``state.FOLDED`` too."""
+
+
+def commit_held_back(job: JobState, tier: str, at: datetime, policy: BrokerPolicy) -> bool:
+    """Whether a heartbeat-carried report of ``tier`` waits: its tier committed less than
+    ``policy.commit_min_period`` ago (the disk tier never waits: its commit starts the manifest)."""
+    last = job.committed_at.get(tier)
+    return tier != "disk" and last is not None and at - last < policy.commit_min_period
 
 
 class CheckpointBrokerDecider:
@@ -80,6 +89,11 @@ class CheckpointBrokerDecider:
             parts.append(decide_placement(job, p, subject, self.policy.part_budget_bytes))
         if isinstance(p, CheckpointShardsStored):
             parts.append(decide_commit(job, p, subject))
+        if isinstance(p, NodeHeartbeat):
+            # Its memory and peer holdings (v3): each tier as a shard report of its own, at most one
+            # commit per tier and ``commit_min_period``.
+            parts.extend(decide_commit(job, report, subject) for report in heartbeat_reports(p)
+                         if not commit_held_back(job, report.tier, event.occurred_at, self.policy))
         if isinstance(p, (NodeHeartbeat, CheckpointPersisted, RankExited, NodeEvictionDecided)) or (
                 isinstance(p, CheckpointShardsStored) and any(r.send_s > 0 for r in p.shards)):
             parts.append(decide_schedule(job, event, self.policy, subject))

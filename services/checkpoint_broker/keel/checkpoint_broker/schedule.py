@@ -39,11 +39,33 @@ def backup_interval(send_s: float, step_time_s: float, max_duty: float, ceiling:
     (the store keeps two). 1 (every step) when no step time was measured yet."""
     if step_time_s <= 0:
         return 1
-    raw = max(max(0.0, send_s) / (max_duty * step_time_s), max(0.0, min_period_s) / step_time_s)
+    raw = backup_steps_needed(send_s, step_time_s, max_duty, min_period_s)
     interval = 1
     while interval < raw and interval < ceiling:
         interval *= 2
     return min(interval, max(1, ceiling))
+
+
+def backup_steps_needed(send_s: float, step_time_s: float, max_duty: float, min_period_s: float = 0.0) -> float:
+    """The fewest steps between backups (unrounded) that keep the duty and the period floor."""
+    return max(max(0.0, send_s) / (max_duty * step_time_s), max(0.0, min_period_s) / step_time_s)
+
+
+BACKUP_INTERVAL_MARGIN = 0.25
+"""A backup interval in force is kept while the steps needed stay within this margin of what it allows."""
+
+
+def kept_backup_interval(current: int | None, wanted: int, needed: float, margin: float = BACKUP_INTERVAL_MARGIN) -> int:
+    """The backup interval to announce: ``wanted`` (``backup_interval``), unless the one in force still
+    fits within ``margin``: it goes coarser only when more than ``(1 + margin)`` times its steps are
+    needed, finer only when half of it would fit with ``margin`` to spare. Step and transfer times
+    jitter (by tens of percent on a busy host) and every change is an event every agent acts on; the
+    duty limit is a target, not a hard bound."""
+    if current is None or current <= 0 or wanted == current:
+        return wanted
+    if current / 2 * (1 - margin) < needed <= current * (1 + margin):
+        return current
+    return wanted
 
 
 def young_interval(
@@ -96,11 +118,18 @@ def decide_schedule(job: JobState, event: Event, policy: BrokerPolicy, subject: 
     k, raw = young_interval(cost, mtbf, step_time, policy.persist_every_floor, policy.persist_every_ceiling)
     current = schedule.every_k
     slowest_send = max(schedule.send_s.values(), default=0.0)
-    backup_every = backup_interval(slowest_send, step_time, policy.backup_max_duty, policy.persist_every_ceiling,
-                                   policy.backup_min_period.total_seconds())
+    backup_every = kept_backup_interval(
+        schedule.backup_every,
+        backup_interval(slowest_send, step_time, policy.backup_max_duty, policy.persist_every_ceiling,
+                        policy.backup_min_period.total_seconds()),
+        backup_steps_needed(slowest_send, step_time, policy.backup_max_duty, policy.backup_min_period.total_seconds()))
     if (current is not None and abs(k - current) < max(1.0, policy.schedule_hysteresis * current)
             and backup_every == (schedule.backup_every or 1)):
         return Decision("")
+    coarser = backup_every > (schedule.backup_every or 1)
+    if (current is not None and not coarser and schedule.announced_at is not None
+            and event.occurred_at - schedule.announced_at < policy.schedule_min_period):
+        return Decision("")  # an efficiency change: it waits for the period (the next heartbeat after it decides)
     cost_from = (f"EWMA of {schedule.measurements} measured persist(s)" if schedule.save_cost_s is not None
                  else "initial estimate, nothing persisted yet")
     reason = (f"Young: K = sqrt(2 x C {cost:.2f}s x MTBF {mtbf:.0f}s) / step time {step_time:.4f}s = {raw:.1f} "

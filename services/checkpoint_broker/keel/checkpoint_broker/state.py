@@ -129,6 +129,7 @@ class ScheduleState:
     failures: frozenset[int] = frozenset()  # generations in which the job was interrupted
     step_times: Mapping[str, float] = field(default_factory=dict)  # node -> latest p50 step time, s
     started_at: datetime | None = None
+    announced_at: datetime | None = None  # when the schedule in force was announced (its event's time)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class JobState:
     shards: Mapping[str, Mapping[int, Mapping[int, ShardRecord]]] = field(default_factory=dict)  # tier, step, rank
     disk_first_seen: Mapping[int, datetime] = field(default_factory=dict)
     committed: Mapping[str, int] = field(default_factory=dict)  # tier -> newest committed step
+    committed_at: Mapping[str, datetime] = field(default_factory=dict)  # tier -> log time of that commit
     disk_commits: Mapping[int, DiskCommit] = field(default_factory=dict)
     persisted: Mapping[int, PersistedStep] = field(default_factory=dict)  # the newest ``retention`` steps
     schedule: ScheduleState = ScheduleState()
@@ -222,9 +224,19 @@ class BrokerPolicy:
     """The share of wall time one rank's backup transfer may take (sets the backup interval)."""
     backup_min_period: timedelta = timedelta(seconds=0.5)
     """The shortest time between two backup rounds (sets the backup interval's floor)."""
-    schedule_hysteresis: float = 0.1
+    schedule_hysteresis: float = 0.2
     """A new K is announced only when it differs from the current one by this fraction (at least 1 step):
-    the step time jitters every heartbeat, and agents need not hear every rounding flip."""
+    the step time jitters every heartbeat, and agents need not hear every rounding flip (Young's optimum
+    is flat: a K 20 % off wastes about 2 % more than the optimum)."""
+    commit_min_period: timedelta = timedelta(seconds=10)
+    """Heartbeat-carried reports (``NodeHeartbeat.stored``) commit a memory or peer step at most once per
+    this period per tier (by the log's time): report rounds come every 5-10 s, and a commit every other
+    round is enough to pin a recent step (restores plan from inventories, not from commits). The first
+    commit after a restore plan is never held back. Shard-report events (older logs) commit as before."""
+    schedule_min_period: timedelta = timedelta(seconds=60)
+    """A schedule is announced at most once per this period (by the log's time), unless the backup
+    interval in force must go coarser (its transfers exceed the duty past the margin): a job whose step
+    time swings keeps one schedule a minute, not one per heartbeat."""
 
     part_budget_bytes: int = 64 * 1024
     """The most entry bytes in one per-node part of a plan or a placement (``keel.checkpoint_broker.parts``)."""
@@ -319,20 +331,23 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
         return replace(job, generation=max(job.generation, p.generation), started_generation=p.generation,
                        started=started, world_size=job.world_size or p.world_size)
     if isinstance(p, NodeHeartbeat):
+        # Since v3 the heartbeat carries the node's memory and peer holdings: folded as the
+        # ``CheckpointShardsStored`` events older agents sent for them (older logs fold those).
+        for report in heartbeat_reports(p):
+            job = _evolve_stored(job, report, event.occurred_at)
         if p.standby or not p.step_time_p50_s or p.step_time_p50_s <= 0:
             return job
         times = {**job.schedule.step_times, p.node_id: p.step_time_p50_s}
         return replace(job, schedule=replace(job.schedule, step_times=times))
     if isinstance(p, CheckpointShardsStored):
-        sends = {r.rank: r.send_s for r in p.shards if p.tier == "memory" and r.send_s > 0}
-        if sends:
-            job = replace(job, schedule=replace(job.schedule, send_s={**job.schedule.send_s, **sends}))
-        return _evolve_shards(job, p, event.occurred_at)
+        return _evolve_stored(job, p, event.occurred_at)
     if isinstance(p, CheckpointStepCommitted):
         return _evolve_commit(job, p, event)
     if isinstance(p, CheckpointScheduleSet):
         return replace(job, schedule=replace(job.schedule, every_k=p.every_k_steps,
-                                             backup_every=p.backup_every_k_steps))
+                                             backup_every=p.backup_every_k_steps,
+                                             # The placeholder before any step time (0) is replaced at once.
+                                             announced_at=event.occurred_at if p.step_time_s > 0 else None))
     if isinstance(p, CheckpointPersisted):
         return _evolve_persisted(job, p, policy)
     if isinstance(p, CheckpointInventoryReported):
@@ -364,9 +379,24 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
                 rewound[tier] = min(rewound[tier], p.step - 1)
         shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
         return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
+                       committed_at={t: at for t, at in job.committed_at.items() if t not in ("memory", "peer")},
                        restores={g: w for g, w in job.restores.items() if g > p.generation},
                        restore_below_planned=job.restore_below is not None)
     return job
+
+
+def heartbeat_reports(p: NodeHeartbeat) -> list[CheckpointShardsStored]:
+    """The shard reports a heartbeat carries (``NodeHeartbeat.stored``), one per tier with shards, in a
+    fixed order: the fold and the commit decision treat each as a ``CheckpointShardsStored``."""
+    return [CheckpointShardsStored(node_id=p.node_id, tier=tier, shards=p.stored[tier])
+            for tier in ("memory", "peer", "disk") if p.stored.get(tier)]
+
+
+def _evolve_stored(job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
+    sends = {r.rank: r.send_s for r in p.shards if p.tier == "memory" and r.send_s > 0}
+    if sends:
+        job = replace(job, schedule=replace(job.schedule, send_s={**job.schedule.send_s, **sends}))
+    return _evolve_shards(job, p, at)
 
 
 def _evolve_shards(job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
@@ -393,6 +423,7 @@ def _evolve_shards(job: JobState, p: CheckpointShardsStored, at: datetime) -> Jo
 def _evolve_commit(job: JobState, p: CheckpointStepCommitted, event: Event) -> JobState:
     by_step = job.shards.get(p.tier, {})
     job = replace(job, committed={**job.committed, p.tier: max(p.step, job.committed.get(p.tier, -1))},
+                  committed_at={**job.committed_at, p.tier: event.occurred_at},
                   shards={**job.shards, p.tier: {s: r for s, r in by_step.items() if s > p.step}})
     if (job.restore_below is not None and job.restore_below_planned and p.tier != "disk"
             and p.step >= job.restore_below):

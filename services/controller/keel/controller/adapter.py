@@ -3,7 +3,9 @@
 - Decisions: ``DeciderRunner`` over the controller's decider (``decider``; cold start from the store, then live).
 - Clock: the one job clock (``keel.infra.clock``) runs in this process: every ``controller.clock_interval``
   a ``TimerTicked(now)`` per live job (``ControllerDecider.needs_clock``), published like any event, so
-  every decider - and a replay - sees exactly the time the live run saw. No core reads the clock.
+  every decider - and a replay - sees exactly the time the live run saw. No core reads the clock. A
+  quiet job (no incident, nothing but routine reports for ``controller.clock_busy_window``) is ticked
+  once per ``controller.clock_quiet_interval`` only (``quiet_clock``): the steady-state event budget.
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
 from keel.controller.state import ControllerState
 from keel.events.envelope import Event, now_utc
-from keel.events.types import SYSTEM_JOB, TimerTicked
+from keel.events.types import (
+    SYSTEM_JOB,
+    CheckpointPersisted,
+    CheckpointScheduleSet,
+    CheckpointShardsStored,
+    CheckpointStepCommitted,
+    NodeHeartbeat,
+    TimerTicked,
+)
 from keel.infra.bus import Bus
 from keel.infra.clock import JobClock
 from keel.infra.config import Settings
@@ -41,6 +51,25 @@ def decider_from_settings(settings: Settings) -> ControllerDecider:
         standby_replacement_window=c.standby_replacement_window))
 
 
+ROUTINE_INPUTS = frozenset({
+    TimerTicked.event_name, NodeHeartbeat.event_name, CheckpointShardsStored.event_name,
+    CheckpointStepCommitted.event_name, CheckpointScheduleSet.event_name, CheckpointPersisted.event_name,
+})
+"""The steady state of a healthy job: none of them starts a deadline, so they keep a job quiet."""
+
+
+def quiet_clock(now: datetime, *, last_tick: datetime | None, last_busy_input: datetime | None, incident: bool,
+                interval: timedelta, quiet_interval: timedelta, busy_window: timedelta) -> bool:
+    """Whether the job clock skips a job this round: the job is quiet (no incident, no input but routine
+    reports for ``busy_window``) and was ticked less than ``quiet_interval`` ago (half a round of slack:
+    the rounds come every ``interval``)."""
+    if incident or last_tick is None or quiet_interval <= interval:
+        return False
+    if last_busy_input is not None and now - last_busy_input <= busy_window:
+        return False
+    return now - last_tick < quiet_interval - interval / 2
+
+
 class Controller:
     """The running service: ``start()`` (cold start), then ``run(stop)``."""
 
@@ -52,8 +81,14 @@ class Controller:
         self.bus = bus
         self.clock = clock
         self.clock_linger = settings.controller.clock_linger
+        self.clock_quiet_interval = settings.controller.clock_quiet_interval
+        self.clock_busy_window = settings.controller.clock_busy_window
         self._last_input: dict[str, datetime] = {}  # job -> when its latest input other than a tick came
-        self.job_clock = JobClock(bus, self.jobs_to_tick, settings.controller.clock_interval, clock=clock)
+        self._last_busy_input: dict[str, datetime] = {}  # job -> when its latest non-routine input came
+        self._last_tick: dict[str, datetime] = {}  # job -> when the clock last ticked it
+        self.job_clock = JobClock(bus, self.jobs_to_tick, settings.controller.clock_interval, clock=clock,
+                                  interval_of=self.tick_interval)
+        self._quiet: set[str] = set()  # jobs ticked once per clock_quiet_interval in this round
 
     @property
     def ticks(self) -> int:
@@ -69,14 +104,37 @@ class Controller:
     def _note_input(self, event: Event) -> None:
         if event.type != TimerTicked.event_name and event.job_id != SYSTEM_JOB:  # Keel's own reports need no clock
             self._last_input[event.job_id] = self.clock()
+        if event.type not in ROUTINE_INPUTS and event.job_id != SYSTEM_JOB:
+            self._last_busy_input[event.job_id] = self.clock()
 
     def jobs_to_tick(self) -> list[str]:
         """The jobs the controller's rules need time for, and every job with an input in the last
-        ``controller.clock_linger`` (another decider may wait on a deadline the controller does not see)."""
+        ``controller.clock_linger`` (another decider may wait on a deadline the controller does not see);
+        a quiet job (``quiet_clock``) only once per ``controller.clock_quiet_interval``."""
         now = self.clock()
         lingering = {job for job, at in self._last_input.items() if now - at <= self.clock_linger}
         self._last_input = {job: at for job, at in self._last_input.items() if job in lingering}
-        return sorted(set(self.decider.needs_clock(self.state)) | lingering)
+        wanted = sorted(set(self.decider.needs_clock(self.state)) | lingering)
+        due = [job for job in wanted if not quiet_clock(
+            now, last_tick=self._last_tick.get(job), last_busy_input=self._last_busy_input.get(job),
+            incident=self._has_incident(job), interval=self.job_clock.interval,
+            quiet_interval=self.clock_quiet_interval, busy_window=self.clock_busy_window)]
+        self._last_tick = {job: at for job, at in self._last_tick.items() if job in wanted}
+        self._last_tick.update({job: now for job in due})
+        self._last_busy_input = {job: at for job, at in self._last_busy_input.items() if job in wanted}
+        # A job whose ticks are skipped while it is quiet is ticked every quiet interval: its ticks say so.
+        self._quiet = {job for job in due if self.clock_quiet_interval > self.job_clock.interval
+                       and not self._has_incident(job) and not (
+                           (busy := self._last_busy_input.get(job)) is not None and now - busy <= self.clock_busy_window)}
+        return due
+
+    def tick_interval(self, job_id: str) -> timedelta:
+        """The interval ``job_id``'s tick of this round stands for (``TimerTicked.interval_s``)."""
+        return self.clock_quiet_interval if job_id in self._quiet else self.job_clock.interval
+
+    def _has_incident(self, job_id: str) -> bool:
+        job = self.state.jobs.get(job_id)
+        return job is not None and job.incident is not None
 
     async def tick_clock(self) -> list[Event]:
         """One round of the job clock (every live job gets a tick)."""
