@@ -151,10 +151,11 @@ async def test_diagnostics_stop_the_ranks_report_per_node_and_a_restart_resumes(
 
 
 async def test_a_standby_takes_a_lost_nodes_slice_and_the_job_finishes_from_the_peer_copy(ladder: Ladder) -> None:
-    # Paced at 60 ms a step (unpaced, a step takes ~30 ms here: a node lost within a few steps of the
-    # first backups could leave no step that both the survivor and the lost rank's backup still hold).
+    # Paced at 200 ms a step (unpaced, a step takes ~30 ms here: a node lost within a few steps of the
+    # first backups could leave no step that both the survivor and the lost rank's backup still hold; and
+    # the broker commits a tier from heartbeats at most every 10 s, so the job must outlive a few rounds).
     steps = 150
-    ladder.up(steps=steps, min_step_time="60ms")
+    ladder.up(steps=steps, min_step_time="200ms")
     await ladder.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 60, "the standby's self-check")
     # Rank 1's backup lives on n00 (with two training nodes, each backs up the other).
     committed = await ladder.wait_for(["CheckpointStepCommitted"], lambda e: e.payload.tier == "peer"
