@@ -4,8 +4,9 @@ For each history size N (events in the log before the restart):
 
 1. Setup, not timed: N - T events of finished jobs (8 nodes x 8 ranks each, ~4,400 events: registrations,
    rank starts, a heartbeat per node every 5 s, one clock tick per second, a crash that the real
-   controller decider diagnoses and restarts, then every rank exiting successfully) are generated with the
-   controller's own decisions in them and copied into the event store; the last T = 10,000 events are a
+   controller decider diagnoses and restarts, then every rank exiting successfully; one job generated
+   with the controller's own decisions in it, the others copies with their own ids) are copied into the
+   event store; the last T = 10,000 events are a
    live 1,000-node job (registrations, rank starts, heartbeats), published through NATS and recorded by
    the real recorder process.
 2. The controller process starts once on that log, untimed except for its time to ready (the full fold:
@@ -119,14 +120,38 @@ def finished_job_events(job: str, start: datetime) -> list[Any]:
 
 
 def history_rows(count: int, start: datetime) -> list[tuple[Any, ...]]:
-    """At least ``count`` events of finished jobs as store rows (``js_seq`` empty), cut to ``count``."""
+    """At least ``count`` events of finished jobs as store rows (``js_seq`` empty), cut to ``count``.
+
+    One job is generated through the real decider; the others are copies of its rows with their own job
+    id, node names, times and ids (every id, the ones payloads quote included, mapped to a fresh one per
+    job, so causation and evidence still point within each job): a million events in seconds."""
+    import re
+    import uuid
+
     from keel.infra.store import event_row
 
+    template = [event_row(event, None) for event in finished_job_events("done00000", start)]
+    uuid_text = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
     rows: list[tuple[Any, ...]] = []
     job = 0
     while len(rows) < count:
-        events = finished_job_events(f"done{job:05d}", start + timedelta(hours=job))
-        rows += [event_row(event, None) for event in events]
+        name = f"done{job:05d}"
+        shift = timedelta(hours=job)
+        ids: dict[str, str] = {}
+
+        def fresh(text: str, ids: dict[str, str] = ids) -> str:
+            return ids.setdefault(text, str(uuid.uuid4()))
+
+        def new_id(value: Any) -> Any:
+            return None if value is None else uuid.UUID(fresh(str(value)))
+
+        for (event_id, js_seq, type_, version, _job, subject, occurred_at, producer, causation, correlation,
+             payload) in template:
+            text = payload if isinstance(payload, str) else payload.decode()
+            text = uuid_text.sub(lambda m: fresh(m.group(0)), text.replace("done00000", name))
+            rows.append((new_id(event_id), js_seq, type_, version, name, subject.replace("done00000", name),
+                         occurred_at + shift, producer, new_id(causation), new_id(correlation),
+                         text if isinstance(payload, str) else text.encode()))
         job += 1
     return rows[:count]
 
