@@ -174,25 +174,8 @@ class DeciderSession(Generic[S]):
                 self.state, _ = evolve_or_keep(self.decider, self.state, event)
 
     def observe(self, event: Event) -> StepResult[S]:
-        if is_foreign_tick(event):
-            return StepResult(None)  # time comes from the one job clock only
-        if event.id in self._awaiting_echo:
-            self._awaiting_echo.discard(event.id)
-            return StepResult(None)
-        self.state, error = evolve_or_keep(self.decider, self.state, event)
-        if event.producer == self.decider.name:
-            return StepResult(None)
-        if error is not None:
-            decision = refusal(self.decider.name, event, "evolve", error)
-        elif not self.decider.interested_in(event):
-            return StepResult(None)
-        else:
-            decision = decide_or_refuse(self.decider, self.state, event)
-        decision, emitted = publishable(self.decider.name, event, decision, self.max_event_bytes)
-        for produced in emitted:
-            self.state, _ = evolve_or_keep(self.decider, self.state, produced)
-            self._awaiting_echo.add(produced.id)
-        return StepResult(decision, emitted)
+        """Evolve ``event``, decide if interested, evolve the decision's events at once and await their echoes."""
+        return self.catch_up(event)
 
     def catch_up(self, event: Event, recorded: frozenset[uuid.UUID] = frozenset()) -> StepResult[S]:
         """``observe`` for an input the log holds but this decider may not have finished deciding on (a
@@ -206,10 +189,8 @@ class DeciderSession(Generic[S]):
         this one does not contain (the decider changed since, or the live run saw another order), the
         log wins: nothing is evolved or published here and the recorded decisions are folded as they come.
         """
-        if not recorded:
-            return self.observe(event)
         if is_foreign_tick(event):
-            return StepResult(None)
+            return StepResult(None)  # time comes from the one job clock only
         if event.id in self._awaiting_echo:
             self._awaiting_echo.discard(event.id)
             return StepResult(None)
