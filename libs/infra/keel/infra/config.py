@@ -379,6 +379,11 @@ class Settings(_Section):
     """Use this PostgreSQL instead of the embedded one (e.g. ``postgresql://user:pw@host:5432/keel``)."""
     db_schema: str = "public"
     """The PostgreSQL schema of the event store and read models (a lower-case SQL identifier)."""
+    credentials_dir: Path | None = None
+    """Where Keel keeps the secrets it generates (0700; every file in it 0600): NATS identities, signing keys,
+    the shard stores' certificate authority, database passwords. Default ``<home>/credentials``
+    (``credentials_path`` resolves it). One sub-folder per subsystem: ``nats/``, ``signing/``, ``shard-ca/``,
+    ``postgres/``."""
     nats: NatsSettings = NatsSettings()
     postgres: PostgresSettings = PostgresSettings()
     bus: BusSettings = BusSettings()
@@ -404,6 +409,12 @@ class Settings(_Section):
         return value
 
 
+def credentials_path(settings: Settings) -> Path:
+    """The credentials folder of ``settings``: ``credentials_dir``, else ``<home>/credentials`` (not created
+    here; ``keel.infra.secrets.ensure_private_dir`` creates it 0700)."""
+    return (settings.credentials_dir or settings.home / "credentials").expanduser()
+
+
 def default_home() -> Path:
     """``~/.keel``; as root ``/var/lib/keel``, because the embedded PostgreSQL runs as an unprivileged
     account that cannot reach into ``/root``."""
@@ -417,6 +428,7 @@ _TOP_LEVEL_ENV = {
     "KEEL_DATABASE_URL": "database_url",
     "KEEL_HOME": "home",
     "KEEL_DB_SCHEMA": "db_schema",
+    "KEEL_CREDENTIALS_DIR": "credentials_dir",
 }
 
 
