@@ -22,6 +22,7 @@ import pytest_asyncio
 from keel.infra.bus import Bus
 from keel.infra.config import BusSettings, RecorderSettings, Settings
 from keel.infra.embedded import NatsServer, PostgresServer, free_port
+from keel.infra.nats_auth import ADMIN, NatsScope
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
 
@@ -53,6 +54,12 @@ def scratch_dir() -> Iterator[Path]:
 class Servers:
     nats_url: str
     database_url: str
+    nats: NatsServer | None = None
+    """The session's own NATS server (None with ``KEEL_NATS_URL``): its identities are in ``credentials_dir``."""
+
+    @property
+    def credentials_dir(self) -> Path | None:
+        return self.nats.credentials_dir if self.nats is not None else None
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +69,7 @@ def servers() -> Iterator[Servers]:
     root = _scratch_dir("keel-servers-")
     started = []
     try:
+        nats = None
         if external_nats:
             nats_url = external_nats
         else:
@@ -74,7 +82,7 @@ def servers() -> Iterator[Servers]:
             postgres = PostgresServer(data_dir=root / "pg", port=free_port())
             database_url = postgres.start()
             started.append(postgres)
-        yield Servers(nats_url, database_url)
+        yield Servers(nats_url, database_url, nats)
     finally:
         for server in reversed(started):
             server.stop()
@@ -84,11 +92,20 @@ def servers() -> Iterator[Servers]:
 def isolated_settings(servers: Servers, **recorder: object) -> Settings:
     """Settings with a fresh subject prefix, stream names and schema."""
     tag = uuid.uuid4().hex[:10]
+    # The test acts as the admin identity (it publishes what any role would); the services it starts get
+    # their own role's identity from the credentials folder, with permissions for this test's prefix and
+    # streams (added to the server's authorization, the newest few kept).
+    credentials = None
+    if servers.nats is not None:
+        servers.nats.authority.add_scope(NatsScope(f"kt{tag}", f"KT{tag}", f"KT{tag}_DLQ"))
+        credentials = servers.nats.identity_file(ADMIN)
     # Small streams: JetStream reserves max_bytes of disk per stream up front.
-    bus = BusSettings(subject_prefix=f"kt{tag}", stream=f"KT{tag}", dlq_stream=f"KT{tag}_DLQ", max_bytes="256MiB")
+    bus = BusSettings(subject_prefix=f"kt{tag}", stream=f"KT{tag}", dlq_stream=f"KT{tag}_DLQ", max_bytes="256MiB",
+                      credentials=credentials)
     return Settings(
         nats_url=servers.nats_url,
         database_url=servers.database_url,
+        credentials_dir=servers.credentials_dir,
         db_schema=f"t_{tag}",
         bus=bus,
         recorder=RecorderSettings(**{"lag_threshold": "1h", **recorder}),  # type: ignore[arg-type]

@@ -29,8 +29,9 @@ def registered(node: str) -> Event:
 
 
 async def test_publish_and_consume_ride_out_a_nats_restart(own_nats: NatsServer) -> None:
-    bus = await Bus.connect(own_nats.url, SETTINGS, name="outage-publisher")
-    consumer_bus = await Bus.connect(own_nats.url, SETTINGS, name="outage-consumer")
+    settings = SETTINGS.model_copy(update={"credentials": own_nats.identity_file("admin")})
+    bus = await Bus.connect(own_nats.url, settings, name="outage-publisher")
+    consumer_bus = await Bus.connect(own_nats.url, settings, name="outage-consumer")
     try:
         consumer = EventConsumer(consumer_bus, "outage-test", fetch_timeout_s=0.2)
         await consumer.start()
@@ -66,7 +67,8 @@ async def test_publish_and_consume_ride_out_a_nats_restart(own_nats: NatsServer)
 
 
 async def test_publish_gives_up_after_the_outage_tolerance(own_nats: NatsServer) -> None:
-    settings = SETTINGS.model_copy(update={"outage_tolerance": BusSettings(outage_tolerance="2s").outage_tolerance})
+    settings = SETTINGS.model_copy(update={"outage_tolerance": BusSettings(outage_tolerance="2s").outage_tolerance,
+                                           "credentials": own_nats.identity_file("admin")})
     bus = await Bus.connect(own_nats.url, settings, name="outage-publisher")
     try:
         await asyncio.to_thread(own_nats.stop)

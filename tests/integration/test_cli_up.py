@@ -62,7 +62,9 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
         assert json.loads(again.stdout)["services"] == state["services"]  # idempotent: same processes
 
         async def publish_and_read() -> int:
-            bus = await Bus.connect(state["nats_url"], BusSettings())
+            # As an operator would: the identity `keel up` issued (an anonymous client is refused).
+            bus = await Bus.connect(state["nats_url"],
+                                    BusSettings(credentials=scratch_dir / "home" / "credentials" / "nats" / "admin.json"))
             await bus.publish(Event.create(NodeRegistered(node_id="n1", host="h1"), job_id="job1", subject="node/n1",
                                            producer="node-agent", occurred_at=now_utc()))
             await bus.publish(health_event("n1", status="failed", fatal=True, confidence="high", component="gpu",

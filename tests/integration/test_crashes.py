@@ -32,6 +32,8 @@ def service_env(settings: Settings) -> dict[str, str]:
         "KEEL_BUS__SUBJECT_PREFIX": settings.bus.subject_prefix,
         "KEEL_BUS__STREAM": settings.bus.stream,
         "KEEL_BUS__DLQ_STREAM": settings.bus.dlq_stream,
+        # Each service finds its own role's NATS identity there (not the test's admin identity).
+        "KEEL_CREDENTIALS_DIR": str(settings.credentials_dir or ""),
         "KEEL_RECORDER__BATCH_SIZE": "200",
         "KEEL_BUS__ACK_WAIT": "3s",  # redeliver a killed recorder's batch quickly
     }
@@ -98,7 +100,7 @@ async def test_recorder_killed_mid_batch_loses_nothing_and_duplicates_nothing(ke
 async def test_nats_killed_mid_stream_every_acknowledged_event_reaches_postgres(
     own_nats: NatsServer, servers: Servers
 ) -> None:
-    settings = isolated_settings(Servers(own_nats.url, servers.database_url))
+    settings = isolated_settings(Servers(own_nats.url, servers.database_url, own_nats))
     await asyncio.to_thread(run_migrations, servers.database_url, settings.db_schema)
     engine = create_engine(servers.database_url, settings.db_schema)
     store = EventStore(engine)
@@ -147,7 +149,7 @@ def _restart_later(server: NatsServer, delay_s: float) -> None:
 
 
 async def test_postgres_restarted_recorder_retries_and_catches_up(own_postgres: PostgresServer, servers: Servers) -> None:
-    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn))
+    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn, servers.nats))
     await asyncio.to_thread(run_migrations, own_postgres.dsn, settings.db_schema)
     engine = create_engine(own_postgres.dsn, settings.db_schema)
     store = EventStore(engine)

@@ -63,8 +63,7 @@ class Outage:
         self.scratch = scratch
         self.nats = NatsServer(store_dir=scratch / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
         self.nats.start()
-        settings = isolated_settings(servers)
-        self.settings = settings.model_copy(update={"nats_url": self.nats.url})
+        self.settings = isolated_settings(Servers(self.nats.url, servers.database_url, self.nats))
         self.directory = scratch / "cluster"
         self.knobs = {"KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
                       "KEEL_CHECKPOINT__PERSIST_ROOT": str(scratch / "checkpoints")}

@@ -48,7 +48,7 @@ class CrashingPostgresRecorder(Recorder):
 
 async def test_postgres_killed_mid_copy_loses_nothing_doubles_nothing(own_postgres: PostgresServer,
                                                                         servers: Servers) -> None:
-    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn), batch_size=500)
+    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn, servers.nats), batch_size=500)
     await asyncio.to_thread(run_migrations, own_postgres.dsn, settings.db_schema)
     engine = create_engine(own_postgres.dsn, settings.db_schema)
     store = EventStore(engine)
@@ -97,7 +97,8 @@ async def test_a_full_stream_pushes_back_and_loses_nothing_the_recorder_has_not_
 
     tag = keel_env.settings.bus.subject_prefix
     bus_settings = BusSettings(subject_prefix=f"{tag}f", stream=f"{tag.upper()}F", dlq_stream=f"{tag.upper()}F_DLQ",
-                               max_bytes="64KiB", publish_attempts=2, retry_backoff_initial="20ms")
+                               max_bytes="64KiB", publish_attempts=2, retry_backoff_initial="20ms",
+                               credentials=keel_env.settings.bus.credentials)
     bus = await Bus.connect(servers.nats_url, bus_settings, administer=True)
     outbox = Outbox(servers.nats_url, bus_settings, name="test-outbox")
     outbox_stop = asyncio.Event()

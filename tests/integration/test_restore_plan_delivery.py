@@ -81,7 +81,7 @@ class AgentSide:
                                       node_dir=base / "shm" / self.node_id, agent_dir=base / "agent" / self.node_id,
                                       emit=lambda *a, **k: None, transport=None, persist_root=None)
         subjects = command_subjects(keel_env.settings.bus.subject_prefix, JOB, self.node_id, checkpointing=True)
-        self.consumer = EventConsumer(keel_env.bus, durable_name(JOB, self.node_id, subjects), subjects,
+        self.consumer = EventConsumer(keel_env.bus, durable_name(JOB, self.node_id, checkpointing=True), subjects,
                                       batch_size=64, fetch_timeout_s=0.1)
 
     async def restart(self, generation: int) -> None:

@@ -19,6 +19,8 @@ import nats
 import pytest
 
 from keel.infra import embedded as rt
+from keel.infra.bus import connect_credentials
+from keel.infra.config import BusSettings
 from keel.infra.embedded import (
     DataDirLockedError,
     EmbeddedRuntime,
@@ -79,8 +81,11 @@ async def _pg_fetchval(dsn: str, query: str, *args):
         await conn.close()
 
 
-async def _nats_connect(url: str):
-    return await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+async def _nats_connect(url: str, server: NatsServer):
+    """A plain client of ``server`` as its admin identity (the server refuses anonymous clients)."""
+    credentials = connect_credentials(BusSettings(credentials=server.identity_file("admin")), url)
+    return await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0,
+                              **credentials)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------- basics
@@ -232,7 +237,7 @@ async def test_nats_start_jetstream_roundtrip_stop_idempotent(workdir, servers):
     assert n.start() == url and n.pid == pid  # idempotent
     # a second object for the same store dir and ports also just finds it
     assert NatsServer(n.store_dir, n.port, n.monitor_port).start() == url
-    nc = await _nats_connect(url)
+    nc = await _nats_connect(url, n)
     try:
         js = nc.jetstream()
         await js.add_stream(name="RT", subjects=["rt.>"])
@@ -275,7 +280,7 @@ def test_nats_data_dir_locked(workdir, servers):
 async def test_nats_kill_then_restart_keeps_stream(workdir, servers):
     n = _nats(workdir, servers)
     url = n.start()
-    nc = await _nats_connect(url)
+    nc = await _nats_connect(url, n)
     try:
         js = nc.jetstream()
         await js.add_stream(name="CRASH", subjects=["crash.>"])
@@ -288,7 +293,7 @@ async def test_nats_kill_then_restart_keeps_stream(workdir, servers):
     assert not n.is_running()
     assert n.start() == url
     assert n.pid != old_pid
-    nc = await _nats_connect(url)
+    nc = await _nats_connect(url, n)
     try:
         js = nc.jetstream()
         info = await js.stream_info("CRASH")
@@ -314,7 +319,7 @@ async def test_embedded_runtime_up_status_down(workdir, servers):
     assert st["nats"]["pid"] == info["nats"]["pid"] and st["postgres"]["pid"] == info["postgres"]["pid"]
     assert r.up() == info  # idempotent: same pids
     assert await _pg_fetchval(st["postgres"]["dsn"], "select 1") == 1
-    nc = await _nats_connect(st["nats"]["url"])
+    nc = await _nats_connect(st["nats"]["url"], r.nats)
     await nc.close()
     r.down()
     st = r.status()

@@ -116,5 +116,6 @@ def test_an_agent_subscribes_to_its_own_nodes_commands_and_the_job_wide_requests
 
     assert taken(restart("gpu01.dc1"))
     assert not taken(restart("gpu01")) and not taken(restart("gpu01.dc2")) and not taken(restart("gpu01-dc1"))
-    name = durable_name("train", "gpu01.dc1", subjects)
-    assert name == "agent-train-gpu01%2Edc1-node-6" and not any(c in name for c in NATS_FORBIDDEN)
+    name = durable_name("train", "gpu01.dc1", checkpointing=False)
+    assert name == "agent-train-gpu01%2Edc1-cmd" and not any(c in name for c in NATS_FORBIDDEN)
+    assert durable_name("train", "gpu01.dc1", checkpointing=True) == "agent-train-gpu01%2Edc1-ckpt"

@@ -16,7 +16,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from keel.cli.common import Subparsers, nats_url_or_none
-from keel.infra.config import Settings
+from keel.infra.config import BusSettings, Settings, credentials_path
 
 if TYPE_CHECKING:  # imported where used: `keel` commands other than `keel run` never load the agent
     from keel.agent.checkpointing import NodeCheckpointing
@@ -37,6 +37,26 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return run_agent(args.launch_args, settings, nats_url_or_none(settings))
 
 
+def agent_bus_settings(settings: Settings, job_id: str, node_id: str) -> BusSettings:
+    """The agent's NATS identity: ``bus.credentials`` when given (a multi-host deployment provisions one per
+    node); else, where this user holds the credentials of a local Keel (``keel up``), the identity of this
+    (job, node), issued if new; else none (a server without authorization)."""
+    from keel.infra.nats_auth import NatsAuthError, NatsAuthority
+    from keel.infra.secrets import InsecurePathError
+
+    if settings.bus.credentials is not None:
+        return settings.bus
+    authority = NatsAuthority(credentials_path(settings))
+    try:
+        if authority.local_server() is None:
+            return settings.bus
+        path = authority.ensure_agent(job_id, node_id)
+    except (OSError, NatsAuthError, InsecurePathError) as exc:
+        log.error("keel run: cannot issue this node's NATS identity from %s: %s", authority.folder, exc)
+        return settings.bus
+    return settings.bus.model_copy(update={"credentials": path})
+
+
 def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     from keel.agent.agent import NodeAgent
     from keel.agent.inspector_adapter import build_watcher, classify
@@ -50,7 +70,8 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     except LaunchError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2
-    outbox = Outbox(nats_url, settings.bus, name=f"keel-agent-{spec.node_id}") if nats_url else None
+    outbox = Outbox(nats_url, agent_bus_settings(settings, spec.job_id, spec.node_id),
+                    name=f"keel-agent-{spec.node_id}") if nats_url else None
     if outbox is None:
         log.warning("keel run: no NATS configured (KEEL_NATS_URL or `keel up`): supervising without reporting")
     try:

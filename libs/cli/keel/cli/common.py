@@ -93,11 +93,13 @@ def on_store(settings: Settings, use: Callable[[Any], Coroutine[Any, Any, Any]])
 def publish(settings: Settings, event: Any) -> None:
     """Publish one event on the bus; a NATS that does not answer within 10 s is a ``CliError``."""
     from keel.infra.bus import Bus
+    from keel.infra.nats_auth import OPERATOR, bus_settings_for
 
     nats_url, _ = endpoints(settings)
 
     async def main() -> None:
-        bus = await asyncio.wait_for(Bus.connect(nats_url, settings.bus, name="keel-cli"), timeout=10)
+        bus = await asyncio.wait_for(Bus.connect(nats_url, bus_settings_for(settings, OPERATOR), name="keel-cli"),
+                                     timeout=10)
         try:
             await bus.publish(event)
         finally:

@@ -22,6 +22,7 @@ from typing import Any
 
 from keel.cli.common import CliError, Subparsers, endpoints, login_name, print_json
 from keel.infra.config import Settings
+from keel.infra.nats_auth import ADMIN, OPERATOR, bus_settings_for
 
 
 def register(sub: Subparsers) -> None:
@@ -131,7 +132,10 @@ def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
 
     async def main() -> int:
         try:
-            bus = await asyncio.wait_for(Bus.connect(nats_url, settings.bus, name="keel-dlq"), timeout=10)
+            # Redriving republishes events of any type: only the admin identity may; listing needs none.
+            identity = ADMIN if args.dlq_command == "redrive" else OPERATOR
+            bus = await asyncio.wait_for(Bus.connect(nats_url, bus_settings_for(settings, identity), name="keel-dlq"),
+                                         timeout=10)
         except TimeoutError:
             raise CliError(f"NATS at {nats_url} did not answer within 10 s") from None
         try:

@@ -99,8 +99,9 @@ def _service_pid(settings: Settings, service: str) -> int | None:
 async def administer_streams(nats_url: str, settings: Settings) -> None:
     """Create the streams, or bring existing ones to these settings (only the administering commands do)."""
     from keel.infra.bus import Bus
+    from keel.infra.nats_auth import ADMIN, bus_settings_for
 
-    bus = await Bus.connect(nats_url, settings.bus, name="keel-admin", administer=True)
+    bus = await Bus.connect(nats_url, bus_settings_for(settings, ADMIN), name="keel-admin", administer=True)
     await bus.close()
 
 
@@ -242,6 +243,7 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace, settings: Settings) -> int:
+    from keel.infra.nats_auth import SUPERVISOR, bus_settings_for
     from keel.infra.supervisor import ServiceSpec, Supervisor, policy_from_settings, run_supervisor
 
     nats_url, database_url = endpoints(settings)
@@ -250,7 +252,7 @@ def cmd_supervise(args: argparse.Namespace, settings: Settings) -> int:
     env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
     specs = [ServiceSpec(service, [*_keel_command(args), "service", service], env) for service in SERVICES]
     supervisor = Supervisor(specs, services_dir, policy_from_settings(settings.supervisor), nats_url=nats_url,
-                            bus_settings=settings.bus,
+                            bus_settings=bus_settings_for(settings, SUPERVISOR),
                             stop_timeout_s=settings.supervisor.stop_timeout.total_seconds())
     run_supervisor(supervisor, pid_file=services_dir / "supervisor.pid")
     return 0

@@ -41,6 +41,7 @@ from keel.events.units import parse_duration
 from keel.infra.bus import Bus
 from keel.infra.config import Settings
 from keel.infra.embedded import free_port
+from keel.infra.nats_auth import OPERATOR, bus_settings_for
 
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
@@ -445,7 +446,7 @@ def apply_fault(node: NodeInfo, fault: FaultSpec, fault_id: str) -> str:
 
 async def publish_injection(nats_url: str, settings: Settings, job_id: str, node: NodeInfo, fault: FaultSpec,
                             fault_id: str, detail: str, injected_at: datetime) -> None:
-    bus = await Bus.connect(nats_url, settings.bus, name="keel-inject")
+    bus = await Bus.connect(nats_url, bus_settings_for(settings, OPERATOR), name="keel-inject")
     try:
         event = Event.create(
             FaultInjected(kind=fault.kind, node_id=node.node_id, rank=fault.rank,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from nats.js import JetStreamContext, api
 from keel.events.envelope import Event
 from keel.infra.config import BusSettings
 from keel.infra.metrics import STREAM_FULL_REFUSALS
+from keel.infra.nats_auth import NatsAuthError, load_identity
 from keel.infra.subjects import event_subject
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,45 @@ _TRANSIENT = (
     nats.js.errors.ServiceUnavailableError,
     nats.js.errors.ServerError,
 )
+
+
+PERMISSION_VIOLATION = "permissions violation for publish to"
+"""nats-py lower-cases the server's error text (the subject in it too)."""
+
+
+class NotPermitted(PermissionError):
+    """The NATS server refused a publish: this identity may not publish on that subject (not retried)."""
+
+
+class StreamMissing(RuntimeError):
+    """A stream this client needs does not exist, and only the admin identity may create it."""
+
+
+class NotAuthorized(PermissionError):
+    """The NATS server refused this client's credentials (or it presented none); the message says which."""
+
+
+def connect_credentials(settings: BusSettings, url: str) -> dict[str, object]:
+    """``nats.connect`` keyword arguments for ``settings``' identity and TLS: a Keel identity file gives user,
+    password and the identity's inbox prefix (it may subscribe only below it); a ``.creds`` file is passed
+    as NATS user credentials. Raises ``NotAuthorized`` for an identity file that cannot be used."""
+    options: dict[str, object] = {}
+    if settings.credentials is not None:
+        path = settings.credentials
+        if path.suffix == ".creds":
+            options["user_credentials"] = str(path)
+        else:
+            try:
+                identity = load_identity(path)
+            except (OSError, NatsAuthError) as exc:
+                raise NotAuthorized(f"NATS credentials {path}: {exc}") from exc
+            options.update(user=identity.user, password=identity.password, inbox_prefix=identity.inbox_prefix)
+    if settings.tls_ca or settings.tls_cert or url.startswith("tls://"):
+        context = ssl.create_default_context(cafile=str(settings.tls_ca) if settings.tls_ca else None)
+        if settings.tls_cert:
+            context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key) if settings.tls_key else None)
+        options["tls"] = context
+    return options
 
 
 class PublishFailed(RuntimeError):
@@ -150,8 +191,32 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream(timeout=settings.publish_timeout.total_seconds())
         self.settings = settings
         self._stream_full_said = False
+        self._denied: dict[str, asyncio.Event] = {}
+        """Subjects a publish of this client is waiting on -> set when the server refused a publish there."""
 
-    # -- setup ---------------------------------------------------------------------------------
+    def note_denied(self, text: str) -> None:
+        """The server's ``Permissions Violation for Publish to "<subject>"``: fail the publish waiting on it."""
+        subject = text.lower().split(PERMISSION_VIOLATION, 1)[1].strip().strip("')").strip().strip('"')
+        log.error("NATS refused a publish to %s: this identity may not publish there", subject)
+        waiter = self._denied.get(subject)  # keyed lower-case, as nats-py reports it
+        if waiter is not None:
+            waiter.set()
+
+    async def _publish_checked(self, subject: str, data: bytes, headers: dict[str, str]) -> api.PubAck:
+        """``js.publish``; a publish the server refused for permissions (its acknowledgement never comes) raises
+        ``NotPermitted`` instead of counting as a transient failure to retry. Awaited inline, not in a task of
+        its own, so concurrent publishers keep their order."""
+        key = subject.lower()
+        denied = self._denied.setdefault(key, asyncio.Event())
+        try:
+            return await self.js.publish(subject, data, headers=headers)
+        except _TRANSIENT:
+            if denied.is_set():
+                raise NotPermitted(f"NATS refused a publish to {subject}: this client's identity may not publish "
+                                   "there (keel.infra.nats_auth)") from None
+            raise
+        finally:
+            self._denied.pop(key, None)
 
     @classmethod
     async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False) -> Bus:
@@ -161,11 +226,23 @@ class Bus:
         stream's settings to its own; any other client creates a missing stream but leaves an existing
         one as it is and warns about each setting that differs from its own (one ``keel approve`` from
         a laptop with default settings must not turn an R3 / 8 GiB production stream into R1 / 2 GiB)."""
+        refused = asyncio.Event()
+        refusals: list[Exception] = []
+        buses: list[Bus] = []
+
         async def quiet_error(error: Exception) -> None:
             # nats-py logs every failed (re)connect with a traceback; callers report unreachability once.
+            # A refusal of the credentials ends the connect (nats-py would retry it for ever); a refused
+            # publish fails that publish at once instead of after every retry's timeout.
+            text = str(error)
+            if isinstance(error, nats.errors.AuthorizationError) or "authorization violation" in text.lower():
+                refusals.append(error)
+                refused.set()
+            elif PERMISSION_VIOLATION in text.lower() and buses:
+                buses[0].note_denied(text)
             log.debug("nats %s: %r", name, error)
 
-        nc = await nats.connect(
+        connecting = asyncio.ensure_future(nats.connect(
             url,
             name=name,
             error_cb=quiet_error,
@@ -174,8 +251,24 @@ class Bus:
             connect_timeout=2,
             allow_reconnect=True,
             pending_size=64 * 1024 * 1024,
-        )
+            **connect_credentials(settings, url),
+        ))
+        refusal = asyncio.ensure_future(refused.wait())
+        await asyncio.wait({connecting, refusal}, return_when=asyncio.FIRST_COMPLETED)
+        refusal.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            try:
+                await connecting
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the refusal is what to report
+                pass
+            raise NotAuthorized(
+                f"NATS at {url} refused {name}: {refusals[-1] if refusals else 'authorization violation'} "
+                f"(credentials: {settings.credentials or 'none given'}). Set KEEL_BUS__CREDENTIALS to this "
+                "process's identity file, or run it the way `keel up` does (docs/security.md)")
+        nc = connecting.result()
         bus = cls(nc, settings)
+        buses.append(bus)
         await bus.ensure_streams(administer=administer)
         return bus
 
@@ -244,7 +337,14 @@ class Bus:
         try:
             existing = (await self.js.stream_info(config.name)).config
         except nats.js.errors.NotFoundError:
-            await self.js.add_stream(config)
+            try:
+                await self.js.add_stream(config)
+            except (*_TRANSIENT, nats.js.errors.APIError) as exc:
+                if administer:
+                    raise
+                # Only the admin identity manages streams; a service or the CLI finds them made.
+                raise StreamMissing(f"stream {config.name} does not exist and this client may not create it "
+                                    f"({exc!r}): run `keel up` or `keel migrate` (the admin identity) first") from exc
             return []
         if administer:
             await self.js.update_stream(config)
@@ -270,7 +370,7 @@ class Bus:
         outage = _Outage(self)
         while attempt < self.settings.publish_attempts:
             try:
-                ack = await self.js.publish(subject, data, headers=all_headers)
+                ack = await self._publish_checked(subject, data, all_headers)
                 if self._stream_full_said:
                     self._stream_full_ended()
                 return PublishResult(ack.seq, bool(ack.duplicate))

@@ -104,6 +104,17 @@ class BusSettings(_Section):
     """How long a publisher waits for a lost NATS connection to come back (the client reconnects on its
     own) before ``PublishFailed``; attempts made while the connection is down do not count against
     ``publish_attempts``. A NATS outage shorter than this is ridden out, not a crash."""
+    credentials: Path | None = None
+    """This process's NATS identity: a Keel identity file (``<credentials_dir>/nats/<name>.json``, 0600, issued
+    by ``keel up`` / ``keel credentials issue``) or a NATS ``.creds`` file (JWT + nkey seed, from ``nsc``).
+    Unset: services and the CLI use their role's file in ``credentials_dir`` when there is one."""
+    tls_ca: Path | None = None
+    """CA bundle that signed the NATS server's certificate: set it (and use a ``tls://`` URL) to connect over
+    TLS with the server verified. Unset with a ``tls://`` URL: the system's CAs."""
+    tls_cert: Path | None = None
+    """Client certificate for servers that require mutual TLS (with ``tls_key``)."""
+    tls_key: Path | None = None
+    """The client certificate's private key (0600)."""
 
     @field_validator("subject_prefix", "stream", "dlq_stream")
     @classmethod

@@ -69,6 +69,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keel.infra.nats_auth import LocalServer, NatsAuthority, NatsScope, identity_file
+
 __all__ = [
     "LOCALHOST",
     "free_port",
@@ -480,9 +482,41 @@ class NatsServer:
     port: int
     monitor_port: int
     sync_always: bool = True
+    credentials_dir: Path | None = None
+    """Where the server's client identities live (``keel.infra.nats_auth``); default
+    ``<parent of store_dir>/credentials``. The server accepts only those identities."""
+    scope: NatsScope = field(default_factory=NatsScope)
+    """The subject prefix and streams the identities' permissions are first rendered for."""
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir).expanduser().resolve()
+        self.credentials_dir = Path(self.credentials_dir or self.store_dir.parent / "credentials").expanduser()
+
+    @property
+    def authority(self) -> NatsAuthority:
+        """Issues identities for this server (and has it reload them)."""
+        assert self.credentials_dir is not None
+        return NatsAuthority(self.credentials_dir)
+
+    @property
+    def auth_file(self) -> Path:
+        return self.store_dir.parent / f"{self.store_dir.name}.auth.conf"
+
+    def identity_file(self, name: str) -> Path:
+        """The credentials file of identity ``name`` (``admin``, ``controller``, ...) for this server."""
+        assert self.credentials_dir is not None
+        return identity_file(self.credentials_dir, name)
+
+    def _attach_authority(self) -> None:
+        """Create the standard identities when missing, record this server with them and write its
+        authorization file (kept scopes that earlier runs added stay)."""
+        authority = self.authority
+        authority.ensure_standard()
+        previous = authority.local_server()
+        scopes = previous.scopes if previous is not None and previous.auth_file == self.auth_file else (self.scope,)
+        server = LocalServer(self.auth_file, self.pid_file, self.monitor_url, scopes)
+        authority.attach(server)
+        authority.write_authorization(server)
 
     # -- derived paths ------------------------------------------------------------------------
     @property
@@ -574,6 +608,8 @@ class NatsServer:
                 f'listen: "{LOCALHOST}:{self.port}"',
                 f'http: "{LOCALHOST}:{self.monitor_port}"',
                 f"max_payload: {NATS_MAX_PAYLOAD_BYTES}",
+                # Only Keel's identities connect, each with its own permissions (keel.infra.nats_auth).
+                f"include {json.dumps(self.auth_file.name)}",
                 "jetstream {",
                 *js,
                 "}",
@@ -593,6 +629,7 @@ class NatsServer:
         pid = self._live_pid()
         if pid is not None:
             if self._running_ports() == (self.port, self.monitor_port):
+                self._attach_authority()
                 if _wait_until(self._healthy, timeout_s):
                     return self.url
                 raise RuntimeStartError(
@@ -609,6 +646,7 @@ class NatsServer:
 
         binary = _nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        self._attach_authority()
         _atomic_write_text(self.config_file, self._render_config())
         with open(self.log_file, "ab") as log:
             log.write(f"\n--- keel: starting {binary} -c {self.config_file} at {time.ctime()} ---\n".encode())

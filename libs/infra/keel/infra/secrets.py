@@ -51,10 +51,17 @@ def ensure_private_dir(path: Path) -> Path:
     return path
 
 
-def write_secret(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically with mode 0600, in a private folder; returns ``path``."""
+def write_secret(path: Path, data: bytes, *, private_parent: bool = True) -> Path:
+    """Write ``data`` to ``path`` atomically with mode 0600, in a private folder (``private_parent=False``: a
+    folder that others may list but not write, such as a server's configuration folder); returns ``path``."""
     path = Path(path)
-    ensure_private_dir(path.parent)
+    if private_parent:
+        ensure_private_dir(path.parent)
+    else:
+        st = os.lstat(path.parent)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o022:
+            raise InsecurePathError(f"folder {path.parent} is writable by others or not this user's: refusing to "
+                                    f"keep the secret {path.name} there")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         os.fchmod(fd, 0o600)

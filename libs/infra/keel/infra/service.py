@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from keel.infra.bus import Bus
 from keel.infra.config import ConfigError, Settings, SnapshotSettings, load_settings, resolve_endpoints
+from keel.infra.nats_auth import ADMIN, bus_settings_for
 from keel.infra.runner import DeciderRunner
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.kernel.decider import Decider
@@ -82,7 +83,7 @@ async def serve_service(
         await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
         engine = create_engine(database_url, settings.db_schema)
     try:
-        bus = await Bus.connect(nats_url, settings.bus, name=f"keel-{name}")
+        bus = await Bus.connect(nats_url, bus_settings_for(settings, name), name=f"keel-{name}")
         try:
             service = build(bus, EventStore(engine) if engine is not None else None)
             await service.start()
@@ -180,7 +181,7 @@ def migrate_main(argv: Sequence[str] | None = None) -> int:
     run_migrations(database_url, settings.db_schema)
 
     async def administer() -> None:
-        bus = await Bus.connect(nats_url, settings.bus, name="keel-migrate", administer=True)
+        bus = await Bus.connect(nats_url, bus_settings_for(settings, ADMIN), name="keel-migrate", administer=True)
         await bus.close()
 
     asyncio.run(administer())

@@ -53,8 +53,9 @@ from keel.events.types import (
     StandbyPromotionRequested,
 )
 from keel.infra.consumer import EventConsumer
+from keel.infra.nats_auth import agent_durable
 from keel.infra.outbox import Outbox
-from keel.infra.subjects import encode_token, subject_filter
+from keel.infra.subjects import subject_filter
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,11 @@ def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: b
     return subjects
 
 
-def durable_name(job_id: str, node_id: str, subjects: list[str]) -> str:
-    """The agent's durable consumer. ``node``: named apart from the consumers of before node-addressed
-    subjects, whose filters match nothing any more (an existing consumer is kept as it is, never
-    reconfigured: ``Bus.pull_consumer``); the subject count tells a checkpointing agent's apart. The node
-    id is encoded as in subjects: a consumer name must not hold ``.``, ``*``, ``>`` or whitespace either."""
-    return f"agent-{job_id}-{encode_token(node_id)}-node-{len(subjects)}"
+def durable_name(job_id: str, node_id: str, *, checkpointing: bool) -> str:
+    """The agent's durable consumer: exactly the name its NATS identity may create and read
+    (``keel.infra.nats_auth.agent_durable``); a checkpointing agent's is named apart (its filters differ, and
+    an existing consumer is kept as it is, never reconfigured: ``Bus.pull_consumer``)."""
+    return agent_durable(job_id, node_id, checkpointing=checkpointing)
 
 
 class CommandTarget(Protocol):
@@ -135,7 +135,8 @@ class CommandConsumer:
         spec = agent.spec
         subjects = command_subjects(bus.settings.subject_prefix, spec.job_id, spec.node_id,
                                     checkpointing=agent.checkpointing is not None)
-        self.events = EventConsumer(bus, durable_name(spec.job_id, spec.node_id, subjects), subjects,
+        self.events = EventConsumer(bus, durable_name(spec.job_id, spec.node_id, checkpointing=agent.checkpointing is not None),
+                                    subjects,
                                     inactive_threshold=bus.settings.node_consumer_inactive)
         # Supervised: a command whose handling raises (a bug, a node in a state nobody foresaw) must not
         # end the agent's command intake for good while its ranks run on. It is logged, left

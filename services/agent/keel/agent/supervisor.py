@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +32,18 @@ from keel.events.types import CodeRef
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 40
+
+
+CONTROL_PLANE_ENV = ("KEEL_NATS_URL", "KEEL_DATABASE_URL", "KEEL_CREDENTIALS_DIR", "KEEL_HOME", "KEEL_CONFIG")
+"""The agent's own environment that training code must not inherit: where the control plane's servers and
+credentials are. A rank talks to its agent over the node-local channel only."""
+
+
+def without_control_plane_credentials(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the control plane's servers, credentials and settings (every ``KEEL_BUS__*``,
+    ``KEEL_POSTGRES__*`` and ``KEEL_NATS__*`` too): what a rank's environment starts from."""
+    return {key: value for key, value in environ.items()
+            if key not in CONTROL_PLANE_ENV and not key.startswith(("KEEL_BUS__", "KEEL_POSTGRES__", "KEEL_NATS__"))}
 
 
 @dataclass
@@ -124,7 +136,7 @@ class RankSupervisor:
 
     def rank_env(self, local_rank: int, generation: int) -> dict[str, str]:
         spec = self.spec
-        env = dict(os.environ)
+        env = without_control_plane_credentials(os.environ)
         env.update(
             RANK=str(spec.global_rank(local_rank)),
             LOCAL_RANK=str(local_rank),

@@ -1,0 +1,427 @@
+"""NATS identities and permissions: who may publish and receive what on Keel's bus.
+
+Every client of Keel's NATS authenticates as one *identity* of one *role*; the server enforces, per
+identity, which subjects it may publish and subscribe to. Keel's own deployments (``keel up``'s embedded
+server, the compose file, the Terraform module) run with these permissions; an unauthenticated client is
+refused.
+
+Roles (``ROLES``) and what they may publish (``ROLE_EVENT_TYPES``; events are on
+``<prefix>.<job>.<aggregate kind>.<aggregate id>.<type>``, ``keel.infra.subjects``):
+
+- ``admin``: everything, including managing streams (create, update, delete, purge). ``keel up``,
+  ``keel migrate``, ``keel dlq redrive`` (it republishes events of any type).
+- ``recorder``: its lag reports and purging what it has stored from the events stream.
+- ``controller``: the commands and decisions (restarts, evictions, standby, diagnostics, clock ticks).
+- ``checkpoint-broker``, ``analyzer``, ``hot-update``: their own decisions' event types.
+- ``actuator``: ``NodeEvicted``. ``supervisor``: ``ServiceRestarted`` / ``ServiceGaveUp``.
+- ``agent``: one identity per (job, node). Only its own node's facts (``node.<its id>``), its ranks'
+  ``RankStarted`` / ``RankExited`` and the job's ``CheckpointTierFallback``; it receives only through its
+  own durable consumer (its exact name), so it cannot reconfigure another service's consumer.
+- ``operator``: approvals, cordons, code-version registration, fault injection.
+- ``auditor``: reads stream and consumer state; publishes nothing.
+
+Every identity has its own inbox prefix (``_INBOX.<user>``) and may subscribe only below it, so no
+client reads another's replies (JetStream deliveries of pull consumers go to inboxes).
+
+A *scope* names the subject prefix and stream names the permissions are rendered for. Keel's own
+deployments render the exact ones (``keel``, ``KEEL``, ``KEEL_DLQ``); a shared test server, where every
+test takes its own prefix and streams, renders ``*`` for them (``NatsScope.any()``). With ``*`` a dead
+letter's subject (``<prefix>_dlq...``) and an event's cannot be told apart by the server, so there a
+dead-lettering client's permission to dead-letter the commands it consumes is also a permission to publish
+them; the exact scope has no such overlap (docs/security.md).
+
+Identity files: ``<credentials>/nats/<name>.json`` (0600): ``{"name", "role", "user", "password",
+"inbox_prefix", "node", "job"}``. The server's authorization block is rendered from all of them
+(``render_authorization``). ``NatsAuthority`` issues identities and has a local server reload them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from keel.infra.config import BusSettings, Settings, credentials_path
+from keel.infra.secrets import ensure_private_dir, read_secret, write_secret
+from keel.infra.subjects import encode_token
+
+log = logging.getLogger(__name__)
+
+ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE = (
+    "admin", "recorder", "controller", "checkpoint-broker", "analyzer", "hot-update")
+ACTUATOR, SUPERVISOR, AGENT, OPERATOR, AUDITOR = "actuator", "supervisor", "agent", "operator", "auditor"
+ROLES = (ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, SUPERVISOR, AGENT, OPERATOR, AUDITOR)
+SERVICE_ROLES = (RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, SUPERVISOR)
+"""The roles with one identity each, named after the role (``<credentials>/nats/<role>.json``)."""
+STANDARD_IDENTITIES = (ADMIN, *SERVICE_ROLES, OPERATOR, AUDITOR)
+"""The identities ``keel up`` (and every Keel-managed server) creates at start; agents get theirs per
+(job, node) from ``NatsAuthority.ensure_agent``."""
+
+# (aggregate kind, event type) each role may publish. Decisions publish DecisionRefused when a decider
+# refuses its own output (keel.kernel.decider).
+_DECIDER_REFUSAL = (("job", "DecisionRefused"),)
+ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
+    RECORDER: (("recorder", "RecorderLagReported"),),
+    CONTROLLER: (
+        ("clock", "TimerTicked"), ("node", "NodeEvictionDecided"), ("node", "NodeClockSkewed"),
+        ("node", "RanksRestartRequested"), ("job", "IncidentOpened"), ("job", "IncidentResolved"),
+        ("job", "DiagnosticsRequested"), ("node", "StandbyPromotionRequested"), ("job", "StandbyPoolSized"),
+        ("job", "StandbyRefillRequested"), ("job", "RollbackDecided"), ("job", "JobStopDecided"),
+        ("job", "RestartDecided"), ("job", "ActionHeld"), ("job", "ApprovalRequested"),
+        ("job", "StacksRequested"), ("job", "SdcReplayRequested"), *_DECIDER_REFUSAL,
+    ),
+    BROKER: (
+        ("node", "CheckpointNodeBackupsAssigned"), ("job", "CheckpointBackupAssigned"),
+        ("node", "CheckpointShardsStored"), ("job", "CheckpointStepCommitted"), ("job", "CheckpointScheduleSet"),
+        ("job", "CheckpointPersisted"), ("node", "CheckpointNodeRestorePlanned"),
+        ("job", "CheckpointRestorePlanned"), ("job", "CheckpointTierFallback"), *_DECIDER_REFUSAL,
+    ),
+    ANALYZER: (("job", "StacksAnalyzed"), ("job", "FailSlowConvicted"), ("job", "SdcReplayAnalyzed"),
+               *_DECIDER_REFUSAL),
+    HOT_UPDATE: (("job", "CodeRolloutRequested"), ("job", "CodeVersionStable"), ("code", "CodeVersionRegistered"),
+                 ("code", "CodeVersionRejected"), *_DECIDER_REFUSAL),
+    ACTUATOR: (("node", "NodeEvicted"),),
+    SUPERVISOR: (("service", "ServiceRestarted"), ("service", "ServiceGaveUp")),
+    OPERATOR: (("job", "ApprovalGiven"), ("node", "NodeCordoned"), ("code", "CodeVersionRegistered"),
+               ("code", "CodeVersionRejected"), ("node", "FaultInjected"), ("job", "JobRegistered")),
+    AUDITOR: (),
+}
+AGENT_NODE_FACTS = (
+    "NodeRegistered", "NodeHealthChanged", "NodeHeartbeat", "RanksRestarted", "CheckpointRanksRegistered",
+    "CheckpointShardsStored", "CheckpointInventoryReported", "CheckpointBackupFailed", "DiagnosticsCompleted",
+    "StandbyChecked", "StandbyPromoted", "StacksCaptured", "MetricAnomalyDetected", "SdcReplayCompleted",
+    "CodeVersionApplied",
+)
+"""What an agent reports about its own node (``node.<its id>`` subjects only)."""
+AGENT_OTHER_FACTS = (("rank", "RankStarted"), ("rank", "RankExited"), ("job", "CheckpointTierFallback"))
+"""What an agent reports on other aggregates: its ranks (rank ids are job-wide numbers, so any rank of a
+job it serves) and the job's tier fallback."""
+AGENT_NODE_COMMANDS = ("RanksRestartRequested", "StandbyPromotionRequested", "NodeClockSkewed",
+                       "CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned")
+AGENT_JOB_COMMANDS = ("DiagnosticsRequested", "StacksRequested", "SdcReplayRequested", "CheckpointBackupAssigned",
+                      "CheckpointScheduleSet", "CheckpointRestorePlanned", "CheckpointStepCommitted")
+"""What an agent consumes (``keel.agent.consumer``): what it may dead-letter."""
+ACTUATOR_COMMANDS = (("node", "NodeEvictionDecided"), ("job", "StandbyRefillRequested"))
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class NatsAuthError(RuntimeError):
+    """An identity cannot be issued or found; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class NatsScope:
+    """The subject prefix and stream names permissions are rendered for (``*`` for any)."""
+
+    prefix: str = "keel"
+    stream: str = "KEEL"
+    dlq_stream: str = "KEEL_DLQ"
+
+    @classmethod
+    def any(cls) -> NatsScope:
+        return cls("*", "*", "*")
+
+    @property
+    def dlq_prefix(self) -> str:
+        return "*" if self.prefix == "*" else f"{self.prefix}_dlq"
+
+
+@dataclass(frozen=True)
+class NatsIdentity:
+    """One client identity: its NATS user and password, its inbox prefix, and what it stands for."""
+
+    name: str
+    role: str
+    user: str
+    password: str
+    inbox_prefix: str
+    node: str | None = None
+    job: str | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=2, sort_keys=True).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, source: str) -> NatsIdentity:
+        try:
+            raw = json.loads(data)
+            identity = cls(**{key: raw.get(key) for key in ("name", "role", "user", "password", "inbox_prefix",
+                                                             "node", "job")})
+        except (ValueError, TypeError) as exc:
+            raise NatsAuthError(f"NATS identity file {source} is not a Keel identity: {exc}") from None
+        if identity.role not in ROLES or not identity.user or not identity.password:
+            raise NatsAuthError(f"NATS identity file {source}: role {identity.role!r} unknown or user/password missing")
+        return identity
+
+
+def user_token(name: str) -> str:
+    """A NATS user name (and inbox token) for identity ``name``: ``name`` encoded as one subject token."""
+    return encode_token(name)
+
+
+def agent_identity_name(job_id: str, node_id: str) -> str:
+    return f"agent.{job_id}.{node_id}"
+
+
+def agent_durable(job_id: str, node_id: str, *, checkpointing: bool) -> str:
+    """The durable consumer name of node ``node_id``'s agent for ``job_id``: exact, so the agent's identity
+    may create and read that one consumer and no other."""
+    return f"agent-{job_id}-{encode_token(node_id)}-{'ckpt' if checkpointing else 'cmd'}"
+
+
+def new_identity(name: str, role: str, *, node: str | None = None, job: str | None = None) -> NatsIdentity:
+    if role not in ROLES:
+        raise NatsAuthError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    if not _NAME.match(name):
+        raise NatsAuthError(f"identity name {name!r}: use letters, digits, '.', '_' and '-' (at most 200)")
+    if role == AGENT and (not node or not job):
+        raise NatsAuthError("an agent identity names its job and node")
+    user = user_token(name)
+    return NatsIdentity(name=name, role=role, user=user, password=secrets.token_urlsafe(32),
+                        inbox_prefix=f"_INBOX.{user}", node=node, job=job)
+
+
+# ------------------------------------------------------------------------------------------- permissions
+
+
+def _events(scope: NatsScope, pairs: Iterable[tuple[str, str]], *, aggregate: str = "*", job: str = "*") -> list[str]:
+    return [f"{scope.prefix}.{job}.{kind}.{aggregate}.{event_type}" for kind, event_type in pairs]
+
+
+def _dead_letters(scope: NatsScope, pairs: Iterable[tuple[str, str]], *, aggregate: str = "*",
+                  job: str = "*") -> list[str]:
+    return [f"{scope.dlq_prefix}.{job}.{kind}.{aggregate}.{event_type}" for kind, event_type in pairs]
+
+
+def _consumer_api(scope: NatsScope, durable: str, stream: str | None = None) -> list[str]:
+    stream = stream or scope.stream
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}.{durable}", f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
+        f"$JS.ACK.{stream}.{durable}.>",
+    ]
+
+
+def permissions(identity: NatsIdentity, scope: NatsScope) -> dict[str, dict[str, list[str]]]:
+    """``{"publish": {"allow": [...]}, "subscribe": {"allow": [...]}}`` for ``identity`` (pure)."""
+    if identity.role == ADMIN:
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    subscribe = [f"{identity.inbox_prefix}.>"]
+    # Reading stream and consumer state is harmless and every client does it at connect.
+    publish = ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{scope.stream}", f"$JS.API.STREAM.INFO.{scope.dlq_stream}",
+               f"$JS.API.CONSUMER.INFO.{scope.stream}.*"]
+    role = identity.role
+    if role == AGENT:
+        node = encode_token(identity.node or "")
+        job = identity.job or "*"
+        publish += [f"{scope.prefix}.{job}.node.{node}.{event_type}" for event_type in AGENT_NODE_FACTS]
+        publish += _events(scope, AGENT_OTHER_FACTS, job=job)
+        for checkpointing in (False, True):
+            publish += _consumer_api(scope, agent_durable(identity.job or "", identity.node or "",
+                                                          checkpointing=checkpointing))
+        publish += [f"{scope.dlq_prefix}.{job}.node.{node}.{event_type}" for event_type in AGENT_NODE_COMMANDS]
+        publish += [f"{scope.dlq_prefix}.{job}.job.*.{event_type}" for event_type in AGENT_JOB_COMMANDS]
+        return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+    if role == AUDITOR:
+        return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+    publish += _events(scope, ROLE_EVENT_TYPES.get(role, ()))
+    if role == OPERATOR:
+        return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+    # The services: consumers of their own (any durable: they are trusted with each other's positions),
+    # reading single messages (cold start checks the stream, keel.infra.runner) and dead-lettering what
+    # they cannot process.
+    publish += _consumer_api(scope, "*") + _consumer_api(scope, "*", scope.dlq_stream)
+    publish += [f"$JS.API.STREAM.MSG.GET.{scope.stream}", f"$JS.API.DIRECT.GET.{scope.stream}",
+                f"$JS.API.DIRECT.GET.{scope.stream}.>"]
+    if role == ACTUATOR:
+        publish += _dead_letters(scope, ACTUATOR_COMMANDS)
+    elif scope.prefix != "*":
+        publish += [f"{scope.dlq_prefix}.>"]
+    else:  # with any prefix, ``*.>`` would be every event: dead-letter only what the role consumes
+        publish += _dead_letters(scope, [(kind, t) for _, pairs in ROLE_EVENT_TYPES.items() for kind, t in pairs])
+    if role == RECORDER:
+        publish += [f"$JS.API.STREAM.PURGE.{scope.stream}"]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+
+
+def render_authorization(identities: Sequence[NatsIdentity], scopes: Sequence[NatsScope]) -> str:
+    """The server's ``authorization { users: [...] }`` block for ``identities``, each allowed the union of
+    its permissions in every scope (pure; JSON is valid NATS configuration syntax)."""
+    users = []
+    for identity in sorted(identities, key=lambda i: i.name):
+        merged: dict[str, dict[str, list[str]]] = {"publish": {"allow": []}, "subscribe": {"allow": []}}
+        for scope in scopes:
+            for direction, rules in permissions(identity, scope).items():
+                allow = merged[direction]["allow"]
+                allow += [subject for subject in rules["allow"] if subject not in allow]
+        users.append({"user": identity.user, "password": identity.password, "permissions": merged})
+    return "# generated by keel.infra.nats_auth; rewritten whenever an identity is issued\n" \
+           f"authorization {json.dumps({'users': users}, indent=1)}\n"
+
+
+# ----------------------------------------------------------------------------------------------- files
+
+
+def identity_dir(credentials_dir: Path) -> Path:
+    return Path(credentials_dir) / "nats"
+
+
+def identity_file(credentials_dir: Path, name: str) -> Path:
+    return identity_dir(credentials_dir) / f"{name}.json"
+
+
+def load_identity(path: Path) -> NatsIdentity:
+    return NatsIdentity.from_json(read_secret(path), str(path))
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """What ``NatsAuthority`` needs of a NATS server on this machine to have it reload its identities."""
+
+    auth_file: Path
+    pid_file: Path
+    monitor_url: str
+    scopes: tuple[NatsScope, ...] = (NatsScope(),)
+
+    def to_json(self) -> bytes:
+        raw = {"auth_file": str(self.auth_file), "pid_file": str(self.pid_file), "monitor_url": self.monitor_url,
+               "scopes": [asdict(scope) for scope in self.scopes]}
+        return json.dumps(raw, indent=2).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes) -> LocalServer:
+        raw = json.loads(data)
+        return cls(Path(raw["auth_file"]), Path(raw["pid_file"]), raw["monitor_url"],
+                   tuple(NatsScope(**scope) for scope in raw["scopes"]))
+
+
+class NatsAuthority:
+    """Issues identities into ``<credentials>/nats/`` and keeps a local server's authorization in step.
+
+    ``attach(server)`` records the server this folder's identities are for (``server.json``); issuing an
+    identity then rewrites the server's authorization file and has it reload (SIGHUP), waiting until the
+    reload took effect. Without an attached server (an external NATS) an issued identity must be added to
+    that server by its operator (``render_authorization`` prints the block)."""
+
+    def __init__(self, credentials_dir: Path) -> None:
+        self.folder = identity_dir(credentials_dir)
+
+    @property
+    def server_file(self) -> Path:
+        return self.folder / "server.json"
+
+    def identities(self) -> list[NatsIdentity]:
+        if not self.folder.is_dir():
+            return []
+        return [load_identity(path) for path in sorted(self.folder.glob("*.json")) if path.name != "server.json"]
+
+    def ensure(self, name: str, role: str, *, node: str | None = None, job: str | None = None,
+               reload: bool = True) -> Path:
+        """The identity file of ``name`` (created, and the attached server reloaded, when missing)."""
+        path = identity_file(self.folder.parent, name)
+        ensure_private_dir(self.folder)
+        if path.exists():
+            existing = load_identity(path)
+            if existing.role != role or existing.node != node or existing.job != job:
+                raise NatsAuthError(f"identity {name} exists with role {existing.role} (node {existing.node}, job "
+                                    f"{existing.job}), not {role}; remove {path} to issue it anew")
+            return path
+        write_secret(path, new_identity(name, role, node=node, job=job).to_json())
+        if reload:
+            self.reload()
+        return path
+
+    def ensure_standard(self) -> None:
+        """The admin, service, operator and auditor identities (no reload: called before a server starts)."""
+        for name in STANDARD_IDENTITIES:
+            self.ensure(name, name, reload=False)
+
+    def ensure_agent(self, job_id: str, node_id: str) -> Path:
+        """The identity of node ``node_id``'s agent for ``job_id`` (issued and loaded by the server if new)."""
+        return self.ensure(agent_identity_name(job_id, node_id), AGENT, node=node_id, job=job_id)
+
+    def attach(self, server: LocalServer) -> None:
+        ensure_private_dir(self.folder)
+        write_secret(self.server_file, server.to_json())
+
+    def local_server(self) -> LocalServer | None:
+        if not self.server_file.exists():
+            return None
+        return LocalServer.from_json(read_secret(self.server_file))
+
+    def write_authorization(self, server: LocalServer) -> None:
+        write_secret(server.auth_file, render_authorization(self.identities(), server.scopes).encode(),
+                     private_parent=False)
+
+    def add_scope(self, scope: NatsScope, keep: int = 8) -> None:
+        """Render the attached server's permissions for ``scope`` too (the newest ``keep`` scopes are kept):
+        how a test server shared by tests with their own prefixes and streams enforces exact permissions."""
+        server = self.local_server()
+        if server is None:
+            raise NatsAuthError(f"no local NATS server attached to {self.folder}")
+        scopes = tuple(s for s in server.scopes if s != scope)[-(keep - 1):] + (scope,)
+        self.attach(LocalServer(server.auth_file, server.pid_file, server.monitor_url, scopes))
+        self.reload()
+
+    def reload(self, timeout_s: float = 10.0) -> bool:
+        """Rewrite the attached server's authorization and have it reload; False when none is attached or
+        it does not run (it reads the file when it starts)."""
+        server = self.local_server()
+        if server is None:
+            log.warning("NATS identities in %s have no local server attached: add the new identity to your "
+                        "NATS server's authorization (docs/security.md)", self.folder)
+            return False
+        self.write_authorization(server)
+        try:
+            pid = int(server.pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        before = _config_load_time(server.monitor_url)
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = _config_load_time(server.monitor_url)
+            if now is not None and now != before:
+                return True
+            time.sleep(0.02)
+        raise NatsAuthError(f"NATS server (pid {pid}) did not reload its authorization within {timeout_s:g} s")
+
+
+def _config_load_time(monitor_url: str) -> str | None:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{monitor_url}/varz", timeout=1.0) as response:
+            return str(json.loads(response.read()).get("config_load_time"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def fingerprint(identity: NatsIdentity) -> str:
+    """A short, non-secret fingerprint of an identity's password (for logs and ``keel credentials ls``)."""
+    return hashlib.sha256(identity.password.encode()).hexdigest()[:12]
+
+
+def bus_settings_for(settings: Settings, identity: str) -> BusSettings:
+    """``settings.bus`` with this process's NATS identity: ``bus.credentials`` when set; else identity
+    ``identity``'s file in the credentials folder when there is one (what ``keel up`` issued); else as it is
+    (a server without authorization, or the connect is refused with the reason)."""
+    if settings.bus.credentials is not None:
+        return settings.bus
+    path = identity_file(credentials_path(settings), identity)
+    if not path.exists():
+        return settings.bus
+    return settings.bus.model_copy(update={"credentials": path})
