@@ -245,12 +245,23 @@ def verify_version(store: Path, digest: str, path: str) -> StoredVersion:
                              f"must name a folder every node sees)") from None
     _check_not_others_writable(real_store, st, "version store")
     expected = real_store / hexpart
-    if not path or Path(os.path.realpath(path)) != expected:
+    if not _names(store, path, expected):
         raise CodeStoreError(f"{path or '(no path)'} is not {expected}: a node runs only a version of its store "
                              f"({store}), in the folder named by the version's digest")
     if not os.path.lexists(expected):
         raise CodeStoreError(f"{expected} does not exist: the version is not in this node's store")
     return verify_tree(expected, digest)
+
+
+def _names(store: Path, path: str, expected: Path) -> bool:
+    """Whether ``path`` names the store folder ``expected`` (spelled under the configured or the resolved
+    root, or leading there through links outside the store). A link at ``expected`` itself is caught by
+    ``verify_tree``."""
+    if not path:
+        return False
+    given = Path(os.path.abspath(path))
+    return (given in (Path(os.path.abspath(store)) / expected.name, expected)
+            or Path(os.path.realpath(path)) == expected)
 
 
 class VerifiedVersions:
@@ -267,7 +278,7 @@ class VerifiedVersions:
         """``verify_version``, cached; raises ``CodeStoreError``."""
         expected = Path(os.path.realpath(self.store)) / digest.removeprefix("sha256:")
         cached = self._verified.get((expected, digest))
-        if cached is not None and Path(os.path.realpath(path)) == expected:
+        if cached is not None and _names(self.store, path, expected):
             try:
                 if _fingerprint(expected)[1] == cached.fingerprint:
                     return cached
