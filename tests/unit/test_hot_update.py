@@ -282,3 +282,30 @@ def test_a_rolled_back_version_is_never_applied_again() -> None:
     later = stack.health("n2")
     assert of(later, "RestartDecided")[0].payload.code_version == ""
     assert {c.payload.code.version_id for c in commands(later)} == {LAUNCH_VERSION}
+
+
+def test_a_registration_naming_code_outside_the_store_is_rejected_by_hot_update_and_never_carried() -> None:
+    """The deploying client's checks are not trusted: a registration whose folder is not named by its digest,
+    whose id is not its digest's or whose entry point leaves the version is answered with CodeVersionRejected
+    by hot-update; neither decider makes it pending, so no restart ever carries it."""
+    stack = Stack()
+    digest = DIGESTS[V1]
+    forged = [
+        {"path": "/home/eve/payload"},
+        {"entry": ["/bin/sh"]},
+        {"entry": ["-m", "os;id"]},
+        {"version_id": "v-stable"},
+    ]
+    for change in forged:
+        fields = {"version_id": V1, "digest": digest, "source": "/src/x", "source_kind": "directory",
+                  "path": f"/versions/{digest[7:]}", "entry": ["train.py"], "mode": "urgent", "by": "eve", **change}
+        out = stack.feed(CodeVersionRegistered(**fields), "code/x", producer="cli")  # type: ignore[arg-type]
+        [rejected] = of(out, "CodeVersionRejected")
+        assert rejected.producer == "hot-update" and rejected.payload.by == "eve"
+        assert rejected.payload.reason.startswith("hot-update refused the registration: ")
+        assert not of(out, "CodeRolloutRequested") and not of(out, "RestartDecided")
+        assert stack.code().pending == "" and stack.session.state.job("job1").code_pending == ""
+    # A failure afterwards restarts the launch code: nothing forged rides on it.
+    first = stack.crash("n0", 1, classification="user_code", err=ERR)
+    [restart] = of(first, "RestartDecided")
+    assert restart.payload.code_version == "" and not restart.payload.code_changed
