@@ -16,7 +16,7 @@ import pytest
 from keel.cli.versions import deploy_event
 from keel.events.types import CodeVersionRegistered, CodeVersionRejected
 from keel.hot_update.versions import VersionRejected, snapshot
-from keel.infra.code_store import CodeStoreError, VerifiedVersions, ensure_store, tree_digest, verify_version
+from keel.infra.code_store import CodeStoreError, VerifiedVersions, tree_digest, verify_version
 from keel.infra.config import Settings
 from keel.rules.code import entry_problem, registration_problem, version_id_of
 
