@@ -8,7 +8,6 @@ import hashlib
 import os
 import stat
 import subprocess
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,7 @@ from keel.hot_update.versions import VersionRejected, snapshot
 from keel.infra.code_store import CodeStoreError, VerifiedVersions, tree_digest, verify_version
 from keel.infra.config import Settings
 from keel.rules.code import entry_problem, registration_problem, version_id_of
-
-NOW = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
-
-
-def write(root: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    return root
+from tests.unit.test_hot_update_versions import NOW, write
 
 
 def deploy(settings: Settings, source: str | Path) -> CodeVersionRegistered | CodeVersionRejected:
