@@ -17,9 +17,11 @@ from keel.agent.inspector_adapter import classify
 from keel.agent.launch_spec import LaunchSpec
 from keel.cluster.local import FaultSpec, NodeInfo, apply_fault, rendezvous_base_port, seed_overlay_root
 from keel.events.envelope import Event, EventPayload, now_utc
-from keel.events.types import DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
+from keel.events.types import CodeRef, DiagnosticsRequested, RanksRestartRequested, StandbyPromotionRequested
+from keel.infra.code_store import ensure_store, publish, staging_dir
 from keel.infra.config import BusSettings
 from keel.infra.outbox import Outbox
+from keel.rules.code import version_id_of
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +31,7 @@ ALL = ["gpu_matmul", "intra_node_all_to_all", "inter_node_all_gather"]
 
 def make_agent(directory: Path, *, node_id: str = "n00", standby: bool = False, nnodes: int = 1,
                node_rank: int = 0, nproc: int = 1, gpus: int = 1) -> NodeAgent:
+    """An agent whose version store is ``directory/versions`` (see ``store_version``)."""
     root = directory / node_id / "root"
     seed_overlay_root(root, gpus=gpus)
     spec = LaunchSpec(nnodes=nnodes, nproc_per_node=nproc, node_rank=node_rank, master_addr="127.0.0.1",
@@ -36,7 +39,18 @@ def make_agent(directory: Path, *, node_id: str = "n00", standby: bool = False, 
                       standby=standby, agent_dir=directory / node_id, root=root,
                       heartbeat_interval=timedelta(hours=1), ckpt_dir=None)
     return NodeAgent(spec, outbox=Outbox("nats://127.0.0.1:1", BusSettings(), name="test"), watcher=None,
-                     classify=classify(spec), supervised=True)
+                     classify=classify(spec), supervised=True, code_store=directory / "versions")
+
+
+def store_version(directory: Path, files: dict[str, str], entry: list[str] | None = None) -> CodeRef:
+    """Publish ``files`` into ``directory/versions`` as ``keel deploy`` does; the command's reference to it."""
+    store = ensure_store(directory / "versions")
+    staging = staging_dir(store)
+    for name, text in files.items():
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        (staging / name).write_text(text)
+    digest, path = publish(staging, store)
+    return CodeRef(version_id=version_id_of(digest), path=str(path), entry=entry or ["train.py"], digest=digest)
 
 
 @pytest.fixture
@@ -158,13 +172,10 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
 def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agents, scratch_dir: Path) -> None:
     import dataclasses
 
-    from keel.events.types import CodeRef
-
     launch = scratch_dir / "launch.py"
     launch.write_text("import time; time.sleep(120)\n")
-    version = scratch_dir / "versions" / "v1"
-    version.mkdir(parents=True)
-    (version / "train.py").write_text("import time; time.sleep(120)\n")
+    v1 = store_version(scratch_dir, {"train.py": "import time; time.sleep(120)\n"})
+    version = Path(v1.path)
     agent = make_agent(scratch_dir, nproc=2, gpus=2)
     agent.spec = agent.supervisor.spec = dataclasses.replace(agent.spec, command=(str(launch), "--lr", "1"))
     agents.append(agent)
@@ -177,20 +188,23 @@ def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agent
                                                            expires_at=now_utc() + timedelta(minutes=1)), "node/n00"))
         return emitted(agent, "RanksRestarted")[-1]
 
-    # A version this node cannot see: refused before anything stops.
-    missing = restart(1, CodeRef(version_id="v-gone", path=str(scratch_dir / "versions" / "gone"), entry=["train.py"]))
-    assert missing.payload.outcome == "failed" and "is not a directory" in missing.payload.detail
+    # A version this node's store does not hold: refused before anything stops.
+    gone = v1.model_copy(update={"digest": "sha256:" + "0" * 64, "version_id": "v-000000000000",
+                                 "path": str(scratch_dir / "versions" / ("0" * 64))})
+    missing = restart(1, gone)
+    assert missing.payload.outcome == "failed" and "not in this node's store" in missing.payload.detail
     assert sorted(p.pid for p in agent.supervisor.alive()) == pids and agent.generation == 0
-    # A version it sees: the ranks restart on it, in its directory, with the launch's arguments.
-    assert restart(1, CodeRef(version_id="v1", path=str(version), entry=["train.py"])).payload.outcome == "restarted"
+    # A version it holds: the ranks restart on it, in its directory, with the launch's arguments.
+    assert restart(1, v1).payload.outcome == "restarted"
     [applied] = emitted(agent, "CodeVersionApplied")
-    assert (applied.payload.version_id, applied.payload.generation, applied.payload.warm) == ("v1", 1, False)
+    assert (applied.payload.version_id, applied.payload.generation, applied.payload.warm) == (v1.version_id, 1, False)
     for process in agent.supervisor.alive():  # no zygote here: fresh interpreters, argv visible
         proc = Path("/proc") / str(process.pid)
         assert Path(os.readlink(proc / "cwd")) == version
         assert (proc / "cmdline").read_bytes().split(b"\0")[1:4] == [str(version / "train.py").encode(), b"--lr", b"1"]
         env = (proc / "environ").read_bytes().split(b"\0")
-        assert b"KEEL_CODE_VERSION=v1" in env and f"KEEL_CODE_DIR={version}".encode() in env
+        assert f"KEEL_CODE_VERSION={v1.version_id}".encode() in env and f"KEEL_CODE_DIR={version}".encode() in env
+        assert b"PYTHONDONTWRITEBYTECODE=1" in env  # nothing written into the read-only store
     assert "--lr 1" in applied.payload.detail and str(version / "train.py") in applied.payload.detail
     # Back to the launch command (a rollback to `launch`): no version directory any more.
     assert restart(2, CodeRef(version_id="launch")).payload.outcome == "restarted"
@@ -206,9 +220,103 @@ def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agent
     agents.append(standby)
     standby.handle_command(command(StandbyPromotionRequested(
         node_id="s00", replaces_node_id="n01", node_rank=1, ranks=[2, 3], generation=3, reason="test",
-        code=CodeRef(version_id="v1", path=str(version), entry=["train.py"]),
+        code=v1,
         expires_at=now_utc() + timedelta(minutes=1)), "node/s00"))
     assert emitted(standby, "StandbyPromoted")[-1].payload.outcome == "promoted"
     [promoted] = emitted(standby, "CodeVersionApplied")
-    assert (promoted.payload.node_id, promoted.payload.version_id, promoted.payload.generation) == ("s00", "v1", 3)
+    assert (promoted.payload.node_id, promoted.payload.version_id, promoted.payload.generation) == ("s00", v1.version_id, 3)
     assert {Path(os.readlink(Path("/proc") / str(p.pid) / "cwd")) for p in standby.supervisor.alive()} == {version}
+
+
+def test_a_restart_naming_code_outside_the_store_or_a_tampered_version_is_refused_before_any_rank_stops(
+        agents, scratch_dir: Path) -> None:
+    """The agent runs only a version of its store, in the folder named by the digest, re-hashed; every other
+    command is refused with the reason (``RanksRestarted`` failed) and the running ranks keep running."""
+    from keel.infra.code_store import tree_digest
+
+    train = "import time; time.sleep(120)\n"
+    good = store_version(scratch_dir, {"train.py": train, "pkg/__init__.py": "", "pkg/run.py": train})
+    store = Path(good.path).parent
+    agent = make_agent(scratch_dir)
+    agents.append(agent)
+    agent.start_ranks(0)
+    pids = sorted(p.pid for p in agent.supervisor.alive())
+    generation = 0
+
+    def restart(code: CodeRef) -> str:
+        nonlocal generation
+        generation += 1
+        agent.handle_command(command(RanksRestartRequested(node_id="n00", generation=generation, reason="test",
+                                                           code=code, expires_at=now_utc() + timedelta(minutes=1)),
+                                     "node/n00"))
+        answer = emitted(agent, "RanksRestarted")[-1].payload
+        return answer.detail if answer.outcome == "failed" else answer.outcome
+
+    def refused(code: CodeRef, reason: str) -> None:
+        detail = restart(code)
+        assert reason in detail and detail.endswith("the ranks keep running"), detail
+        assert sorted(p.pid for p in agent.supervisor.alive()) == pids and agent.generation == 0  # nothing stopped
+
+    # A folder outside the store, even one whose digest and id are right.
+    evil = scratch_dir / "evil"
+    evil.mkdir()
+    (evil / "train.py").write_text("import os; os.system('touch /tmp/pwned')\n")
+    evil_digest = tree_digest(evil)
+    forged = CodeRef(version_id=version_id_of(evil_digest), path=str(evil), entry=["train.py"], digest=evil_digest)
+    refused(forged, "is not a version store directory named by the digest")
+    named = scratch_dir / "elsewhere" / evil_digest[7:]
+    named.parent.mkdir()
+    evil.rename(named)
+    evil = named
+    refused(forged.model_copy(update={"path": str(named)}),
+            f"is not {store / evil_digest[7:]}: a node runs only a version of its store")
+    # The same folder linked into the store under its digest: a link is no stored version.
+    (store / evil_digest[7:]).symlink_to(evil)
+    refused(forged.model_copy(update={"path": str(store / evil_digest[7:])}), "not a version folder")
+    # Entry points that leave the version, an id that is not the digest's, a malformed digest.
+    for entry, reason in ((["/tmp/x.py"], "one relative path to a *.py file"), (["../evil/train.py"], "no '..'"),
+                          (["-m", "os"], "-m os is not a module of the version"),
+                          (["-m", "pkg.run;rm"], "one dotted module name"), (["run.sh"], "*.py"),
+                          (["missing.py"], "missing.py is not a file in the version")):
+        refused(good.model_copy(update={"entry": entry}), reason)
+    refused(good.model_copy(update={"version_id": "v-stable"}), "is not " + good.version_id)
+    refused(good.model_copy(update={"digest": "sha256:../../etc"}), "64 lowercase hex digits")
+
+    # The good version runs, hashed once; restarting onto it again costs no second hash.
+    # (It was verified by the refusals of its entry points above: the tree was fine, the entry was not.)
+    assert restart(good) == "restarted" and agent.code_versions is not None
+    checked = agent.code_versions.hashed
+    pids, generation_ran = sorted(p.pid for p in agent.supervisor.alive()), agent.generation
+    assert restart(good) == "restarted" and agent.code_versions.hashed == checked
+    pids, generation_ran = sorted(p.pid for p in agent.supervisor.alive()), agent.generation
+
+    def refused_now(code: CodeRef, reason: str) -> None:
+        detail = restart(code)
+        assert reason in detail, detail
+        assert sorted(p.pid for p in agent.supervisor.alive()) == pids and agent.generation == generation_ran
+
+    # Tampered after it was verified (the owner made it writable, changed it, made it read-only again):
+    # the changed mtime makes the agent hash it again, and the digest no longer matches.
+    script = Path(good.path) / "train.py"
+    script.chmod(0o644)
+    refused_now(good, "has mode 0644: stored versions are read-only")
+    script.write_text("import os; os.system('touch /tmp/pwned')\n")
+    script.chmod(0o444)
+    refused_now(good, "not to its digest")
+    script.chmod(0o644)
+    script.write_text(train)
+    script.chmod(0o444)
+    assert restart(good) == "restarted"
+    pids, generation_ran = sorted(p.pid for p in agent.supervisor.alive()), agent.generation
+    # Bytecode the digest leaves out, which Python would load instead of the source; a link inside.
+    folder = Path(good.path)
+    folder.chmod(0o755)
+    (folder / "__pycache__").mkdir(mode=0o555)
+    folder.chmod(0o555)
+    refused_now(good, "__pycache__ is not part of the version")
+    folder.chmod(0o755)
+    (folder / "__pycache__").rmdir()
+    (folder / "data").symlink_to("/etc/passwd")
+    folder.chmod(0o555)
+    refused_now(good, "data is a symbolic link")
+    assert agent.code_versions.hashed == checked + 5  # every change above was noticed: checked again

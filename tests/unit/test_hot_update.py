@@ -7,6 +7,7 @@ from the controller's clock, the events' occurred_at).
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from datetime import timedelta
 
@@ -16,8 +17,21 @@ from keel.events.types import LAUNCH_VERSION, CodeVersionApplied, CodeVersionReg
 from keel.hot_update.core import HotUpdateDecider, HotUpdatePolicy
 from keel.kernel.decider import DeciderSession
 from keel.kernel.replay import verify
+from keel.rules.code import version_id_of
 from tests.unit.test_controller import Job, of, types
 
+DIGESTS: dict[str, str] = {}
+"""Version id -> digest of the versions the tests deploy (a registration names a real-looking digest)."""
+
+
+def vid(name: str) -> str:
+    digest = f"sha256:{hashlib.sha256(name.encode()).hexdigest()}"
+    DIGESTS[version_id_of(digest)] = digest
+    return version_id_of(digest)
+
+
+V1, V2, V3, OLD, NEW, BAD, VA, VB, MIX, HOTFIX = (vid(name) for name in (
+    "v1", "v2", "v3", "old", "new", "bad", "a", "b", "mix", "hotfix"))
 POLICY = HotUpdatePolicy(stable_steps=50, stable_time=timedelta(minutes=10))
 ERR = "KeyError: 'lm_head'"
 
@@ -45,8 +59,9 @@ class Stack(Job):
 
     def deploy(self, version: str, mode: str = "lazy", deadline_s: float | None = 3600.0) -> list[Event]:
         deadline = self.now + timedelta(seconds=deadline_s) if mode == "lazy" and deadline_s is not None else None
-        return self.feed(CodeVersionRegistered(version_id=version, digest=f"sha256:{version}", source=f"/src/{version}",
-                                               source_kind="directory", path=f"/versions/{version}", entry=["train.py"],
+        digest = DIGESTS[version]
+        return self.feed(CodeVersionRegistered(version_id=version, digest=digest, source=f"/src/{version}",
+                                               source_kind="directory", path=f"/versions/{digest[7:]}", entry=["train.py"],
                                                mode=mode, deadline=deadline, by="ana", why="new data mix"),  # type: ignore[arg-type]
                          f"code/{version}", producer="cli")
 
@@ -72,83 +87,83 @@ def commands(events: list[Event]) -> list[Event]:
 
 def test_a_lazy_version_waits_then_rides_on_the_next_failure_restart() -> None:
     stack = Stack()
-    out = stack.deploy("v1")
+    out = stack.deploy(V1)
     assert of(out, "CodeRolloutRequested") == [] and of(out, "RestartDecided") == []
-    assert stack.session.state.job("job1").code_pending == "v1"
+    assert stack.session.state.job("job1").code_pending == V1
     first = stack.crash("n0", 1, classification="user_code", err=ERR)
     [restart] = of(first, "RestartDecided")
-    assert restart.payload.code_version == "v1" and restart.payload.code_changed and restart.payload.rung == 2
-    assert "start on code version v1 (was launch)" in restart.payload.reason
+    assert restart.payload.code_version == V1 and restart.payload.code_changed and restart.payload.rung == 2
+    assert f"start on code version {V1} (was launch)" in restart.payload.reason
     assert {(c.payload.code.version_id, c.payload.code.path, tuple(c.payload.code.entry)) for c in commands(first)} \
-        == {("v1", "/versions/v1", ("train.py",))}
-    assert stack.code().in_flight == "v1" and stack.code().pending == ""
+        == {(V1, f"/versions/{DIGESTS[V1][7:]}", ("train.py",))}
+    assert stack.code().in_flight == V1 and stack.code().pending == ""
     stack.restart(first, restore_step=18, step=19)
-    stack.applied("v1")
-    assert stack.code().current == "v1" and stack.code().in_flight == ""
+    stack.applied(V1)
+    assert stack.code().current == V1 and stack.code().in_flight == ""
     # The next failure keeps the code: its commands still name v1 (a promoted standby must run it too).
     stack.heartbeats(step=40)
     second = stack.health("n2")
     [restart] = of(second, "RestartDecided")
     assert restart.payload.code_version == "" and not restart.payload.code_changed
-    assert {c.payload.code.version_id for c in commands(second)} == {"v1"}
+    assert {c.payload.code.version_id for c in commands(second)} == {V1}
     assert of(second, "StandbyPromotionRequested")
 
 
 def test_an_urgent_version_is_a_planned_restart_now_that_is_no_failure() -> None:
     stack = Stack()
-    out = stack.deploy("v2", mode="urgent")
+    out = stack.deploy(V2, mode="urgent")
     assert types(out)[:3] == ["CodeRolloutRequested", "IncidentOpened", "RestartDecided"], types(out)
     [request] = of(out, "CodeRolloutRequested")
     assert request.payload.trigger == "urgent" and request.producer == "hot-update"
     [opened] = of(out, "IncidentOpened")
     [restart] = of(out, "RestartDecided")
-    assert opened.payload.kind == "code_update" and opened.payload.fingerprint == "code_update/v2"
-    assert restart.payload.rung == 0 and restart.payload.code_version == "v2" and not restart.payload.rollback
+    assert opened.payload.kind == "code_update" and opened.payload.fingerprint == f"code_update/{V2}"
+    assert restart.payload.rung == 0 and restart.payload.code_version == V2 and not restart.payload.rollback
     assert sorted(c.payload.node_id for c in of(out, "RanksRestartRequested")) == stack.nodes
-    assert {c.payload.code.version_id for c in commands(out)} == {"v2"}
+    assert {c.payload.code.version_id for c in commands(out)} == {V2}
     assert not of(out, "DiagnosticsRequested") and not of(out, "NodeEvictionDecided")
     assert stack.session.state.job("job1").crash_loop.fingerprints == ()  # planned: not counted as a failure
     resolved = stack.restart(out, restore_step=20, step=21)
     [done] = of(resolved, "IncidentResolved")
-    assert done.payload.outcome == "recovered" and done.payload.rung == 0 and "moved from launch to v2" in done.payload.reason
+    assert done.payload.outcome == "recovered" and done.payload.rung == 0 and f"moved from launch to {V2}" in done.payload.reason
 
 
 def test_a_lazy_version_with_no_failure_is_forced_at_its_deadline_from_recorded_time() -> None:
     stack = Stack()
-    stack.deploy("v3", deadline_s=24 * 3600)
+    stack.deploy(V3, deadline_s=24 * 3600)
     assert of(stack.later(12 * 3600, step=21), "CodeRolloutRequested") == []
     assert of(stack.later(12 * 3600 - 60, step=22), "RestartDecided") == []
     out = stack.later(61, step=23)
     [request] = of(out, "CodeRolloutRequested")
     assert request.payload.trigger == "deadline" and "reached its deadline" in request.payload.reason
     [restart] = of(out, "RestartDecided")
-    assert restart.payload.code_version == "v3" and restart.payload.rung == 0
+    assert restart.payload.code_version == V3 and restart.payload.rung == 0
     # Asked once: later ticks while it is in flight ask nothing more.
     assert of(stack.later(5, step=23), "CodeRolloutRequested") == []
 
 
 def test_at_most_one_rollout_in_flight_the_next_waits_until_the_first_is_applied() -> None:
     stack = Stack()
-    first = stack.deploy("a", mode="urgent")
-    assert of(first, "RestartDecided")[0].payload.code_version == "a"
-    out = stack.deploy("b", mode="urgent")
+    first = stack.deploy(VA, mode="urgent")
+    assert of(first, "RestartDecided")[0].payload.code_version == VA
+    out = stack.deploy(VB, mode="urgent")
     assert of(out, "CodeRolloutRequested") == [] and of(out, "RestartDecided") == []
-    assert stack.code().pending == "b" and stack.code().in_flight == "a"
-    # "a" runs: "b" is asked for now, and the controller rolls it out once a's incident is over.
-    out = stack.applied("a", generation=1)
-    assert [r.payload.version_id for r in of(out, "CodeRolloutRequested")] == ["b"]
+    assert stack.code().pending == VB and stack.code().in_flight == VA
+    # VA runs: VB is asked for now, and the controller rolls it out once a's incident is over.
+    out = stack.applied(VA, generation=1)
+    assert [r.payload.version_id for r in of(out, "CodeRolloutRequested")] == [VB]
     assert of(out, "RestartDecided") == []
     out = stack.restart(first, restore_step=20, step=21)
     assert types(out)[:3] == ["IncidentResolved", "IncidentOpened", "RestartDecided"], types(out)
-    assert of(out, "RestartDecided")[0].payload.code_version == "b"
+    assert of(out, "RestartDecided")[0].payload.code_version == VB
 
 
 def test_a_newer_lazy_version_supersedes_the_pending_one() -> None:
     stack = Stack()
-    stack.deploy("old")
-    stack.deploy("new")
+    stack.deploy(OLD)
+    stack.deploy(NEW)
     [restart] = of(stack.crash("n1", 2, classification="user_code", err=ERR), "RestartDecided")
-    assert restart.payload.code_version == "new"
+    assert restart.payload.code_version == NEW
     assert stack.code().pending == "" and stack.session.state.job("job1").code_pending == ""
 
 
@@ -160,15 +175,15 @@ def test_a_version_becomes_stable_after_steps_without_an_incident_and_rung4_roll
     assert stable.payload.version_id == LAUNCH_VERSION and stable.payload.steps == 55
     assert stack.session.state.job("job1").code_stable == LAUNCH_VERSION
     # A bad version rides on a crash, then fails twice the same way with no progress: rung 4.
-    stack.deploy("bad")
-    out = stack.crash("n3", 6)  # an infrastructure crash: rung 2 diagnostics, then the restart carries "bad"
+    stack.deploy(BAD)
+    out = stack.crash("n3", 6)  # an infrastructure crash: rung 2 diagnostics, then the restart carries BAD
     [request] = of(out, "DiagnosticsRequested")
     for node in stack.nodes[:-1]:
         stack.diagnostics(node, request)
     out = stack.diagnostics(stack.nodes[-1], request)
-    assert of(out, "RestartDecided")[0].payload.code_version == "bad"
+    assert of(out, "RestartDecided")[0].payload.code_version == BAD
     stack.restart(out, restore_step=74, step=76)
-    stack.applied("bad")
+    stack.applied(BAD)
     stack.heartbeats(step=80)
     first = stack.crash("n0", 1, classification="user_code", err=ERR)
     assert of(first, "RestartDecided")[0].payload.code_version == ""  # rung 2, the same code
@@ -176,13 +191,13 @@ def test_a_version_becomes_stable_after_steps_without_an_incident_and_rung4_roll
     second = stack.crash("n0", 1, classification="user_code", err=ERR)
     [rollback] = of(second, "RollbackDecided")
     [restart] = of(second, "RestartDecided")
-    assert rollback.payload.to_version == LAUNCH_VERSION and "from bad to launch" in rollback.payload.reason
+    assert rollback.payload.to_version == LAUNCH_VERSION and f"from {BAD} to launch" in rollback.payload.reason
     assert restart.payload.rung == 4 and restart.payload.rollback and restart.payload.code_version == LAUNCH_VERSION
     assert {(c.payload.code.version_id, c.payload.code.path) for c in commands(second)} == {(LAUNCH_VERSION, "")}
-    assert "bad" not in stack.code().stable and stack.code().rolled_back == frozenset({"bad"})
+    assert BAD not in stack.code().stable and stack.code().rolled_back == frozenset({BAD})
     out = stack.restart(second, restore_step=80, step=81)
     [resolved] = of(out, "IncidentResolved")
-    assert "rolled back from bad to launch and that resolved it: the cause was the user's code" in resolved.payload.reason
+    assert f"rolled back from {BAD} to launch and that resolved it: the cause was the user's code" in resolved.payload.reason
     # Replays of the whole log decide exactly the same, for both deciders.
     for decider in (ControllerDecider(), HotUpdateDecider(POLICY)):
         report = verify(decider, stack.log)
@@ -194,22 +209,22 @@ def test_a_version_stable_before_its_bug_shows_is_rolled_back_to_the_stable_vers
     # same failure twice points at it, so rung 4 goes back to the stable version before it (the demo's case).
     stack = Stack()
     stack.heartbeats(step=75)
-    stack.deploy("mix")
+    stack.deploy(MIX)
     out = stack.crash("n3", 6)
     [request] = of(out, "DiagnosticsRequested")
     for node in stack.nodes:
         out = stack.diagnostics(node, request)
     stack.restart(out, restore_step=74, step=76)
-    stack.applied("mix")
+    stack.applied(MIX)
     stack.heartbeats(step=80)  # its stability window opens here
     [stable] = of(stack.heartbeats(step=140), "CodeVersionStable")
-    assert stable.payload.version_id == "mix" and stack.session.state.job("job1").code_stables == (LAUNCH_VERSION, "mix")
+    assert stable.payload.version_id == MIX and stack.session.state.job("job1").code_stables == (LAUNCH_VERSION, MIX)
     first = stack.crash("n0", 1, classification="user_code", err=ERR)
     stack.restart(first, restore_step=140, step=141)
     second = stack.crash("n0", 1, classification="user_code", err=ERR)
     [rollback] = of(second, "RollbackDecided")
     assert rollback.payload.to_version == LAUNCH_VERSION, rollback.payload
-    assert "from mix (stable until now) to launch" in rollback.payload.reason
+    assert f"from {MIX} (stable until now) to launch" in rollback.payload.reason
     assert of(second, "RestartDecided")[0].payload.code_version == LAUNCH_VERSION
 
 
@@ -238,13 +253,13 @@ def test_an_urgent_version_deployed_during_an_incident_rides_on_its_restart_with
     stack = Stack()
     out = stack.crash("n1", 2)  # infrastructure: rung 2 diagnostics first
     [request] = of(out, "DiagnosticsRequested")
-    out = stack.deploy("hotfix", mode="urgent")
+    out = stack.deploy(HOTFIX, mode="urgent")
     assert of(out, "CodeRolloutRequested") and of(out, "RestartDecided") == []
     for node in stack.nodes[:-1]:
         stack.diagnostics(node, request)
     out = stack.diagnostics(stack.nodes[-1], request)
     [restart] = of(out, "RestartDecided")
-    assert restart.payload.rung == 2 and restart.payload.code_version == "hotfix"
+    assert restart.payload.rung == 2 and restart.payload.code_version == HOTFIX
     resolved = stack.restart(out, restore_step=18, step=19)
     assert types(resolved) == ["IncidentResolved"]  # the rollout it asked for is done: no second restart
     assert stack.session.state.job("job1").rollout_due == ""
@@ -253,17 +268,44 @@ def test_an_urgent_version_deployed_during_an_incident_rides_on_its_restart_with
 def test_a_rolled_back_version_is_never_applied_again() -> None:
     stack = Stack()
     stack.heartbeats(step=80)  # launch is stable (window from step 20)
-    stack.deploy("bad")
+    stack.deploy(BAD)
     first = stack.crash("n0", 1, classification="user_code", err=ERR)
-    assert of(first, "RestartDecided")[0].payload.code_version == "bad"
+    assert of(first, "RestartDecided")[0].payload.code_version == BAD
     stack.restart(first, restore_step=79, step=80)
     second = stack.crash("n0", 1, classification="user_code", err=ERR)  # the same failure again: rung 4
     assert of(second, "RollbackDecided")[0].payload.to_version == LAUNCH_VERSION
     stack.restart(second, restore_step=79, step=81)
     stack.heartbeats(step=90)
     # The same content deployed again is the same version: refused at every later restart.
-    out = stack.deploy("bad", mode="urgent")
+    out = stack.deploy(BAD, mode="urgent")
     assert of(out, "CodeRolloutRequested") == []
     later = stack.health("n2")
     assert of(later, "RestartDecided")[0].payload.code_version == ""
     assert {c.payload.code.version_id for c in commands(later)} == {LAUNCH_VERSION}
+
+
+def test_a_registration_naming_code_outside_the_store_is_rejected_by_hot_update_and_never_carried() -> None:
+    """The deploying client's checks are not trusted: a registration whose folder is not named by its digest,
+    whose id is not its digest's or whose entry point leaves the version is answered with CodeVersionRejected
+    by hot-update; neither decider makes it pending, so no restart ever carries it."""
+    stack = Stack()
+    digest = DIGESTS[V1]
+    forged = [
+        {"path": "/home/eve/payload"},
+        {"entry": ["/bin/sh"]},
+        {"entry": ["-m", "os;id"]},
+        {"version_id": "v-stable"},
+    ]
+    for change in forged:
+        fields = {"version_id": V1, "digest": digest, "source": "/src/x", "source_kind": "directory",
+                  "path": f"/versions/{digest[7:]}", "entry": ["train.py"], "mode": "urgent", "by": "eve", **change}
+        out = stack.feed(CodeVersionRegistered(**fields), "code/x", producer="cli")  # type: ignore[arg-type]
+        [rejected] = of(out, "CodeVersionRejected")
+        assert rejected.producer == "hot-update" and rejected.payload.by == "eve"
+        assert rejected.payload.reason.startswith("hot-update refused the registration: ")
+        assert not of(out, "CodeRolloutRequested") and not of(out, "RestartDecided")
+        assert stack.code().pending == "" and stack.session.state.job("job1").code_pending == ""
+    # A failure afterwards restarts the launch code: nothing forged rides on it.
+    first = stack.crash("n0", 1, classification="user_code", err=ERR)
+    [restart] = of(first, "RestartDecided")
+    assert restart.payload.code_version == "" and not restart.payload.code_changed

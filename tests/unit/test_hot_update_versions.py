@@ -61,8 +61,8 @@ def test_a_directory_is_snapshotted_content_addressed_validated_and_registered(s
     ({"train.py": "def broken(:\n"}, None, "does not compile"),
     ({"model.py": "X = 1\n"}, None, "entry point: none given"),
     ({"model.py": "X = 1\n"}, ["run.py"], "entry point: run.py is not a file in the version"),
-    ({"model.py": "X = 1\n"}, ["-m", "trainer"], "entry point: -m trainer does not resolve"),
-    ({"pkg/__init__.py": ""}, ["-m", "pkg"], "a package without __main__"),
+    ({"model.py": "X = 1\n"}, ["-m", "trainer"], "entry point: -m trainer is not a module of the version"),
+    ({"pkg/__init__.py": ""}, ["-m", "pkg"], "neither pkg.py nor pkg/__main__.py"),
     ({"pkg/__init__.py": "", "pkg/__main__.py": "from . import missing_k7\n"}, ["-m", "pkg"], "pkg.missing_k7"),
     ({"train.py": "import json\ntry:\n    import gone_k7\nexcept ImportError:\n    raise\n"}, None, "gone_k7"),
 ])

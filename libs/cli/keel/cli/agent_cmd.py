@@ -106,7 +106,8 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     try:
         agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
                           checkpointing=checkpointing, diagnostics_policy=diagnostics_policy, clock=clock,
-                          metric_settings=settings.analyzer.metric_settings())
+                          metric_settings=settings.analyzer.metric_settings(),
+                          code_store=settings.hot_update.resolved_versions_dir(settings.home))
     except AgentDirBusy as exc:
         if checkpointing is not None:
             checkpointing.close(job_finished=False)

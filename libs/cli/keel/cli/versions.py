@@ -88,7 +88,7 @@ def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def versions_dir(settings: Settings) -> Path:
-    return settings.hot_update.versions_dir or settings.home / "versions"
+    return settings.hot_update.resolved_versions_dir(settings.home)
 
 
 def deploy_event(settings: Settings, job: str, source: str, *, entry: list[str] | None, mode: str,

@@ -331,7 +331,12 @@ class HotUpdateSettings(_Section):
     validate_timeout: Duration = parse_duration("120s")
     """How long validating a version (importing its entry point in a fresh interpreter) may take."""
     versions_dir: Path | None = None
-    """The version store (default ``<home>/versions``); agents must see the same path."""
+    """The version store (default ``<home>/versions``): ``<sha256>/`` folders, read-only once published, in a
+    folder writable by its owner alone. Agents must see the same path: they run a code version only from
+    this folder, after re-hashing it (docs/hot-update.md)."""
+
+    def resolved_versions_dir(self, home: Path) -> Path:
+        return (self.versions_dir or home / "versions").expanduser()
 
 
 class SupervisorSettings(_Section):

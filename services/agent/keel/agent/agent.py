@@ -73,7 +73,9 @@ from keel.events.types import (
     RankStarted,
     ShardRecord,
 )
+from keel.infra.code_store import CodeStoreError, VerifiedVersions
 from keel.infra.outbox import Outbox
+from keel.rules.code import entry_problem, registration_problem
 from keel.rules.metrics import MetricSettings
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,7 @@ class NodeAgent:
         clock: Callable[[], datetime] = now_utc,
         diagnostics_policy: DiagnosticsPolicy | None = None,
         metric_settings: MetricSettings | None = None,
+        code_store: Path | None = None,
     ) -> None:
         self.spec = spec
         self.outbox = outbox
@@ -191,6 +194,9 @@ class NodeAgent:
         """The ranks were stopped on command (diagnostics, a replay) and wait for the next one: not "finished"."""
         self._wake: Callable[[], None] = lambda: None
         """Wakes the loop from another thread (set by ``run``)."""
+        self.code_versions = VerifiedVersions(code_store) if code_store is not None else None
+        """The version store this node runs code versions from (``hot_update.versions_dir``; None: it runs
+        none, only the launch command), and the versions verified here."""
         self.rounds = DiagnosticsRounds(self, diagnostics_policy or DiagnosticsPolicy())
         self.stacks = StackCaptures(self)
         self.replays = SdcReplays(self)
@@ -243,13 +249,41 @@ class NodeAgent:
         self.pieces.run("agent state", self.record_state)
 
     def use_code(self, code: CodeRef | None) -> str:
-        """Switch the code the next ranks run (None: keep it). Returns why it cannot, or ""."""
+        """Switch the code the next ranks run (None: keep it). Returns why it cannot, or "".
+
+        Called before any rank stops. A version runs only from this node's store, in the folder named by
+        its digest, after the stored tree was re-hashed to that digest (once per version, again if anything
+        in it changed), and only through a relative ``*.py`` file or ``-m module`` of the version; anything
+        else is refused and the ranks keep running. The ranks run the verified folder, not the command's
+        spelling of it."""
         if code is None:
             return ""
-        if code.path and not Path(code.path).is_dir():
-            return f"code version {code.version_id}: {code.path} is not a directory on {self.spec.node_id}"
-        self.supervisor.code = code
+        if not code.path:
+            self.supervisor.code = code  # the launch command: what this agent was started with
+            return ""
+        verified = self.verified_code(code)
+        if isinstance(verified, str):
+            log.error("%s: %s", self.spec.node_id, verified)
+            return verified
+        self.supervisor.code = verified
         return ""
+
+    def verified_code(self, code: CodeRef) -> CodeRef | str:
+        """``code`` with its verified folder as path, or why it may not run here (see ``use_code``)."""
+        what = f"code version {code.version_id[:40]}"
+        if self.code_versions is None:
+            return f"{what}: {self.spec.node_id} has no version store configured (hot_update.versions_dir)"
+        problem = registration_problem(code.version_id, code.digest, code.path, code.entry)
+        if problem:
+            return f"{what}: {problem}"
+        try:
+            version = self.code_versions.verify(code.digest, code.path)
+        except (CodeStoreError, OSError) as exc:
+            return f"{what} refused on {self.spec.node_id}: {exc}"
+        problem = entry_problem(code.entry, version.files)
+        if problem:
+            return f"{what}: {problem}"
+        return code.model_copy(update={"path": str(version.path)})
 
     def report_exit(self, exit_: RankExit) -> bool:
         """Publish a rank's exit; True when it is a failure."""
@@ -545,10 +579,16 @@ class NodeAgent:
                 self.checkpointing.take_over([self.spec.global_rank(i) for i in range(self.spec.nproc_per_node)])
         if previous.code is not None:
             try:
-                self.supervisor.code = CodeRef.model_validate(previous.code)
+                code = CodeRef.model_validate(previous.code)
             except ValueError as exc:
                 log.warning("%s: the previous agent's code version is unreadable (%s); running the launch "
                             "command", spec.node_id, exc)
+            else:
+                # The state file is the agent folder's, not the store's: its version is verified again.
+                problem = self.use_code(code)
+                if problem:
+                    log.warning("%s: the previous agent's code version is refused (%s); running the launch "
+                                "command", spec.node_id, problem)
         self.generation = previous.generation
         self.supervisor.generation = previous.generation
         if self.checkpointing is not None:

@@ -167,6 +167,9 @@ class RankSupervisor:
             env["KEEL_CODE_VERSION"] = code.version_id
             if code.path:
                 env[CODE_DIR_ENV] = code.path
+                # A rank (root, on a real node) must not write bytecode into the read-only store: a stored
+                # version holds nothing its digest leaves out, or the next check refuses it.
+                env["PYTHONDONTWRITEBYTECODE"] = "1"
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, (code.path, env.get("PYTHONPATH", ""))))
         return env
 

@@ -137,6 +137,7 @@ def _become(message: dict) -> None:
     code_dir = os.environ.get(CODE_DIR_ENV)
     if code_dir:
         sys.path.insert(0, code_dir)
+        sys.dont_write_bytecode = True  # forked from the zygote: $PYTHONDONTWRITEBYTECODE is read at start only
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]  # runpy replaces argv[0] with the module's file
         sys.path.insert(0, os.getcwd())

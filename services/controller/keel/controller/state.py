@@ -61,6 +61,7 @@ from keel.events.types import (
     StandbyRefillRequested,
     TimerTicked,
 )
+from keel.rules.code import registration_problem
 
 AGENT_PRODUCER = "agent"
 """The producer name of node agents' events (``keel.agent.agent.PRODUCER``): what hearing from a node means."""
@@ -392,6 +393,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
             return replace(job, incident=replace(incident, restore_step=p.step))
         return job
     if isinstance(p, CodeVersionRegistered):
+        if registration_problem(p.version_id, p.digest, p.path, p.entry):
+            return job  # hot-update answers it with CodeVersionRejected; no restart may carry it
         ref = CodeRef(version_id=p.version_id, path=p.path, entry=list(p.entry), digest=p.digest)
         return replace(job, code_versions={**job.code_versions, p.version_id: ref}, code_pending=p.version_id)
     if isinstance(p, CodeVersionStable):

@@ -3,7 +3,10 @@
 Per job, folded from the log:
 
 - ``CodeVersionRegistered`` (``keel deploy``) makes the version *pending*; a newer registration replaces an
-  older pending one (the newest code wins; the older one is never applied).
+  older pending one (the newest code wins; the older one is never applied). The deploying client's checks
+  are not trusted: a registration whose digest, id, store folder or entry point is malformed
+  (``keel.rules.code.registration_problem``) is answered with ``CodeVersionRejected`` and never pending.
+  Every node re-hashes the stored version before it runs it (``keel.infra.code_store``).
 - The controller is the only one that restarts ranks. Every restart it decides carries the pending version
   (``RestartDecided.code_version``, ``code_changed``): a lazy version rides on the next restart of any
   cause. Until the agents report it running (``CodeVersionApplied``) that version is *in flight*.
@@ -30,6 +33,7 @@ from keel.events.types import (
     CodeRolloutRequested,
     CodeVersionApplied,
     CodeVersionRegistered,
+    CodeVersionRejected,
     CodeVersionStable,
     IncidentOpened,
     IncidentResolved,
@@ -38,6 +42,7 @@ from keel.events.types import (
     TimerTicked,
 )
 from keel.kernel.decider import Decision, Proposal
+from keel.rules.code import registration_problem
 
 NAME = "hot-update"
 
@@ -126,6 +131,8 @@ class HotUpdateDecider:
             clock_at = p.now if p.interval_s is not None else None
             return job if clock_at == job.clock_at else replace(job, clock_at=clock_at)
         if isinstance(p, CodeVersionRegistered):
+            if registration_problem(p.version_id, p.digest, p.path, p.entry):
+                return job  # rejected (decide says why): never pending, never rolled out
             return replace(job, versions={**job.versions, p.version_id: p}, pending=p.version_id)
         if isinstance(p, CodeRolloutRequested):
             return replace(job, requested=p.version_id)
@@ -167,7 +174,13 @@ class HotUpdateDecider:
         proposals: list[Proposal] = []
         reasons: list[str] = []
         subject = f"job/{event.job_id}"
-        if isinstance(p, CodeVersionRegistered):
+        if isinstance(p, CodeVersionRegistered) and (problem := registration_problem(p.version_id, p.digest, p.path,
+                                                                                     p.entry)):
+            rejected = CodeVersionRejected(source=p.source, digest=p.digest, entry=list(p.entry), mode=p.mode, by=p.by,
+                                           why=p.why, reason=f"hot-update refused the registration: {problem}")
+            proposals.append(Proposal(rejected, subject=f"code/{p.version_id[:40]}", key="rejected"))
+            reasons.append(rejected.reason)
+        elif isinstance(p, CodeVersionRegistered):
             if p.mode == "lazy":
                 due = f", forced at {p.deadline.isoformat()}" if p.deadline else ""
                 reasons.append(f"{p.version_id} pending (lazy): it rides on the job's next restart{due}")

@@ -1,36 +1,58 @@
 """The version store (I/O): snapshot code into ``<store>/<sha256>/``, validate it, describe it as an event.
 
 A version is content-addressed: its digest is the SHA-256 over every file's relative path, executable bit
-and bytes (sorted; ``__pycache__``, ``*.pyc`` and ``.git`` left out), so the same code deployed twice is
-the same version. Sources:
+and bytes (sorted; ``__pycache__``, ``*.pyc`` and ``.git`` left out; ``keel.infra.code_store``), so the same
+code deployed twice is the same version. A version holds regular files and folders only: a symbolic link,
+a device or a FIFO anywhere in the source is refused with its path (a link to a secret is never copied into
+the store). Published versions are read-only (files 0444/0555, folders 0555) in a store root writable by
+its owner alone. Sources:
 
-- a directory: copied as it is;
+- a directory: copied as it is (without following links inside it);
 - a wheel (``*.whl``): unpacked (a wheel is a zip whose root holds the top-level packages);
-- a git revision (``REPO@REV``, or ``REV`` of the repository in the current directory): ``git archive``.
+- a git revision (``REPO@REV``, or ``REV`` of the repository in the current directory): resolved to a
+  commit with ``git rev-parse --verify --end-of-options`` (a revision starting with ``-`` is refused), then
+  ``git archive`` of that commit.
 
 Validation runs before anything is registered, in a fresh interpreter whose working directory and first
-``sys.path`` entry is the version (as a rank would run it): the entry point must resolve (a script inside
-the version, or ``-m module`` importable from it), its source must compile, and every module it imports at
-module level must import. The entry point itself is not run (a training script may start training when
-imported). A version failing any check is rejected with the check's output and never reaches a rank.
+``sys.path`` entry is the version (as a rank would run it): the entry point must be a relative ``*.py``
+file of the version or ``-m module`` of the version (``keel.rules.code.entry_problem``), its source must
+compile, and every module it imports at module level must import. The entry point itself is not run (a
+training script may start training when imported). A version failing any check is rejected with the
+check's output and never reaches a rank. These checks are the deploying client's; the hot-update service
+checks a registration's form again and every node re-hashes the stored version before it runs it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
-import shutil
+import re
+import stat
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-IGNORED_DIRS = frozenset({"__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache"})
+from keel.infra.code_store import (
+    IGNORED_DIRS,
+    CodeStoreError,
+    copy_tree,
+    ensure_store,
+    publish,
+    remove_tree,
+    staging_dir,
+    tree_digest,
+    walk,
+)
+from keel.rules.code import entry_problem, version_id_of
+
+__all__ = ["IGNORED_DIRS", "Snapshot", "VersionRejected", "default_entry", "snapshot", "tree_digest", "validate",
+           "version_id_of"]
+
+_COMMIT = re.compile(r"[0-9a-f]{40}([0-9a-f]{24})?")
 
 
 class VersionRejected(Exception):
@@ -54,69 +76,31 @@ class Snapshot:
         return version_id_of(self.digest)
 
 
-def version_id_of(digest: str) -> str:
-    return f"v-{digest.removeprefix('sha256:')[:12]}"
-
-
-def tree_digest(root: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(_files(root)):
-        rel = path.relative_to(root).as_posix()
-        executable = os.access(path, os.X_OK)
-        h.update(f"{rel}\0{int(executable)}\0{path.stat().st_size}\0".encode())
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                h.update(chunk)
-    return f"sha256:{h.hexdigest()}"
-
-
-def _files(root: Path) -> list[Path]:
-    found = []
-    for directory, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in IGNORED_DIRS)
-        for name in files:
-            if not name.endswith(".pyc"):
-                path = Path(directory) / name
-                if path.is_file():
-                    found.append(path)
-    return found
-
-
 def snapshot(source: str, store: Path, *, cwd: Path | None = None) -> Snapshot:
-    """Copy ``source`` into the store (once per content) and return where it lies."""
-    store.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=store))
+    """Copy ``source`` into the store (once per content, read-only) and return where it lies."""
+    try:
+        root = ensure_store(store)
+    except (CodeStoreError, OSError) as exc:
+        raise VersionRejected(f"store: {exc}") from None
+    staging = staging_dir(root)
     try:
         kind = _stage(source, staging, cwd or Path.cwd())
         if not any(staging.iterdir()):
             raise VersionRejected(f"exists: {source} holds no files")
-        digest = tree_digest(staging)
-        final = store / digest.removeprefix("sha256:")
-        if not final.exists():
-            for path in [staging, *staging.rglob("*")]:  # read-only to the job: a version never changes
-                if path.is_dir():
-                    path.chmod(0o755)
-                elif path.is_file():
-                    path.chmod(0o755 if os.access(path, os.X_OK) else 0o644)
-            try:
-                staging.rename(final)
-            except OSError:
-                if not final.exists():  # not a concurrent deploy of the same content
-                    raise
+        digest, final = publish(staging, root)
         return Snapshot(digest=digest, path=final, source=source, source_kind=kind)
+    except CodeStoreError as exc:
+        raise VersionRejected(f"exists: {source}: {exc}") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_tree(staging)
 
 
 def _stage(source: str, staging: Path, cwd: Path) -> str:
     path = Path(source).expanduser()
     if not path.is_absolute():
         path = cwd / path
-    if path.is_dir():
-        for file in _files(path):
-            target = staging / file.relative_to(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(file, target)
+    if path.is_dir():  # the source itself may be a link the user named; links inside it are refused
+        copy_tree(Path(os.path.realpath(path)), staging)
         return "directory"
     if path.is_file() and path.suffix == ".whl":
         try:
@@ -132,20 +116,31 @@ def _stage(source: str, staging: Path, cwd: Path) -> str:
     if path.exists():
         raise VersionRejected(f"exists: {source} is neither a directory nor a wheel (*.whl)")
     repo, _, rev = source.rpartition("@") if "@" in source else (str(cwd), "", source)
+    if not rev or rev.startswith("-"):
+        raise VersionRejected(f"exists: git revision {rev!r} of {source} is not a revision (a revision never "
+                              f"starts with '-' and is not empty)")
     repo_path = Path(repo).expanduser()
     if not repo_path.is_absolute():
         repo_path = cwd / repo_path
-    try:
-        archive = subprocess.run(["git", "-C", str(repo_path), "archive", "--format=tar", f"{rev}^{{commit}}"],
-                                 capture_output=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise VersionRejected(f"exists: {source}: git archive failed ({exc})") from None
-    if archive.returncode != 0:
-        raise VersionRejected(f"exists: {source} is not a directory, a wheel or a git revision "
-                              f"({archive.stderr.decode(errors='replace').strip()[-300:]})")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+    commit = _git(source, repo_path, ["rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"])
+    sha = commit.decode(errors="replace").strip()
+    if not _COMMIT.fullmatch(sha):
+        raise VersionRejected(f"exists: {source}: git named {sha[:80]!r} for {rev!r}, not a commit")
+    archive = _git(source, repo_path, ["archive", "--format=tar", sha])
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(staging, filter="data")
     return "git"
+
+
+def _git(source: str, repo: Path, arguments: list[str]) -> bytes:
+    try:
+        result = subprocess.run(["git", "-C", str(repo), *arguments], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise VersionRejected(f"exists: {source}: git {arguments[0]} failed ({exc})") from None
+    if result.returncode != 0:
+        why = result.stderr.decode(errors="replace").strip()[-300:] or f"git {arguments[0]} found no such commit"
+        raise VersionRejected(f"exists: {source} is not a directory, a wheel or a git revision ({why})")
+    return result.stdout
 
 
 # What runs in the validating interpreter: resolve the entry point inside the version, compile it, and
@@ -220,17 +215,17 @@ print(f"imports: {len(names)} module(s) imported")
 def validate(path: Path, entry: list[str], *, python: str = sys.executable,
              timeout: timedelta = timedelta(seconds=120)) -> list[str]:
     """Check a snapshot; the checks passed, in order. Raises ``VersionRejected`` with the failing check."""
-    if not entry:
-        raise VersionRejected("entry point: none given and the version has no train.py")
-    if entry[0] == "-m":
-        if len(entry) != 2 or not entry[1]:
-            raise VersionRejected(f"entry point: {' '.join(entry)!r} must be -m MODULE")
-        kind, target = "module", entry[1]
-    else:
-        if len(entry) != 1 or Path(entry[0]).is_absolute() or ".." in Path(entry[0]).parts:
-            raise VersionRejected(f"entry point: {entry[0]!r} must be a script path inside the version")
-        kind, target = "script", entry[0]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(path), os.environ.get("PYTHONPATH", ""))))}
+    try:
+        files = frozenset(rel for rel, st in walk(path) if not stat.S_ISDIR(st.st_mode))
+    except CodeStoreError as exc:
+        raise VersionRejected(f"exists: {exc}") from None
+    problem = entry_problem(entry, files)
+    if problem:
+        raise VersionRejected(problem if entry else f"{problem}; the version has no train.py")
+    kind, target = ("module", entry[1]) if entry[0] == "-m" else ("script", entry[0])
+    # No bytecode written next to the sources: a stored version holds nothing its digest leaves out.
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(path), os.environ.get("PYTHONPATH", ""))))}
     try:
         result = subprocess.run([python, "-c", _CHECK, str(path), kind, target], cwd=path, env=env,
                                 capture_output=True, text=True, timeout=timeout.total_seconds())
