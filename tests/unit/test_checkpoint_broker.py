@@ -21,6 +21,7 @@ from keel.events.types import (
     CheckpointBackupFailed,
     CheckpointInventoryReported,
     CheckpointNodeBackupsAssigned,
+    CheckpointNodeBackupsHeld,
     CheckpointNodeRestorePlanned,
     CheckpointPersisted,
     CheckpointRanksRegistered,
@@ -249,7 +250,15 @@ def test_placement_waits_for_every_rank_then_assigns_all_and_resends_on_reregist
     for event in events[:-1]:
         result = session.observe(event)
         assert result.emitted == [] and "waits for every rank" in result.decision.reason
-    parts = session.observe(events[-1]).emitted
+    emitted = session.observe(events[-1]).emitted
+    parts = [e for e in emitted if isinstance(e.payload, CheckpointNodeBackupsAssigned)]
+    # Each holder hears, on its own subject, which node sends it which rank's backups (its store refuses others).
+    held = [e for e in emitted if isinstance(e.payload, CheckpointNodeBackupsHeld)]
+    assert len(parts) + len(held) == len(emitted)
+    assert all(e.subject == f"node/{e.payload.node_id}" and e.payload.released == [] for e in held)
+    assert sorted((a.rank, a.node_id) for e in held for a in e.payload.held
+                  if a.backup_node_id == e.payload.node_id) == sorted(
+        (a.rank, a.node_id) for e in parts for a in e.payload.assignments)
     # One part per node, on that node's subject, holding the assignments of the ranks it runs.
     assert [(e.subject, e.payload.node_id) for e in parts] == [(f"node/n{i}", f"n{i}") for i in range(4)]
     assert all(isinstance(e.payload, CheckpointNodeBackupsAssigned) and (e.payload.part, e.payload.parts) == (0, 1)
@@ -491,6 +500,7 @@ def test_all_local_restores_from_memory_without_fallbacks() -> None:
 
 def test_replaced_node_restores_its_rank_from_the_peer_with_a_fallback_event() -> None:
     session, backup = four_nodes()
+    session.observe(shards("n1", "memory", [(1, 40)]))  # n1 reported its rank's step 40 before it died
     # n1 died; n9 takes over rank 1 with empty shared memory. Rank 1's backup peer holds step 40.
     events = [inventory(f"n{r}", 1, memory={r: [40, 41]}, peer={1: [40]} if backup[1] == f"n{r}" else None)
               for r in (0, 2, 3)]
@@ -602,6 +612,7 @@ def test_rejected_digest_falls_to_the_next_tier_with_its_reason() -> None:
 
 def test_rejected_digest_with_a_peer_copy_restores_that_rank_from_the_peer() -> None:
     session, backup = four_nodes()
+    session.observe(shards("n2", "memory", [(2, 41)]))  # what rank 2 wrote, as its node reported it then
     mismatch = RejectedShard(rank=2, tier="memory", step=41, reason="digest mismatch")
     events = [inventory(f"n{r}", 1, memory={r: [41]}, peer={2: [41]} if backup[2] == f"n{r}" else None)
               for r in (0, 1, 3)]
@@ -648,8 +659,9 @@ def test_plan_restore_prefers_a_local_backup_over_a_remote_copy() -> None:
             InventoryEntry(rank=1, tier="memory", step=5, bytes=1, digest="x"),
             InventoryEntry(rank=0, tier="memory", step=5, bytes=1, digest="y")]),
     }
+    # Rank 1 ran on b (its memory copy is its owner's word), and moves to a, which holds its backup.
     plan = plan_restore(1, 2, {0: "b", 1: "a"}, inventories, {"a": "a:1", "b": "b:1"},
-                        {5: PersistedStep(5, "/r/j/step-000000005/manifest.json")})
+                        {5: PersistedStep(5, "/r/j/step-000000005/manifest.json")}, previous_nodes={0: "b", 1: "b"})
     assert [(s.rank, s.tier, s.node_id) for s in plan.sources] == [(0, "memory", "b"), (1, "peer", "a")]
     [fallback] = plan.fallbacks
     assert "the backup copy a holds for it" in fallback.reason
@@ -664,7 +676,8 @@ def test_replay_of_own_decisions_is_stable() -> None:
     for _ in range(2):
         session = DeciderSession(CheckpointBrokerDecider())
         runs.append([e for event in inputs for e in session.observe(event).emitted])
-    assert runs[0] == runs[1] and len(runs[0]) == 6  # 4 nodes' placements, the initial schedule, the new one
+    # 4 nodes' placements, the 4 holders' parts of them, the initial schedule, the new one
+    assert runs[0] == runs[1] and len(runs[0]) == 10
 
 
 def test_replaced_node_registering_moves_only_its_ranks_and_the_backups_it_held() -> None:
