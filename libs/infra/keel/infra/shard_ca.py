@@ -29,10 +29,14 @@ new CA (agents of a running job must then be restarted with new certificates).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import ipaddress
+import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -138,11 +142,27 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s lock: agents of one host starting together must not each create a CA."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def ensure_job_ca(credentials: Path, job_id: str) -> Path:
     """The job's CA certificate (``ca.pem``), created with its key on first use. Returns its path."""
     folder = job_ca_dir(credentials, job_id)
     ensure_private_dir(folder.parent)
     ensure_private_dir(folder)
+    with _locked(folder):
+        return _ensure_job_ca(folder, job_id)
+
+
+def _ensure_job_ca(folder: Path, job_id: str) -> Path:
     cert_path, key_path = folder / "ca.pem", folder / "ca.key"
     if key_path.exists() and cert_path.exists():
         read_secret(key_path)  # refuses a key that is not private, before anything trusts it

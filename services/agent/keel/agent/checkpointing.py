@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from keel.agent.isolation import Pieces
 from keel.checkpoint import slots as ckpt_slots
@@ -55,6 +55,10 @@ from keel.events.types import (
     RejectedShard,
     ShardRecord,
 )
+
+if TYPE_CHECKING:  # imported where used: an unsupervised or store-less agent never loads gRPC
+    from keel.agent.shard_access import StoreLimits
+    from keel.agent.shard_store import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +146,9 @@ class GrpcTransport:
     ``tls``: this node's certificate of the job's CA (``keel.agent.shard_store.TlsMaterial``): the store
     serves and dials over mutual TLS only. ``world_size``: the job's ranks. ``limits``: the store's quotas."""
 
-    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, bind: str, tls: Any, world_size: int,
-                 advertise: str = "", limits: Any = None, timeout: timedelta = timedelta(seconds=60)) -> None:
+    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, bind: str, tls: TlsMaterial, world_size: int,
+                 advertise: str = "", limits: StoreLimits | None = None,
+                 timeout: timedelta = timedelta(seconds=60)) -> None:
         import asyncio
         import threading
 
