@@ -758,3 +758,65 @@ def test_a_restore_wait_runs_on_the_recorded_clock_not_the_nodes_clocks() -> Non
     assert plan_events(session, [tick(9)]) == (None, [])  # within the 10 s wait from the tick at 0 s
     plan, _ = plan_events(session, [tick(11)])
     assert plan is not None and "after the 10s wait with 2 inventory(ies)" in plan.reason, plan
+
+
+# -- planted backups: plans trust the owner's digests, never a holder's -------------------------------
+
+
+def test_a_planted_backup_is_never_restored() -> None:
+    """n1 is lost. The node holding rank 1's backup claims a copy of step 44 whose digest n1 never reported
+    (a planted, self-consistent backup): the plan takes step 40, whose copy matches what n1 reported."""
+    session, backup = four_nodes()
+    persist_step(session, 30, T0)
+    for step in (40, 44):
+        session.observe(shards("n1", "memory", [(1, step)]))  # what rank 1 wrote, as its node reported it
+    holder = backup[1]
+    planted = ev(CheckpointInventoryReported(node_id=holder, generation=1, ranks=[int(holder[1:])], rejected=[], entries=[
+        InventoryEntry(rank=int(holder[1:]), tier="memory", step=s, bytes=100, digest=digest(int(holder[1:]), s))
+        for s in (40, 44)] + [
+        InventoryEntry(rank=1, tier="peer", step=44, bytes=100, digest="66" * 32),  # not what rank 1 wrote
+        InventoryEntry(rank=1, tier="peer", step=40, bytes=100, digest=digest(1, 40))]), f"node/{holder}")
+    others = [inventory(f"n{r}", 1, memory={r: [40, 44]}) for r in (0, 2, 3) if f"n{r}" != holder]
+    others.append(inventory("n9", 1, ranks=[1]))  # n1's replacement, empty memory
+    plan, _ = plan_events(session, [planted, *others])
+    assert plan is not None and plan.step == 40
+    assert (plan.sources[1].tier, plan.sources[1].node_id, plan.sources[1].digest) == ("peer", holder, digest(1, 40))
+    # A holder that claims only the planted copy leaves rank 1 to the persistent tier.
+    session, backup = four_nodes()
+    persist_step(session, 30, T0)
+    session.observe(shards("n1", "memory", [(1, 44)]))
+    holder = backup[1]
+    only_planted = ev(CheckpointInventoryReported(node_id=holder, generation=1, ranks=[], rejected=[], entries=[
+        InventoryEntry(rank=1, tier="peer", step=44, bytes=100, digest="66" * 32)]), f"node/{holder}")
+    memory = [inventory(f"n{r}", 1, memory={r: [44]}) for r in (0, 2, 3)]
+    plan, _ = plan_events(session, [only_planted, *memory, inventory("n9", 1, ranks=[1])])
+    assert plan is not None and plan.step == 30 and {s.tier for s in plan.sources} == {"disk"}
+    assert all(s.digest != "66" * 32 for s in plan.sources)
+
+
+def test_only_a_ranks_own_node_vouches_for_its_digests() -> None:
+    session, _ = four_nodes()
+    # n2 reports a "memory" record for rank 1, which runs on n1: not n1's word, not remembered.
+    session.observe(ev(CheckpointShardsStored(node_id="n2", tier="memory", shards=[
+        ShardRecord(rank=1, step=8, bytes=100, digest="77" * 32)]), "node/n2"))
+    session.observe(shards("n1", "memory", [(1, 8)]))
+    assert session.state.job(JOB).owner_digests[1] == {8: frozenset({digest(1, 8)})}
+    # A restore plan to step 4 forgets the steps after it: the resumed history writes them anew.
+    plan, _ = plan_events(session, [inventory(f"n{r}", 1, memory={r: [4]}) for r in range(4)])
+    assert plan is not None and plan.step == 4
+    assert 8 not in session.state.job(JOB).owner_digests.get(1, {})
+
+
+def test_holders_hear_who_sends_them_each_rank_and_which_ranks_moved_away() -> None:
+    sites = topology(2, 2, 2, 4)
+    session = registered_session(sites)
+    current = dict(session.state.job(JOB).backups)
+    failed = current[5].backup_node_id
+    event = ev(CheckpointBackupFailed(node_id="n2", rank=5, backup_node_id=failed, reason="UNAVAILABLE"), "node/n2")
+    emitted = session.observe(event).emitted
+    held = {e.payload.node_id: e.payload for e in emitted if isinstance(e.payload, CheckpointNodeBackupsHeld)}
+    moved = session.state.job(JOB).backups[5]
+    assert all(e.subject == f"node/{e.payload.node_id}" for e in emitted if isinstance(e.payload, CheckpointNodeBackupsHeld))
+    assert held[failed].released == [5] and held[failed].held == []
+    assert [(a.rank, a.node_id) for a in held[moved.backup_node_id].held] == [(5, moved.node_id)]
+    assert set(held) == {failed, moved.backup_node_id}
