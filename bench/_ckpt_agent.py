@@ -99,18 +99,22 @@ async def run(args: argparse.Namespace) -> None:
         from keel.infra.config import CheckpointSettings
 
         args.backup_duty = CheckpointSettings().backup_max_duty
-    from keel.agent.shard_store import ShardSender, ShardStoreServer, TransferOutcome
+    from keel.agent.shard_store import ShardSender, ShardStoreServer, TlsMaterial, TransferOutcome
 
     args.node_dir.mkdir(parents=True, exist_ok=True)
     args.peer_dir.mkdir(parents=True, exist_ok=True)
-    peer = ShardStoreServer(args.job, "peer", args.peer_dir)
+    # The stores speak mTLS only: both ends get a certificate of the job's CA, as a launcher issues them.
+    credentials = args.node_dir.parent / "credentials"
+    tls = {node: TlsMaterial.issue(credentials, args.job, node, ("127.0.0.1",)) for node in ("node", "peer")}
+    peer = ShardStoreServer(args.job, "peer", args.peer_dir, tls=tls["peer"], world_size=args.rank + 1)
+    peer.assign_senders({args.rank: "node"})
     address = await peer.start("127.0.0.1", 0)
     outcomes: list[TransferOutcome] = []
     from keel.agent.checkpointing import SENT_DIR, keep_sent_copy
     from keel.checkpoint.slots import SlotError
 
     # As the agent does: copy the step into the sent ring, send from there (see keep_sent_copy).
-    sender = ShardSender(args.job, "node", args.node_dir / SENT_DIR, on_outcome=outcomes.append,
+    sender = ShardSender(args.job, "node", args.node_dir / SENT_DIR, tls=tls["node"], on_outcome=outcomes.append,
                          max_bytes_per_s=int(args.backup_rate * 1e6) if args.backup_rate else None)
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     from bench._ckpt_worker import anon_bytes_tree

@@ -143,15 +143,16 @@ class RankSide:
         ck.close()
 
         if self.agent.get("address"):
-            from keel.agent.shard_store import fetch_shard
+            from keel.agent.shard_store import TlsMaterial, fetch_shard
             from keel.checkpoint.slots import restore_path
 
             dest = restore_path(self.node_dir, 0)
             dest.parent.mkdir(parents=True, exist_ok=True)
             fresh, ck = self._fresh_checkpointer()
             t0 = time.perf_counter()
+            tls = TlsMaterial.issue(self.node_dir.parent / "credentials", self.args.job, "node", ("127.0.0.1",))
             fetched = asyncio.run(fetch_shard(self.agent["address"], self.args.job, "node", 0, -1, dest, "",
-                                              timedelta(seconds=60), kind="backup"))
+                                              timedelta(seconds=60), kind="backup", tls=tls))
             t1 = time.perf_counter()
             step = ck.restore(dest)
             out["restore_s_peer"] = time.perf_counter() - t0

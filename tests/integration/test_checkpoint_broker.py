@@ -236,7 +236,9 @@ async def test_cold_start_writes_a_manifest_a_crash_left_unwritten(keel_env, scr
     inputs = registrations() + persisted_shards(root, 700, 1)
     previous = DeciderSession(CheckpointBrokerDecider())
     decisions = [e for event in inputs for e in previous.observe(event).emitted]
-    assert [e.type for e in decisions] == ["CheckpointNodeBackupsAssigned"] * WORLD + ["CheckpointStepCommitted"]
+    # Each node's assignments, each holder's part of them (who sends it which rank's backups), the commit.
+    assert [e.type for e in decisions] == (["CheckpointNodeBackupsAssigned"] * WORLD + ["CheckpointNodeBackupsHeld"] * WORLD
+                                           + ["CheckpointStepCommitted"])
     await keel_env.bus.publish_many(inputs + decisions)
     await keel_env.start_recorder()
     assert await keel_env.wait_for_count(len(inputs) + len(decisions)) == len(inputs) + len(decisions)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slot_files, plan_file
+from keel.agent.shard_store import TlsMaterial
 from keel.checkpoint import disk as ckpt_disk
 from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
 from keel.checkpoint_broker.decider import CheckpointBrokerDecider
@@ -95,7 +96,10 @@ class Node:
         self.dir = cluster.base / "shm" / JOB / node_id
         self.agent_dir = cluster.base / "agents" / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.transport = (GrpcTransport(JOB, node_id, self.dir, bind="127.0.0.1:0", timeout=TRANSFER_TIMEOUT)
+        # Each node's certificate of the job's CA, as the launcher issues it (keel.cluster.local).
+        self.transport = (GrpcTransport(JOB, node_id, self.dir, bind="127.0.0.1:0", timeout=TRANSFER_TIMEOUT,
+                                        tls=TlsMaterial.issue(cluster.base / "credentials", JOB, node_id, ("127.0.0.1",)),
+                                        world_size=world_size)
                           if transport else None)
         self.transport_closed = False
         self.alive = True

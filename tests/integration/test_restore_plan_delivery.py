@@ -25,8 +25,10 @@ from keel.events.types import (
     CheckpointNodeRestorePlanned,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
+    CheckpointShardsStored,
     InventoryEntry,
     RankGroups,
+    ShardRecord,
 )
 from keel.infra.bus import fetch_batch
 from keel.infra.config import CheckpointSettings
@@ -137,6 +139,11 @@ async def test_a_4096_rank_restore_plan_is_delivered_each_node_its_own_part(keel
     backups = {a.rank: a.backup_node_id for e in of(CheckpointNodeBackupsAssigned) for a in e.payload.assignments}
     assert sorted(backups) == list(range(WORLD))
 
+    # Before it was lost, the replaced node reported its ranks' step 40: the digests its peers' copies must
+    # match to be restored (a holder's own claim is never enough).
+    await keel_env.bus.publish_many([node_event(CheckpointShardsStored(
+        node_id=node_id(REPLACED), tier="memory", shards=[ShardRecord(rank=r, step=40, bytes=1 << 20, digest=digest(r, 40))
+                                                         for r in ranks_of(REPLACED)]), REPLACED, 0.5)])
     # Generation 1: every node reports what it holds; the replaced node holds no memory copy.
     inventories = []
     for n in range(NODES):

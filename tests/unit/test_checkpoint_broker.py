@@ -21,6 +21,7 @@ from keel.events.types import (
     CheckpointBackupFailed,
     CheckpointInventoryReported,
     CheckpointNodeBackupsAssigned,
+    CheckpointNodeBackupsHeld,
     CheckpointNodeRestorePlanned,
     CheckpointPersisted,
     CheckpointRanksRegistered,
@@ -249,7 +250,15 @@ def test_placement_waits_for_every_rank_then_assigns_all_and_resends_on_reregist
     for event in events[:-1]:
         result = session.observe(event)
         assert result.emitted == [] and "waits for every rank" in result.decision.reason
-    parts = session.observe(events[-1]).emitted
+    emitted = session.observe(events[-1]).emitted
+    parts = [e for e in emitted if isinstance(e.payload, CheckpointNodeBackupsAssigned)]
+    # Each holder hears, on its own subject, which node sends it which rank's backups (its store refuses others).
+    held = [e for e in emitted if isinstance(e.payload, CheckpointNodeBackupsHeld)]
+    assert len(parts) + len(held) == len(emitted)
+    assert all(e.subject == f"node/{e.payload.node_id}" and e.payload.released == [] for e in held)
+    assert sorted((a.rank, a.node_id) for e in held for a in e.payload.held
+                  if a.backup_node_id == e.payload.node_id) == sorted(
+        (a.rank, a.node_id) for e in parts for a in e.payload.assignments)
     # One part per node, on that node's subject, holding the assignments of the ranks it runs.
     assert [(e.subject, e.payload.node_id) for e in parts] == [(f"node/n{i}", f"n{i}") for i in range(4)]
     assert all(isinstance(e.payload, CheckpointNodeBackupsAssigned) and (e.payload.part, e.payload.parts) == (0, 1)
@@ -491,6 +500,7 @@ def test_all_local_restores_from_memory_without_fallbacks() -> None:
 
 def test_replaced_node_restores_its_rank_from_the_peer_with_a_fallback_event() -> None:
     session, backup = four_nodes()
+    session.observe(shards("n1", "memory", [(1, 40)]))  # n1 reported its rank's step 40 before it died
     # n1 died; n9 takes over rank 1 with empty shared memory. Rank 1's backup peer holds step 40.
     events = [inventory(f"n{r}", 1, memory={r: [40, 41]}, peer={1: [40]} if backup[1] == f"n{r}" else None)
               for r in (0, 2, 3)]
@@ -602,6 +612,7 @@ def test_rejected_digest_falls_to_the_next_tier_with_its_reason() -> None:
 
 def test_rejected_digest_with_a_peer_copy_restores_that_rank_from_the_peer() -> None:
     session, backup = four_nodes()
+    session.observe(shards("n2", "memory", [(2, 41)]))  # what rank 2 wrote, as its node reported it then
     mismatch = RejectedShard(rank=2, tier="memory", step=41, reason="digest mismatch")
     events = [inventory(f"n{r}", 1, memory={r: [41]}, peer={2: [41]} if backup[2] == f"n{r}" else None)
               for r in (0, 1, 3)]
@@ -648,8 +659,9 @@ def test_plan_restore_prefers_a_local_backup_over_a_remote_copy() -> None:
             InventoryEntry(rank=1, tier="memory", step=5, bytes=1, digest="x"),
             InventoryEntry(rank=0, tier="memory", step=5, bytes=1, digest="y")]),
     }
+    # Rank 1 ran on b (its memory copy is its owner's word), and moves to a, which holds its backup.
     plan = plan_restore(1, 2, {0: "b", 1: "a"}, inventories, {"a": "a:1", "b": "b:1"},
-                        {5: PersistedStep(5, "/r/j/step-000000005/manifest.json")})
+                        {5: PersistedStep(5, "/r/j/step-000000005/manifest.json")}, previous_nodes={0: "b", 1: "b"})
     assert [(s.rank, s.tier, s.node_id) for s in plan.sources] == [(0, "memory", "b"), (1, "peer", "a")]
     [fallback] = plan.fallbacks
     assert "the backup copy a holds for it" in fallback.reason
@@ -664,7 +676,8 @@ def test_replay_of_own_decisions_is_stable() -> None:
     for _ in range(2):
         session = DeciderSession(CheckpointBrokerDecider())
         runs.append([e for event in inputs for e in session.observe(event).emitted])
-    assert runs[0] == runs[1] and len(runs[0]) == 6  # 4 nodes' placements, the initial schedule, the new one
+    # 4 nodes' placements, the 4 holders' parts of them, the initial schedule, the new one
+    assert runs[0] == runs[1] and len(runs[0]) == 10
 
 
 def test_replaced_node_registering_moves_only_its_ranks_and_the_backups_it_held() -> None:
@@ -745,3 +758,65 @@ def test_a_restore_wait_runs_on_the_recorded_clock_not_the_nodes_clocks() -> Non
     assert plan_events(session, [tick(9)]) == (None, [])  # within the 10 s wait from the tick at 0 s
     plan, _ = plan_events(session, [tick(11)])
     assert plan is not None and "after the 10s wait with 2 inventory(ies)" in plan.reason, plan
+
+
+# -- planted backups: plans trust the owner's digests, never a holder's -------------------------------
+
+
+def test_a_planted_backup_is_never_restored() -> None:
+    """n1 is lost. The node holding rank 1's backup claims a copy of step 44 whose digest n1 never reported
+    (a planted, self-consistent backup): the plan takes step 40, whose copy matches what n1 reported."""
+    session, backup = four_nodes()
+    persist_step(session, 30, T0)
+    for step in (40, 44):
+        session.observe(shards("n1", "memory", [(1, step)]))  # what rank 1 wrote, as its node reported it
+    holder = backup[1]
+    planted = ev(CheckpointInventoryReported(node_id=holder, generation=1, ranks=[int(holder[1:])], rejected=[], entries=[
+        InventoryEntry(rank=int(holder[1:]), tier="memory", step=s, bytes=100, digest=digest(int(holder[1:]), s))
+        for s in (40, 44)] + [
+        InventoryEntry(rank=1, tier="peer", step=44, bytes=100, digest="66" * 32),  # not what rank 1 wrote
+        InventoryEntry(rank=1, tier="peer", step=40, bytes=100, digest=digest(1, 40))]), f"node/{holder}")
+    others = [inventory(f"n{r}", 1, memory={r: [40, 44]}) for r in (0, 2, 3) if f"n{r}" != holder]
+    others.append(inventory("n9", 1, ranks=[1]))  # n1's replacement, empty memory
+    plan, _ = plan_events(session, [planted, *others])
+    assert plan is not None and plan.step == 40
+    assert (plan.sources[1].tier, plan.sources[1].node_id, plan.sources[1].digest) == ("peer", holder, digest(1, 40))
+    # A holder that claims only the planted copy leaves rank 1 to the persistent tier.
+    session, backup = four_nodes()
+    persist_step(session, 30, T0)
+    session.observe(shards("n1", "memory", [(1, 44)]))
+    holder = backup[1]
+    only_planted = ev(CheckpointInventoryReported(node_id=holder, generation=1, ranks=[], rejected=[], entries=[
+        InventoryEntry(rank=1, tier="peer", step=44, bytes=100, digest="66" * 32)]), f"node/{holder}")
+    memory = [inventory(f"n{r}", 1, memory={r: [44]}) for r in (0, 2, 3)]
+    plan, _ = plan_events(session, [only_planted, *memory, inventory("n9", 1, ranks=[1])])
+    assert plan is not None and plan.step == 30 and {s.tier for s in plan.sources} == {"disk"}
+    assert all(s.digest != "66" * 32 for s in plan.sources)
+
+
+def test_only_a_ranks_own_node_vouches_for_its_digests() -> None:
+    session, _ = four_nodes()
+    # n2 reports a "memory" record for rank 1, which runs on n1: not n1's word, not remembered.
+    session.observe(ev(CheckpointShardsStored(node_id="n2", tier="memory", shards=[
+        ShardRecord(rank=1, step=8, bytes=100, digest="77" * 32)]), "node/n2"))
+    session.observe(shards("n1", "memory", [(1, 8)]))
+    assert session.state.job(JOB).owner_digests[1] == {8: frozenset({digest(1, 8)})}
+    # A restore plan to step 4 forgets the steps after it: the resumed history writes them anew.
+    plan, _ = plan_events(session, [inventory(f"n{r}", 1, memory={r: [4]}) for r in range(4)])
+    assert plan is not None and plan.step == 4
+    assert 8 not in session.state.job(JOB).owner_digests.get(1, {})
+
+
+def test_holders_hear_who_sends_them_each_rank_and_which_ranks_moved_away() -> None:
+    sites = topology(2, 2, 2, 4)
+    session = registered_session(sites)
+    current = dict(session.state.job(JOB).backups)
+    failed = current[5].backup_node_id
+    event = ev(CheckpointBackupFailed(node_id="n2", rank=5, backup_node_id=failed, reason="UNAVAILABLE"), "node/n2")
+    emitted = session.observe(event).emitted
+    held = {e.payload.node_id: e.payload for e in emitted if isinstance(e.payload, CheckpointNodeBackupsHeld)}
+    moved = session.state.job(JOB).backups[5]
+    assert all(e.subject == f"node/{e.payload.node_id}" for e in emitted if isinstance(e.payload, CheckpointNodeBackupsHeld))
+    assert held[failed].released == [5] and held[failed].held == []
+    assert [(a.rank, a.node_id) for a in held[moved.backup_node_id].held] == [(5, moved.node_id)]
+    assert set(held) == {failed, moved.backup_node_id}

@@ -28,10 +28,12 @@ from keel.events.types import (
     CheckpointNodeRestorePlanned,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
+    CheckpointShardsStored,
     DecisionRefused,
     InventoryEntry,
     RankGroups,
     RestoreSource,
+    ShardRecord,
 )
 from keel.infra.config import Settings
 from keel.kernel.decider import DeciderSession
@@ -113,6 +115,11 @@ def test_a_4096_rank_restore_plan_is_sent_in_node_parts_that_add_up_to_the_plan(
     backups = session.state.job(JOB).backups
     nodes = by_node(all_sites)
     replaced = "gpu100.dc1"  # lost its memory: its ranks come from their peers' copies
+    # Before it was lost, it reported its ranks' step 40 (a heartbeat's memory records): the digests the
+    # peers' copies must match to be restored.
+    session.observe(ev(CheckpointShardsStored(node_id=replaced, tier="memory", shards=[
+        ShardRecord(rank=s.rank, step=40, bytes=1 << 20, digest=digest(s.rank, 40)) for s in nodes[replaced]]),
+        replaced, T0))
     inventories = []
     for i, (node, ranks) in enumerate(sorted(nodes.items())):
         entries = [] if node == replaced else [
@@ -131,7 +138,8 @@ def test_a_4096_rank_restore_plan_is_sent_in_node_parts_that_add_up_to_the_plan(
     wait = job.restores[1]
     last = inventories[-1]
     wait = type(wait)(wait.generation, wait.deadline, {**wait.inventories, last.payload.node_id: last.payload})
-    expected = plan_restore(1, 4096, restore_targets(job, wait), wait.inventories, job.addresses, job.persisted)
+    expected = plan_restore(1, 4096, restore_targets(job, wait), wait.inventories, job.addresses, job.persisted,
+                            owner_digests=job.owner_digests)
     emitted = session.observe(last).emitted
     decide_s = time.perf_counter() - started
     assert not [e for e in emitted if isinstance(e.payload, DecisionRefused)]

@@ -104,8 +104,10 @@ def test_an_agent_subscribes_to_its_own_nodes_commands_and_the_job_wide_requests
     with_broker = command_subjects("keel", "train", "gpu01.dc1", checkpointing=True)
     assert with_broker[:6] == subjects and "keel.train.job.*.CheckpointRestorePlanned" in with_broker
     # The broker's per-node parts (a restore plan's, a placement's): this node's only.
-    assert with_broker[-2:] == ["keel.train.node.gpu01%2Edc1.CheckpointNodeBackupsAssigned",
-                                "keel.train.node.gpu01%2Edc1.CheckpointNodeRestorePlanned"]
+    assert with_broker[-3:] == ["keel.train.node.gpu01%2Edc1.CheckpointNodeBackupsAssigned",
+                                "keel.train.node.gpu01%2Edc1.CheckpointNodeRestorePlanned",
+                                # Who may send backups to this node's shard store.
+                                "keel.train.node.gpu01%2Edc1.CheckpointNodeBackupsHeld"]
 
     def restart(node: str) -> Event:
         return Event.create(RanksRestartRequested(node_id=node, generation=1, reason="r", expires_at=T0),

@@ -21,6 +21,7 @@ from keel.infra.config import BusSettings, Settings, credentials_path
 if TYPE_CHECKING:  # imported where used: `keel` commands other than `keel run` never load the agent
     from keel.agent.checkpointing import NodeCheckpointing
     from keel.agent.launch_spec import LaunchSpec
+    from keel.agent.shard_store import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,11 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
         return 2
     checkpointing = None
     if spec.ckpt_dir is not None:
-        checkpointing = build_checkpointing(spec, settings, supervised=supervised)
+        try:
+            checkpointing = build_checkpointing(spec, settings, supervised=supervised)
+        except (OSError, ValueError) as exc:  # the TLS files, the CA folder, the bind address
+            print(f"keel run: shard store: {exc}", file=sys.stderr)
+            return 2
     from keel.agent.rejoin import AgentDirBusy
 
     try:
@@ -136,14 +141,61 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     return asyncio.run(main())
 
 
+def interface_toward(host: str, port: int) -> str:
+    """The local address this machine reaches ``host`` from (a UDP "connect" sends nothing): the
+    interface of the cluster network, where the shard store listens by default on a multi-node job."""
+    import socket
+
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise OSError(f"cannot tell which interface reaches the rendezvous master {host}:{port} ({exc}); "
+                      f"give --keel-store-address HOST:PORT or the checkpoint.store_address setting") from None
+
+
+def store_bind_address(spec: LaunchSpec, settings: Settings) -> str:
+    """Where the shard store listens: ``--keel-store-address``, else ``checkpoint.store_address``, else the
+    interface that reaches the rendezvous master (port 0). Never every interface unless one of those says so."""
+    if spec.store_address:
+        return spec.store_address
+    if settings.checkpoint.store_address:
+        return settings.checkpoint.store_address
+    host = interface_toward(spec.master_addr, spec.master_port)
+    return f"[{host}]:0" if ":" in host else f"{host}:0"
+
+
+def store_tls(spec: LaunchSpec, settings: Settings, hosts: tuple[str, ...]) -> TlsMaterial:
+    """The node's shard-store certificate: the ``--keel-tls-*`` files, else one issued now from the job's CA
+    in the credentials folder (``<credentials>/shard-ca/<job>/``, created on first use)."""
+    from keel.agent.shard_store import TlsMaterial
+    from keel.infra.config import credentials_path
+    from keel.infra.shard_ca import NodeCredentials
+
+    if spec.tls_cert is not None and spec.tls_key is not None and spec.tls_ca is not None:
+        return TlsMaterial.load(NodeCredentials(cert=spec.tls_cert, key=spec.tls_key, ca=spec.tls_ca))
+    return TlsMaterial.issue(credentials_path(settings), spec.job_id, spec.node_id, hosts)
+
+
 def build_checkpointing(spec: LaunchSpec, settings: Settings, *, supervised: bool) -> NodeCheckpointing:
-    """The node's checkpoint duties: its shard store (gRPC, on ``--keel-store-address``) and the
-    persistent tier (``--keel-persist-root``, else the configured ``checkpoint.persist_root``, if any)."""
+    """The node's checkpoint duties: its shard store (gRPC over mTLS, on ``store_bind_address``, with
+    ``store_tls``'s certificate and the ``checkpoint.store_*`` limits) and the persistent tier
+    (``--keel-persist-root``, else the configured ``checkpoint.persist_root``, if any)."""
     from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing
+    from keel.agent.shard_access import StoreLimits
 
     assert spec.ckpt_dir is not None
-    transport = GrpcTransport(spec.job_id, spec.node_id, spec.ckpt_dir, bind=spec.store_address,
-                              advertise=spec.store_advertise)
+    bind = store_bind_address(spec, settings)
+    hosts = tuple(h for h in (bind.rpartition(":")[0].strip("[]"), spec.store_advertise) if h and h not in ("0.0.0.0", "::"))
+    tls = store_tls(spec, settings, hosts)
+    ckpt = settings.checkpoint
+    limits = StoreLimits(max_shard_bytes=ckpt.store_max_shard_bytes, peer_quota_bytes=ckpt.store_peer_quota,
+                         total_quota_bytes=ckpt.store_total_quota, max_streams=ckpt.store_max_streams,
+                         max_streams_per_peer=ckpt.store_max_streams_per_peer)
+    transport = GrpcTransport(spec.job_id, spec.node_id, spec.ckpt_dir, bind=bind, tls=tls, world_size=spec.world_size,
+                              advertise=spec.store_advertise, limits=limits)
     persist_root = spec.persist_root or settings.checkpoint.resolved_persist_root(settings.home)
     log.info("%s: shard store on %s, slots in %s, persistent tier %s", spec.node_id, transport.address,
              spec.ckpt_dir, persist_root)

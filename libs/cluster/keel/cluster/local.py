@@ -39,9 +39,10 @@ from keel.events.envelope import Event, now_utc
 from keel.events.types import FaultInjected
 from keel.events.units import parse_duration
 from keel.infra.bus import Bus
-from keel.infra.config import Settings
+from keel.infra.config import Settings, credentials_path
 from keel.infra.embedded import free_port
 from keel.infra.nats_auth import OPERATOR, bus_settings_for
+from keel.infra.shard_ca import issue_node_certificate
 
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
@@ -181,6 +182,10 @@ def cluster_up(
             "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
             "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
         ]
+        # The launcher holds the credentials folder: it issues each node its shard-store certificate from
+        # the job's CA (keel.infra.shard_ca), so the agents never need the CA's key.
+        tls = issue_node_certificate(credentials_path(settings), job_id, node_id, hosts=("127.0.0.1",))
+        argv += ["--keel-tls-cert", str(tls.cert), "--keel-tls-key", str(tls.key), "--keel-tls-ca", str(tls.ca)]
         # A standby carries the training command too: promoted, it runs the ranks of the slice it takes.
         argv += ["--keel-standby", *command] if is_standby else list(command)
         process = spawn_agent(argv, env, agent_dir)

@@ -356,6 +356,22 @@ class CheckpointNodeBackupsAssigned(EventPayload):
     parts: int = Field(default=1, ge=1)
 
 
+@event_type("CheckpointNodeBackupsHeld", version=1, aggregate="node")
+class CheckpointNodeBackupsHeld(EventPayload):
+    """One node's part of a placement as the node that holds backups, on its subject: ``held``, the new or
+    moved assignments that name it as the backup peer (its shard store accepts each rank's backups only
+    from the node the assignment names), and ``released``, the ranks whose backups this placement moved
+    away from it (its store no longer accepts them). Published with the senders' parts
+    (``CheckpointNodeBackupsAssigned``) of the same decision; ``part`` of ``parts`` as there."""
+
+    node_id: str
+    held: list[BackupAssignment] = Field(default_factory=list)
+    released: list[int] = Field(default_factory=list)
+    reason: str
+    part: int = Field(default=0, ge=0)
+    parts: int = Field(default=1, ge=1)
+
+
 class ShardRecord(EventPayload):
     rank: int = Field(ge=0)
     step: int = Field(ge=0)

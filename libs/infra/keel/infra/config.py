@@ -263,6 +263,23 @@ class CheckpointSettings(_Section):
     commits well before the next begins, and a fast rank's store is rarely two rounds past a slow
     rank's delivery (a group lost then leaves no common peer step: the restore falls back to disk)."""
 
+    store_address: str = ""
+    """``HOST:PORT`` each node's shard store binds when ``keel run`` is given no ``--keel-store-address``
+    (port 0: a free one). Empty: ``127.0.0.1:0`` on a one-node job; on several nodes, the address of the
+    interface that reaches the rendezvous master (``--master-addr``), port 0. ``0.0.0.0`` only if set here
+    or on the command line: the store then listens on every interface (mTLS still required)."""
+    store_max_shard_bytes: ByteSize = parse_size("64GiB")
+    """The largest backup a shard store accepts in one stream (a rank's snapshot)."""
+    store_peer_quota: ByteSize = parse_size("128GiB")
+    """What one peer's backups may take in a node's shard store, every copy kept (newest, previous, the
+    committed step's) and the streams in flight; a backup past it is refused (RESOURCE_EXHAUSTED)."""
+    store_total_quota: ByteSize = parse_size("512GiB")
+    """What all peers' backups together may take in a node's shard store (its shared-memory folder)."""
+    store_max_streams: int = Field(32, ge=1)
+    """Streams (backups arriving, shards being fetched) a shard store serves at once."""
+    store_max_streams_per_peer: int = Field(8, ge=1)
+    """Streams a shard store serves at once to one peer."""
+
     @model_validator(mode="after")
     def _floor_below_ceiling(self) -> CheckpointSettings:
         if self.persist_every_floor > self.persist_every_ceiling:

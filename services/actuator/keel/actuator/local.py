@@ -116,6 +116,9 @@ class LocalActuator:
         return started
 
 
+_NODE_CREDENTIAL_FLAGS = frozenset({"--keel-tls-cert", "--keel-tls-key", "--keel-tls-ca"})
+
+
 def _standby_argv(template: list[str], *, node_id: str, agent_dir: Path, root: Path, ckpt_dir: Path,
                   fault_domain: str) -> list[str]:
     """A worker node's ``keel run`` command line turned into a new standby's: its own id and folders,
@@ -128,6 +131,11 @@ def _standby_argv(template: list[str], *, node_id: str, agent_dir: Path, root: P
         arg = template[index]
         if arg in _FLAGS_WITH_NODE_VALUES and index + 1 < len(template):
             argv += [arg, values[arg]]
+            index += 2
+            continue
+        if arg in _NODE_CREDENTIAL_FLAGS and index + 1 < len(template):
+            # The worker's shard-store certificate names the worker: the standby's agent issues its own
+            # from the job's CA in the credentials folder (keel.infra.shard_ca).
             index += 2
             continue
         if arg != "--keel-standby":

@@ -12,7 +12,8 @@ and the rest of the cluster.
   ``CheckpointRestorePlanned`` and this node's parts of it (``CheckpointNodeRestorePlanned``, on the
   node's subject): stages each local rank's shard (fetching from a peer when needed) and writes the plan
   file the ranks' ``Checkpointer.restore()`` waits for. Backup assignments come as this node's parts too
-  (``CheckpointNodeBackupsAssigned``).
+  (``CheckpointNodeBackupsAssigned``), and so does who may send backups to this node's store
+  (``CheckpointNodeBackupsHeld``: the store refuses a rank's backups from any other node).
 
 Slow work (hashing, gRPC transfers, disk writes) runs on a small thread pool; its results are folded
 into events on the agent's loop (``tick``), so ``emit`` is only ever called from the loop.
@@ -29,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from keel.agent.isolation import Pieces
 from keel.checkpoint import slots as ckpt_slots
@@ -40,6 +41,7 @@ from keel.events.types import (
     CheckpointBackupFailed,
     CheckpointInventoryReported,
     CheckpointNodeBackupsAssigned,
+    CheckpointNodeBackupsHeld,
     CheckpointNodeRestorePlanned,
     CheckpointRanksRegistered,
     CheckpointRestorePlanned,
@@ -53,6 +55,10 @@ from keel.events.types import (
     RejectedShard,
     ShardRecord,
 )
+
+if TYPE_CHECKING:  # imported where used: an unsupervised or store-less agent never loads gRPC
+    from keel.agent.shard_access import StoreLimits
+    from keel.agent.shard_store import TlsMaterial
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +90,7 @@ BROKER_EVENT_TYPES = ("CheckpointBackupAssigned", "CheckpointScheduleSet", "Chec
                       "CheckpointStepCommitted")
 # Broker events addressed to one node (its parts of a placement and of a restore plan): an agent takes
 # only its own node's, so none reads the whole placement or plan of a large job.
-BROKER_NODE_EVENT_TYPES = ("CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned")
+BROKER_NODE_EVENT_TYPES = ("CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned", "CheckpointNodeBackupsHeld")
 
 
 class PeerTransport(Protocol):
@@ -125,14 +131,23 @@ class PeerTransport(Protocol):
         """Call ``callback`` (from any thread) after each backup this node's store commits."""
         ...
 
+    def assign_senders(self, changes: dict[int, str | None]) -> None:
+        """The broker's placement, as this node's store sees it: rank -> the node that backs it up here
+        (None: its backups go elsewhere now). The store accepts a rank's backups only from that node."""
+        ...
+
     def close(self) -> None: ...
 
 
 class GrpcTransport:
     """``PeerTransport`` over the gRPC ``ShardStore``: runs this node's store server and its client calls
-    on one private event loop thread (grpc.aio objects belong to the loop that made them)."""
+    on one private event loop thread (grpc.aio objects belong to the loop that made them).
 
-    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, bind: str, advertise: str = "",
+    ``tls``: this node's certificate of the job's CA (``keel.agent.shard_store.TlsMaterial``): the store
+    serves and dials over mutual TLS only. ``world_size``: the job's ranks. ``limits``: the store's quotas."""
+
+    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, bind: str, tls: TlsMaterial, world_size: int,
+                 advertise: str = "", limits: StoreLimits | None = None,
                  timeout: timedelta = timedelta(seconds=60)) -> None:
         import asyncio
         import threading
@@ -141,11 +156,13 @@ class GrpcTransport:
 
         self._shard_store = shard_store
         self.job_id, self.node_id, self.node_dir, self.timeout = job_id, node_id, Path(node_dir), timeout
+        self.tls = tls
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"keel-store-{node_id}", daemon=True)
         self._thread.start()
         host, _, port = bind.rpartition(":")
-        self.server = shard_store.ShardStoreServer(job_id, node_id, self.node_dir)
+        self.server = shard_store.ShardStoreServer(job_id, node_id, self.node_dir, tls=tls, world_size=world_size,
+                                                   limits=limits)
         bound = self._call(self.server.start(host.strip("[]"), int(port)))
         bound_host, _, bound_port = bound.rpartition(":")
         if advertise:
@@ -159,7 +176,8 @@ class GrpcTransport:
 
     async def _make_sender(self):
         # Backups are sent from the sent ring (``keep_sent_copy``), never straight from the rank's slots.
-        return self._shard_store.ShardSender(self.job_id, self.node_id, self.node_dir / SENT_DIR, timeout=self.timeout)
+        return self._shard_store.ShardSender(self.job_id, self.node_id, self.node_dir / SENT_DIR, tls=self.tls,
+                                             timeout=self.timeout)
 
     def _call(self, coroutine):
         import asyncio
@@ -171,7 +189,7 @@ class GrpcTransport:
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
         self._call(self._shard_store.fetch_shard(address, self.job_id, owner_node_id, rank, step, dest, sha256,
-                                                 self.timeout))
+                                                 self.timeout, tls=self.tls))
 
     def held_backups(self, *, verify: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         held, rejected = self.server.held_shards(verify=verify)
@@ -191,6 +209,9 @@ class GrpcTransport:
 
     def on_backup_received(self, callback: Callable[[], None]) -> None:
         self.server.on_backup_received = callback
+
+    def assign_senders(self, changes: dict[int, str | None]) -> None:
+        self.server.assign_senders(changes)
 
     def close(self) -> None:
         """Stop the server and the sender; idempotent."""
@@ -561,6 +582,12 @@ class NodeCheckpointing:
                             assignment.backup_node_id, assignment.backup_address):
                         self.progress[assignment.rank].last_sent_step = -1
                         self.progress[assignment.rank].send_failures = 0
+        elif isinstance(payload, CheckpointNodeBackupsHeld):
+            if payload.node_id == self.node_id and self.transport is not None:
+                # This node's store accepts each rank's backups from the node assigned to send them only.
+                changes: dict[int, str | None] = {rank: None for rank in payload.released}
+                changes.update({a.rank: a.node_id for a in payload.held if a.backup_node_id == self.node_id})
+                self.transport.assign_senders(changes)
         elif isinstance(payload, CheckpointNodeRestorePlanned) and self.supervised:
             if payload.node_id == self.node_id and payload.generation >= self.generation:
                 self.plan_parts.setdefault(payload.generation, {})[payload.part] = payload

@@ -44,9 +44,16 @@ class LaunchSpec:
     ckpt_dir: Path | None = None
     """The node's shared-memory slot folder (``$KEEL_CKPT_DIR`` of its ranks); None: no checkpointing."""
     store_address: str = "127.0.0.1:0"
-    """``HOST:PORT`` the node's shard store (gRPC) binds; port 0 picks a free one."""
+    """``HOST:PORT`` the node's shard store (gRPC, mTLS) binds; port 0 picks a free one. Empty (a
+    multi-node job given none): the ``checkpoint.store_address`` setting, else the interface that
+    reaches the rendezvous master (``keel.cli.agent_cmd``); never every interface unless asked for."""
     store_advertise: str = ""
     """The host peers dial to reach the shard store (default: the bound host, or this host's name)."""
+    tls_cert: Path | None = None
+    """The node's shard-store certificate (PEM, of the job's CA: ``keel.infra.shard_ca``), with ``tls_key``
+    and ``tls_ca``. None: the agent issues its own from the job's CA in the credentials folder."""
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
     persist_root: Path | None = None
     """The persistent tier's root (a local or shared filesystem); None: no persistent tier."""
     warm_ranks: bool = True
@@ -110,8 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default /dev/shm/keel-<hash of the agent dir>)")
     add("--keel-no-checkpoint", action="store_true", help="no in-memory checkpoints, no shard store")
     add("--keel-store-address", default="", help="HOST:PORT the shard store binds (default 127.0.0.1:0 on one "
-        "node, 0.0.0.0:0 on several)")
+        "node; on several, the checkpoint.store_address setting, else the interface that reaches --master-addr)")
     add("--keel-store-advertise", default="", help="host peers use to reach the shard store")
+    add("--keel-tls-cert", default="", help="the node's shard-store certificate (PEM) from the job's CA; with "
+        "--keel-tls-key and --keel-tls-ca (default: issued from <credentials>/shard-ca/<job>/)")
+    add("--keel-tls-key", default="", help="the private key of --keel-tls-cert (a 0600 file)")
+    add("--keel-tls-ca", default="", help="the job's shard-store CA certificate (PEM)")
     add("--keel-persist-root", default="", help="persistent checkpoint tier (a local or shared path)")
     add("--keel-no-warm-ranks", action="store_true", help="start every rank and diagnostics process as a fresh "
         "interpreter (default: fork them from the node's zygote, which imported torch once)")
@@ -163,10 +174,16 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
     # One shared-memory folder per agent directory, so two agents on one host never share slots.
     default_ckpt_dir = Path("/dev/shm") / f"keel-{hashlib.sha256(str(agent_dir.resolve()).encode()).hexdigest()[:12]}"
     ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir)
-    store_address = args.keel_store_address or ("127.0.0.1:0" if nnodes == 1 else "0.0.0.0:0")
+    store_address = args.keel_store_address or ("127.0.0.1:0" if nnodes == 1 else "")
     host, _, port = store_address.rpartition(":")
-    if not host or not port.isdigit():
+    if store_address and (not host or not port.isdigit()):
         raise LaunchError(f"--keel-store-address must be HOST:PORT, got {store_address!r}")
+    tls = [args.keel_tls_cert, args.keel_tls_key, args.keel_tls_ca]
+    if any(tls) and not all(tls):
+        missing = [flag for flag, value in zip(("--keel-tls-cert", "--keel-tls-key", "--keel-tls-ca"), tls, strict=True)
+                   if not value]
+        raise LaunchError(f"the shard store's TLS files go together: {', '.join(missing)} missing (give all three, "
+                          f"or none to issue the node a certificate from <credentials>/shard-ca/{job_id}/)")
     return LaunchSpec(
         nnodes=nnodes,
         nproc_per_node=args.nproc_per_node,
@@ -186,6 +203,9 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         ckpt_dir=ckpt_dir,
         store_address=store_address,
         store_advertise=args.keel_store_advertise,
+        tls_cert=Path(args.keel_tls_cert) if args.keel_tls_cert else None,
+        tls_key=Path(args.keel_tls_key) if args.keel_tls_key else None,
+        tls_ca=Path(args.keel_tls_ca) if args.keel_tls_ca else None,
         persist_root=Path(args.keel_persist_root) if args.keel_persist_root else None,
         warm_ranks=not args.keel_no_warm_ranks,
     )

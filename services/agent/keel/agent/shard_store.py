@@ -21,12 +21,21 @@ queued). ``fetch_shard`` pulls a shard from a peer into a local file (a restore)
 asyncio throughout (``grpc.aio``), on the agent's loop; hashing, slot reads and file writes run in
 worker threads (``hashlib`` and ``zlib`` release the GIL on large buffers), so a multi-GiB shard never
 stalls the agent's probes. Every call carries the job id and is refused for another job.
+
+Security: mutual TLS only (``TlsMaterial``: a node certificate of the job's CA, ``keel.infra.shard_ca``);
+there is no plaintext port. The server reads the peer's node id from its verified certificate and
+decides with ``keel.agent.shard_access``: ``PutShard`` only from the node assigned to back that rank up
+here (``assign_senders``, from the broker's placement) and only as its own shard, ``GetShard`` and
+``ListShards`` from nodes of the job, ranks below the world size, per-peer and total byte quotas and
+stream limits (``StoreLimits``). Clients verify the server's certificate against the same CA. Every
+file the store writes (backups, sidecars, fetched shards) is created 0600, without following links.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -47,6 +56,14 @@ from typing import IO, Any, Literal
 import grpc
 from grpc import aio
 
+from keel.agent.shard_access import (
+    Refusal,
+    StoreLimits,
+    StreamLoad,
+    admit_stream,
+    authorize_put,
+    authorize_read,
+)
 from keel.checkpoint.slots import (
     SlotError,
     SlotHeader,
@@ -56,13 +73,15 @@ from keel.checkpoint.slots import (
     read_payload,
     read_payload_consistent,
     sha256_hex,
-    write_file_atomic,
 )
+from keel.infra.shard_ca import SERVER_NAME, NodeCredentials, ShardCaError, issue_node_certificate, node_identity
 from keel.protocol import shard_store_pb2 as pb
 from keel.protocol import shard_store_pb2_grpc as pb_grpc
 
 __all__ = [
     "CHUNK_BYTES",
+    "TlsMaterial",
+    "StoreLimits",
     "ShardTransferError",
     "PeerUnavailable",
     "TransferRejected",
@@ -82,15 +101,16 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
 """The largest chunk on the wire (the protocol's limit; receivers refuse larger ones)."""
-DEFAULT_MAX_SHARD_BYTES = 64 * 1024**3
 # gRPC refuses messages above 4 MiB by default; a chunk is 1 MiB of data plus a small header.
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", CHUNK_BYTES + 64 * 1024),
     ("grpc.max_send_message_length", CHUNK_BYTES + 64 * 1024),
 ]
 # Channels of their own: with gRPC's global subchannel pool a new channel to a peer that just came
-# back would inherit the dead connection's reconnect backoff and fail at once.
-_CLIENT_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+# back would inherit the dead connection's reconnect backoff and fail at once. Every node of the job
+# serves under one certificate name (``SERVER_NAME``): a peer's address is no identity, its certificate is.
+_CLIENT_OPTIONS = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.ssl_target_name_override", SERVER_NAME)]
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 BackupCopy = Literal["newest", "previous", "pinned"]
@@ -98,6 +118,58 @@ BACKUP_COPIES: tuple[BackupCopy, ...] = ("newest", "previous", "pinned")
 """The copies a store may hold of a rank's backup: the newest, the one it replaced, and the committed step's."""
 
 ShardKind = Literal["slot", "backup"]
+
+
+@dataclass(frozen=True)
+class TlsMaterial:
+    """A node's mTLS material, PEM: its certificate (chain), its private key, and the job's CA certificate."""
+
+    cert_chain: bytes
+    private_key: bytes
+    root_ca: bytes
+
+    def __repr__(self) -> str:  # never the key in a log line
+        return f"TlsMaterial(cert_chain={len(self.cert_chain)} bytes, private_key=<hidden>, root_ca={len(self.root_ca)} bytes)"
+
+    @classmethod
+    def load(cls, credentials: NodeCredentials) -> TlsMaterial:
+        """Read a node's files (each must be private to this user: ``keel.infra.secrets.read_secret``)."""
+        cert, key, ca = credentials.load()
+        return cls(cert, key, ca)
+
+    @classmethod
+    def issue(cls, credentials_dir: Path, job_id: str, node_id: str, hosts: tuple[str, ...] = ()) -> TlsMaterial:
+        """Issue ``node_id`` a certificate from ``job_id``'s CA under ``credentials_dir`` (created on first
+        use) and load it: what a launcher that holds the credentials folder does for each node."""
+        return cls.load(issue_node_certificate(credentials_dir, job_id, node_id, hosts=hosts))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.private_key, self.cert_chain)], root_certificates=self.root_ca,
+                                           require_client_auth=True)
+
+    def channel(self, address: str) -> aio.Channel:
+        """A client channel to a peer's store: its certificate must chain to the job's CA."""
+        creds = grpc.ssl_channel_credentials(self.root_ca, self.private_key, self.cert_chain)
+        return aio.secure_channel(address, creds, options=_CLIENT_OPTIONS)
+
+
+_PRIVATE_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_private_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
+    """Write ``data`` to ``path`` via a fresh 0600 temp file beside it (never following a link), then rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    fd = os.open(tmp, _PRIVATE_CREATE, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # -- errors and results ---------------------------------------------------------------------------
@@ -249,8 +321,9 @@ class _Receiver:
 
     async def open(self) -> None:
         def _open() -> None:
-            self.tmp.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.tmp, "wb")
+            self.tmp.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # A fresh file of this user only: never one planted there, never through a link.
+            self.file = os.fdopen(os.open(self.tmp, _PRIVATE_CREATE, 0o600), "wb")
 
         await asyncio.get_running_loop().run_in_executor(self._executor, _open)
 
@@ -324,18 +397,35 @@ class _Abort(Exception):
 class ShardStoreServer:
     """``ShardStore`` for one node of one job, over ``node_dir`` (``<shm root>/<job>/<node>/``).
 
-    ``max_shard_bytes``: a PutShard declaring (or streaming) more is refused (RESOURCE_EXHAUSTED).
-    ``fsync``: fsync backups before the rename (off by default: the node directory is RAM-backed).
+    ``tls``: this node's certificate of the job's CA (mTLS only: peers without one cannot connect).
+    ``world_size``: ranks ``0..world_size-1`` exist; others are refused. ``limits``: quotas and stream
+    limits (``max_shard_bytes`` overrides its largest shard: a PutShard declaring or streaming more is
+    refused, RESOURCE_EXHAUSTED). ``fsync``: fsync backups before the rename (off by default: the node
+    directory is RAM-backed). Backups are accepted only from the nodes ``assign_senders`` names.
     Use from the agent's event loop: ``address = await server.start(host)``, ``await server.stop()``.
     """
 
-    def __init__(self, job_id: str, node_id: str, node_dir: Path, *,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, fsync: bool = False) -> None:
+    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, tls: TlsMaterial, world_size: int,
+                 limits: StoreLimits | None = None, max_shard_bytes: int | None = None, fsync: bool = False) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        limits = limits or StoreLimits()
+        if max_shard_bytes is not None:
+            limits = StoreLimits(max_shard_bytes, limits.peer_quota_bytes, limits.total_quota_bytes,
+                                 limits.max_streams, limits.max_streams_per_peer)
         self.job_id = job_id
         self.node_id = node_id
         self.node_dir = Path(node_dir)
-        self.max_shard_bytes = max_shard_bytes
+        self.tls = tls
+        self.world_size = world_size
+        self.limits = limits
         self.fsync = fsync
+        self.senders: dict[int, str] = {}
+        """rank -> the node assigned to back it up here (``assign_senders``; kept in ``senders_file``)."""
+        self._streams: dict[str, int] = {}  # peer -> streams being served
+        self._incoming: dict[str, int] = {}  # peer -> declared bytes of its backups streaming in
+        self.refusals = 0
+        """Calls refused by ``keel.agent.shard_access`` since start (for tests and metrics)."""
         self.address: str | None = None
         self._server: aio.Server | None = None
         self._rank_locks: dict[int, asyncio.Lock] = {}
@@ -351,15 +441,20 @@ class ShardStoreServer:
 
     # lifecycle
 
+    @property
+    def max_shard_bytes(self) -> int:
+        return self.limits.max_shard_bytes
+
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen on ``host:port`` (0: a free port); returns the bound ``host:port``."""
+        """Listen (mTLS) on ``host:port`` (0: a free port); returns the bound ``host:port``."""
         if self._server is not None:
             raise RuntimeError("shard store already started")
-        self.backup_dir.mkdir(parents=True, exist_ok=True)
+        self.backup_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._sweep_temp_files()
+        self._load_senders()
         server = aio.server(options=_CHANNEL_OPTIONS)
         pb_grpc.add_ShardStoreServicer_to_server(_Servicer(self), server)
-        bound = server.add_insecure_port(_format_address(host, port))
+        bound = server.add_secure_port(_format_address(host, port), self.tls.server_credentials())
         if bound == 0:
             raise OSError(errno.EADDRINUSE, f"shard store cannot listen on {_format_address(host, port)}")
         await server.start()
@@ -373,6 +468,94 @@ class ShardStoreServer:
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace.total_seconds())
+
+    # who may send backups here
+
+    @property
+    def senders_file(self) -> Path:
+        """The assignments in force, kept beside the backups: a restarted agent (``keel.agent.rejoin``)
+        accepts its peers' backups again before the broker has a reason to re-send its placement."""
+        return self.backup_dir / "senders.json"
+
+    def _load_senders(self) -> None:
+        try:
+            data = json.loads(self.senders_file.read_text())
+            self.senders = {int(rank): str(node) for rank, node in data.items()}
+        except FileNotFoundError:
+            self.senders = {}
+        except (ValueError, TypeError, AttributeError, OSError) as exc:
+            log.warning("%s: ignoring unreadable %s (%s): backups are refused until the broker's placement "
+                        "arrives again", self.node_id, self.senders_file, exc)
+            self.senders = {}
+
+    def assign_senders(self, changes: dict[int, str | None]) -> None:
+        """The broker's placement: rank -> the node that now backs it up here (None: no node any more, the
+        rank's backups go elsewhere). Takes effect for the next PutShard; kept in ``senders_file``."""
+        senders = dict(self.senders)
+        for rank, node in changes.items():
+            if node is None:
+                senders.pop(rank, None)
+            else:
+                senders[rank] = node
+        self.senders = senders  # one assignment: the server's thread sees the old map or the new one
+        self.backup_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_private_atomic(self.senders_file, json.dumps({str(r): n for r, n in sorted(senders.items())}).encode(),
+                              fsync=False)
+
+    def _held_bytes(self) -> dict[str, int]:
+        """Bytes the backups held here take, by owner node (every copy: newest, previous, pinned)."""
+        held: dict[str, int] = {}
+        for copy in BACKUP_COPIES:
+            for sidecar in self._copy_dir(copy).glob("rank*.json"):
+                try:
+                    meta = json.loads(sidecar.read_text())
+                    owner, size = str(meta["owner_node_id"]), int(meta["bytes"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # unreadable: the size of its file still counts below, under no owner
+                held[owner] = held.get(owner, 0) + size
+        return held
+
+    async def _admit(self, peer: str, declared_bytes: int) -> None:
+        """Count a stream in for ``peer`` (``_Abort`` when a limit refuses it); pair with ``_release``."""
+        if declared_bytes:
+            held = await asyncio.to_thread(self._held_bytes)
+            peer_bytes = held.get(peer, 0) + self._incoming.get(peer, 0)
+            total_bytes = sum(held.values()) + sum(self._incoming.values())
+        else:
+            peer_bytes = total_bytes = 0
+        load = StreamLoad(streams=sum(self._streams.values()), peer_streams=self._streams.get(peer, 0),
+                          peer_bytes=peer_bytes, total_bytes=total_bytes)
+        self._check(admit_stream(peer, declared_bytes, load, self.limits))
+        self._streams[peer] = self._streams.get(peer, 0) + 1
+        if declared_bytes:
+            self._incoming[peer] = self._incoming.get(peer, 0) + declared_bytes
+
+    def _release(self, peer: str, declared_bytes: int) -> None:
+        self._streams[peer] -= 1
+        if not self._streams[peer]:
+            del self._streams[peer]
+        if declared_bytes:
+            self._incoming[peer] -= declared_bytes
+            if not self._incoming[peer]:
+                del self._incoming[peer]
+
+    def _check(self, refusal: Refusal | None) -> None:
+        if refusal is not None:
+            self.refusals += 1
+            raise _Abort(getattr(grpc.StatusCode, refusal.code), refusal.reason)
+
+    def peer_node(self, context: aio.ServicerContext) -> str:
+        """The node id the peer's verified certificate names (``_Abort`` PERMISSION_DENIED when none)."""
+        pems = context.auth_context().get("x509_pem_cert") or []
+        if len(pems) != 1:
+            self.refusals += 1
+            raise _Abort(grpc.StatusCode.PERMISSION_DENIED, "no client certificate: the shard store serves the "
+                                                            "nodes of its job over mutual TLS only")
+        try:
+            return _identity(pems[0], self.job_id)
+        except ShardCaError as exc:
+            self.refusals += 1
+            raise _Abort(grpc.StatusCode.PERMISSION_DENIED, str(exc)) from None
 
     # paths
 
@@ -471,7 +654,7 @@ class ShardStoreServer:
                 sidecar = self._sidecar(rank, copy).read_bytes()
                 self._sidecar(rank, copy).unlink()
                 os.replace(kept, self._backup_file(rank))
-                write_file_atomic(self._sidecar(rank), sidecar, fsync=self.fsync)
+                _write_private_atomic(self._sidecar(rank), sidecar, fsync=self.fsync)
 
     def held_shards(self, *, verify: bool = False) -> tuple[list[HeldShard], list[RejectedHeld]]:
         """Every COMPLETE slot and every backup under the node directory, by rank then step.
@@ -601,10 +784,12 @@ class ShardStoreServer:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                          f"node {self.node_id} serves job {self.job_id!r}, not {job_id!r}")
 
-    def _check_header(self, header: pb.ShardHeader) -> None:
+    def _check_header(self, header: pb.ShardHeader, peer: str) -> None:
         self._check_job(header.job_id)
         if header.rank < 0 or header.step < 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid rank {header.rank} / step {header.step}")
+        self._check(authorize_put(peer, header.rank, header.owner_node_id, store_node=self.node_id,
+                                  world_size=self.world_size, senders=self.senders))
         if not _SHA256_HEX.match(header.sha256):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"sha256 must be 64 lower-case hex digits, got {header.sha256!r}")
         if header.total_bytes > self.max_shard_bytes:
@@ -637,7 +822,7 @@ class ShardStoreServer:
         meta = {"job_id": header.job_id, "owner_node_id": header.owner_node_id, "rank": header.rank,
                 "step": header.step, "generation": header.generation, "bytes": header.total_bytes,
                 "sha256": header.sha256, "stored_at_unix_s": time.time()}
-        await asyncio.to_thread(write_file_atomic, sidecar, json.dumps(meta).encode(), fsync=self.fsync)
+        await asyncio.to_thread(_write_private_atomic, sidecar, json.dumps(meta).encode(), fsync=self.fsync)
 
     def _keep_previous(self, rank: int, generation: int) -> None:
         """Before a new backup of ``generation`` replaces the one held for ``rank``: keep the held one as
@@ -658,7 +843,7 @@ class ShardStoreServer:
             return
         if meta is None or int(meta.get("generation", -1)) != generation or not current_file.exists():
             return
-        self.previous_dir.mkdir(parents=True, exist_ok=True)
+        self.previous_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.replace(current_file, self._backup_file(rank, "previous"))
         os.replace(current_sidecar, self._sidecar(rank, "previous"))
 
@@ -680,11 +865,11 @@ class ShardStoreServer:
                 and int(previous.get("generation", -1)) == generation and self._backup_file(rank, "previous").exists())
         if keep:
             self._sidecar(rank, "pinned").unlink(missing_ok=True)
-            self.pinned_dir.mkdir(parents=True, exist_ok=True)
+            self.pinned_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             sidecar = self._sidecar(rank, "previous").read_bytes()
             self._sidecar(rank, "previous").unlink()
             os.replace(self._backup_file(rank, "previous"), self._backup_file(rank, "pinned"))
-            write_file_atomic(self._sidecar(rank, "pinned"), sidecar, fsync=self.fsync)
+            _write_private_atomic(self._sidecar(rank, "pinned"), sidecar, fsync=self.fsync)
             return
         self._sidecar(rank, "previous").unlink(missing_ok=True)
         self._backup_file(rank, "previous").unlink(missing_ok=True)
@@ -692,18 +877,22 @@ class ShardStoreServer:
     def rank_lock(self, rank: int) -> asyncio.Lock:
         return self._rank_locks.setdefault(rank, asyncio.Lock())
 
-    async def put_shard(self, chunks: AsyncIterator[pb.ShardChunk]) -> pb.PutShardReply:
-        """The PutShard logic; raises ``_Abort`` for a refusal. Temp files never outlive the call."""
+    async def put_shard(self, chunks: AsyncIterator[pb.ShardChunk], peer: str) -> pb.PutShardReply:
+        """The PutShard logic for a stream from node ``peer`` (its certificate's); raises ``_Abort`` for a
+        refusal. Temp files never outlive the call."""
         started = time.perf_counter()
         receiver: _Receiver | None = None
         header: pb.ShardHeader | None = None
+        admitted = 0
         try:
             async for chunk in chunks:
                 if header is None:
                     if not chunk.HasField("header"):
                         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk must carry the header")
                     header = chunk.header
-                    self._check_header(header)
+                    self._check_header(header, peer)
+                    await self._admit(peer, max(1, header.total_bytes))
+                    admitted = max(1, header.total_bytes)
                     receiver = _Receiver(self.backup_dir / f".rank{header.rank}.shard.tmp-{uuid.uuid4().hex}")
                     await receiver.open()
                 assert receiver is not None
@@ -741,9 +930,17 @@ class ShardStoreServer:
                 else grpc.StatusCode.INTERNAL
             raise _Abort(code, f"node {self.node_id} cannot store the shard: {exc}") from exc
         finally:
+            if admitted:
+                self._release(peer, admitted)
             if receiver is not None:
                 # Runs on success too (the temp file is gone by then), on refusal and on cancellation.
                 receiver.discard()
+
+
+@functools.lru_cache(maxsize=256)
+def _identity(pem: bytes, job_id: str) -> str:
+    """``node_identity``, parsed once per certificate (every call of a peer presents the same one)."""
+    return node_identity(pem, job_id)
 
 
 class _BadBackup(_Abort):
@@ -759,7 +956,7 @@ class _Servicer(pb_grpc.ShardStoreServicer):
     async def PutShard(self, request_iterator: AsyncIterator[pb.ShardChunk],  # noqa: N802 (gRPC names)
                        context: aio.ServicerContext) -> pb.PutShardReply:
         try:
-            return await self.store.put_shard(request_iterator)
+            return await self.store.put_shard(request_iterator, self.store.peer_node(context))
         except _Abort as exc:
             log.info("PutShard refused: %s", exc.reason)
             await context.abort(exc.code, exc.reason)
@@ -768,30 +965,45 @@ class _Servicer(pb_grpc.ShardStoreServicer):
     async def GetShard(self, request: pb.GetShardRequest,  # noqa: N802
                        context: aio.ServicerContext) -> AsyncIterator[pb.ShardChunk]:
         store = self.store
+        peer = ""
         try:
+            peer = store.peer_node(context)
             store._check_job(request.job_id)
+            store._check(authorize_read(peer, request.rank, world_size=store.world_size))
             if request.kind not in ("", "slot", "backup"):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"kind must be '', 'slot' or 'backup', got {request.kind!r}")
-            shard, payload = await asyncio.to_thread(store._find, request.rank, request.step,
-                                                     request.owner_node_id, request.kind)
+            await store._admit(peer, 0)
         except _Abort as exc:
+            log.info("GetShard from %s refused: %s", peer or context.peer(), exc.reason)
             await context.abort(exc.code, exc.reason)
             return
-        header = pb.ShardHeader(job_id=store.job_id, owner_node_id=shard.owner_node_id, rank=shard.rank,
-                                step=shard.step, total_bytes=shard.bytes, sha256=shard.sha256,
-                                generation=shard.generation, kind=shard.kind)
-        spans = _chunks(len(payload), CHUNK_BYTES)
-        crcs = await asyncio.to_thread(_chunk_crcs, payload, spans)
-        view = memoryview(payload)
-        for (offset, end), crc in zip(spans, crcs, strict=True):
-            yield pb.ShardChunk(header=header if offset == 0 else None, offset=offset, data=bytes(view[offset:end]),
-                                crc32=crc)
+        try:
+            try:
+                shard, payload = await asyncio.to_thread(store._find, request.rank, request.step,
+                                                         request.owner_node_id, request.kind)
+            except _Abort as exc:
+                await context.abort(exc.code, exc.reason)
+                return
+            header = pb.ShardHeader(job_id=store.job_id, owner_node_id=shard.owner_node_id, rank=shard.rank,
+                                    step=shard.step, total_bytes=shard.bytes, sha256=shard.sha256,
+                                    generation=shard.generation, kind=shard.kind)
+            spans = _chunks(len(payload), CHUNK_BYTES)
+            crcs = await asyncio.to_thread(_chunk_crcs, payload, spans)
+            view = memoryview(payload)
+            for (offset, end), crc in zip(spans, crcs, strict=True):
+                yield pb.ShardChunk(header=header if offset == 0 else None, offset=offset,
+                                    data=bytes(view[offset:end]), crc32=crc)
+        finally:
+            store._release(peer, 0)
 
     async def ListShards(self, request: pb.ListShardsRequest,  # noqa: N802
                          context: aio.ServicerContext) -> pb.ListShardsReply:
         try:
+            peer = self.store.peer_node(context)
             self.store._check_job(request.job_id)
+            self.store._check(authorize_read(peer, None, world_size=self.store.world_size))
         except _Abort as exc:
+            log.info("ListShards refused: %s", exc.reason)
             await context.abort(exc.code, exc.reason)
             raise  # unreachable: abort raises
         held, rejected = await asyncio.to_thread(self.store.held_shards, verify=request.verify)
@@ -851,11 +1063,14 @@ class ShardSender:
     never queued); each finished transfer is reported to ``on_outcome``. ``send(...)``: one transfer,
     awaited, raising ``PeerUnavailable`` / ``TransferRejected`` / ``LocalShardError``.
 
-    ``timeout`` bounds a whole transfer (connect, stream, reply). ``max_bytes_per_s`` caps the
-    sending rate (so backups do not starve the training collectives on a shared NIC).
+    ``tls``: this node's certificate of the job's CA (the peers accept backups over mTLS only, and only
+    from the node assigned to send them). ``timeout`` bounds a whole transfer (connect, stream, reply).
+    ``max_bytes_per_s`` caps the sending rate (so backups do not starve the training collectives on a
+    shared NIC).
     """
 
-    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, timeout: timedelta = timedelta(seconds=60),
+    def __init__(self, job_id: str, node_id: str, node_dir: Path, *, tls: TlsMaterial,
+                 timeout: timedelta = timedelta(seconds=60),
                  max_bytes_per_s: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                  on_outcome: Callable[[TransferOutcome], None] | None = None) -> None:
         if not 0 < chunk_bytes <= CHUNK_BYTES:
@@ -863,6 +1078,7 @@ class ShardSender:
         self.job_id = job_id
         self.node_id = node_id
         self.node_dir = Path(node_dir)
+        self.tls = tls
         self.timeout = timeout
         self.max_bytes_per_s = max_bytes_per_s
         self.chunk_bytes = chunk_bytes
@@ -960,7 +1176,7 @@ class ShardSender:
                         await asyncio.sleep(delay)
 
         if peer.channel is None:
-            peer.channel = aio.insecure_channel(peer.address, options=_CLIENT_OPTIONS)
+            peer.channel = self.tls.channel(peer.address)
         stub = pb_grpc.ShardStoreStub(peer.channel)
         started = time.perf_counter()
         try:
@@ -998,11 +1214,12 @@ class ShardSender:
 
 
 async def fetch_shard(address: str, job_id: str, owner_node_id: str, rank: int, step: int, dest_path: Path,
-                      expected_sha256: str, timeout: timedelta, *, kind: str = "") -> TransferResult:
+                      expected_sha256: str, timeout: timedelta, *, tls: TlsMaterial, kind: str = "") -> TransferResult:
     """Fetch ``rank``'s shard of ``step`` (``-1``: the newest the peer holds) from the shard store at
-    ``address`` into ``dest_path``: temp file beside it, every chunk's CRC32 and offset checked, the
-    total length and SHA-256 checked (against the header and ``expected_sha256`` unless that is
-    ""), then an atomic rename. ``owner_node_id`` "" accepts any owner; ``kind`` "slot"/"backup"/"".
+    ``address`` (over mTLS with ``tls``) into ``dest_path`` (0600): temp file beside it, every chunk's
+    CRC32 and offset checked, the total length and SHA-256 checked (against the header and
+    ``expected_sha256`` unless that is ""), then an atomic rename. ``owner_node_id`` "" accepts any
+    owner; ``kind`` "slot"/"backup"/"".
 
     Raises ``PeerUnavailable`` (dead, unreachable, or past ``timeout``), ``TransferRejected`` (the peer
     refused or does not hold it) or ``ShardIntegrityError`` (CRC32, offsets, truncation, SHA-256,
@@ -1011,7 +1228,7 @@ async def fetch_shard(address: str, job_id: str, owner_node_id: str, rank: int, 
     dest_path = Path(dest_path)
     receiver = _Receiver(dest_path.with_name(f".{dest_path.name}.tmp-{uuid.uuid4().hex}"))
     started = time.perf_counter()
-    channel = aio.insecure_channel(address, options=_CLIENT_OPTIONS)
+    channel = tls.channel(address)
     header: pb.ShardHeader | None = None
     try:
         call = pb_grpc.ShardStoreStub(channel).GetShard(

@@ -24,6 +24,7 @@ from keel.events.types import (
     BackupAssignment,
     CheckpointBackupFailed,
     CheckpointNodeBackupsAssigned,
+    CheckpointNodeBackupsHeld,
     CheckpointRanksRegistered,
     NodeEvicted,
     NodeEvictionDecided,
@@ -277,6 +278,33 @@ def assignment_proposals(assignments: Sequence[BackupAssignment], reason: str, j
         proposals += [Proposal(CheckpointNodeBackupsAssigned(node_id=node, assignments=chunk, reason=reason, part=i,
                                                              parts=len(chunks), **announced_schedule(job.schedule)),
                                subject=f"node/{node}", key=f"placement/{node}/{i}")
+                      for i, chunk in enumerate(chunks)]
+    return tuple(proposals) + holder_proposals(assignments, reason, job, part_budget_bytes)
+
+
+def holder_proposals(assignments: Sequence[BackupAssignment], reason: str, job: JobState,
+                     part_budget_bytes: int = PART_BUDGET_BYTES) -> tuple[Proposal, ...]:
+    """The holders' side of ``assignments`` (``CheckpointNodeBackupsHeld``), for the new or moved ones
+    only: each node that is to hold a rank's backups hears who sends them (its shard store accepts them
+    from that node only), each node that held them before hears they moved away. ``job``: the state
+    before the placement. An unchanged assignment re-sent to its sender says nothing new to its holder
+    (who keeps what it heard across an agent restart)."""
+    held: dict[str, list[BackupAssignment]] = {}
+    released: dict[str, list[int]] = {}
+    for assignment in sorted(assignments, key=lambda a: a.rank):
+        previous = job.backups.get(assignment.rank)
+        if previous == assignment:
+            continue
+        held.setdefault(assignment.backup_node_id, []).append(assignment)
+        if previous is not None and previous.backup_node_id != assignment.backup_node_id:
+            released.setdefault(previous.backup_node_id, []).append(assignment.rank)
+    proposals: list[Proposal] = []
+    for node in sorted(set(held) | set(released)):
+        # Released ranks are a few integers: they ride on the first part.
+        chunks = split(held.get(node, []), part_budget_bytes) or [[]]
+        proposals += [Proposal(CheckpointNodeBackupsHeld(node_id=node, held=chunk, released=released.get(node, [])
+                                                         if i == 0 else [], reason=reason, part=i, parts=len(chunks)),
+                               subject=f"node/{node}", key=f"held/{node}/{i}")
                       for i, chunk in enumerate(chunks)]
     return tuple(proposals)
 

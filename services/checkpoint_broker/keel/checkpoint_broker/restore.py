@@ -20,7 +20,7 @@ No I/O, no clock: the wait times out on the job clock's ``TimerTicked`` (``keel.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -65,6 +65,7 @@ def plan_restore(
     previous_nodes: Mapping[int, str] | None = None,
     waited: str = "",
     below: tuple[int, str] | None = None,
+    owner_digests: Mapping[int, Mapping[int, Collection[str]]] | None = None,
 ) -> RestorePlan:
     """The newest step ``s`` such that every rank ``0..world_size-1`` has a verified shard of ``s`` in
     some tier, and where each rank gets it from, fastest first:
@@ -80,8 +81,23 @@ def plan_restore(
     (to tell a replaced node's empty memory); ``waited``: how the wait for inventories ended.
     ``below``: ``(step, why)``: only steps below ``step`` are candidates (a NaN or spike appeared at it,
     so its snapshot and every later one may hold corrupted state).
+
+    Only copies the rank's own node vouched for count: a copy of rank ``r`` at step ``s`` is a candidate
+    only when its digest is one the node running ``r`` reported for ``s``: in ``owner_digests`` (its
+    earlier reports, ``JobState.owner_digests``), or among the memory entries of its inventory here
+    (the owner: ``previous_nodes[r]``, else ``targets[r]``). A holder's copy with any other digest (a
+    planted or stale backup) is never restored, whatever the holder claims; it is left out as if absent.
     """
     previous_nodes = previous_nodes or {}
+    reported: dict[int, dict[int, set[str]]] = {
+        rank: {step: set(digests) for step, digests in by_step.items()} for rank, by_step in (owner_digests or {}).items()}
+    for node, inventory in inventories.items():
+        for entry in inventory.entries:
+            if entry.tier == "memory" and node == previous_nodes.get(entry.rank, targets.get(entry.rank)):
+                reported.setdefault(entry.rank, {}).setdefault(entry.step, set()).add(entry.digest)
+    inventories = {node: inv.model_copy(update={"entries": [
+        e for e in inv.entries if e.digest in reported.get(e.rank, {}).get(e.step, ())]})
+        for node, inv in inventories.items()}
     if below is not None:
         limit = below[0]
         inventories = {node: inv.model_copy(update={"entries": [e for e in inv.entries if e.step < limit]})
@@ -257,7 +273,7 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
     plan = plan_restore(generation, job.world_size, targets, wait.inventories, job.addresses, job.persisted,
                         previous_nodes={r: s.node_id for r, s in job.sites.items()}, waited=waited,
                         below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
-                        else None)
+                        else None, owner_digests=job.owner_digests)
     if not complete:
         # The wait's deadline counts from the first inventory, often a promoted standby's (it has no ranks
         # to stop) while the survivors are still stopping theirs. Planning without a node that is not known

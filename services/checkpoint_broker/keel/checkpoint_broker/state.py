@@ -52,6 +52,8 @@ FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
 """``RankExited`` classifications that interrupt the job (a restart follows): they count for the MTBF."""
 MAX_PENDING_STEPS = 32
 """Uncommitted steps remembered per tier (older ones can no longer become the newest commit)."""
+MAX_OWNER_STEPS = 64
+"""Steps per rank whose owner-reported digests are remembered (``JobState.owner_digests``)."""
 
 FOLDED = frozenset({
     # The decider's inputs (keel.checkpoint_broker.decider.INPUTS): every one of them is folded too.
@@ -171,6 +173,12 @@ class JobState:
     restore_below_reason: str = ""
     restore_below_planned: bool = False
     """A plan honoured ``restore_below``: from now on a memory or peer commit past it clears it."""
+    owner_digests: Mapping[int, Mapping[int, frozenset[str]]] = field(default_factory=dict)
+    """rank -> step -> the digests the rank's own node reported for its snapshot of that step (its memory
+    records on heartbeats and shard reports, its inventories' memory entries), the newest
+    ``MAX_OWNER_STEPS`` steps. Restore plans trust a copy held anywhere only when its digest is one of
+    these: a backup's holder says what it holds, never what the rank wrote. A restore plan to step P
+    forgets the steps after P (the resumed history writes them anew)."""
     clock_at: datetime | None = None
     """The job clock's latest v2 tick (``TimerTicked.interval_s``): the recorded clock, by which the broker
     dates what arrives (``received_at``). None (no such tick yet, or a log of v1 ticks): producers' timestamps."""
@@ -351,6 +359,7 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
     if isinstance(p, CheckpointPersisted):
         return _evolve_persisted(job, p, policy)
     if isinstance(p, CheckpointInventoryReported):
+        job = _note_owner_digests(job, p.node_id, [(e.rank, e.step, e.digest) for e in p.entries if e.tier == "memory"])
         if job.planned and p.generation <= max(job.planned):
             return job  # that restart (or a newer one) is planned already: a late report
         wait = job.restores.get(p.generation) or RestoreWait(
@@ -378,7 +387,9 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
             if tier in rewound:
                 rewound[tier] = min(rewound[tier], p.step - 1)
         shards = {tier: by_step for tier, by_step in job.shards.items() if tier not in ("memory", "peer")}
+        owners = {rank: {s: d for s, d in by_step.items() if s <= p.step} for rank, by_step in job.owner_digests.items()}
         return replace(job, planned=job.planned | {p.generation}, committed=rewound, shards=shards,
+                       owner_digests={rank: by_step for rank, by_step in owners.items() if by_step},
                        committed_at={t: at for t, at in job.committed_at.items() if t not in ("memory", "peer")},
                        restores={g: w for g, w in job.restores.items() if g > p.generation},
                        restore_below_planned=job.restore_below is not None)
@@ -392,7 +403,27 @@ def heartbeat_reports(p: NodeHeartbeat) -> list[CheckpointShardsStored]:
             for tier in ("memory", "peer", "disk") if p.stored.get(tier)]
 
 
+def _note_owner_digests(job: JobState, node_id: str, records: list[tuple[int, int, str]]) -> JobState:
+    """Remember the digests ``node_id`` reported for the snapshots of the ranks registered to it (a node's
+    report about another node's rank is not the owner's word, and is ignored)."""
+    owned = [(rank, step, digest) for rank, step, digest in records
+             if (site := job.sites.get(rank)) is not None and site.node_id == node_id]
+    if not owned:
+        return job
+    digests = dict(job.owner_digests)
+    for rank, step, digest in owned:
+        by_step = dict(digests.get(rank, {}))
+        known = by_step.get(step, frozenset())
+        if digest in known:
+            continue
+        by_step[step] = known | {digest}
+        digests[rank] = {s: by_step[s] for s in sorted(by_step)[-MAX_OWNER_STEPS:]}
+    return replace(job, owner_digests=digests)
+
+
 def _evolve_stored(job: JobState, p: CheckpointShardsStored, at: datetime) -> JobState:
+    if p.tier == "memory":
+        job = _note_owner_digests(job, p.node_id, [(r.rank, r.step, r.digest) for r in p.shards])
     sends = {r.rank: r.send_s for r in p.shards if p.tier == "memory" and r.send_s > 0}
     if sends:
         job = replace(job, schedule=replace(job.schedule, send_s={**job.schedule.send_s, **sends}))
