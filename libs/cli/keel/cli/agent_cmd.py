@@ -77,19 +77,20 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     except ValueError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2
-    checkpointing = None
-    if spec.ckpt_dir is not None:
-        checkpointing = build_checkpointing(spec, settings, supervised=supervised)
     from keel.agent.rejoin import AgentDirBusy
+    from keel.checkpoint.owned import UntrustedPathError
 
+    checkpointing = None
     try:
+        if spec.ckpt_dir is not None:
+            checkpointing = build_checkpointing(spec, settings, supervised=supervised)
         agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
                           checkpointing=checkpointing, diagnostics_policy=diagnostics_policy, clock=clock,
                           metric_settings=settings.analyzer.metric_settings())
-    except AgentDirBusy as exc:
+    except (AgentDirBusy, UntrustedPathError) as exc:
         if checkpointing is not None:
             checkpointing.close(job_finished=False)
-        print(f"keel run: {exc}", file=sys.stderr)
+        print(f"keel run: {'refusing to start: ' if isinstance(exc, UntrustedPathError) else ''}{exc}", file=sys.stderr)
         return 2
     if checkpointing is not None:
         checkpointing.emit = agent.emit
