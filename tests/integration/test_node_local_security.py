@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from keel.agent.agent import NodeAgent
 from keel.agent.inspector_adapter import classify
 from keel.agent.launch_spec import LaunchSpec
-from keel.cluster.local import rendezvous_base_port
+from keel.cluster.local import alive, rendezvous_base_port
 from keel.infra.config import BusSettings
 from keel.infra.embedded import free_port
 from keel.infra.outbox import Outbox
@@ -34,14 +35,6 @@ FORGE = ("import socket, sys\n"
 """A local process (not a rank) sending a datagram five times."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 async def test_a_failure_sent_by_a_process_that_is_not_the_rank_kills_nothing(scratch_dir: Path) -> None:
     spec = LaunchSpec(nnodes=1, nproc_per_node=2, node_rank=0, master_addr="127.0.0.1",
                       master_port=rendezvous_base_port(), command=SLEEPER, job_id="job", node_id="n00",
@@ -51,22 +44,26 @@ async def test_a_failure_sent_by_a_process_that_is_not_the_rank_kills_nothing(sc
                       classify=classify(spec), supervised=True)
     stop = asyncio.Event()
     running = asyncio.create_task(agent.run(stop))
-    try:
-        deadline = asyncio.get_running_loop().time() + 30
-        while len(agent.supervisor.alive()) < 2:
-            assert asyncio.get_running_loop().time() < deadline and not running.done()
+
+    async def until(condition: Callable[[], bool]) -> None:
+        for _ in range(600):  # 30 s
+            if condition():
+                return
+            assert not running.done(), running
             await asyncio.sleep(0.05)
+        raise AssertionError("timed out")
+
+    try:
+        await until(lambda: len(agent.supervisor.alive()) == 2)
         victim = agent.supervisor.ranks[0]
         # Everything a rank's own report of failure says, rank and pid included: only the sender differs.
         forged = node_local_pb2.RankReport(rank=0, local_rank=0, pid=victim.pid, generation=0, seq=1, step=3,
                                            phase=node_local_pb2.PHASE_FAILED, error="RuntimeError: forged")
         await asyncio.to_thread(subprocess.run, [sys.executable, "-c", FORGE, str(agent.channel.path),
                                                  forged.SerializeToString().hex()], check=True, timeout=60)
-        while agent.channel.rejected < 5:
-            assert asyncio.get_running_loop().time() < deadline and not running.done()
-            await asyncio.sleep(0.05)
+        await until(lambda: agent.channel.rejected == 5)
         await asyncio.sleep(0.5)  # several ticks: a report taken would have killed the rank by now
-        assert _alive(victim.pid) and len(agent.supervisor.alive()) == 2
+        assert alive(victim.pid) and len(agent.supervisor.alive()) == 2
         assert agent.channel.ranks == {} and not victim.reported_failure
         assert agent.outbox is not None and not [e for e in agent.outbox.pending if e.type == "RankExited"]
     finally:
