@@ -277,7 +277,7 @@ class Cluster:
             env["KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR"] = self.mode.floor
         self.state = cluster_up(self.log.settings, self.directory, nodes=NODES, standby=0, nproc_per_node=NPROC,
                                 job_id=JOB_ID, command=["-m", "bench._workload", *wrapper, "--", *train],
-                                nats_url=self.log.servers.nats_url, extra_env=env)
+                                nats_url=self.log.servers.nats_url, extra_env=env, fault_injection=True)
         self.nodes = cluster_nodes(self.state)
 
     def down(self) -> None:

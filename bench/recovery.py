@@ -303,7 +303,7 @@ class KeelStack:
         await asyncio.to_thread(cluster_up, self.log.settings, self.directory, nodes=NODES, standby=1,
                                 nproc_per_node=NPROC, job_id=JOB_ID, command=["-m", "keel.workload.train", *TRAIN],
                                 nats_url=self.servers.nats_url, extra_env=self.env,
-                                persist_root=self.work / "checkpoints")
+                                persist_root=self.work / "checkpoints", fault_injection=True)
 
     async def stop(self) -> None:
         from keel.cluster.local import cluster_down

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -31,6 +29,9 @@ from keel.protocol import node_local_pb2
 pytestmark = pytest.mark.integration
 
 SLEEPER = ("-c", "import time; time.sleep(120)")
+REPORTER = ("-c", "import time, keel.sdk\nsession = keel.sdk.init()\nfor step in range(8):\n"
+                  "    session.step_done(step, loss=1.0)\n    time.sleep(0.2)\ntime.sleep(120)")
+"""A rank that reports steps 0..7 through the SDK, then idles."""
 
 
 class BrokenProbes:
@@ -44,26 +45,21 @@ class BrokenProbes:
         raise RuntimeError("a probe broke")
 
 
-def make_agent(directory: Path, watcher: BrokenProbes) -> NodeAgent:
+def make_agent(directory: Path, watcher: BrokenProbes, command: tuple[str, ...] = SLEEPER) -> NodeAgent:
     root = directory / "n00" / "root"
     seed_overlay_root(root, gpus=2)
     spec = LaunchSpec(nnodes=1, nproc_per_node=2, node_rank=0, master_addr="127.0.0.1",
-                      master_port=rendezvous_base_port(), command=SLEEPER, job_id="job", node_id="n00",
+                      master_port=rendezvous_base_port(), command=command, job_id="job", node_id="n00",
                       agent_dir=directory / "n00", root=root, heartbeat_interval=timedelta(seconds=0.2),
                       probe_interval=timedelta(seconds=0.1), ckpt_dir=None, warm_ranks=False)
     return NodeAgent(spec, outbox=Outbox("nats://127.0.0.1:1", BusSettings(), name="test"), watcher=watcher,
                      classify=classify(spec), supervised=True)
 
 
-def report(rank: int, step: int) -> bytes:
-    return node_local_pb2.RankReport(rank=rank, local_rank=rank, pid=os.getpid(), generation=0, seq=step + 1,
-                                     step=step, phase=node_local_pb2.PHASE_STEP, loss=1.0).SerializeToString()
-
-
 async def test_a_piece_that_raises_on_every_tick_leaves_the_heartbeat_and_the_ranks_alone(
         scratch_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     watcher = BrokenProbes()
-    agent = make_agent(scratch_dir, watcher)
+    agent = make_agent(scratch_dir, watcher, REPORTER)
 
     def broken(*_: object) -> None:
         raise ValueError("a bug in this piece")
@@ -89,23 +85,23 @@ async def test_a_piece_that_raises_on_every_tick_leaves_the_heartbeat_and_the_ra
             assert asyncio.get_running_loop().time() < deadline and not running.done()
             await asyncio.sleep(0.05)
         pids = sorted(p.pid for p in agent.supervisor.alive())
-        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        for step in range(8):
-            sender.sendto(report(0, step), str(agent.channel.path))
-            sender.sendto(report(1, step), str(agent.channel.path))
-            await asyncio.sleep(0.2)
-        sender.close()
+        # The ranks report steps 0..7 themselves, 0.2 s apart (rank 1's reports cannot be folded).
+        while 0 not in agent.channel.ranks or agent.channel.ranks[0].step < 7:
+            assert asyncio.get_running_loop().time() < deadline and not running.done()
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.5)
         assert not running.done(), running
         assert agent.outbox is not None
         beats = [e for e in agent.outbox.pending if e.type == "NodeHeartbeat"]
-        # ~2 s at one beat per 0.2 s (the first at start), every one with both ranks alive and the
+        # >= 1.6 s at one beat per 0.2 s (the first at start), every one with both ranks alive and the
         # steps of the report that could be folded.
         assert len(beats) >= 6, len(beats)
         assert all(b.payload.ranks_alive == 2 for b in beats), [b.payload.ranks_alive for b in beats]
         assert beats[-1].payload.last_step == 7
         assert sorted(p.pid for p in agent.supervisor.alive()) == pids  # the same processes, untouched
-        assert 0 in agent.channel.ranks and 1 not in agent.channel.ranks and agent.channel.malformed == 8
+        # Rank 1's step reports and its SDK's heartbeats: none folded, each counted; nothing came from elsewhere.
+        assert 0 in agent.channel.ranks and 1 not in agent.channel.ranks and agent.channel.malformed >= 8
+        assert agent.channel.rejected == 0
         failures = agent.pieces.failures
         assert {"metric watch", "diagnostics rounds", "stack captures", "health probes", "zygote upkeep"} <= set(
             failures), failures

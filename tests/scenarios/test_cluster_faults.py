@@ -49,7 +49,8 @@ class Cluster:
         env = {k: v for k, v in service_env(self.settings).items() if k.startswith("KEEL_")}
         env["KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR"] = step_floor
         cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=2, job_id="scn",
-                   command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s")
+                   command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s",
+                   fault_injection=True)
 
     def down(self) -> None:
         cluster_down(self.directory)

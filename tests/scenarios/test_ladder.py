@@ -63,7 +63,7 @@ class Stack:
         cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=nproc_per_node,
                    job_id=self.job,
                    command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s",
-                   persist_root=self.scratch / "checkpoints")
+                   persist_root=self.scratch / "checkpoints", fault_injection=True)
 
     def stop(self) -> None:
         """Idempotent: the cluster down, then every service."""

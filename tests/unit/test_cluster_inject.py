@@ -83,8 +83,9 @@ def test_workload_faults_go_to_the_fault_file_and_not_to_standbys(node: NodeInfo
 def test_a_scenario_runs_its_faults_in_order_at_their_offsets(node: NodeInfo, tmp_path: Path) -> None:
     directory = tmp_path / "cluster"
     directory.mkdir()
-    (directory / "cluster.json").write_text(json.dumps({"job_id": "j", "nodes": [
-        {"node_id": "n00", "standby": False, "agent_dir": str(node.agent_dir), "root": str(node.root), "pid": 0}]}))
+    state = {"job_id": "j", "fault_injection": True, "nodes": [
+        {"node_id": "n00", "standby": False, "agent_dir": str(node.agent_dir), "root": str(node.root), "pid": 0}]}
+    (directory / "cluster.json").write_text(json.dumps(state))
     scenario = tmp_path / "s.yaml"
     scenario.write_text("faults:\n  - {at: 600ms, kind: nic-down, node: n00}\n  - {at: 0s, kind: slow, node: n00, "
                         "params: {fraction: 0.5}}\n")
@@ -95,6 +96,15 @@ def test_a_scenario_runs_its_faults_in_order_at_their_offsets(node: NodeInfo, tm
     assert done[0].startswith("slow") and "eth0" in done[1]
     assert json.loads(node.fault_file.read_text())["kind"] == "slow"
     assert (node.root / "sys/class/net/eth0/operstate").read_text().strip() == "down"
+    # A cluster started without fault injection: its ranks read no fault file, so `inject` refuses what they
+    # would apply (workload faults and sdc) and says how to turn it on; hardware faults still go.
+    node.fault_file.unlink()
+    (directory / "cluster.json").write_text(json.dumps({**state, "fault_injection": False}))
+    for kind in ("crash", "sdc"):
+        with pytest.raises(ClusterError, match=f"runs without fault injection.*{kind}.*keel cluster up --fault-injection"):
+            inject(Settings(), directory, [FaultSpec(kind=kind, node="n00")], nats_url=None)  # type: ignore[arg-type]
+    assert not node.fault_file.exists() and not (node.root / "run/keel/sdc.json").exists()
+    assert inject(Settings(), directory, [FaultSpec(kind="disk-full", node="n00")], nats_url=None)
 
 
 def test_scenario_errors_name_the_file_and_the_field(tmp_path: Path) -> None:

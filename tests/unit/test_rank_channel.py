@@ -1,21 +1,28 @@
-"""The node-local channel takes datagrams from anything on the node: a bad one is counted and dropped."""
+"""The node-local channel: a bad report from a rank is counted and dropped; a datagram from anything that is
+not the rank it claims to be (the kernel names the sender) is ignored."""
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from keel.agent.channel import RankChannel
+from keel.agent.channel import RankChannel, Sender, sender_problem
 from keel.protocol import node_local_pb2
 
 NOW = datetime(2026, 12, 2, 7, 0, tzinfo=UTC)
+ME = {os.getpid(): 3}
+"""This test process plays rank 3 (the supervisor's pid -> rank map)."""
 
 
 def report(**fields: object) -> bytes:
-    base: dict[str, object] = {"job_id": "j", "node_id": "n0", "rank": 3, "local_rank": 1, "pid": 4242, "generation": 1,
+    base: dict[str, object] = {"job_id": "j", "node_id": "n0", "rank": 3, "local_rank": 1, "pid": os.getpid(), "generation": 1,
                                "seq": 1, "sent_at_unix_s": 1.7e9, "phase": node_local_pb2.PHASE_STEP, "step": 5,
                                "step_time_s": 0.2}
     base.update(fields)
@@ -37,18 +44,65 @@ def send(channel: RankChannel, data: bytes) -> None:
 @pytest.mark.parametrize("bad", [
     {"rank": -1}, {"local_rank": -5}, {"rank": 1 << 30}, {"pid": 0}, {"step": -7}, {"checkpoint_step": -3},
     {"step_time_s": float("nan")}, {"sent_at_unix_s": float("inf")}, {"compute_time_s": -1.0},
+    {"rank": -1, "pid": 0},
 ])
 def test_a_report_out_of_range_is_dropped_and_counted(channel: RankChannel, bad: dict) -> None:  # type: ignore[type-arg]
     send(channel, report(**bad))
     send(channel, b"\xff\x00 not a protobuf")
-    send(channel, report(rank=2, seq=1))
-    assert channel.drain(NOW, generation=1) == 3
-    assert channel.malformed == 2
-    assert sorted(channel.ranks) == [2]
+    send(channel, report(seq=1))
+    assert channel.drain(NOW, 1, ME) == 3
+    assert channel.malformed == 2 and channel.rejected == 0
+    assert sorted(channel.ranks) == [3]
 
 
 def test_a_nan_loss_is_a_report_not_a_fault_of_the_channel(channel: RankChannel) -> None:
     # A NaN loss is what the metric-anomaly rules are there to see: the channel passes it on.
     send(channel, report(loss=float("nan")))
-    assert channel.drain(NOW, generation=1) == 1
+    assert channel.drain(NOW, 1, ME) == 1
     assert channel.malformed == 0 and list(channel.ranks) == [3]
+
+
+def test_a_rank_speaks_only_for_itself() -> None:
+    ranks = {100: 3, 101: 4}
+    mine = node_local_pb2.RankReport(rank=3, pid=100)
+    assert sender_problem(mine, Sender(100, 0, 0), ranks) == ""
+    assert "not a rank process" in sender_problem(mine, Sender(555, 1000, 1000), ranks)
+    assert "sent a report for rank 3" in sender_problem(mine, Sender(101, 0, 0), ranks)
+    assert "naming pid 101" in sender_problem(node_local_pb2.RankReport(rank=3, pid=101), Sender(100, 0, 0), ranks)
+    assert "no sender credentials" in sender_problem(mine, None, ranks)
+
+
+def test_a_report_from_a_process_that_is_not_a_rank_is_ignored(channel: RankChannel,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # A real process of the same user, not one of the agent's ranks, claims rank 3's failure three times, and
+    # once with this process's pid (rank 3's) in the report: the kernel says who sent it.
+    forged = report(phase=node_local_pb2.PHASE_FAILED, error="forged", seq=9)
+    script = ("import socket, sys\n"
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+              "for _ in range(3): s.sendto(bytes.fromhex(sys.argv[2]), sys.argv[1])\n")
+    subprocess.run([sys.executable, "-c", script, str(channel.path), forged.hex()], check=True, timeout=60)
+    assert channel.drain(NOW, 1, ME) == 3
+    assert channel.rejected == 3 and channel.ranks == {}
+    assert len([r for r in caplog.records if "is not a rank process of this agent" in r.getMessage()]) == 1
+    # The rank itself is heard (the check can fail): its own report of rank 4 is not, its report of 3 is.
+    send(channel, report(rank=4, seq=1))
+    send(channel, report(phase=node_local_pb2.PHASE_FAILED, error="boom", seq=2))
+    assert channel.drain(NOW, 1, ME) == 2
+    assert channel.rejected == 4 and list(channel.ranks) == [3] and channel.ranks[3].phase == "failed"
+
+
+def test_the_socket_is_out_of_reach_of_other_users(tmp_path: Path) -> None:
+    folder = tmp_path / "agent"
+    folder.mkdir(mode=0o700)
+    channel = RankChannel(folder / "agent.sock")
+    try:
+        assert stat.S_IMODE(os.stat(channel.path).st_mode) == 0o600
+        if os.geteuid() == 0:  # as root (CI), a real process of another user tries to send
+            script = ("import os, socket, sys\nos.setgid(65534); os.setuid(65534)\n"
+                      "try:\n    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b'x', sys.argv[1])\n"
+                      "except PermissionError:\n    sys.exit(3)\n")
+            done = subprocess.run([sys.executable, "-c", script, str(channel.path)], timeout=60)
+            assert done.returncode == 3
+            assert channel.drain(NOW, 1, ME) == 0
+    finally:
+        channel.close()

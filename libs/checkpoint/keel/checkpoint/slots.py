@@ -19,6 +19,10 @@ Writing protocol (``SlotWriter``): mark the slot ``WRITING`` (header only), writ
 write the complete header with ``state=COMPLETE``. A reader trusts only ``COMPLETE`` slots and, before
 a restore, checks the payload against the digest, so a slot torn by a crash is never loaded.
 
+Slot files sit under a predictable path in a world-writable place, so every open goes through
+``keel.checkpoint.owned``: no symbolic link is followed, and a file that is not this user's own (another
+owner, writable by others) is refused (``SlotError``); a new slot file is created ``O_EXCL`` with mode 0600.
+
 Pure Python (``mmap``, ``struct``, ``hashlib``): no torch, so the agent and the broker import it cheaply.
 """
 
@@ -32,6 +36,8 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from keel.checkpoint.owned import UntrustedPathError, open_owned
 
 __all__ = [
     "HEADER_BYTES",
@@ -125,7 +131,7 @@ class SlotWriter:
         self.path = Path(path)
         self.capacity = capacity
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_slot(self.path, os.O_RDWR, create=True)
         try:
             os.ftruncate(fd, HEADER_BYTES + capacity)
             self._map = mmap.mmap(fd, HEADER_BYTES + capacity)
@@ -150,6 +156,26 @@ class SlotWriter:
         self._map.close()
 
 
+def _open_slot(path: Path, flags: int, *, create: bool = False) -> int:
+    """A descriptor of slot ``path`` (``open_owned``: no symbolic link, this user's own); with ``create``, a
+    missing file is created 0600 (``O_EXCL``). ``SlotError`` when missing (without ``create``) or untrusted."""
+    for _ in range(3):  # created or removed by someone else between the two opens: look again
+        try:
+            return open_owned(path, flags)
+        except FileNotFoundError:
+            if not create:
+                raise SlotError(f"{path}: no such slot") from None
+        except UntrustedPathError as exc:
+            raise SlotError(f"slot {exc}") from None
+        try:
+            return open_owned(path, flags | os.O_CREAT, 0o600)
+        except FileExistsError:
+            continue
+        except UntrustedPathError as exc:
+            raise SlotError(f"slot {exc}") from None
+    raise SlotError(f"{path}: created and removed again while opening it")
+
+
 def parse_header(raw: bytes | memoryview, where: str) -> SlotHeader:
     """The header at the start of a slot's bytes (e.g. a memory map); ``SlotError`` if not a slot."""
     return _unpack(raw[: HEADER.size], where)
@@ -157,11 +183,8 @@ def parse_header(raw: bytes | memoryview, where: str) -> SlotHeader:
 
 def read_header(path: Path) -> SlotHeader:
     """The header of a slot file; ``SlotError`` if it is missing or not a slot."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER.size)
-    except FileNotFoundError:
-        raise SlotError(f"{path}: no such slot") from None
+    with os.fdopen(_open_slot(Path(path), os.O_RDONLY), "rb") as f:
+        raw = f.read(HEADER.size)
     return _unpack(raw, str(path))
 
 
@@ -188,17 +211,14 @@ def read_payload_consistent(path: Path) -> tuple[SlotHeader, bytes]:
     not being rewritten meanwhile. Enough for senders whose receiver verifies the SHA-256 end to end;
     a restore must still verify (``read_payload``). ``SlotError`` when incomplete, torn or truncated.
     """
-    try:
-        with open(path, "rb") as f:
-            before = _unpack(f.read(HEADER.size), str(path))
-            if not before.complete:
-                raise SlotError(f"{path}: slot is not complete (state {before.state}, step {before.step})")
-            f.seek(HEADER_BYTES)
-            payload = f.read(before.payload_len)
-            f.seek(0)
-            after = _unpack(f.read(HEADER.size), str(path))
-    except FileNotFoundError:
-        raise SlotError(f"{path}: no such slot") from None
+    with os.fdopen(_open_slot(Path(path), os.O_RDONLY), "rb") as f:
+        before = _unpack(f.read(HEADER.size), str(path))
+        if not before.complete:
+            raise SlotError(f"{path}: slot is not complete (state {before.state}, step {before.step})")
+        f.seek(HEADER_BYTES)
+        payload = f.read(before.payload_len)
+        f.seek(0)
+        after = _unpack(f.read(HEADER.size), str(path))
     if after != before:
         raise SlotError(f"{path}: slot of step {before.step} was overwritten while being read")
     if len(payload) != before.payload_len:
@@ -223,13 +243,17 @@ def list_slots(node_dir: Path) -> dict[int, list[Path]]:
 def write_file_atomic(path: Path, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename (and fsync the folder).
 
-    A crash or ``ENOSPC`` leaves the old file (if any) untouched; the temp file is removed on error.
+    A crash or ``ENOSPC`` leaves the old file (if any) untouched; the temp file is removed on error. The
+    temp file is created new (``O_EXCL | O_NOFOLLOW``, mode 0666 less the umask, as ``open`` would): a
+    name planted in the folder is never written through.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)  # a crashed writer's leftover with this pid
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:
                 f.flush()

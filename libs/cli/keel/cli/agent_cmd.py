@@ -99,24 +99,27 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     except ValueError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2
-    checkpointing = None
-    if spec.ckpt_dir is not None:
-        try:
-            checkpointing = build_checkpointing(spec, settings, supervised=supervised)
-        except (OSError, ValueError) as exc:  # the TLS files, the CA folder, the bind address
-            print(f"keel run: shard store: {exc}", file=sys.stderr)
-            return 2
     from keel.agent.rejoin import AgentDirBusy
+    from keel.checkpoint.owned import UntrustedPathError
 
+    checkpointing = None
     try:
+        if spec.ckpt_dir is not None:
+            try:
+                checkpointing = build_checkpointing(spec, settings, supervised=supervised)
+            except UntrustedPathError:
+                raise
+            except (OSError, ValueError) as exc:  # the TLS files, the CA folder, the bind address
+                print(f"keel run: shard store: {exc}", file=sys.stderr)
+                return 2
         agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
                           checkpointing=checkpointing, diagnostics_policy=diagnostics_policy, clock=clock,
                           metric_settings=settings.analyzer.metric_settings(),
                           code_store=settings.hot_update.resolved_versions_dir(settings.home))
-    except AgentDirBusy as exc:
+    except (AgentDirBusy, UntrustedPathError) as exc:
         if checkpointing is not None:
             checkpointing.close(job_finished=False)
-        print(f"keel run: {exc}", file=sys.stderr)
+        print(f"keel run: {'refusing to start: ' if isinstance(exc, UntrustedPathError) else ''}{exc}", file=sys.stderr)
         return 2
     if checkpointing is not None:
         checkpointing.emit = agent.emit

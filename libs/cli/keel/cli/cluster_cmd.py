@@ -1,7 +1,8 @@
 """``keel cluster`` and ``keel inject``: a local multi-node cluster of node agents (``keel.cluster.local``)
 and faults injected into it.
 
-    keel cluster up --nodes N [--standby S] [--nproc-per-node P] [--job-id J] [--dir D] -- [-m MOD | F] [args]
+    keel cluster up --nodes N [--standby S] [--nproc-per-node P] [--job-id J] [--dir D] [--fault-injection]
+                    -- [-m MOD | F] [args]
     keel cluster down | status [--dir D]
     keel inject KIND --node NODE [--rank R] [--param k=v ...] [--dir D]   one fault
     keel inject --scenario FILE [--dir D]                                 a timed list of faults
@@ -31,6 +32,9 @@ def register(sub: Subparsers) -> None:
     cluster_up.add_argument("--dir", help="cluster state directory (default <home>/cluster)")
     cluster_up.add_argument("--probe-interval", default="1s")
     cluster_up.add_argument("--heartbeat-interval", default="5s")
+    cluster_up.add_argument("--fault-injection", action="store_true",
+                            help="let `keel inject` make the ranks fail (crash hang slow nan oom sdc): they read "
+                                 "a fault file; off by default")
     cluster_up.add_argument("command", nargs=argparse.REMAINDER, help="-- [-m module | script.py] [args]")
     cluster_up.set_defaults(func=cmd_cluster)
     for name, text in (("down", "stop every agent and rank"), ("status", "agents and their ranks")):
@@ -58,7 +62,7 @@ def cmd_cluster(args: argparse.Namespace, settings: Settings) -> int:
             state = cluster_up(settings, directory, nodes=args.nodes, standby=args.standby,
                                nproc_per_node=args.nproc_per_node, job_id=args.job_id, command=command,
                                nats_url=nats_url_or_none(settings), probe_interval=args.probe_interval,
-                               heartbeat_interval=args.heartbeat_interval)
+                               heartbeat_interval=args.heartbeat_interval, fault_injection=args.fault_injection)
             print(json.dumps(state, indent=2))
         elif args.cluster_command == "down":
             stopped = cluster_down(directory)

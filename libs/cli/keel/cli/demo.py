@@ -229,7 +229,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         _banner("local cluster: 4 nodes x 1 rank (DP 2 x PP 2) + 1 warm standby, job 'demo'")
         cluster_up(settings, directory, nodes=4, standby=1, nproc_per_node=1, job_id=JOB,
                    command=TRAIN, nats_url=nats_url,
-                   extra_env=env, heartbeat_interval="2s", persist_root=scratch / "checkpoints")
+                   extra_env=env, heartbeat_interval="2s", persist_root=scratch / "checkpoints",
+                   fault_injection=True)  # the demo injects crashes and a hang: `keel cluster up --fault-injection`
         await demo.wait_for(JOB, ["StandbyChecked"], lambda e: payload_of(e, StandbyChecked).passed, 120,
                             "a standby's passing self-check")
         await demo.wait_step(15)
@@ -309,7 +310,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         cluster_up(settings, sdc_dir, nodes=4, standby=1, nproc_per_node=1, job_id=SDC_JOB,
                    command=["-m", "keel.workload.train", "--size", "tiny", "--steps", str(SDC_STEPS),
                             "--min-step-time", "100ms"],
-                   nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "sdc-checkpoints")
+                   nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "sdc-checkpoints",
+                   fault_injection=True)
         await demo.wait_for(SDC_JOB, ["StandbyChecked"], lambda e: payload_of(e, StandbyChecked).passed, 120,
                             "the standby's self-check")
         await demo.wait_for(SDC_JOB, ["NodeHeartbeat"], lambda e: payload_of(e, NodeHeartbeat).last_step >= 20, 180,

@@ -42,10 +42,13 @@ from keel.infra.bus import Bus
 from keel.infra.config import Settings, credentials_path
 from keel.infra.embedded import free_port
 from keel.infra.nats_auth import OPERATOR, bus_settings_for
+from keel.infra.secrets import ensure_private_dir
 from keel.infra.shard_ca import issue_node_certificate
 
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
+RANK_READ_FAULTS = WORKLOAD_FAULTS | {"sdc"}
+"""Faults the ranks apply themselves from files: only in a cluster started with fault injection on."""
 FAULT_KINDS = WORKLOAD_FAULTS | HARDWARE_FAULTS
 SIMULATED_NIC = "eth0"
 
@@ -141,8 +144,13 @@ def cluster_up(
     probe_interval: str = "1s",
     heartbeat_interval: str = "5s",
     persist_root: Path | None = None,
+    fault_injection: bool = False,
 ) -> dict[str, Any]:
     """Start ``nodes`` agents running ``command`` (and ``standby`` idle ones). Returns the state written.
+
+    ``fault_injection``: the agents run with ``--keel-fault-injection``, so ``keel inject`` can make their
+    ranks fail (workload faults and ``sdc``, which the ranks read from files); off, ``inject`` refuses
+    those kinds. Each node's agent folder is created private to this user (0700) before the agent starts.
 
     Each node gets its own shared-memory checkpoint folder under one ``/dev/shm/keel-cluster-*`` root
     (removed by ``cluster_down``; ``kill_node`` removes one node's, as losing the machine would) and
@@ -169,7 +177,7 @@ def cluster_up(
     for index in range(nodes + standby):
         is_standby = index >= nodes
         node_id = f"s{index - nodes:02d}" if is_standby else f"n{index:02d}"
-        agent_dir = directory / "nodes" / node_id
+        agent_dir = ensure_private_dir(directory / "nodes" / node_id)  # what the agent accepts
         root = agent_dir / "root"
         seed_overlay_root(root, gpus=nproc_per_node)
         argv = [
@@ -181,6 +189,7 @@ def cluster_up(
             "--keel-probe-interval", probe_interval, "--keel-heartbeat-interval", heartbeat_interval,
             "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
             "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
+            *(["--keel-fault-injection"] if fault_injection else []),
         ]
         # The launcher holds the credentials folder: it issues each node its shard-store certificate from
         # the job's CA (keel.infra.shard_ca), so the agents never need the CA's key.
@@ -194,7 +203,7 @@ def cluster_up(
                             "argv": argv})
     state = {"job_id": job_id, "nodes": node_states, "master_port": master_port, "nproc_per_node": nproc_per_node,
              "command": command, "started_at": now_utc().isoformat(), "shm_root": str(shm_root),
-             "persist_root": str(persist_root), "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
+             "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
     atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return state
 
@@ -471,6 +480,11 @@ def inject(settings: Settings, directory: Path, faults: list[FaultSpec], nats_ur
     unknown = sorted({f.node for f in faults} - set(nodes))
     if unknown:
         raise ClusterError(f"no node {', '.join(unknown)} in the local cluster (nodes: {', '.join(sorted(nodes))})")
+    refused = sorted({f.kind for f in faults} & RANK_READ_FAULTS)
+    if refused and not state.get("fault_injection"):
+        raise ClusterError(f"the local cluster in {directory} runs without fault injection: its ranks read no fault "
+                           f"file, so {', '.join(refused)} would do nothing. Start it with `keel cluster up "
+                           "--fault-injection ...` (cluster_up(fault_injection=True)) to inject those")
     done = []
     start = time.monotonic()
     for fault in sorted(faults, key=lambda f: f.at):

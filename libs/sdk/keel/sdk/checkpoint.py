@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from keel.checkpoint import slots as ckpt_slots
+from keel.checkpoint.owned import open_owned, read_owned_text
 from keel.events.units import parse_duration
 from keel.sdk import shard
 
@@ -158,7 +159,7 @@ class _Slot:
     def _reserve(path: Path, capacity: int) -> None:
         # Allocate the tmpfs pages now: a full /dev/shm then fails here with ENOSPC instead of killing
         # the process with SIGBUS in the middle of a copy into the mapping.
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)  # the file SlotWriter just checked
         try:
             os.posix_fallocate(fd, 0, ckpt_slots.HEADER_BYTES + capacity)
         except OSError as exc:
@@ -558,7 +559,7 @@ class Checkpointer:
         """Load a slot file or a shard file (verified against ``digest`` if given); returns its step."""
         return self._load_verified(Path(path), digest, trusted=False)
 
-    def _load_verified(self, path: Path, digest: str | None, *, trusted: bool) -> int:
+    def _load_verified(self, path: Path, digest: str | None, *, trusted: bool, owned: bool = False) -> int:
         """Load ``path`` (a slot or a shard file), memory-mapped, checking its SHA-256 while it decodes.
 
         A slot's payload is checked against its header's digest (and ``digest``, if given); a shard file
@@ -566,11 +567,13 @@ class Checkpointer:
         that nobody has written since (the plan's ``verified_by: agent``): only the header is compared.
         The hash runs in a thread beside decoding and loading (both release the GIL); a mismatch raises
         ``CheckpointError`` after loading, so the caller must not train on: the state is then undefined.
+        ``owned``: opened only if it is this user's own file, not through a symbolic link
+        (``keel.checkpoint.owned``): a trusted slot is loaded on the plan's word, unhashed.
         """
         import mmap
 
         try:
-            with open(path, "rb") as f:
+            with (os.fdopen(open_owned(path), "rb") if owned else open(path, "rb")) as f:
                 size = os.fstat(f.fileno()).st_size
                 mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
         except (OSError, ValueError) as exc:
@@ -666,7 +669,9 @@ class Checkpointer:
                                       f"{timeout.total_seconds():.0f} s")
             time.sleep(_PLAN_POLL_S)
         try:
-            plan = json.loads(plan_path.read_text())
+            # The agent's folder is this user's (the agent checks it); a plan that is a link or someone
+            # else's file is refused, not trusted: it names the file to load and whether to verify it.
+            plan = json.loads(read_owned_text(plan_path))
             step = int(plan["step"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"restore plan {plan_path} is not valid: {exc!r}") from None
@@ -679,8 +684,10 @@ class Checkpointer:
         if entry.get("error"):
             raise CheckpointError(f"restore plan {plan_path} (step {step}): rank {self.rank}'s shard could not be "
                                   f"staged: {entry['error']}")
-        loaded = self._load_verified(Path(entry["path"]), entry.get("digest") or None,
-                                     trusted=entry.get("verified_by") == "agent")
+        # A slot the agent verified is loaded without hashing it: then it must be this user's own file.
+        trusted = entry.get("verified_by") == "agent"
+        loaded = self._load_verified(Path(entry["path"]), entry.get("digest") or None, trusted=trusted,
+                                     owned=trusted)
         self.restored_from = f"{self.restored_from} via plan {plan_path.name} (tier {entry.get('tier', '?')})"
         if loaded != step:
             raise CheckpointError(f"{self.restored_from} holds step {loaded}, the plan says {step}")

@@ -11,6 +11,12 @@ Common params: ``at_step`` (int, optional) is the first step that does not compl
 it the fault takes effect at the next ``Session.step_done``. Per kind: ``slow`` takes ``fraction``
 (float > 0, default 0.3: each step becomes 30 % slower). The others take no params.
 
+The file is read only where fault injection is on: the agent sets ``KEEL_FAULT_FILE`` for its ranks
+only when it was started with ``--keel-fault-injection`` (``keel cluster up --fault-injection``); a
+plain ``torchrun`` run opts in by setting the variable itself. The file is opened without following a
+symbolic link and used only when it is this user's own regular file that nobody else can write
+(``keel.checkpoint.owned``); anything else is logged and ignored.
+
 A fault id is applied at most once per process. A process started after a restart applies a fault
 left in the file again unless the fault names another ``generation`` (or the agent cleared the file):
 the agent should stamp ``generation`` or rewrite the file when it restarts ranks.
@@ -23,6 +29,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from keel.checkpoint.owned import UntrustedPathError, read_owned_text
 
 __all__ = ["FAULT_KINDS", "FaultFileError", "InjectedFault", "FaultFileWatcher", "parse_fault"]
 
@@ -101,7 +109,7 @@ class FaultFileWatcher:
     def poll(self) -> InjectedFault | None:
         """A new fault for this process, or ``None``. Cost when nothing changed: one ``stat``."""
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except FileNotFoundError:
             self._last_stat = None
             return None
@@ -113,8 +121,12 @@ class FaultFileWatcher:
             return None
         self._last_stat = signature
         try:
-            with open(self.path, encoding="utf-8") as handle:
-                text = handle.read()
+            text = read_owned_text(self.path)
+        except FileNotFoundError:
+            return None
+        except UntrustedPathError as exc:
+            _log.error("keel fault file ignored: %s", exc)
+            return None
         except OSError as exc:
             _log.error("keel fault file %s unreadable (%s); ignoring it", self.path, exc)
             return None
@@ -158,7 +170,7 @@ class SimulatedCorruption:
         if not self.path:
             return None
         try:
-            st = os.stat(self.path)
+            st = os.lstat(self.path)
         except OSError:
             self._signature, self._spec = None, None
             return None
@@ -166,8 +178,7 @@ class SimulatedCorruption:
         if signature != self._signature:
             self._signature = signature
             try:
-                with open(self.path, encoding="utf-8") as handle:
-                    data = json.loads(handle.read() or "{}")
+                data = json.loads(read_owned_text(self.path) or "{}")
                 bit, index = int(data.get("bit", 30)), int(data.get("index", 0))
                 if not 0 <= bit < 32 or index < 0:
                     raise ValueError(f"bit must be in 0..31 and index >= 0, got bit {bit}, index {index}")

@@ -164,8 +164,8 @@ class NodeAgent:
         self.supervised = supervised
         self.clock = clock
         self.checkpointing = checkpointing
-        spec.agent_dir.mkdir(parents=True, exist_ok=True)
-        # One agent per folder (``AgentDirBusy`` otherwise), before anything in it is touched: binding the
+        # The folder is this user's own (``UntrustedPathError`` otherwise: the agent does not start) and one
+        # agent per folder (``AgentDirBusy`` otherwise), before anything in it is touched: binding the
         # socket below would unbind a live agent's.
         self.lock = AgentLock(spec.agent_dir)
         self.previous = read_state(spec.agent_dir)
@@ -447,7 +447,7 @@ class NodeAgent:
         zygote = self.supervisor.zygote
         if zygote is not None:
             run("zygote drain", zygote.drain)  # what woke the loop (a child started or exited)
-        run("rank reports", self.channel.drain, now, self.generation)
+        run("rank reports", self.channel.drain, now, self.generation, self.supervisor.rank_pids())
         for rank, state in list(self.channel.ranks.items()):
             run("metric watch", self._watch_rank, rank, state)
         # A replay's ranks end by design: their exits answer the replay, they are not the job's.

@@ -3,6 +3,19 @@
 Reports are tracked per (rank, generation): the latest phase and step, when the last report arrived
 and when the step last advanced (agent clock, UTC), and recent step times for timeout calibration.
 Malformed datagrams are counted and dropped; they never stop the agent.
+
+Who sent a datagram is the kernel's word, not the datagram's: the socket has ``SO_PASSCRED`` on, so
+every datagram arrives with its sender's real pid, uid and gid (``SCM_CREDENTIALS``; the socket is
+unconnected, where ``SO_PEERCRED`` says nothing). A report is taken only from a rank process the
+supervisor started, and only for the rank and pid that process is (``sender_problem``, pure): anything
+else on the host that can reach the socket (another user's process, a rank's child such as a dataloader
+worker that inherited the SDK's exception hook, one rank speaking for another) is dropped, counted in
+``rejected`` and logged once per sender, and can neither mark a rank failed (the agent SIGKILLs a rank
+that reports ``PHASE_FAILED``) nor fake its progress. Only the rank processes themselves count, not their
+descendants: the supervisor starts each rank directly (a fresh interpreter or a fork of the zygote),
+and the SDK reports from that process. Root can put any pid into ``SCM_CREDENTIALS``; the check holds
+against unprivileged local processes, not against root on the node. The socket's folder is private to
+the agent's user besides (``keel.agent.rejoin.AgentLock``).
 """
 
 from __future__ import annotations
@@ -12,6 +25,8 @@ import json
 import logging
 import math
 import socket
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -83,17 +98,53 @@ def report_problem(report: node_local_pb2.RankReport) -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class Sender:
+    """A datagram's sender as the kernel reports it (``SCM_CREDENTIALS``)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+MAX_LOGGED_SENDERS = 256
+"""Senders whose rejected reports are logged (once each); past that only the count grows."""
+
+
+def sender_problem(report: node_local_pb2.RankReport, sender: Sender | None, rank_pids: Mapping[int, int]) -> str:
+    """Why ``report`` is not taken from ``sender`` ('' when it is): the sender must be one of the agent's
+    rank processes (``rank_pids``: pid -> global rank, the supervisor's), and the report must name that
+    rank and that pid."""
+    if sender is None:
+        return "the kernel attached no sender credentials"
+    rank = rank_pids.get(sender.pid)
+    if rank is None:
+        return f"pid {sender.pid} (uid {sender.uid}) is not a rank process of this agent"
+    if report.rank != rank:
+        return f"rank {rank} (pid {sender.pid}) sent a report for rank {report.rank}"
+    if report.pid != sender.pid:
+        return f"rank {rank} (pid {sender.pid}) sent a report naming pid {report.pid}"
+    return ""
+
+
 class RankChannel:
-    """Binds the socket and folds incoming reports into ``ranks`` (keyed by global rank)."""
+    """Binds the socket and folds incoming reports into ``ranks`` (keyed by global rank). The socket's
+    folder must exist and be the agent's own (``AgentLock`` makes sure)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.ranks: dict[int, RankState] = {}
         self.malformed = 0
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.rejected = 0
+        """Datagrams dropped because their sender is not the rank they claim to be (``sender_problem``)."""
+        self._logged_senders: set[int] = set()
         path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # Before bind: no datagram may arrive without its sender's credentials.
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind(str(path))
+        path.chmod(0o600)  # the folder is 0700 already; sending needs write access to the socket file
         self.sock.setblocking(False)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
 
@@ -101,15 +152,21 @@ class RankChannel:
         self.sock.close()
         self.path.unlink(missing_ok=True)
 
-    def drain(self, now: datetime, generation: int) -> int:
-        """Read every datagram waiting; ignore reports of other generations. Returns how many were read."""
+    def drain(self, now: datetime, generation: int, rank_pids: Mapping[int, int]) -> int:
+        """Read every datagram waiting; take only the reports of ``generation`` that the rank processes
+        ``rank_pids`` (pid -> global rank) sent about themselves (``sender_problem``). Returns how many
+        datagrams were read."""
         count = 0
         while True:
             try:
-                data = self.sock.recv(65536)
+                data, ancillary, _flags, _address = self.sock.recvmsg(65536, socket.CMSG_SPACE(_UCRED.size))
             except (BlockingIOError, InterruptedError):
                 return count
             count += 1
+            sender = _sender(ancillary)
+            if sender is None or sender.pid not in rank_pids:
+                self._reject(sender, sender_problem(node_local_pb2.RankReport(), sender, rank_pids))
+                continue  # not even parsed: it is no rank's
             try:
                 report = node_local_pb2.RankReport.FromString(data)
             except DecodeError:
@@ -119,16 +176,28 @@ class RankChannel:
                 continue
             problem = report_problem(report)
             if problem:
-                # Anything on the socket can send: one bad datagram is counted and dropped, never a
-                # state that later breaks an event (a negative rank) and with it the agent.
+                # One bad datagram (a rank's bug) is counted and dropped, never a state that later breaks
+                # an event (a negative rank) and with it the agent.
                 self.malformed += 1
                 log.warning("ignoring a rank report: %s", problem)
+                continue
+            problem = sender_problem(report, sender, rank_pids)
+            if problem:
+                self._reject(sender, problem)
                 continue
             try:
                 self.apply(report, now)
             except Exception as exc:  # noqa: BLE001 - one report that cannot be folded is dropped, not the rest
                 self.malformed += 1
                 log.warning("dropping a report of rank %d that could not be folded: %r", report.rank, exc)
+
+    def _reject(self, sender: Sender | None, problem: str) -> None:
+        self.rejected += 1
+        key = sender.pid if sender is not None else 0
+        if key in self._logged_senders or len(self._logged_senders) >= MAX_LOGGED_SENDERS:
+            return
+        self._logged_senders.add(key)
+        log.warning("%s: ignoring its reports on %s (counted, logged once per sender)", problem, self.path)
 
     def apply(self, report: node_local_pb2.RankReport, now: datetime) -> None:
         state = self.ranks.get(report.rank)
@@ -168,6 +237,15 @@ class RankChannel:
 
     def forget_generation_before(self, generation: int) -> None:
         self.ranks = {r: s for r, s in self.ranks.items() if s.generation >= generation}
+
+
+def _sender(ancillary: list[tuple[int, int, bytes]]) -> Sender | None:
+    """The ``SCM_CREDENTIALS`` of one received datagram (None if absent or cut short)."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _UCRED.size:
+            pid, uid, gid = _UCRED.unpack_from(data)
+            return Sender(pid, uid, gid)
+    return None
 
 
 def _parse_groups(text: str, rank: int) -> dict[str, list[int]] | None:

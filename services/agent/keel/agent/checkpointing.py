@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from keel.agent.isolation import Pieces
 from keel.checkpoint import slots as ckpt_slots
+from keel.checkpoint.owned import ensure_owned_dir
 from keel.events.envelope import Event
 from keel.events.types import (
     BackupAssignment,
@@ -139,6 +140,13 @@ class PeerTransport(Protocol):
     def close(self) -> None: ...
 
 
+def ensure_slot_dir(node_dir: Path) -> Path:
+    """The node's slot folder, created 0700 or checked to be this user's own (``ensure_owned_dir``): its
+    default, ``/dev/shm/keel-<hash>``, is a predictable name in a world-writable place. Raises
+    ``UntrustedPathError`` before anything is written in a folder someone else made."""
+    return ensure_owned_dir(Path(node_dir), "or choose another slot folder (--keel-ckpt-dir)")
+
+
 class GrpcTransport:
     """``PeerTransport`` over the gRPC ``ShardStore``: runs this node's store server and its client calls
     on one private event loop thread (grpc.aio objects belong to the loop that made them).
@@ -154,6 +162,7 @@ class GrpcTransport:
 
         from keel.agent import shard_store
 
+        ensure_slot_dir(node_dir)  # before the store makes its folders in it
         self._shard_store = shard_store
         self.job_id, self.node_id, self.node_dir, self.timeout = job_id, node_id, Path(node_dir), timeout
         self.tls = tls
@@ -367,7 +376,7 @@ class NodeCheckpointing:
         self.wake = wake
         if transport is not None:
             transport.on_backup_received(lambda: self.wake())  # self.wake is replaced once the loop runs
-        self.node_dir.mkdir(parents=True, exist_ok=True)
+        ensure_slot_dir(self.node_dir)
         self.pieces = Pieces(f"{node_id} checkpointing", log)
         """Each duty of a tick runs guarded: one that raises is logged (rate-limited), the others go on."""
         self.pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"keel-ckpt-{node_id}")

@@ -56,6 +56,10 @@ class LaunchSpec:
     tls_ca: Path | None = None
     persist_root: Path | None = None
     """The persistent tier's root (a local or shared filesystem); None: no persistent tier."""
+    fault_injection: bool = False
+    """Let ``keel inject`` make ranks fail on purpose (tests, demos): the ranks get ``KEEL_FAULT_FILE``
+    (``<agent_dir>/fault.json``) and, on a simulated node, ``KEEL_SIMULATED_SDC_FILE``, and read them.
+    Off (the default), neither is passed and no rank reads a fault file."""
     warm_ranks: bool = True
     """Fork ranks, promotions and diagnostics rounds from the node's zygote (``keel.agent.warm``: torch
     imported once); ``--keel-no-warm-ranks`` starts every process as a fresh interpreter."""
@@ -124,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--keel-tls-key", default="", help="the private key of --keel-tls-cert (a 0600 file)")
     add("--keel-tls-ca", default="", help="the job's shard-store CA certificate (PEM)")
     add("--keel-persist-root", default="", help="persistent checkpoint tier (a local or shared path)")
+    add("--keel-fault-injection", action="store_true", help="let `keel inject` put workload faults into the "
+        "ranks (they read <agent dir>/fault.json); for tests and demos, off by default")
     add("--keel-no-warm-ranks", action="store_true", help="start every rank and diagnostics process as a fresh "
         "interpreter (default: fork them from the node's zygote, which imported torch once)")
     parser.add_argument("-m", "--module", dest="module", action="store_true", help="run the script as a module")
@@ -208,4 +214,5 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         tls_ca=Path(args.keel_tls_ca) if args.keel_tls_ca else None,
         persist_root=Path(args.keel_persist_root) if args.keel_persist_root else None,
         warm_ranks=not args.keel_no_warm_ranks,
+        fault_injection=args.keel_fault_injection,
     )

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from keel.checkpoint.owned import ensure_owned_dir
 from keel.checkpoint.slots import write_file_atomic
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,22 @@ class AgentDirBusy(RuntimeError):
     """Another live agent holds this agent folder."""
 
 
+AGENT_DIR_HINT = "or start the agent with another folder (--keel-agent-dir)"
+
+
 class AgentLock:
-    """The exclusive lock on an agent folder (``flock``: released by the kernel when the holder dies)."""
+    """The exclusive lock on an agent folder (``flock``: released by the kernel when the holder dies).
+
+    Takes the folder first (``ensure_owned_dir``): created 0700, or an existing one accepted only if it is
+    this user's own and nobody else can write it; otherwise ``UntrustedPathError`` names the folder, its
+    owner and the fix, and the agent does not start. The default folder, ``/tmp/keel-agent-<node>``, is a
+    predictable name anyone on the host could create first; the socket, the fault file and the restore
+    plans the ranks trust all live in it."""
 
     def __init__(self, agent_dir: Path) -> None:
         self.path = Path(agent_dir) / LOCK_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        ensure_owned_dir(Path(agent_dir), AGENT_DIR_HINT)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

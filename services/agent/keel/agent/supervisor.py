@@ -153,13 +153,19 @@ class RankSupervisor:
             KEEL_NODE_ID=spec.node_id,
             KEEL_AGENT_SOCKET=str(self.socket_path),
             KEEL_GENERATION=str(generation),
-            KEEL_FAULT_FILE=str(self.fault_file),
             PYTHONUNBUFFERED="1",
         )
-        if spec.root != Path("/"):
-            # A local cluster's simulated node: its simulated silent data corruption (``keel inject sdc``)
-            # is read by the ranks themselves (``keel.sdk.Session.corrupt``). Never set on a real node.
-            env["KEEL_SIMULATED_SDC_FILE"] = str(spec.root / "run/keel/sdc.json")
+        # Files that make a rank fail on purpose are read only where fault injection is on for the node
+        # (``--keel-fault-injection``): otherwise the variables are not passed, not even from the agent's
+        # own environment.
+        env.pop("KEEL_FAULT_FILE", None)
+        env.pop("KEEL_SIMULATED_SDC_FILE", None)
+        if spec.fault_injection:
+            env["KEEL_FAULT_FILE"] = str(self.fault_file)
+            if spec.root != Path("/"):
+                # A local cluster's simulated node: its simulated silent data corruption (``keel inject
+                # sdc``) is read by the ranks themselves (``keel.sdk.Session.corrupt``).
+                env["KEEL_SIMULATED_SDC_FILE"] = str(spec.root / "run/keel/sdc.json")
         env.update(self.extra_env)
         env.setdefault("OMP_NUM_THREADS", "1")
         code = self.code
@@ -317,6 +323,11 @@ class RankSupervisor:
         process.reported_failure = error or "uncaught exception"
         self._signal_group(process, signal.SIGKILL)
         return True
+
+    def rank_pids(self) -> dict[int, int]:
+        """pid -> global rank of the rank processes started and not yet reported ended (``poll``): the
+        only senders the node-local channel takes reports from."""
+        return {process.pid: rank for rank, process in self.ranks.items()}
 
     def alive(self) -> list[RankProcess]:
         return [p for p in self.ranks.values() if p.popen.poll() is None]
