@@ -41,6 +41,7 @@ from keel.events.units import parse_duration
 from keel.infra.bus import Bus
 from keel.infra.config import Settings
 from keel.infra.embedded import free_port
+from keel.infra.signing import keyring_path
 
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
@@ -163,6 +164,9 @@ def cluster_up(
     env = dict(os.environ, **(extra_env or {}))
     if nats_url:
         env["KEEL_NATS_URL"] = nats_url
+    # The agents check their commands' signatures against the keyring these settings name (a config file
+    # given to this command is not read by the agents).
+    env.setdefault("KEEL_SIGNING__KEYRING", str(keyring_path(settings)))
     node_states = []
     for index in range(nodes + standby):
         is_standby = index >= nodes

@@ -11,6 +11,9 @@ Contracts:
   on its own, for ever) attempts are not counted: a publish waits up to ``outage_tolerance`` for NATS to
   come back, so a NATS outage is ridden out rather than turned into a crash of every service.
 - Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
+- Signing (``keel.infra.signing.Signing``): every publish signs the events whose types the bus's keys must
+  sign (``keel.events.signing.REQUIRED_SIGNER``), so a service's decisions are signed wherever they are
+  published from; ``check`` is what consumers (``keel.infra.consumer``, the recorder) verify against.
 - ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
   original raw bytes, the headers say why and where it came from.
 
@@ -48,6 +51,7 @@ from nats.js import JetStreamContext, api
 from keel.events.envelope import Event
 from keel.infra.config import BusSettings
 from keel.infra.metrics import STREAM_FULL_REFUSALS
+from keel.infra.signing import NO_SIGNING, Signing
 from keel.infra.subjects import event_subject
 
 log = logging.getLogger(__name__)
@@ -145,16 +149,19 @@ class _Outage:
 class Bus:
     """One connection to NATS plus the JetStream context, for one subject prefix."""
 
-    def __init__(self, nc: NatsClient, settings: BusSettings) -> None:
+    def __init__(self, nc: NatsClient, settings: BusSettings, *, signing: Signing = NO_SIGNING) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=settings.publish_timeout.total_seconds())
         self.settings = settings
+        self.signing = signing
+        """The keys this connection signs with and the keyring its consumers check against."""
         self._stream_full_said = False
 
     # -- setup ---------------------------------------------------------------------------------
 
     @classmethod
-    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False) -> Bus:
+    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False,
+                      signing: Signing = NO_SIGNING) -> Bus:
         """Connect (retrying while the server starts) and make sure both streams exist.
 
         Only an administering client (``keel migrate``, ``keel-migrate``, ``keel up``) changes an existing
@@ -175,7 +182,7 @@ class Bus:
             allow_reconnect=True,
             pending_size=64 * 1024 * 1024,
         )
-        bus = cls(nc, settings)
+        bus = cls(nc, settings, signing=signing)
         await bus.ensure_streams(administer=administer)
         return bus
 
@@ -258,7 +265,8 @@ class Bus:
     # -- publishing ----------------------------------------------------------------------------
 
     async def publish(self, event: Event) -> PublishResult:
-        """Publish one event and wait for its acknowledgement (retrying transient errors)."""
+        """Publish one event (signed when it must be) and wait for its acknowledgement (retrying transient errors)."""
+        event = self.signing.sign(event)
         return await self.publish_raw(self.subject_for(event), event.to_json(), msg_id=str(event.id))
 
     async def publish_raw(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> PublishResult:
@@ -324,8 +332,11 @@ class Bus:
 
         A sliding window: the next event goes out as soon as any acknowledgement comes back. An
         acknowledgement that does not come within ``publish_timeout`` counts as a failure; failures
-        are retried as a group with backoff, then raised as ``PublishFailed``.
+        are retried as a group with backoff, then raised as ``PublishFailed``. Each event is signed when it
+        must be (``Signing.sign``).
         """
+        if self.signing.keys:
+            events = [self.signing.sign(event) for event in events]
         results: list[PublishResult | None] = [None] * len(events)
         pending = list(range(len(events)))
         timeout_s = self.settings.publish_timeout.total_seconds()
