@@ -600,7 +600,7 @@ async def measure_store(database_url: str, events: Sequence[Any], batch: int) ->
         # SQLAlchemy Core executemany of the same rows (parameters prepared outside the timing).
         target = events_table.to_metadata(sa.MetaData(), name="sa_target")
         stmt = insert(target).on_conflict_do_nothing(index_elements=["event_id"])
-        params = [dict(zip(EVENT_COLUMNS, (*row[:-1], json.loads(row[-1])))) for row in rows]
+        params = [dict(zip(EVENT_COLUMNS, (*row[:10], json.loads(row[10]), *row[11:]))) for row in rows]
         async with engine.connect() as warm:  # connect outside the timing, as the pool would be
             await warm.execute(sa.text("SELECT 1"))
         t0 = time.perf_counter()
@@ -641,7 +641,7 @@ async def seed_replay(conn: Any, count: int) -> None:
                 payload, version = v1, 1
             records.append(
                 (uuid.UUID(int=rng.getrandbits(128), version=4), index + 1, t[2], version, t[4], t[5],
-                 base + timedelta(milliseconds=index), t[7], None, None, payload)
+                 base + timedelta(milliseconds=index), t[7], None, None, payload, None, None)
             )
         await conn.copy_records_to_table("events", records=records, columns=list(EVENT_COLUMNS))
 
