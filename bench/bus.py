@@ -430,8 +430,15 @@ class KeelSlice:
 
 
 async def measure_persisted(nats_url: str, database_url: str, home: Path, events: Sequence[Any], window: int,
-                            pids: dict[str, int | None] | None = None) -> dict[str, Any]:
+                            pids: dict[str, int | None] | None = None, sign_all: bool = False) -> dict[str, Any]:
+    """``sign_all``: the worst case of signed events: the publisher signs every event (in the timed part, as a
+    producer signs at publish) and the recorder verifies every one (the fleet's events need no signature)."""
     count = len(events)
+    key = None
+    if sign_all:
+        from keel.infra.signing import ensure_signing_identity
+
+        key = ensure_signing_identity(home / "credentials", "bench-signer", "controller")
     async with KeelSlice(nats_url, database_url, home) as ks:
         await ks.start_recorder()
         conn = await pg_connect(database_url, ks.piece.schema)
@@ -440,6 +447,10 @@ async def measure_persisted(nats_url: str, database_url: str, home: Path, events
             meter = CpuMeter({"publisher": os.getpid(), **(pids or {}), "recorder": ks.recorder.proc.pid})
             meter.start()
             t0 = time.perf_counter()
+            if key is not None:
+                from keel.events.signing import sign_event
+
+                events = [sign_event(event, key) for event in events]
             publish = asyncio.create_task(ks.bus.publish_many(events, max_in_flight=window))
             published_at: list[float] = []
             publish.add_done_callback(lambda _t: published_at.append(time.perf_counter()))
@@ -600,7 +611,7 @@ async def measure_store(database_url: str, events: Sequence[Any], batch: int) ->
         # SQLAlchemy Core executemany of the same rows (parameters prepared outside the timing).
         target = events_table.to_metadata(sa.MetaData(), name="sa_target")
         stmt = insert(target).on_conflict_do_nothing(index_elements=["event_id"])
-        params = [dict(zip(EVENT_COLUMNS, (*row[:-1], json.loads(row[-1])))) for row in rows]
+        params = [dict(zip(EVENT_COLUMNS, (*row[:10], json.loads(row[10]), *row[11:]))) for row in rows]
         async with engine.connect() as warm:  # connect outside the timing, as the pool would be
             await warm.execute(sa.text("SELECT 1"))
         t0 = time.perf_counter()
@@ -641,7 +652,7 @@ async def seed_replay(conn: Any, count: int) -> None:
                 payload, version = v1, 1
             records.append(
                 (uuid.UUID(int=rng.getrandbits(128), version=4), index + 1, t[2], version, t[4], t[5],
-                 base + timedelta(milliseconds=index), t[7], None, None, payload)
+                 base + timedelta(milliseconds=index), t[7], None, None, payload, None, None)
             )
         await conn.copy_records_to_table("events", records=records, columns=list(EVENT_COLUMNS))
 
@@ -708,6 +719,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     batch, fetch_timeout_s = recorder.batch_size, recorder.fetch_timeout.total_seconds()
     results: dict[str, Any] = {
         "quick": args.quick,
+        "sign_all": args.sign_all,
         "window": args.window,
         "recorder_batch_size": batch,
         "recorder_fetch_timeout_ms": fetch_timeout_s * 1000,
@@ -731,7 +743,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "store" in only:
             await run_store(results, servers, sizes, batch)
         if "bus" in only:
-            await run_bus(results, servers, sizes, home, args.window, batch, fetch_timeout_s)
+            await run_bus(results, servers, sizes, home, args.window, batch, fetch_timeout_s, args.sign_all)
         if "latency" in only:
             await run_latency(results, servers, sizes, home)
         if "replay" in only:
@@ -764,13 +776,15 @@ async def run_store(results: dict[str, Any], servers: Servers, sizes: Sizes, bat
         f"(COPY is {store['raw_copy_rps'] / store['sa_insert_rps']:.1f}× faster)")
 
 
-async def run_bus(results: dict[str, Any], servers: Servers, sizes: Sizes, home: Path, window: int, batch: int, fetch_timeout_s: float) -> None:
+async def run_bus(results: dict[str, Any], servers: Servers, sizes: Sizes, home: Path, window: int, batch: int,
+                  fetch_timeout_s: float, sign_all: bool = False) -> None:
     for mode in MODES:
         events = make_events(sizes.persisted[mode], job=f"bus{mode.replace('_', '')}")
         raw = await measure_raw_jetstream(servers.nats[mode], events, window, batch, fetch_timeout_s,
                                           servers.pids.get(f"nats-{mode}"))
         keel = await measure_persisted(servers.nats[mode], servers.database_url, home, events, window,
-                                       {"nats": servers.pids.get(f"nats-{mode}"), "postgres": servers.pids.get("postgres")})
+                                       {"nats": servers.pids.get(f"nats-{mode}"), "postgres": servers.pids.get("postgres")},
+                                       sign_all=sign_all)
         results.setdefault("cpu_us_per_event", {})[f"raw_{mode}"] = raw["cpu_us"]
         results["cpu_us_per_event"][f"persisted_{mode}"] = keel["cpu_us"]
         ratio = keel["eps"] / raw["eps"]
@@ -827,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bus", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes; finishes in under a minute")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--sign-all", action="store_true",
+                        help="sign every published event and verify each in the recorder (the worst case of signing)")
     parser.add_argument("--window", type=int, default=256, help="unacknowledged publishes in flight (default 256)")
     parser.add_argument("--only", default="store,bus,latency,replay",
                         help="comma-separated parts to run, for iterating (default: all; targets of skipped parts FAIL)")

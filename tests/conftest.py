@@ -23,6 +23,7 @@ from keel.infra.bus import Bus
 from keel.infra.config import BusSettings, RecorderSettings, Settings
 from keel.infra.embedded import NatsServer, PostgresServer, free_port
 from keel.infra.nats_auth import ADMIN, NatsScope
+from keel.infra.signing import CONTROL_PLANE, KeyringFile, Signing, ensure_signing_identity, keyring_path
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
 
@@ -50,16 +51,36 @@ def scratch_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+TEST_CREDENTIALS = _scratch_dir("keel-test-credentials-")
+"""The credentials folder of the tests' settings (``isolated_settings``): every control-plane service's
+signing key and the test operator's, as ``keel up`` creates them (removed at exit)."""
+TEST_CREDENTIALS.chmod(0o700)
+TEST_OPERATOR = "test-operator"
+"""The operator identity the harness signs operator events with (their ``by`` must name it)."""
+
+
+def harness_signing(credentials_dir: Path = TEST_CREDENTIALS) -> Signing:
+    """A harness bus's signing: it plays every producer of the control plane and an operator, so it signs
+    each event with the key of the role that must sign it (as that producer's own bus would) and checks
+    against the keyring."""
+    keys = [ensure_signing_identity(credentials_dir, name, name) for name in CONTROL_PLANE]
+    keys.append(ensure_signing_identity(credentials_dir, TEST_OPERATOR, "operator"))
+    return Signing(keys=tuple(keys), keyring=KeyringFile(credentials_dir / "signing" / "keyring.json"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_test_credentials() -> Iterator[None]:
+    yield
+    shutil.rmtree(TEST_CREDENTIALS, ignore_errors=True)
+
+
 @dataclass
 class Servers:
     nats_url: str
     database_url: str
     nats: NatsServer | None = None
-    """The session's own NATS server (None with ``KEEL_NATS_URL``): its identities are in ``credentials_dir``."""
-
-    @property
-    def credentials_dir(self) -> Path | None:
-        return self.nats.credentials_dir if self.nats is not None else None
+    """The NATS server started here (None with ``KEEL_NATS_URL``); its identities are in ``TEST_CREDENTIALS``
+    (every server the tests start shares them, as the signing keys)."""
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +94,8 @@ def servers() -> Iterator[Servers]:
         if external_nats:
             nats_url = external_nats
         else:
-            nats = NatsServer(store_dir=root / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
+            nats = NatsServer(store_dir=root / "nats", port=free_port(), monitor_port=free_port(), sync_always=True,
+                              credentials_dir=TEST_CREDENTIALS)
             nats_url = nats.start()
             started.append(nats)
         if external_db:
@@ -105,8 +127,8 @@ def isolated_settings(servers: Servers, **recorder: object) -> Settings:
     return Settings(
         nats_url=servers.nats_url,
         database_url=servers.database_url,
-        credentials_dir=servers.credentials_dir,
         db_schema=f"t_{tag}",
+        credentials_dir=TEST_CREDENTIALS,
         bus=bus,
         recorder=RecorderSettings(**{"lag_threshold": "1h", **recorder}),  # type: ignore[arg-type]
     )
@@ -159,7 +181,8 @@ class KeelEnv:
 async def keel_env(servers: Servers) -> AsyncIterator[KeelEnv]:
     settings = isolated_settings(servers)
     await asyncio.to_thread(run_migrations, servers.database_url, settings.db_schema)
-    bus = await Bus.connect(servers.nats_url, settings.bus)
+    bus = await Bus.connect(servers.nats_url, settings.bus, signing=harness_signing())
+    assert keyring_path(settings) == TEST_CREDENTIALS / "signing" / "keyring.json"
     engine = create_engine(servers.database_url, settings.db_schema)
     env = KeelEnv(settings, bus, EventStore(engine))
     try:
@@ -181,7 +204,8 @@ async def keel_env(servers: Servers) -> AsyncIterator[KeelEnv]:
 
 @pytest.fixture
 def own_nats(scratch_dir: Path) -> Iterator[NatsServer]:
-    server = NatsServer(store_dir=scratch_dir / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
+    server = NatsServer(store_dir=scratch_dir / "nats", port=free_port(), monitor_port=free_port(), sync_always=True,
+                        credentials_dir=TEST_CREDENTIALS)
     server.start()
     yield server
     server.stop()

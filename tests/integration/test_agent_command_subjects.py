@@ -25,6 +25,7 @@ from keel.events.types import (
     StandbyPromotionRequested,
 )
 from keel.infra.outbox import Outbox
+from keel.infra.signing import consumer_signing
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,8 @@ async def test_an_agent_consumes_only_its_own_nodes_commands(keel_env, scratch_d
     tasks: list[asyncio.Task] = []
     try:
         for node in NODES:
-            outbox = Outbox(keel_env.settings.nats_url, keel_env.settings.bus, name=f"test-{node}")
+            outbox = Outbox(keel_env.settings.nats_url, keel_env.settings.bus, name=f"test-{node}",
+                            signing=consumer_signing(keel_env.settings))
             agent = make_agent(scratch_dir, node, outbox)
             agents.append(agent)
             # Record what the consumer hands on, before the agent's own checks of whom a command is for.
@@ -127,7 +129,8 @@ async def test_a_command_whose_handling_raises_does_not_end_the_agents_command_i
                              f"node/{node}") for g in (1, 2))
     settings = keel_env.settings.bus.model_copy(update={"ack_wait": timedelta(seconds=1)})  # redeliver quickly
     stop = asyncio.Event()
-    outbox = Outbox(keel_env.settings.nats_url, settings, name="test-supervised")
+    outbox = Outbox(keel_env.settings.nats_url, settings, name="test-supervised",
+                    signing=consumer_signing(keel_env.settings))
     agent = make_agent(scratch_dir, node, outbox)
     handled: list[Event] = []
     raised: list[Event] = []
@@ -167,7 +170,8 @@ async def test_a_command_that_always_raises_is_answered_failed_and_holds_up_noth
     poison, after = (command(RanksRestartRequested(node_id=node, generation=g, reason="test", expires_at=expires),
                              f"node/{node}") for g in (1, 2))
     stop = asyncio.Event()
-    outbox = Outbox(keel_env.settings.nats_url, keel_env.settings.bus, name="test-isolated")
+    outbox = Outbox(keel_env.settings.nats_url, keel_env.settings.bus, name="test-isolated",
+                    signing=consumer_signing(keel_env.settings))
     agent = make_agent(scratch_dir, node, outbox)
     handled: list[Event] = []
     emitted: list[EventPayload] = []

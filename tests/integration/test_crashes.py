@@ -29,6 +29,9 @@ def service_env(settings: Settings) -> dict[str, str]:
         "KEEL_NATS_URL": settings.nats_url or "",
         "KEEL_DATABASE_URL": settings.database_url or "",
         "KEEL_DB_SCHEMA": settings.db_schema,
+        # The signing keys and keyring of the test's harness (tests/conftest.py): services sign with them
+        # and check against them, as under `keel up`.
+        **({"KEEL_CREDENTIALS_DIR": str(settings.credentials_dir)} if settings.credentials_dir else {}),
         "KEEL_BUS__SUBJECT_PREFIX": settings.bus.subject_prefix,
         "KEEL_BUS__STREAM": settings.bus.stream,
         "KEEL_BUS__DLQ_STREAM": settings.bus.dlq_stream,

@@ -151,7 +151,12 @@ async def test_approve_and_deny_publish_an_answer_once(keel_env) -> None:
     assert await keel_env.wait_for_count(4) == 4
     env = {**service_env(keel_env.settings), "USER": "carol"}
 
-    approve = await keel(env, "approve", str(requests[0].id)[:8], "--comment", "n2 is dead", "--by", "alice")
+    # Who answers is the identity whose key signs the answer, not a free-text name: --by naming anyone else
+    # is refused; signing as alice takes alice's key (signing.operator).
+    forged_by = await keel(env, "approve", str(requests[0].id)[:8], "--by", "alice")
+    assert forged_by.returncode == 2 and "--by 'alice' is not your signing identity 'carol'" in forged_by.stderr
+    approve = await keel({**env, "KEEL_SIGNING__OPERATOR": "alice"}, "approve", str(requests[0].id)[:8],
+                         "--comment", "n2 is dead")
     assert approve.returncode == 0, approve.stderr
     assert approve.stdout.startswith(f"keel: approved request {str(requests[0].id)[:8]} (evict for incident "
                                      f"{str(incident)[:8]}, job job1) as alice")
@@ -159,6 +164,7 @@ async def test_approve_and_deny_publish_an_answer_once(keel_env) -> None:
     assert given.payload.model_dump() == {"request_id": str(requests[0].id), "approved": True, "by": "alice",
                                           "comment": "n2 is dead"}
     assert given.correlation_id == incident and given.causation_id == requests[0].id and given.producer == "cli"
+    assert given.signed_by == "alice" and given.signature
 
     again = await keel(env, "deny", str(requests[0].id))
     assert again.returncode == 1 and "(evict) was already approved by alice" in again.stderr
@@ -167,6 +173,7 @@ async def test_approve_and_deny_publish_an_answer_once(keel_env) -> None:
     assert deny.returncode == 0, deny.stderr
     answers = await wait_for_type(keel_env, "ApprovalGiven", 2)
     assert [(a.payload.approved, a.payload.by) for a in answers] == [(True, "alice"), (False, "carol")]
+    assert [a.signed_by for a in answers] == ["alice", "carol"]
 
     late = await keel(env, "approve", str(expired.id))
     assert late.returncode == 1 and "(rollback) expired at" in late.stderr
@@ -193,11 +200,12 @@ async def test_cordon_and_uncordon_publish_node_cordoned(keel_env) -> None:
     cordon = await keel(env, "cordon", "n2", "--reason", "flaky NIC, RMA ticket 4411")
     assert cordon.returncode == 0, cordon.stderr
     assert cordon.stdout.startswith("keel: cordoned n2 of job job1 as carol")
-    uncordon = await keel(env, "uncordon", "n2", "--by", "dave", "--job", JOB)
+    uncordon = await keel({**env, "KEEL_SIGNING__OPERATOR": "dave"}, "uncordon", "n2", "--by", "dave", "--job", JOB)
     assert uncordon.returncode == 0, uncordon.stderr
     events = await wait_for_type(keel_env, "NodeCordoned", 2)
     assert [(e.job_id, e.subject, e.payload.cordoned, e.payload.by, e.payload.reason) for e in events] == [
         (JOB, "node/n2", True, "carol", "flaky NIC, RMA ticket 4411"), (JOB, "node/n2", False, "dave", "")]
+    assert "--by is deprecated" in uncordon.stderr and [e.signed_by for e in events] == ["carol", "dave"]
 
     unknown = await keel(env, "cordon", "n9", "--reason", "x")
     assert unknown.returncode == 1 and "node n9 has no events in the log: pass --job" in unknown.stderr

@@ -41,7 +41,7 @@ from keel.infra.embedded import NatsServer, free_port
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.infra.supervision import RestartPolicy
 from keel.infra.supervisor import ServiceSpec, Supervisor
-from tests.conftest import Servers, isolated_settings
+from tests.conftest import TEST_CREDENTIALS, Servers, isolated_settings
 from tests.integration.test_crashes import service_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -61,7 +61,8 @@ DECIDERS = {"controller", "checkpoint-broker", "analyzer", "hot-update"}
 class Outage:
     def __init__(self, servers: Servers, scratch: Path) -> None:
         self.scratch = scratch
-        self.nats = NatsServer(store_dir=scratch / "nats", port=free_port(), monitor_port=free_port(), sync_always=True)
+        self.nats = NatsServer(store_dir=scratch / "nats", port=free_port(), monitor_port=free_port(), sync_always=True,
+                               credentials_dir=TEST_CREDENTIALS)
         self.nats.start()
         self.settings = isolated_settings(Servers(self.nats.url, servers.database_url, self.nats))
         self.directory = scratch / "cluster"

@@ -62,7 +62,9 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     from keel.agent.agent import NodeAgent
     from keel.agent.inspector_adapter import build_watcher, classify
     from keel.agent.launch_spec import LaunchError, parse_launch_args
+    from keel.events.signing import KeyringError
     from keel.infra.outbox import Outbox
+    from keel.infra.signing import consumer_signing
 
     supervised = "--keel-supervised" in argv
     argv = [a for a in argv if a != "--keel-supervised"]
@@ -71,8 +73,14 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     except LaunchError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2
+    # The agent signs nothing; it checks its commands against the control plane's keyring (signing.keyring).
+    try:
+        signing = consumer_signing(settings)
+    except (KeyringError, OSError) as exc:
+        print(f"keel run: signing keyring: {exc}", file=sys.stderr)
+        return 2
     outbox = Outbox(nats_url, agent_bus_settings(settings, spec.job_id, spec.node_id),
-                    name=f"keel-agent-{spec.node_id}") if nats_url else None
+                    name=f"keel-agent-{spec.node_id}", signing=signing) if nats_url else None
     if outbox is None:
         log.warning("keel run: no NATS configured (KEEL_NATS_URL or `keel up`): supervising without reporting")
     try:

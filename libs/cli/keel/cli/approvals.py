@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from keel.cli.common import CliError, Subparsers, login_name, on_store, publish
+from keel.cli.common import CliError, Subparsers, on_store, operator_identity, publish
 from keel.cli.incidents import (
     BadInput,
     approval_answer,
@@ -35,7 +35,7 @@ def register(sub: Subparsers) -> None:
         answer = sub.add_parser(name, help=text)
         answer.add_argument("request_id", help="the ApprovalRequested event id or a prefix of 6+ characters")
         answer.add_argument("--comment", default="")
-        answer.add_argument("--by", help="who answers (default: your login name)")
+        answer.add_argument("--by", help="deprecated: who answers is your signing identity (signing.operator, default your login name)")
         answer.add_argument("--job", help="look the request up in this job only")
         answer.set_defaults(func=cmd_answer)
 
@@ -44,7 +44,7 @@ def register(sub: Subparsers) -> None:
         cordon = sub.add_parser(name, help=text)
         cordon.add_argument("node")
         cordon.add_argument("--reason", required=name == "cordon", default="")
-        cordon.add_argument("--by", help="who cordons (default: your login name)")
+        cordon.add_argument("--by", help="deprecated: who cordons is your signing identity (signing.operator, default your login name)")
         cordon.add_argument("--job", help="the node's job (default: the one job the log has the node in)")
         cordon.set_defaults(func=cmd_cordon)
 
@@ -52,7 +52,7 @@ def register(sub: Subparsers) -> None:
 def cmd_answer(args: argparse.Namespace, settings: Settings) -> int:
     """``keel approve`` and ``keel deny``."""
     approved = args.command == "approve"
-    by = args.by or login_name()
+    by = operator_identity(settings, args.by)
     request = on_store(settings, lambda store: load_open_request(store, args.request_id, now_utc(), args.job))
     try:
         answer = approval_answer(request, approved=approved, by=by, comment=args.comment, now=now_utc())
@@ -68,7 +68,7 @@ def cmd_answer(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_cordon(args: argparse.Namespace, settings: Settings) -> int:
     """``keel cordon`` and ``keel uncordon``."""
     cordoned = args.command == "cordon"
-    by = args.by or login_name()
+    by = operator_identity(settings, args.by)
 
     async def job_of(store: Any) -> str:
         jobs = await load_node_jobs(store.engine, args.node)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -90,15 +91,41 @@ def on_store(settings: Settings, use: Callable[[Any], Coroutine[Any, Any, Any]])
         raise CliError(str(exc)) from None
 
 
+def operator_identity(settings: Settings, by: str | None = None) -> str:
+    """Who the CLI acts as: the signing identity of operator events (``signing.operator``, else the login
+    name), which is also their ``by``. ``by`` (the deprecated ``--by``) may only repeat it: a name the key
+    does not prove is refused, with how to act as another identity."""
+    from keel.infra.signing import operator_name
+
+    identity = operator_name(settings, login_name())
+    if by is not None:
+        if by != identity:
+            raise CliError(f"--by {by!r} is not your signing identity {identity!r}: operator events carry the identity "
+                           "whose key signs them. Drop --by, or sign as another identity you hold the key of with "
+                           "KEEL_SIGNING__OPERATOR=NAME (setting signing.operator)")
+        print("keel: warning: --by is deprecated (operator events carry your signing identity); drop it",
+              file=sys.stderr)
+    return identity
+
+
 def publish(settings: Settings, event: Any) -> None:
-    """Publish one event on the bus; a NATS that does not answer within 10 s is a ``CliError``."""
+    """Publish one event on the bus, signed with the operator's key when its type needs it (created on first
+    use, ``keel.infra.signing.operator_signing``); a NATS that does not answer within 10 s is a ``CliError``."""
+    from keel.events.signing import KeyringError
     from keel.infra.bus import Bus
     from keel.infra.nats_auth import OPERATOR, bus_settings_for
+    from keel.infra.secrets import InsecurePathError
+    from keel.infra.signing import operator_signing
 
     nats_url, _ = endpoints(settings)
+    try:
+        signing = operator_signing(settings, login_name())
+    except (KeyringError, InsecurePathError) as exc:
+        raise CliError(f"cannot sign as an operator: {exc}") from None
 
     async def main() -> None:
-        bus = await asyncio.wait_for(Bus.connect(nats_url, bus_settings_for(settings, OPERATOR), name="keel-cli"),
+        bus = await asyncio.wait_for(Bus.connect(nats_url, bus_settings_for(settings, OPERATOR), name="keel-cli",
+                                                 signing=signing),
                                      timeout=10)
         try:
             await bus.publish(event)

@@ -265,7 +265,7 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         version_dir = scratch / "version-new-data-mix"
         version_dir.mkdir(parents=True, exist_ok=True)
         (version_dir / "train.py").write_text(BAD_VERSION.format(bug=BUG_STEP))
-        deployed = _keel(None, "deploy", str(version_dir), "--job", JOB, "--lazy", "--by", "demo",
+        deployed = _keel(None, "deploy", str(version_dir), "--job", JOB, "--lazy",
                          "--why", "new data mix", env={**os.environ, **env}, check=False)
         if deployed.returncode != 0:
             raise DemoError(f"keel deploy failed: {deployed.stderr[-2000:]}")

@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from keel.cli.common import CliError, Subparsers, endpoints
+from keel.cli.common import CliError, Subparsers, endpoints, login_name
 from keel.cluster.local import cluster_dir
 from keel.infra.config import Settings
 
@@ -114,6 +114,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
     run_migrations(database_url, settings.db_schema)
     asyncio.run(administer_streams(nats_url, settings))
+    _ensure_signing_keys(settings)
     services_dir = settings.home / "services"
     services_dir.mkdir(parents=True, exist_ok=True)
     if not args.no_services:
@@ -135,6 +136,18 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         _wait_until_ready(settings, supervisor, exited, timeout_s=60.0)
     print(json.dumps({"nats_url": nats_url, "database_url": database_url, **_status(settings, state)}, indent=2, default=str))
     return 0
+
+
+def _ensure_signing_keys(settings: Settings) -> None:
+    """The signing keys of the control plane and of the operator running ``keel up`` (docs/security.md)."""
+    from keel.events.signing import KeyringError
+    from keel.infra.secrets import InsecurePathError
+    from keel.infra.signing import ensure_control_plane_keys, operator_name
+
+    try:
+        ensure_control_plane_keys(settings, operator_name(settings, login_name()))
+    except (KeyringError, InsecurePathError) as exc:
+        raise CliError(f"signing keys: {exc}") from None
 
 
 def _keel_command(args: argparse.Namespace) -> list[str]:

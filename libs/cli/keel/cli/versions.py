@@ -1,6 +1,6 @@
 """``keel deploy`` and ``keel versions``: register code versions; show a job's history, current, stable, pending.
 
-    keel deploy PATH|REV --job J [--urgent|--lazy] [--deadline 24h] [--entry F | -m MOD] [--why W] [--by NAME]
+    keel deploy PATH|REV --job J [--urgent|--lazy] [--deadline 24h] [--entry F | -m MOD] [--why W]
     keel versions --job J [--json]
 
 ``deploy_event`` snapshots and validates a version here, in the CLI's process, and the command publishes
@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from keel.cli.common import CliError, Subparsers, login_name, on_store, print_json, publish
+from keel.cli.common import CliError, Subparsers, on_store, operator_identity, print_json, publish
 from keel.events.envelope import Event, now_utc
 from keel.events.types import (
     LAUNCH_VERSION,
@@ -54,7 +54,7 @@ def register(sub: Subparsers) -> None:
     deploy.add_argument("--deadline", help="a lazy version is forced this long after the deploy (default "
                                            "hot_update.default_deadline, 24h)")
     deploy.add_argument("--why", default="", help="what changed and why (shown by keel versions)")
-    deploy.add_argument("--by", help="who deploys (default: your login name)")
+    deploy.add_argument("--by", help="deprecated: who deploys is your signing identity (signing.operator, default your login name)")
     deploy.set_defaults(func=cmd_deploy)
 
     versions = sub.add_parser("versions", help="a job's code versions: history, current, stable, pending")
@@ -73,7 +73,7 @@ def cmd_deploy(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         raise CliError(f"--deadline: {exc}") from None
     event = deploy_event(settings, args.job, args.source, entry=entry, mode="urgent" if args.urgent else "lazy",
-                         deadline=deadline, by=args.by or login_name(), why=args.why, now=now_utc())
+                         deadline=deadline, by=operator_identity(settings, args.by), why=args.why, now=now_utc())
     publish(settings, event)
     p = event.payload
     if isinstance(p, CodeVersionRejected):

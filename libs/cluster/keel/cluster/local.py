@@ -44,6 +44,7 @@ from keel.infra.embedded import free_port
 from keel.infra.nats_auth import OPERATOR, bus_settings_for
 from keel.infra.secrets import ensure_private_dir
 from keel.infra.shard_ca import issue_node_certificate
+from keel.infra.signing import keyring_path
 
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
@@ -173,6 +174,9 @@ def cluster_up(
     env = dict(os.environ, **(extra_env or {}))
     if nats_url:
         env["KEEL_NATS_URL"] = nats_url
+    # The agents check their commands' signatures against the keyring these settings name (a config file
+    # given to this command is not read by the agents).
+    env.setdefault("KEEL_SIGNING__KEYRING", str(keyring_path(settings)))
     node_states = []
     for index in range(nodes + standby):
         is_standby = index >= nodes

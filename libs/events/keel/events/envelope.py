@@ -3,6 +3,10 @@
 One envelope for every event (see docs/events.md, and docs/architecture.md for the rules around it)::
 
     id, type, schema_version, job_id, subject, occurred_at, producer, causation_id, correlation_id, payload
+    [, signed_by, signature]
+
+``signed_by`` and ``signature`` are present on signed events only (``keel.events.signing`` says which types
+must be signed and by whom, and what the signature covers); an unsigned event's JSON does not hold them.
 
 Payloads are frozen pydantic models registered with ``@event_type(name, version, aggregate)``. When a
 payload's shape changes, its version goes up and a pure ``@upcaster(name, from_version)`` turns the
@@ -107,6 +111,10 @@ class Event(BaseModel):
     causation_id: uuid.UUID | None = None
     correlation_id: uuid.UUID | None = None
     payload: SerializeAsAny[EventPayload]
+    signed_by: str | None = Field(default=None, min_length=1, max_length=64)
+    """The keyring identity whose key signed this event (``keel.events.signing``); None: unsigned."""
+    signature: str | None = Field(default=None, min_length=1, max_length=128)
+    """Base64 ed25519 signature over the canonical envelope (``keel.events.signing.signing_bytes``)."""
 
     @property
     def aggregate_kind(self) -> str:
@@ -150,11 +158,18 @@ class Event(BaseModel):
         )
 
     def to_wire(self) -> dict[str, Any]:
-        """The JSON-ready envelope (payload at its class's version)."""
+        """The JSON-ready envelope (payload at its class's version); an unsigned one without the signature fields."""
+        if self.signature is None and self.signed_by is None:
+            return self.model_dump(mode="json", exclude=_SIGNATURE_FIELDS)
         return self.model_dump(mode="json")
 
     def to_json(self) -> bytes:
+        if self.signature is None and self.signed_by is None:
+            return self.model_dump_json(exclude=_SIGNATURE_FIELDS).encode()
         return self.model_dump_json().encode()
+
+
+_SIGNATURE_FIELDS = {"signed_by", "signature"}  # never mutated: what an unsigned event leaves out
 
 
 P = TypeVar("P", bound=type[EventPayload])

@@ -11,6 +11,9 @@ Contracts:
   on its own, for ever) attempts are not counted: a publish waits up to ``outage_tolerance`` for NATS to
   come back, so a NATS outage is ridden out rather than turned into a crash of every service.
 - Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
+- Signing (``keel.infra.signing.Signing``): every publish signs the events whose types the bus's keys must
+  sign (``keel.events.signing.REQUIRED_SIGNER``), so a service's decisions are signed wherever they are
+  published from; ``check`` is what consumers (``keel.infra.consumer``, the recorder) verify against.
 - ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
   original raw bytes, the headers say why and where it came from.
 
@@ -50,6 +53,7 @@ from keel.events.envelope import Event
 from keel.infra.config import BusSettings
 from keel.infra.metrics import STREAM_FULL_REFUSALS
 from keel.infra.nats_auth import NatsAuthError, load_identity
+from keel.infra.signing import NO_SIGNING, Signing
 from keel.infra.subjects import event_subject
 
 log = logging.getLogger(__name__)
@@ -186,10 +190,12 @@ class _Outage:
 class Bus:
     """One connection to NATS plus the JetStream context, for one subject prefix."""
 
-    def __init__(self, nc: NatsClient, settings: BusSettings) -> None:
+    def __init__(self, nc: NatsClient, settings: BusSettings, *, signing: Signing = NO_SIGNING) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=settings.publish_timeout.total_seconds())
         self.settings = settings
+        self.signing = signing
+        """The keys this connection signs with and the keyring its consumers check against."""
         self._stream_full_said = False
         self._denied: dict[str, asyncio.Event] = {}
         """Subjects a publish of this client is waiting on -> set when the server refused a publish there."""
@@ -219,7 +225,8 @@ class Bus:
             self._denied.pop(key, None)
 
     @classmethod
-    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False) -> Bus:
+    async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False,
+                      signing: Signing = NO_SIGNING) -> Bus:
         """Connect (retrying while the server starts) and make sure both streams exist.
 
         Only an administering client (``keel migrate``, ``keel-migrate``, ``keel up``) changes an existing
@@ -267,7 +274,7 @@ class Bus:
                 f"(credentials: {settings.credentials or 'none given'}). Set KEEL_BUS__CREDENTIALS to this "
                 "process's identity file, or run it the way `keel up` does (docs/security.md)")
         nc = connecting.result()
-        bus = cls(nc, settings)
+        bus = cls(nc, settings, signing=signing)
         buses.append(bus)
         await bus.ensure_streams(administer=administer)
         return bus
@@ -358,7 +365,8 @@ class Bus:
     # -- publishing ----------------------------------------------------------------------------
 
     async def publish(self, event: Event) -> PublishResult:
-        """Publish one event and wait for its acknowledgement (retrying transient errors)."""
+        """Publish one event (signed when it must be) and wait for its acknowledgement (retrying transient errors)."""
+        event = self.signing.sign(event)
         return await self.publish_raw(self.subject_for(event), event.to_json(), msg_id=str(event.id))
 
     async def publish_raw(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> PublishResult:
@@ -424,8 +432,11 @@ class Bus:
 
         A sliding window: the next event goes out as soon as any acknowledgement comes back. An
         acknowledgement that does not come within ``publish_timeout`` counts as a failure; failures
-        are retried as a group with backoff, then raised as ``PublishFailed``.
+        are retried as a group with backoff, then raised as ``PublishFailed``. Each event is signed when it
+        must be (``Signing.sign``).
         """
+        if self.signing.keys:
+            events = [self.signing.sign(event) for event in events]
         results: list[PublishResult | None] = [None] * len(events)
         pending = list(range(len(events)))
         timeout_s = self.settings.publish_timeout.total_seconds()

@@ -356,6 +356,20 @@ class HotUpdateSettings(_Section):
         return (self.versions_dir or home / "versions").expanduser()
 
 
+class SigningSettings(_Section):
+    """Signed events (``keel.events.signing``, docs/security.md): the controller, broker, analyzer, hot-update
+    and actuator sign what they decide, operators what they approve, cordon and deploy; whoever acts on one
+    checks it against the public keyring first. Keys live in ``<credentials>/signing/``."""
+
+    keyring: Path | None = None
+    """The public keyring consumers check signatures against (default ``<credentials>/signing/keyring.json``,
+    which ``keel up`` and each service's first start fill). On a multi-host deployment, point the agents of
+    every host at a copy of the control plane's keyring (public keys only: no secret in it)."""
+    operator: str | None = None
+    """The identity the CLI signs operator events (``keel approve``, ``keel cordon``, ``keel deploy``) with, and
+    so their ``by``: default your login name. Its key is ``<credentials>/signing/<operator>.key``."""
+
+
 class SupervisorSettings(_Section):
     """``keel up``'s supervisor (``keel supervise``): restarts a control-plane service that exits."""
 
@@ -426,6 +440,7 @@ class Settings(_Section):
     analyzer: AnalyzerSettings = AnalyzerSettings()
     hot_update: HotUpdateSettings = HotUpdateSettings()
     supervisor: SupervisorSettings = SupervisorSettings()
+    signing: SigningSettings = SigningSettings()
     snapshots: SnapshotSettings = SnapshotSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked

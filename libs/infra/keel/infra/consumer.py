@@ -9,6 +9,10 @@ The contract, the same for every consumer:
   subject than the one its envelope belongs on, is logged and terminated: never redelivered, never
   handed to the handler. The recorder dead-letters it with the same reason, so what a consumer acts on
   is exactly what the log keeps (an event from a component still on an older subject scheme included).
+- An event that needs a signature and has no valid one (``Bus.signing.check``: unsigned, signed by a key
+  the keyring lacks or of the wrong role, or whose signature does not match) is never handed to the
+  handler: it is dead-lettered with the reason (``Bus.dead_letter``; the recorder dead-letters the same
+  message under the same id, so it is kept once) and acknowledged.
 - A message is acknowledged only after its handler returns. A handler that raises leaves the message
   unacknowledged and the exception propagates (crash-only: the process restarts and sees it again).
 - One id, one body: an event id handled once is not handled again (a duplicate the stream took after
@@ -35,7 +39,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.msg import Msg
 
-from keel.events.envelope import Event, InvalidEvent, decode_event
+from keel.events.envelope import Event, InvalidEvent, decode_wire
 from keel.infra.bus import BatchPuller, Bus, fetch_batch, stream_sequence
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ RESET_CHECK_INTERVAL_S = 5.0
 class ConsumerStats:
     handled: int = 0
     malformed: int = 0
+    refused: int = 0
+    """Events refused for their signature (dead-lettered, never handled)."""
     duplicates: int = 0
     resets: int = 0
 
@@ -134,7 +140,7 @@ class EventConsumer:
         msgs = await self.fetch()
         for msg in msgs:
             try:
-                event = decode_event(msg.data, max_bytes=self.bus.settings.max_event_bytes)
+                as_sent, event = decode_wire(msg.data, max_bytes=self.bus.settings.max_event_bytes)
             except InvalidEvent as exc:
                 log.warning("%s: ignoring malformed message on %s: %s", self.durable, msg.subject, exc.reason)
                 self.stats.malformed += 1
@@ -146,6 +152,14 @@ class EventConsumer:
                             event.type, event.id, msg.subject, expected)
                 self.stats.malformed += 1
                 await msg.term()
+                continue
+            verdict = self.bus.signing.check(event, as_sent)
+            if not verdict.ok:
+                log.error("%s: refusing %s %s from %s: %s", self.durable, event.type, event.id, msg.subject,
+                          verdict.reason)
+                self.stats.refused += 1
+                await self.bus.dead_letter(msg, verdict.reason)
+                await msg.ack()
                 continue
             if event.id in self._recent:
                 log.info("%s: %s %s handled already; dropping the duplicate", self.durable, event.type, event.id)

@@ -508,15 +508,11 @@ class NatsServer:
         return identity_file(self.credentials_dir, name)
 
     def _attach_authority(self) -> None:
-        """Create the standard identities when missing, record this server with them and write its
-        authorization file (kept scopes that earlier runs added stay)."""
+        """Create the standard identities when missing, record this server with them (beside any other server
+        that shares the folder) and write its authorization file."""
         authority = self.authority
         authority.ensure_standard()
-        previous = authority.local_server()
-        scopes = previous.scopes if previous is not None and previous.auth_file == self.auth_file else (self.scope,)
-        server = LocalServer(self.auth_file, self.pid_file, self.monitor_url, scopes)
-        authority.attach(server)
-        authority.write_authorization(server)
+        authority.attach(LocalServer(self.auth_file, self.pid_file, self.monitor_url), self.scope)
 
     # -- derived paths ------------------------------------------------------------------------
     @property

@@ -292,27 +292,51 @@ class LocalServer:
     auth_file: Path
     pid_file: Path
     monitor_url: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"auth_file": str(self.auth_file), "pid_file": str(self.pid_file), "monitor_url": self.monitor_url}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, str]) -> LocalServer:
+        return cls(Path(raw["auth_file"]), Path(raw["pid_file"]), raw["monitor_url"])
+
+    def pid(self) -> int | None:
+        try:
+            pid = int(self.pid_file.read_text().split()[0])
+            os.kill(pid, 0)
+        except (OSError, ValueError, IndexError):
+            return None
+        return pid
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """``server.json``: the local servers that accept this folder's identities, and the scopes their
+    permissions are rendered for (the same for all)."""
+
+    servers: tuple[LocalServer, ...] = ()
     scopes: tuple[NatsScope, ...] = (NatsScope(),)
 
     def to_json(self) -> bytes:
-        raw = {"auth_file": str(self.auth_file), "pid_file": str(self.pid_file), "monitor_url": self.monitor_url,
+        raw = {"servers": [server.to_dict() for server in self.servers],
                "scopes": [asdict(scope) for scope in self.scopes]}
         return json.dumps(raw, indent=2).encode() + b"\n"
 
     @classmethod
-    def from_json(cls, data: bytes) -> LocalServer:
+    def from_json(cls, data: bytes) -> Attachment:
         raw = json.loads(data)
-        return cls(Path(raw["auth_file"]), Path(raw["pid_file"]), raw["monitor_url"],
+        return cls(tuple(LocalServer.from_dict(server) for server in raw["servers"]),
                    tuple(NatsScope(**scope) for scope in raw["scopes"]))
 
 
 class NatsAuthority:
-    """Issues identities into ``<credentials>/nats/`` and keeps a local server's authorization in step.
+    """Issues identities into ``<credentials>/nats/`` and keeps local servers' authorization in step.
 
-    ``attach(server)`` records the server this folder's identities are for (``server.json``); issuing an
-    identity then rewrites the server's authorization file and has it reload (SIGHUP), waiting until the
-    reload took effect. Without an attached server (an external NATS) an issued identity must be added to
-    that server by its operator (``render_authorization`` prints the block)."""
+    ``attach(server, scope)`` records a server that accepts this folder's identities (``server.json``;
+    several may, e.g. a test's own server beside the shared one); issuing an identity then rewrites each
+    running server's authorization file and has it reload (SIGHUP), waiting until the reload took effect.
+    Without an attached server (an external NATS) an issued identity must be added to that server by its
+    operator (``render_authorization`` renders the block)."""
 
     def __init__(self, credentials_dir: Path) -> None:
         self.folder = identity_dir(credentials_dir)
@@ -328,7 +352,7 @@ class NatsAuthority:
 
     def ensure(self, name: str, role: str, *, node: str | None = None, job: str | None = None,
                reload: bool = True) -> Path:
-        """The identity file of ``name`` (created, and the attached server reloaded, when missing)."""
+        """The identity file of ``name`` (created, and the attached servers reloaded, when missing)."""
         path = identity_file(self.folder.parent, name)
         ensure_private_dir(self.folder)
         if path.exists():
@@ -348,57 +372,76 @@ class NatsAuthority:
             self.ensure(name, name, reload=False)
 
     def ensure_agent(self, job_id: str, node_id: str) -> Path:
-        """The identity of node ``node_id``'s agent for ``job_id`` (issued and loaded by the server if new)."""
+        """The identity of node ``node_id``'s agent for ``job_id`` (issued and loaded by the servers if new)."""
         return self.ensure(agent_identity_name(job_id, node_id), AGENT, node=node_id, job=job_id)
 
-    def attach(self, server: LocalServer) -> None:
-        ensure_private_dir(self.folder)
-        write_secret(self.server_file, server.to_json())
-
-    def local_server(self) -> LocalServer | None:
+    def attachment(self) -> Attachment | None:
         if not self.server_file.exists():
             return None
-        return LocalServer.from_json(read_secret(self.server_file))
+        return Attachment.from_json(read_secret(self.server_file))
 
-    def write_authorization(self, server: LocalServer) -> None:
-        write_secret(server.auth_file, render_authorization(self.identities(), server.scopes).encode(),
+    def local_server(self) -> LocalServer | None:
+        """The first attached server still running (None: no local server to issue identities for)."""
+        attachment = self.attachment()
+        if attachment is None:
+            return None
+        return next((server for server in attachment.servers if server.pid() is not None), None)
+
+    def attach(self, server: LocalServer, scope: NatsScope) -> None:
+        """Record ``server`` (replacing a record of the same authorization file, dropping servers no longer
+        running) and write its authorization file. ``scope`` is added to the rendered scopes."""
+        ensure_private_dir(self.folder)
+        previous = self.attachment() or Attachment(servers=(), scopes=())
+        servers = tuple(s for s in previous.servers if s.auth_file != server.auth_file and s.pid() is not None)
+        scopes = previous.scopes if scope in previous.scopes else (*previous.scopes, scope)
+        attachment = Attachment((*servers, server), scopes)
+        write_secret(self.server_file, attachment.to_json())
+        self.write_authorization(server, attachment.scopes)
+
+    def write_authorization(self, server: LocalServer, scopes: Sequence[NatsScope]) -> None:
+        write_secret(server.auth_file, render_authorization(self.identities(), scopes).encode(),
                      private_parent=False)
 
     def add_scope(self, scope: NatsScope, keep: int = 8) -> None:
-        """Render the attached server's permissions for ``scope`` too (the newest ``keep`` scopes are kept):
+        """Render the attached servers' permissions for ``scope`` too (the newest ``keep`` scopes are kept):
         how a test server shared by tests with their own prefixes and streams enforces exact permissions."""
-        server = self.local_server()
-        if server is None:
+        attachment = self.attachment()
+        if attachment is None:
             raise NatsAuthError(f"no local NATS server attached to {self.folder}")
-        scopes = tuple(s for s in server.scopes if s != scope)[-(keep - 1):] + (scope,)
-        self.attach(LocalServer(server.auth_file, server.pid_file, server.monitor_url, scopes))
+        scopes = tuple(s for s in attachment.scopes if s != scope)[-(keep - 1):] + (scope,)
+        write_secret(self.server_file, Attachment(attachment.servers, scopes).to_json())
         self.reload()
 
     def reload(self, timeout_s: float = 10.0) -> bool:
-        """Rewrite the attached server's authorization and have it reload; False when none is attached or
-        it does not run (it reads the file when it starts)."""
-        server = self.local_server()
-        if server is None:
+        """Rewrite every running attached server's authorization and have it reload; False when none runs
+        (a server reads the file when it starts)."""
+        attachment = self.attachment()
+        if attachment is None:
             log.warning("NATS identities in %s have no local server attached: add the new identity to your "
                         "NATS server's authorization (docs/security.md)", self.folder)
             return False
-        self.write_authorization(server)
-        try:
-            pid = int(server.pid_file.read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            return False
-        before = _config_load_time(server.monitor_url)
-        try:
-            os.kill(pid, signal.SIGHUP)
-        except ProcessLookupError:
-            return False
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            now = _config_load_time(server.monitor_url)
-            if now is not None and now != before:
-                return True
-            time.sleep(0.02)
-        raise NatsAuthError(f"NATS server (pid {pid}) did not reload its authorization within {timeout_s:g} s")
+        reloaded = False
+        for server in attachment.servers:
+            pid = server.pid()
+            if pid is None:
+                continue
+            self.write_authorization(server, attachment.scopes)
+            before = _config_load_time(server.monitor_url)
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                continue
+            deadline = time.monotonic() + timeout_s
+            while True:
+                now = _config_load_time(server.monitor_url)
+                if now is not None and now != before:
+                    reloaded = True
+                    break
+                if time.monotonic() > deadline:
+                    raise NatsAuthError(f"NATS server (pid {pid}) did not reload its authorization within "
+                                        f"{timeout_s:g} s")
+                time.sleep(0.02)
+        return reloaded
 
 
 def _config_load_time(monitor_url: str) -> str | None:

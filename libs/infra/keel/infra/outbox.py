@@ -18,14 +18,20 @@ import logging
 from keel.events.envelope import Event
 from keel.infra.bus import Bus, PublishFailed
 from keel.infra.config import BusSettings
+from keel.infra.signing import NO_SIGNING, Signing
 
 log = logging.getLogger(__name__)
 
 
 class Outbox:
-    def __init__(self, url: str, settings: BusSettings, *, name: str, capacity: int = 10_000) -> None:
+    def __init__(self, url: str, settings: BusSettings, *, name: str, capacity: int = 10_000,
+                 signing: Signing = NO_SIGNING) -> None:
+        """``signing``: what the connection signs and what consumers on it (a node agent's commands) check
+        against (``keel.infra.signing``); by default nothing is signed and every event that needs a
+        signature is refused."""
         self.url = url
         self.settings = settings
+        self.signing = signing
         self.name = name
         self.pending: collections.deque[Event] = collections.deque(maxlen=capacity)
         self.dropped = 0
@@ -49,7 +55,8 @@ class Outbox:
         warned = False
         while not stop.is_set() and self.bus is None:
             try:
-                self.bus = await asyncio.wait_for(Bus.connect(self.url, self.settings, name=self.name), 3)
+                self.bus = await asyncio.wait_for(Bus.connect(self.url, self.settings, name=self.name,
+                                                                   signing=self.signing), 3)
                 self.connected.set()
                 if warned:
                     log.warning("%s: reached NATS at %s; publishing %d buffered events", self.name, self.url, len(self.pending))

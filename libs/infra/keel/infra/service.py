@@ -2,7 +2,8 @@
 service's own console script ``keel-NAME``).
 
 - ``serve_service``: the start-up every service shares: bring the event store's schema up to date and
-  open it (services that read the log), connect to NATS, build the service, ``start()`` it (rebuild its
+  open it (services that read the log), load (on first start create) its signing key and the keyring
+  (``keel.infra.signing``: identity and role are the service's name), connect to NATS, build the service, ``start()`` it (rebuild its
   state from the log, bind its consumer on ``keel.infra.consumer``), say it is ready, ``run(stop)``.
 - ``run_service``: signals (graceful once ready, at once while starting) and the ready file ``keel up``
   waits for.
@@ -26,6 +27,7 @@ from keel.infra.bus import Bus
 from keel.infra.config import ConfigError, Settings, SnapshotSettings, load_settings, resolve_endpoints
 from keel.infra.nats_auth import ADMIN, bus_settings_for
 from keel.infra.runner import DeciderRunner
+from keel.infra.signing import service_signing
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.kernel.decider import Decider
 
@@ -78,12 +80,13 @@ async def serve_service(
     given: every service but the actuator, which reads no log), connect to NATS, ``build`` the service,
     ``start()`` it, call ``on_ready`` once it consumes live, ``run(stop)``; the bus and the engine are
     closed whatever happens. ``describe``: an extra clause for the "consuming live" log line."""
+    signing = await asyncio.to_thread(service_signing, settings, name, name)
     engine = None
     if database_url is not None:
         await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
         engine = create_engine(database_url, settings.db_schema)
     try:
-        bus = await Bus.connect(nats_url, bus_settings_for(settings, name), name=f"keel-{name}")
+        bus = await Bus.connect(nats_url, bus_settings_for(settings, name), name=f"keel-{name}", signing=signing)
         try:
             service = build(bus, EventStore(engine) if engine is not None else None)
             await service.start()

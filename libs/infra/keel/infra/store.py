@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import TypeAdapter
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID, insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -55,6 +56,9 @@ events_table = sa.Table(
     sa.Column("causation_id", UUID(as_uuid=True), nullable=True),
     sa.Column("correlation_id", UUID(as_uuid=True), nullable=True),
     sa.Column("payload", JSONB, nullable=False),
+    # A signed event's signer and signature (keel.events.signing); null on unsigned ones.
+    sa.Column("signed_by", sa.Text, nullable=True),
+    sa.Column("signature", sa.Text, nullable=True),
 )
 
 tracking_table = sa.Table(
@@ -138,6 +142,8 @@ EVENT_COLUMNS = (
     "causation_id",
     "correlation_id",
     "payload",
+    "signed_by",
+    "signature",
 )
 
 # The migrations ship as package data of keel-migrations; Alembic wants a folder on disk, which an
@@ -205,6 +211,8 @@ def event_row(event: Event, js_seq: int | None, as_sent: dict[str, Any] | None =
         event.causation_id,
         event.correlation_id,
         json.dumps(payload, separators=(",", ":")),
+        event.signed_by,
+        event.signature,
     )
 
 
@@ -224,7 +232,8 @@ async def append_events(conn: AsyncConnection, rows: Sequence[tuple[Any, ...]]) 
     await raw.execute(
         "CREATE TEMP TABLE IF NOT EXISTS events_incoming ("
         "ord bigint, event_id uuid, js_seq bigint, type text, schema_version int, job_id text, subject text, "
-        "occurred_at timestamptz, producer text, causation_id uuid, correlation_id uuid, payload text"
+        "occurred_at timestamptz, producer text, causation_id uuid, correlation_id uuid, payload text, "
+        "signed_by text, signature text"
         ") ON COMMIT DELETE ROWS"
     )
     await raw.copy_records_to_table(
@@ -277,6 +286,8 @@ def _row_to_event(row: Any, registry: EventRegistry) -> Event:
         "causation_id": row.causation_id,
         "correlation_id": row.correlation_id,
         "payload": json.loads(payload) if isinstance(payload, str) else payload,
+        "signed_by": row.signed_by,
+        "signature": row.signature,
     }
     return registry.parse_envelope(envelope)
 
@@ -291,9 +302,13 @@ _ENVELOPE_JSON = sa.cast(
         "subject", events_table.c.subject, "occurred_at", events_table.c.occurred_at,
         "producer", events_table.c.producer, "causation_id", events_table.c.causation_id,
         "correlation_id", events_table.c.correlation_id, "payload", events_table.c.payload,
+        "signed_by", events_table.c.signed_by, "signature", events_table.c.signature,
     ),
     sa.Text,
 ).label("envelope")
+
+
+_DATETIME: TypeAdapter[datetime] = TypeAdapter(datetime)
 
 
 class EventStore:
@@ -389,6 +404,19 @@ class EventStore:
         if row is None:
             return None
         return RecordedEvent(row.position, row.js_seq, row.recorded_at, _row_to_event(row, self.registry))
+
+    async def envelope_as_stored(self, event_id: uuid.UUID) -> dict[str, Any] | None:
+        """Event ``event_id``'s envelope as the store keeps it (at the schema version it was sent at, not
+        upcast): what its signature covers (``keel.events.signing``). None when there is no such event."""
+        query = sa.select(_ENVELOPE_JSON).where(events_table.c.event_id == event_id)
+        async with self.engine.connect() as conn:
+            text = (await conn.execute(query)).scalar_one_or_none()
+        if text is None:
+            return None
+        envelope: dict[str, Any] = json.loads(text)
+        # Postgres writes timestamps its own way; the envelope as sent held pydantic's (the same instant).
+        envelope["occurred_at"] = _DATETIME.dump_python(_DATETIME.validate_python(envelope["occurred_at"]), mode="json")
+        return envelope
 
     async def count(self, job_id: str | None = None) -> int:
         query = sa.select(sa.func.count()).select_from(events_table)

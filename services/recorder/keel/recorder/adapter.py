@@ -1,7 +1,8 @@
 """Recorder adapter: JetStream in, Postgres out. The only I/O of the recorder.
 
-Per batch: fetch up to ``batch_size`` messages from the durable consumer; decode each (invalid ones
-go to the dead-letter stream and the ``dead_letters`` table, with the reason); in ONE transaction
+Per batch: fetch up to ``batch_size`` messages from the durable consumer; decode each (invalid ones, and
+events that need a signature and lack a valid one, go to the dead-letter stream and the ``dead_letters``
+table, with the reason); in ONE transaction
 append the valid events (idempotent on event id), apply the projections to the newly stored ones and
 advance the tracking row; commit; only then acknowledge every message of the batch.
 
@@ -256,6 +257,10 @@ class Recorder:
             expected = self.bus.subject_for(event)
             if msg.subject != expected:
                 plan.rejected.append((seq, f"published on {msg.subject} but the envelope belongs on {expected}"))
+                continue
+            verdict = self.bus.signing.check(event, as_sent)
+            if not verdict.ok:  # the log keeps only what a consumer may act on (keel.events.signing)
+                plan.rejected.append((seq, verdict.reason))
                 continue
             plan.accepted.append((seq, as_sent, event))
         return plan
