@@ -77,7 +77,10 @@ REQUIRED_SIGNER: Mapping[str, frozenset[str]] = {
     "NodeEvicted": _ACTUATOR,
     # Operator events: a human's approval, cordon, deploy.
     "ApprovalGiven": _OPERATOR, "NodeCordoned": _OPERATOR, "CodeVersionRegistered": _OPERATOR,
-    "CodeVersionRejected": _OPERATOR,
+    # A rejection is an operator's (keel deploy's own checks) or hot-update's (a malformed registration).
+    "CodeVersionRejected": _OPERATOR | _HOT_UPDATE,
+    # Where a holder learns which node may send it each rank's backups (the shard store's authorization).
+    "CheckpointNodeBackupsHeld": _BROKER,
 }
 """Event type -> the roles whose keys may sign it. An event of a type listed here is acted on only with a
 valid signature by a key of one of these roles; other types need none (one that carries a signature
@@ -195,7 +198,7 @@ def verify_event(event: Event, keyring: Keyring, *, as_sent: Mapping[str, Any] |
     except (KeyringError, InvalidSignature):
         return Verdict(False, f"bad signature: {what} does not match the signature of {signer.name!r} "
                               "(forged, or altered after it was signed)")
-    if event.type in OPERATOR_TYPES:
+    if event.type in OPERATOR_TYPES and signer.role == "operator":
         by = getattr(event.payload, "by", None)
         if by != signer.name:
             return Verdict(False, f"{what} says by={by!r} but is signed by {signer.name!r}: an operator event "

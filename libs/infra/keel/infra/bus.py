@@ -187,6 +187,14 @@ class _Outage:
                f"{self.bus.settings.outage_tolerance.total_seconds():g} s)"
 
 
+@dataclass
+class _Denial:
+    """A publish in flight that the server may refuse: the task awaiting it, and whether it was refused."""
+
+    task: asyncio.Task | None
+    fired: bool = False
+
+
 class Bus:
     """One connection to NATS plus the JetStream context, for one subject prefix."""
 
@@ -197,32 +205,36 @@ class Bus:
         self.signing = signing
         """The keys this connection signs with and the keyring its consumers check against."""
         self._stream_full_said = False
-        self._denied: dict[str, asyncio.Event] = {}
-        """Subjects a publish of this client is waiting on -> set when the server refused a publish there."""
+        self._denied: dict[str, _Denial] = {}
+        """Lower-cased subjects a publish of this client is waiting on (nats-py reports refusals lower-cased)."""
 
     def note_denied(self, text: str) -> None:
         """The server's ``Permissions Violation for Publish to "<subject>"``: fail the publish waiting on it."""
         subject = text.lower().split(PERMISSION_VIOLATION, 1)[1].strip().strip("')").strip().strip('"')
         log.error("NATS refused a publish to %s: this identity may not publish there", subject)
-        waiter = self._denied.get(subject)  # keyed lower-case, as nats-py reports it
-        if waiter is not None:
-            waiter.set()
+        denial = self._denied.get(subject)
+        if denial is not None and not denial.fired and denial.task is not None:
+            denial.fired = True
+            denial.task.cancel()  # _publish_checked turns this cancellation into NotPermitted
 
     async def _publish_checked(self, subject: str, data: bytes, headers: dict[str, str]) -> api.PubAck:
-        """``js.publish``; a publish the server refused for permissions (its acknowledgement never comes) raises
-        ``NotPermitted`` instead of counting as a transient failure to retry. Awaited inline, not in a task of
-        its own, so concurrent publishers keep their order."""
+        """``js.publish``, awaited inline (not in a task of its own, so concurrent publishers keep their order);
+        a publish the server refuses for permissions raises ``NotPermitted`` as soon as the server says so
+        (its acknowledgement never comes: nats-py would wait out the timeout, and it is not retried)."""
         key = subject.lower()
-        denied = self._denied.setdefault(key, asyncio.Event())
+        task = asyncio.current_task()
+        denied = _Denial(task)
+        self._denied[key] = denied
         try:
             return await self.js.publish(subject, data, headers=headers)
-        except _TRANSIENT:
-            if denied.is_set():
+        except asyncio.CancelledError:
+            if denied.fired and task is not None and task.uncancel() == 0:
                 raise NotPermitted(f"NATS refused a publish to {subject}: this client's identity may not publish "
                                    "there (keel.infra.nats_auth)") from None
             raise
         finally:
-            self._denied.pop(key, None)
+            if self._denied.get(key) is denied:
+                del self._denied[key]
 
     @classmethod
     async def connect(cls, url: str, settings: BusSettings, *, name: str = "keel", administer: bool = False,

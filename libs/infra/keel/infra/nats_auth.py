@@ -84,7 +84,8 @@ ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
         ("node", "CheckpointNodeBackupsAssigned"), ("job", "CheckpointBackupAssigned"),
         ("node", "CheckpointShardsStored"), ("job", "CheckpointStepCommitted"), ("job", "CheckpointScheduleSet"),
         ("job", "CheckpointPersisted"), ("node", "CheckpointNodeRestorePlanned"),
-        ("job", "CheckpointRestorePlanned"), ("job", "CheckpointTierFallback"), *_DECIDER_REFUSAL,
+        ("job", "CheckpointRestorePlanned"), ("job", "CheckpointTierFallback"), ("node", "CheckpointNodeBackupsHeld"),
+        *_DECIDER_REFUSAL,
     ),
     ANALYZER: (("job", "StacksAnalyzed"), ("job", "FailSlowConvicted"), ("job", "SdcReplayAnalyzed"),
                *_DECIDER_REFUSAL),
@@ -107,7 +108,7 @@ AGENT_OTHER_FACTS = (("rank", "RankStarted"), ("rank", "RankExited"), ("job", "C
 """What an agent reports on other aggregates: its ranks (rank ids are job-wide numbers, so any rank of a
 job it serves) and the job's tier fallback."""
 AGENT_NODE_COMMANDS = ("RanksRestartRequested", "StandbyPromotionRequested", "NodeClockSkewed",
-                       "CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned")
+                       "CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned", "CheckpointNodeBackupsHeld")
 AGENT_JOB_COMMANDS = ("DiagnosticsRequested", "StacksRequested", "SdcReplayRequested", "CheckpointBackupAssigned",
                       "CheckpointScheduleSet", "CheckpointRestorePlanned", "CheckpointStepCommitted")
 """What an agent consumes (``keel.agent.consumer``): what it may dead-letter."""

@@ -16,7 +16,7 @@ import collections
 import logging
 
 from keel.events.envelope import Event
-from keel.infra.bus import Bus, PublishFailed
+from keel.infra.bus import Bus, NotPermitted, PublishFailed
 from keel.infra.config import BusSettings
 from keel.infra.signing import NO_SIGNING, Signing
 
@@ -36,6 +36,8 @@ class Outbox:
         self.pending: collections.deque[Event] = collections.deque(maxlen=capacity)
         self.dropped = 0
         self.published = 0
+        self.refused = 0
+        """Events the server refused for this identity's permissions (dropped, each logged)."""
         self.bus: Bus | None = None
         self.connected = asyncio.Event()
         self._wakeup = asyncio.Event()
@@ -88,6 +90,11 @@ class Outbox:
                 log.warning("%s: publish failed, will retry: %s", self.name, exc)
                 await asyncio.sleep(0.5)
                 return
+            except NotPermitted as exc:
+                # This identity may never publish it (a bug, or a misconfigured identity): retrying would
+                # hold up every event behind it for good.
+                log.error("%s: dropped %s %s: %s", self.name, event.type, event.id, exc)
+                self.refused += 1
             if self.pending and self.pending[0] is event:
                 self.pending.popleft()
             self.published += 1

@@ -1,0 +1,95 @@
+"""A real NATS server with Keel's identities: strangers are refused, and each role's forbidden publishes and
+stream operations are refused by the server itself (exact scope: prefix ``keel``, streams ``KEEL``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+
+from keel.events.envelope import Event, now_utc
+from keel.events.types import NodeHeartbeat
+from keel.infra.bus import Bus, NotAuthorized, NotPermitted, connect_credentials
+from keel.infra.config import BusSettings
+from keel.infra.embedded import NatsServer, free_port
+from keel.infra.nats_auth import load_identity
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def server(scratch_dir: Path) -> Iterator[NatsServer]:
+    nats_server = NatsServer(scratch_dir / "nats", free_port(), free_port())  # identities in scratch/credentials
+    nats_server.start()
+    yield nats_server
+    nats_server.stop()
+
+
+def as_identity(server: NatsServer, name: str) -> BusSettings:
+    return BusSettings(credentials=server.identity_file(name), publish_attempts=2, publish_timeout="2s")
+
+
+async def test_a_client_without_or_with_wrong_credentials_is_refused_at_once(server: NatsServer) -> None:
+    started = time.monotonic()
+    with pytest.raises(NotAuthorized, match="none given"):
+        await Bus.connect(server.url, BusSettings(), name="stranger")
+    identity = load_identity(server.identity_file("controller"))
+    with pytest.raises(nats.errors.Error, match="(?i)authorization"):
+        await nats.connect(server.url, user=identity.user, password="guessed", allow_reconnect=False,
+                           max_reconnect_attempts=0, connect_timeout=2)
+    assert time.monotonic() - started < 5
+
+
+async def test_each_role_is_refused_what_it_may_not_do(server: NatsServer) -> None:
+    admin = await Bus.connect(server.url, as_identity(server, "admin"), name="admin", administer=True)
+    path = await asyncio.to_thread(server.authority.ensure_agent, "j", "n0")  # as `keel run` issues it
+    agent = await Bus.connect(server.url, BusSettings(credentials=path, publish_attempts=2), name="agent-n0")
+    operator = await Bus.connect(server.url, as_identity(server, "operator"), name="operator")
+    try:
+        heartbeat = Event.create(NodeHeartbeat(node_id="n0", ranks_alive=1, ranks_expected=1), job_id="j",
+                                 subject="node/n0", producer="node-agent", occurred_at=now_utc())
+        assert (await agent.publish(heartbeat)).stream_seq >= 1  # its own node's facts
+        started = time.monotonic()
+        with pytest.raises(NotPermitted):  # an eviction, even of its own node
+            await agent.publish_raw("keel.j.node.n0.NodeEvictionDecided", b"{}", msg_id="forged-1")
+        with pytest.raises(NotPermitted):  # another node's facts
+            await agent.publish_raw("keel.j.node.n1.NodeHeartbeat", b"{}", msg_id="forged-2")
+        with pytest.raises(NotPermitted):  # an operator may approve, not command
+            await operator.publish_raw("keel.j.node.n0.RanksRestartRequested", b"{}", msg_id="forged-3")
+        assert time.monotonic() - started < 3 * 2 + 2  # each refused on its first attempt, not retried
+        # Stream management: only the admin identity. The server refuses the request (no reply comes).
+        for client in (operator, agent):
+            with pytest.raises((nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError)):
+                await client.nc.request("$JS.API.STREAM.DELETE.KEEL", b"", timeout=1)
+        info = await admin.js.stream_info("KEEL")
+        assert info.state.messages == 1  # the heartbeat, and nothing forged
+        # An agent cannot take over the controller's consumer (say, to narrow its filter to nothing).
+        with pytest.raises((nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError)):
+            await agent.nc.request("$JS.API.CONSUMER.CREATE.KEEL.controller-j",
+                                   b'{"stream_name": "KEEL", "config": {"durable_name": "controller-j"}}', timeout=1)
+    finally:
+        for bus in (agent, operator, admin):
+            await bus.close()
+
+
+async def test_an_identity_reads_no_other_clients_replies(server: NatsServer) -> None:
+    settings = as_identity(server, "auditor")
+    credentials = connect_credentials(settings, server.url)
+    errors: list[Exception] = []
+
+    async def on_error(error: Exception) -> None:
+        errors.append(error)
+
+    nc = await nats.connect(server.url, error_cb=on_error, **credentials)  # type: ignore[arg-type]
+    try:
+        await nc.subscribe("_INBOX.controller.>")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        assert any("permissions violation for subscription" in str(e).lower() for e in errors)
+    finally:
+        await nc.close()
