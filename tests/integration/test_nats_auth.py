@@ -93,3 +93,25 @@ async def test_an_identity_reads_no_other_clients_replies(server: NatsServer) ->
         assert any("permissions violation for subscription" in str(e).lower() for e in errors)
     finally:
         await nc.close()
+
+
+async def test_a_tls_server_is_reached_verified_and_plain_text_is_refused(scratch_dir: Path) -> None:
+    server = NatsServer(scratch_dir / "nats", free_port(), free_port(), tls=True)
+    url = server.start()
+    try:
+        assert url.startswith("tls://")
+        settings = BusSettings(credentials=server.identity_file("admin"), tls_ca=server.tls_ca)
+        bus = await Bus.connect(url, settings, name="tls-admin", administer=True)
+        await bus.close()
+        # Without the CA the server's certificate is not trusted; plain text is not spoken at all.
+        with pytest.raises(Exception, match="(?i)certificate|ssl"):
+            await asyncio.wait_for(nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0,
+                                                **connect_credentials(BusSettings(credentials=settings.credentials),
+                                                                      url)), 5)  # type: ignore[arg-type]
+        with pytest.raises(Exception, match="(?i)certificate|ssl|tls"):  # the server requires TLS
+            await asyncio.wait_for(nats.connect(url.replace("tls://", "nats://"), allow_reconnect=False,
+                                                max_reconnect_attempts=0,
+                                                **connect_credentials(BusSettings(credentials=settings.credentials),
+                                                                      "nats://x")), 5)  # type: ignore[arg-type]
+    finally:
+        server.stop()

@@ -58,7 +58,9 @@ def register(sub: Subparsers) -> None:
 
 
 def runtime_for(settings: Settings) -> EmbeddedRuntime:
+    from keel.infra.config import credentials_path
     from keel.infra.embedded import EmbeddedRuntime
+    from keel.infra.nats_auth import NatsScope
 
     return EmbeddedRuntime(
         home=settings.home,
@@ -66,6 +68,9 @@ def runtime_for(settings: Settings) -> EmbeddedRuntime:
         nats_monitor_port=settings.nats.monitor_port,
         postgres_port=settings.postgres.port,
         sync_always=settings.nats.sync_always,
+        credentials_dir=credentials_path(settings),
+        nats_tls=settings.nats.tls,
+        nats_scope=NatsScope(settings.bus.subject_prefix, settings.bus.stream, settings.bus.dlq_stream),
     )
 
 

@@ -112,7 +112,7 @@ def connect_credentials(settings: BusSettings, url: str) -> dict[str, object]:
             except (OSError, NatsAuthError) as exc:
                 raise NotAuthorized(f"NATS credentials {path}: {exc}") from exc
             options.update(user=identity.user, password=identity.password, inbox_prefix=identity.inbox_prefix)
-    if settings.tls_ca or settings.tls_cert or url.startswith("tls://"):
+    if url.startswith("tls://") or settings.tls_cert:
         context = ssl.create_default_context(cafile=str(settings.tls_ca) if settings.tls_ca else None)
         if settings.tls_cert:
             context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key) if settings.tls_key else None)

@@ -50,6 +50,10 @@ class NatsSettings(_Section):
     """Its HTTP monitoring port; ``keel up`` waits on its ``/healthz`` for JetStream to be ready."""
     sync_always: bool = True
     """JetStream ``sync_interval: always``: an acknowledged publish is on disk. The single-server default."""
+    tls: bool = False
+    """Serve TLS only on the embedded server (``tls://``), with a certificate from a CA in the credentials folder
+    that clients verify (``bus.tls_ca`` defaults to it). Off by default: the embedded server listens on
+    127.0.0.1 only; every client authenticates either way."""
 
 
 class PostgresSettings(_Section):

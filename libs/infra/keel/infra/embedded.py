@@ -69,7 +69,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.infra.nats_auth import LocalServer, NatsAuthority, NatsScope, identity_file
+from keel.infra.nats_auth import LocalServer, NatsAuthority, NatsScope, ensure_server_tls, identity_file, server_tls_ca
 
 __all__ = [
     "LOCALHOST",
@@ -487,6 +487,9 @@ class NatsServer:
     ``<parent of store_dir>/credentials``. The server accepts only those identities."""
     scope: NatsScope = field(default_factory=NatsScope)
     """The subject prefix and streams the identities' permissions are first rendered for."""
+    tls: bool = False
+    """Serve TLS only (``tls://``), with a certificate for 127.0.0.1 and localhost from a CA in the credentials
+    folder (``keel.infra.nats_auth.ensure_server_tls``); clients verify it with ``tls_ca``."""
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir).expanduser().resolve()
@@ -529,7 +532,13 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{LOCALHOST}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{LOCALHOST}:{self.port}"
+
+    @property
+    def tls_ca(self) -> Path:
+        """The CA certificate clients verify this server's certificate with (when ``tls``)."""
+        assert self.credentials_dir is not None
+        return server_tls_ca(self.credentials_dir)
 
     @property
     def monitor_url(self) -> str:
@@ -595,6 +604,11 @@ class NatsServer:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def _render_config(self) -> str:
+        tls = []
+        if self.tls:
+            assert self.credentials_dir is not None
+            cert, key, _ = ensure_server_tls(self.credentials_dir, (LOCALHOST, "localhost"))
+            tls = ["tls {", f"  cert_file: {json.dumps(str(cert))}", f"  key_file: {json.dumps(str(key))}", "}"]
         js = [f"  store_dir: {json.dumps(str(self.store_dir))}"]
         if self.sync_always:
             js.append("  sync_interval: always")
@@ -606,6 +620,7 @@ class NatsServer:
                 f"max_payload: {NATS_MAX_PAYLOAD_BYTES}",
                 # Only Keel's identities connect, each with its own permissions (keel.infra.nats_auth).
                 f"include {json.dumps(self.auth_file.name)}",
+                *tls,
                 "jetstream {",
                 *js,
                 "}",
@@ -1014,9 +1029,14 @@ class EmbeddedRuntime:
     nats_monitor_port: int = 8322
     postgres_port: int = 5433
     sync_always: bool = True
+    credentials_dir: Path | None = None
+    """Where the servers' credentials live (default ``home/credentials``)."""
+    nats_tls: bool = False
+    nats_scope: NatsScope = field(default_factory=NatsScope)
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser().resolve()
+        self.credentials_dir = Path(self.credentials_dir or self.home / "credentials").expanduser()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EmbeddedRuntime:
@@ -1034,7 +1054,8 @@ class EmbeddedRuntime:
 
     @property
     def nats(self) -> NatsServer:
-        return NatsServer(self.home / "nats", self.nats_port, self.nats_monitor_port, self.sync_always)
+        return NatsServer(self.home / "nats", self.nats_port, self.nats_monitor_port, self.sync_always,
+                          credentials_dir=self.credentials_dir, scope=self.nats_scope, tls=self.nats_tls)
 
     @property
     def postgres(self) -> PostgresServer:

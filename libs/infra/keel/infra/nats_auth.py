@@ -463,9 +463,27 @@ def bus_settings_for(settings: Settings, identity: str) -> BusSettings:
     """``settings.bus`` with this process's NATS identity: ``bus.credentials`` when set; else identity
     ``identity``'s file in the credentials folder when there is one (what ``keel up`` issued); else as it is
     (a server without authorization, or the connect is refused with the reason)."""
-    if settings.bus.credentials is not None:
-        return settings.bus
+    bus = settings.bus
+    if bus.tls_ca is None and (tls_ca := server_tls_ca(credentials_path(settings))).exists():
+        bus = bus.model_copy(update={"tls_ca": tls_ca})  # used only with a tls:// URL
+    if bus.credentials is not None:
+        return bus
     path = identity_file(credentials_path(settings), identity)
     if not path.exists():
-        return settings.bus
-    return settings.bus.model_copy(update={"credentials": path})
+        return bus
+    return bus.model_copy(update={"credentials": path})
+
+
+def server_tls_ca(credentials_dir: Path) -> Path:
+    """The CA certificate of a Keel-managed NATS server's TLS (``ensure_server_tls``)."""
+    return identity_dir(credentials_dir) / "shard-ca" / "tls" / "ca.pem"
+
+
+def ensure_server_tls(credentials_dir: Path, hosts: Sequence[str]) -> tuple[Path, Path, Path]:
+    """``(certificate, key, CA certificate)`` for a NATS server reachable as ``hosts``, from a CA of its own
+    kept under ``<credentials>/nats/`` (the shard stores' CA code, ``keel.infra.shard_ca``, for one pseudo
+    job ``tls``). Clients verify the server with the CA (``bus.tls_ca``); issued anew on every call."""
+    from keel.infra.shard_ca import issue_node_certificate
+
+    issued = issue_node_certificate(identity_dir(credentials_dir), "tls", "nats-server", hosts=tuple(hosts))
+    return issued.cert, issued.key, issued.ca
