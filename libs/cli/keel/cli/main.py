@@ -39,6 +39,7 @@ from keel.cli import (
     approvals,
     checkpoints,
     cluster_cmd,
+    credentials_cmd,
     demo,
     dlq,
     events_cmd,
@@ -50,7 +51,7 @@ from keel.cli import (
 from keel.cli.common import CliError, settings_from_args
 from keel.infra.config import ConfigError
 
-COMMAND_MODULES = (runtime, replay, events_cmd, dlq, agent_cmd, cluster_cmd, checkpoints, incidents, approvals, versions, demo)
+COMMAND_MODULES = (runtime, credentials_cmd, replay, events_cmd, dlq, agent_cmd, cluster_cmd, checkpoints, incidents, approvals, versions, demo)
 """Every command module, in the order ``keel --help`` lists their commands."""
 
 

@@ -355,6 +355,7 @@ class NatsAuthority:
                reload: bool = True) -> Path:
         """The identity file of ``name`` (created, and the attached servers reloaded, when missing)."""
         path = identity_file(self.folder.parent, name)
+        ensure_private_dir(self.folder.parent)  # the credentials folder itself, before mkdir makes it 0755
         ensure_private_dir(self.folder)
         if path.exists():
             existing = load_identity(path)
@@ -391,6 +392,7 @@ class NatsAuthority:
     def attach(self, server: LocalServer, scope: NatsScope) -> None:
         """Record ``server`` (replacing a record of the same authorization file, dropping servers no longer
         running) and write its authorization file. ``scope`` is added to the rendered scopes."""
+        ensure_private_dir(self.folder.parent)
         ensure_private_dir(self.folder)
         previous = self.attachment() or Attachment(servers=(), scopes=())
         servers = tuple(s for s in previous.servers if s.auth_file != server.auth_file and s.pid() is not None)
