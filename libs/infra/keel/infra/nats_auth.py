@@ -234,6 +234,9 @@ def permissions(identity: NatsIdentity, scope: NatsScope) -> dict[str, dict[str,
         publish += [f"{scope.dlq_prefix}.{job}.node.{node}.{event_type}" for event_type in AGENT_NODE_COMMANDS]
         publish += [f"{scope.dlq_prefix}.{job}.job.*.{event_type}" for event_type in AGENT_JOB_COMMANDS]
         return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+    if role in (AUDITOR, OPERATOR):  # dead letters are for people to read (keel dlq show)
+        publish += [f"$JS.API.STREAM.MSG.GET.{scope.dlq_stream}", f"$JS.API.DIRECT.GET.{scope.dlq_stream}",
+                    f"$JS.API.DIRECT.GET.{scope.dlq_stream}.>"]
     if role == AUDITOR:
         return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
     publish += _events(scope, ROLE_EVENT_TYPES.get(role, ()))
