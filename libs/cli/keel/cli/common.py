@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from keel.infra.config import ConfigError, Settings, load_settings, resolve_endpoints
+from keel.infra.dbroles import AUDITOR
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``ArgumentParser.add_subparsers`` returns (argparse has no public name for it). Each command
@@ -46,10 +47,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(Path(args.config) if args.config else None, overrides=overrides)
 
 
-def endpoints(settings: Settings) -> tuple[str, str]:
-    """(NATS URL, database URL): external servers when configured, else the running embedded ones."""
+def endpoints(settings: Settings, role: str | None = AUDITOR) -> tuple[str, str]:
+    """(NATS URL, database URL): external servers when configured, else the running embedded ones. The database
+    URL carries ``role``'s credentials (by default the read-only auditor's: every reporting command only reads;
+    ``None``: no credentials, for a caller that needs only NATS)."""
     try:
-        return resolve_endpoints(settings)
+        return resolve_endpoints(settings, role)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
@@ -60,7 +63,7 @@ def nats_url_or_none(settings: Settings) -> str | None:
     if settings.nats_url:
         return settings.nats_url
     try:
-        return endpoints(settings)[0]
+        return endpoints(settings, None)[0]
     except CliError:
         return None
 
@@ -94,7 +97,7 @@ def publish(settings: Settings, event: Any) -> None:
     """Publish one event on the bus; a NATS that does not answer within 10 s is a ``CliError``."""
     from keel.infra.bus import Bus
 
-    nats_url, _ = endpoints(settings)
+    nats_url, _ = endpoints(settings, None)
 
     async def main() -> None:
         bus = await asyncio.wait_for(Bus.connect(nats_url, settings.bus, name="keel-cli"), timeout=10)
