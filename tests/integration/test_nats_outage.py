@@ -80,7 +80,8 @@ class Outage:
         self.store = EventStore(self.engine)
 
     async def start(self) -> None:
-        await asyncio.to_thread(run_migrations, self.settings.database_url, self.settings.db_schema)
+        await asyncio.to_thread(run_migrations, self.settings.database_urls.migrate or self.settings.database_url,
+                                self.settings.db_schema)
         self.task = asyncio.create_task(self.supervisor.run(self.stop))
         deadline = time.monotonic() + 120
         while not all(s.state == "running" for s in self.supervisor.services.values()):

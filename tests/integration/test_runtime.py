@@ -117,7 +117,8 @@ def test_nats_config_sync_interval():
 async def test_postgres_start_query_stop_idempotent(workdir, servers):
     pg = _pg(workdir, servers)
     dsn = pg.start()
-    assert dsn == f"postgresql://keel@127.0.0.1:{pg.port}/postgres" == pg.dsn
+    assert dsn == pg.dsn and dsn.startswith("postgresql://keel:") and dsn.endswith(f"@127.0.0.1:{pg.port}/postgres")
+    assert pg.address == f"postgresql://127.0.0.1:{pg.port}/postgres"
     pid = pg.pid
     assert pid is not None and pg.is_running() and pg.pid_file.exists()
     assert pg.start() == dsn and pg.pid == pid  # idempotent, same process
@@ -308,12 +309,12 @@ async def test_embedded_runtime_up_status_down(workdir, servers):
     info = r.up()
     assert json.loads(r.runtime_file.read_text()) == info
     assert info["nats"]["url"] == f"nats://127.0.0.1:{r.nats_port}"
-    assert info["postgres"]["dsn"] == f"postgresql://keel@127.0.0.1:{r.postgres_port}/postgres"
+    assert info["postgres"]["dsn"] == f"postgresql://127.0.0.1:{r.postgres_port}/postgres"  # no credentials
     st = r.status()
     assert st["nats"]["running"] and st["postgres"]["running"]
     assert st["nats"]["pid"] == info["nats"]["pid"] and st["postgres"]["pid"] == info["postgres"]["pid"]
     assert r.up() == info  # idempotent: same pids
-    assert await _pg_fetchval(st["postgres"]["dsn"], "select 1") == 1
+    assert await _pg_fetchval(r.postgres.dsn, "select 1") == 1
     nc = await _nats_connect(st["nats"]["url"])
     await nc.close()
     r.down()

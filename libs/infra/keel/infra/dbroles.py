@@ -113,11 +113,16 @@ def quote_ident(name: str) -> str:
     return f'"{name}"'
 
 
-def grant_statements(schema: str) -> list[str]:
+def grant_statements(schema: str, present: frozenset[str] | None = None) -> list[str]:
     """The statements that give each non-owner role exactly its privileges in ``schema`` (run by the
-    tables' owner or a superuser, in one transaction, after the migrations)."""
+    tables' owner or a superuser, in one transaction, after the migrations). ``present``: the tables and
+    functions (``name()``) the schema has (a schema migrated to an older revision lacks some); None: all."""
+    def has(name: str) -> bool:
+        return present is None or name in present
+
     s = quote_ident(schema)
-    out = [f"REVOKE ALL ON FUNCTION {s}.{LOCK_FUNCTION}() FROM PUBLIC"]
+    lock = f"{LOCK_FUNCTION}()"
+    out = [f"REVOKE ALL ON FUNCTION {s}.{lock} FROM PUBLIC"] if has(lock) else []
     for role in (RECORDER, DECIDER, AUDITOR):
         name = quote_ident(pg_role(role))
         out += [f"REVOKE ALL ON ALL TABLES IN SCHEMA {s} FROM {name}",
@@ -125,9 +130,11 @@ def grant_statements(schema: str) -> list[str]:
                 f"REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {s} FROM {name}",
                 f"GRANT USAGE ON SCHEMA {s} TO {name}"]
         for table, privileges in TABLE_PRIVILEGES[role].items():
-            out.append(f"GRANT {', '.join(privileges)} ON TABLE {s}.{quote_ident(table)} TO {name}")
+            if has(table):
+                out.append(f"GRANT {', '.join(privileges)} ON TABLE {s}.{quote_ident(table)} TO {name}")
         for function in FUNCTION_PRIVILEGES.get(role, ()):
-            out.append(f"GRANT EXECUTE ON FUNCTION {s}.{function} TO {name}")
+            if has(function):
+                out.append(f"GRANT EXECUTE ON FUNCTION {s}.{function} TO {name}")
     return out
 
 

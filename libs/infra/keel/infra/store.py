@@ -232,7 +232,11 @@ def grant_privileges(connection: Connection, schema: str) -> None:
                 f"or run `keel migrate` as a role with CREATEROLE")
         for name in missing:
             connection.execute(sa.text(f"CREATE ROLE {quote_ident(name)} NOLOGIN"))
-    for statement in grant_statements(schema):
+    present = connection.execute(sa.text(
+        "SELECT relname FROM pg_class WHERE relnamespace = CAST(:s AS regnamespace) AND relkind IN ('r', 'p') "
+        "UNION SELECT proname || '()' FROM pg_proc WHERE pronamespace = CAST(:s AS regnamespace) AND pronargs = 0"),
+        {"s": quote_ident(schema)}).scalars()
+    for statement in grant_statements(schema, frozenset(present)):
         connection.execute(sa.text(statement))
 
 
