@@ -12,7 +12,9 @@ import asyncio
 import json
 import os
 import shutil
+import ssl
 import stat
+import struct
 import subprocess
 import sys
 import uuid
@@ -335,3 +337,157 @@ def test_a_configured_database_url_takes_its_password_from_a_file_and_roles_over
 
     with pytest.raises(ConfigError, match="database_password_file .*absent"):
         resolve_endpoints(missing, RECORDER)
+
+
+# -- TLS: libpq's sslmode through SQLAlchemy and asyncpg --------------------------------------------------
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def _make_ca_and_server_cert(folder: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate for 127.0.0.1, server key), made with openssl."""
+    ca_key, ca, key, csr, cert = (folder / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=keel-test-ca",
+             "-keyout", str(ca_key), "-out", str(ca))
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-days", "1",
+             "-extfile", str(ext), "-out", str(cert))
+    return ca, cert, key
+
+
+class TlsFrontEnd:
+    """A TLS front end for the embedded PostgreSQL (whose build has no TLS): it answers the client's SSLRequest
+    with 'S', does the server side of the handshake with ``context`` and then relays the plain protocol to the
+    server. ``handshakes`` counts the clients that completed TLS; ``plain`` those that asked for none."""
+
+    SSL_REQUEST, GSSENC_REQUEST = 80877103, 80877104
+
+    def __init__(self, backend_port: int, context: ssl.SSLContext) -> None:
+        self.backend_port, self.context = backend_port, context
+        self.handshakes = self.plain = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> TlsFrontEnd:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await reader.readexactly(8)
+            while struct.unpack("!ii", first)[1] == self.GSSENC_REQUEST:
+                writer.write(b"N")
+                first = await reader.readexactly(8)
+            if struct.unpack("!ii", first)[1] == self.SSL_REQUEST:
+                writer.write(b"S")
+                await writer.drain()
+                await writer.start_tls(self.context)
+                self.handshakes += 1
+                first = b""
+            else:
+                self.plain += 1
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.backend_port)
+            up_writer.write(first)
+
+            async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+                dst.close()
+
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+        except (OSError, asyncio.IncompleteReadError, ssl.SSLError):
+            writer.close()
+
+
+async def _tls_query(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as conn:
+            return int((await conn.execute(sa.text("SELECT 1"))).scalar_one())
+    finally:
+        await engine.dispose()
+
+
+async def test_sslmode_in_the_url_reaches_a_tls_server_and_verify_full_checks_the_name(pg: PostgresServer,
+                                                                                        scratch: Path) -> None:
+    ca, cert, key = _make_ca_and_server_cert(scratch)
+    (scratch / "other").mkdir()
+    other_ca, _, _ = _make_ca_and_server_cert(scratch / "other")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    async with TlsFrontEnd(pg.port, context) as front:
+        base = pg.role_dsn(AUDITOR).replace(f":{pg.port}/", f":{front.port}/")
+        assert await _tls_query(f"{base}?sslmode=require") == 1
+        assert await _tls_query(f"{base}?sslmode=verify-full&sslrootcert={ca}") == 1
+        assert front.handshakes == 2
+        with pytest.raises(ssl.SSLCertVerificationError):  # signed by another CA
+            await _tls_query(f"{base}?sslmode=verify-full&sslrootcert={other_ca}")
+        by_name = base.replace("@127.0.0.1:", "@localhost:")  # the certificate names 127.0.0.1 only
+        with pytest.raises(ssl.SSLCertVerificationError, match="match|mismatch"):
+            await _tls_query(f"{by_name}?sslmode=verify-full&sslrootcert={ca}")
+        assert await _tls_query(f"{by_name}?sslmode=verify-ca&sslrootcert={ca}") == 1  # verify-ca checks no name
+        assert await _tls_query(f"{base}?sslmode=disable") == 1 and front.plain == 1
+
+
+# -- docker-compose's PostgreSQL set-up, without Docker ---------------------------------------------------
+
+
+async def test_the_compose_role_script_makes_roles_the_migration_and_services_work_with(scratch: Path) -> None:
+    """infra/postgres/make-secrets.sh and init-roles.sh (what the postgres container runs at its first start)
+    against a real server whose Keel roles were dropped first: keel-migrate then migrates as keel_migrate and
+    the recorder's role may append, with the generated passwords."""
+    root = Path(__file__).resolve().parents[2]
+    server = PostgresServer(scratch / "pg", free_port())
+    try:
+        server.start()
+        conn = await asyncpg.connect(server.dsn)
+        await conn.execute("CREATE DATABASE keel")
+        for role in ROLES:
+            await conn.execute(f"DROP OWNED BY keel_{role}")
+            await conn.execute(f"DROP ROLE keel_{role}")
+        await conn.close()
+        secrets = scratch / "secrets" / "postgres"
+        subprocess.run(["sh", str(root / "infra/postgres/make-secrets.sh"), str(secrets)], check=True, capture_output=True)
+        assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+        mounted = scratch / "run-secrets"  # what compose's `secrets:` makes of them
+        mounted.mkdir()
+        for role in ROLES:
+            shutil.copy(secrets / f"{role}.password", mounted / f"postgres_{role}")
+        psql_dir = server._account_and_bin()[1]
+        env = {**os.environ, "PATH": f"{psql_dir}:{os.environ['PATH']}", "PGHOST": "127.0.0.1", "PGPORT": str(server.port),
+               "PGPASSWORD": server.dsn.split(":")[2].split("@")[0], "POSTGRES_USER": "keel", "POSTGRES_DB": "keel",
+               "KEEL_PG_SECRETS": str(mounted)}
+        result = subprocess.run(["sh", str(root / "infra/postgres/init-roles.sh")], env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+
+        def url(role: str) -> str:
+            return f"postgresql://keel_{role}:{(secrets / f'{role}.password').read_text()}@127.0.0.1:{server.port}/keel"
+
+        await asyncio.to_thread(run_migrations, url(MIGRATE), "public")
+        engine = create_engine(url(RECORDER))
+        try:
+            async with engine.begin() as c:
+                await append_events(c, [event_row(_event(), 1)])
+            assert await EventStore(engine).count() == 1
+        finally:
+            await engine.dispose()
+        conn = await asyncpg.connect(url(DECIDER))
+        try:
+            assert await _denied(conn, "DELETE FROM events") == PERMISSION_DENIED
+        finally:
+            await conn.close()
+    finally:
+        server.stop()

@@ -34,7 +34,9 @@ class CrashingPostgresRecorder(Recorder):
 
     async def _write(self, conn: AsyncConnection, plan: BatchPlan, by_seq):  # type: ignore[no-untyped-def]
         result = await super()._write(conn, plan, by_seq)
-        if self.crashed < self.crashes and plan.accepted:
+        # Not while the previous restart is still under way (start() also sets up the roles once the server is up).
+        if self.crashed < self.crashes and plan.accepted and (self.crashed == 0 or self.restarted.is_set()):
+            self.restarted.clear()
             self.crashed += 1
             self.postgres.kill()  # the transaction holding this batch's COPY dies with the server
 
