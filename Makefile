@@ -18,7 +18,7 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
 DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'grpcio-tools>=1.85.1' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
 
-.PHONY: install test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs clean
+.PHONY: install test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets clean
 
 install: $(STAMP)
 
@@ -94,6 +94,10 @@ schema: install
 # docs/configuration.md is generated from the settings models (keel.infra.config); a unit test fails when stale.
 config-docs: install
 	$(BIN)/python -m keel.infra.config_docs --write docs/configuration.md
+
+# docker-compose.yml's PostgreSQL passwords (one per role, random, never committed); kept if they exist.
+compose-secrets:
+	sh infra/postgres/make-secrets.sh .secrets/postgres
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/protocol/keel/protocol \

@@ -3,6 +3,10 @@
 With ``KEEL_NATS_URL`` / ``KEEL_DATABASE_URL`` set, those servers are used instead. Every test gets its
 own subject prefix, JetStream streams and Postgres schema (``keel_env``), so tests never see each
 other's events. Tests that restart a server start their own (``own_nats`` / ``own_postgres``).
+
+PostgreSQL is used as a user would: the schema is migrated as the ``migrate`` role, and the settings of a test
+(``isolated_settings``) name each role's URL (``database_urls``), so services started by a test connect as
+their own least-privilege role. ``database_url`` stays the superuser's, for the tests' own inspection.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import pytest
 import pytest_asyncio
 
 from keel.infra.bus import Bus
-from keel.infra.config import BusSettings, RecorderSettings, Settings
+from keel.infra.config import BusSettings, DatabaseUrls, RecorderSettings, Settings
+from keel.infra.dbroles import MIGRATE, ROLES
 from keel.infra.embedded import NatsServer, PostgresServer, free_port
 from keel.infra.nats_auth import ADMIN, NatsScope
 from keel.infra.signing import CONTROL_PLANE, KeyringFile, Signing, ensure_signing_identity, keyring_path
@@ -78,9 +83,15 @@ def _remove_test_credentials() -> Iterator[None]:
 class Servers:
     nats_url: str
     database_url: str
+    role_urls: dict[str, str] = field(default_factory=dict)
+    """Each ``keel.infra.dbroles`` role's URL on the session's own server (empty for an external database)."""
     nats: NatsServer | None = None
     """The NATS server started here (None with ``KEEL_NATS_URL``); its identities are in ``TEST_CREDENTIALS``
     (every server the tests start shares them, as the signing keys)."""
+
+    def url(self, role: str) -> str:
+        """``role``'s URL (the configured database URL when there are no per-role ones)."""
+        return self.role_urls.get(role, self.database_url)
 
 
 @pytest.fixture(scope="session")
@@ -98,13 +109,15 @@ def servers() -> Iterator[Servers]:
                               credentials_dir=TEST_CREDENTIALS)
             nats_url = nats.start()
             started.append(nats)
+        role_urls: dict[str, str] = {}
         if external_db:
             database_url = external_db
         else:
             postgres = PostgresServer(data_dir=root / "pg", port=free_port())
             database_url = postgres.start()
             started.append(postgres)
-        yield Servers(nats_url, database_url, nats)
+            role_urls = {role: postgres.role_dsn(role) for role in ROLES}
+        yield Servers(nats_url, database_url, role_urls, nats)
     finally:
         for server in reversed(started):
             server.stop()
@@ -127,6 +140,7 @@ def isolated_settings(servers: Servers, **recorder: object) -> Settings:
     return Settings(
         nats_url=servers.nats_url,
         database_url=servers.database_url,
+        database_urls=DatabaseUrls(**servers.role_urls),
         db_schema=f"t_{tag}",
         credentials_dir=TEST_CREDENTIALS,
         bus=bus,
@@ -180,7 +194,7 @@ class KeelEnv:
 @pytest_asyncio.fixture
 async def keel_env(servers: Servers) -> AsyncIterator[KeelEnv]:
     settings = isolated_settings(servers)
-    await asyncio.to_thread(run_migrations, servers.database_url, settings.db_schema)
+    await asyncio.to_thread(run_migrations, servers.url(MIGRATE), settings.db_schema)
     bus = await Bus.connect(servers.nats_url, settings.bus, signing=harness_signing())
     assert keyring_path(settings) == TEST_CREDENTIALS / "signing" / "keyring.json"
     engine = create_engine(servers.database_url, settings.db_schema)

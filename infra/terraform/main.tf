@@ -2,7 +2,8 @@
 #
 #   namespace
 #   NATS JetStream cluster (official nats Helm chart: file storage on PVCs, var.nats_replicas servers)
-#   ConfigMap (KEEL_* settings) + Secret (KEEL_DATABASE_URL for the managed PostgreSQL)
+#   ConfigMap (KEEL_* settings) + one Secret per database role (KEEL_DATABASE_URL of that role on the
+#   managed PostgreSQL; the recorder's and deciders' passwords generated here: random_password)
 #   migrate Job (`keel-migrate`), then one Deployment per control-plane service (one replica each):
 #   recorder, controller, checkpoint-broker, analyzer, hot-update
 #
@@ -151,9 +152,36 @@ resource "kubernetes_config_map_v1" "settings" {
   data = local.keel_settings
 }
 
+# -- database roles (keel.infra.dbroles) -----------------------------------------------------------------
+#
+# var.database_url is keel_migrate's (the tables' owner, the only role with DDL): only the migrate Job gets it.
+# The recorder and the deciders connect as their own least-privilege roles, with passwords generated here; the
+# auditor's (read-only, for people running the CLI) too. Create the roles once with the SQL of the
+# `database_roles_sql` output (README: "Database roles"); `keel-migrate` then grants them their privileges.
+
+resource "random_password" "database" {
+  for_each = toset(["recorder", "decider", "auditor"])
+
+  length  = 40
+  special = false # goes into a URL unescaped
+}
+
+locals {
+  # database_url with its user and password replaced by the role's.
+  database_role_urls = merge(
+    { migrate = var.database_url },
+    {
+      for role, password in random_password.database :
+      role => replace(var.database_url, "/^(postgres(ql)?://)[^@/]*@/", "$${1}keel_${role}:${password.result}@")
+    },
+  )
+}
+
 resource "kubernetes_secret_v1" "database" {
+  for_each = toset(["migrate", "recorder", "decider"])
+
   metadata {
-    name      = "keel-database"
+    name      = "keel-database-${each.key}"
     namespace = kubernetes_namespace_v1.keel.metadata[0].name
     labels    = local.common_labels
   }
@@ -161,15 +189,15 @@ resource "kubernetes_secret_v1" "database" {
   type = "Opaque"
 
   data = {
-    KEEL_DATABASE_URL = var.database_url
+    KEEL_DATABASE_URL = local.database_role_urls[each.key]
   }
 }
 
 # -- migrate Job -------------------------------------------------------------------------------------
 
-# `keel migrate` against the managed PostgreSQL, before the services start. The services also migrate
-# on start (idempotently); the Job makes a failing migration fail `terraform apply` instead of showing
-# up as a crash loop. Kubernetes does not allow changing a Job's pod template, so a new image makes
+# `keel migrate` against the managed PostgreSQL (as keel_migrate), before the services start. The services
+# do not migrate (they have no DDL rights; on an older schema they stop with "run `keel migrate`"); a failing
+# migration fails `terraform apply`. Kubernetes does not allow changing a Job's pod template, so a new image makes
 # Terraform replace the Job, and the migration runs again.
 resource "kubernetes_job_v1" "migrate" {
   metadata {
@@ -221,7 +249,7 @@ resource "kubernetes_job_v1" "migrate" {
           }
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.database.metadata[0].name
+              name = kubernetes_secret_v1.database["migrate"].metadata[0].name
             }
           }
 
@@ -294,7 +322,7 @@ resource "kubernetes_deployment_v1" "service" {
           # Roll the pod when a setting or the database Secret changes: env_from is read only at
           # container start.
           "checksum/keel-settings"       = sha256(jsonencode(local.keel_settings))
-          "keel/database-secret-version" = kubernetes_secret_v1.database.metadata[0].resource_version
+          "keel/database-secret-version" = kubernetes_secret_v1.database[each.key == "recorder" ? "recorder" : "decider"].metadata[0].resource_version
         }
       }
 
@@ -333,7 +361,8 @@ resource "kubernetes_deployment_v1" "service" {
           }
           env_from {
             secret_ref {
-              name = kubernetes_secret_v1.database.metadata[0].name
+              # Its own role's URL: the recorder appends, the deciders read and write snapshots.
+              name = kubernetes_secret_v1.database[each.key == "recorder" ? "recorder" : "decider"].metadata[0].name
             }
           }
 

@@ -33,9 +33,26 @@ output "settings_config_map" {
   value       = kubernetes_config_map_v1.settings.metadata[0].name
 }
 
-output "database_secret" {
-  description = "Secret holding KEEL_DATABASE_URL."
-  value       = kubernetes_secret_v1.database.metadata[0].name
+output "database_secrets" {
+  description = "The Secret holding each role's KEEL_DATABASE_URL (migrate: the Job; recorder; decider: the other services)."
+  value       = { for role, secret in kubernetes_secret_v1.database : role => secret.metadata[0].name }
+}
+
+output "database_roles_sql" {
+  description = "SQL that creates the recorder's, deciders' and auditor's login roles with their generated passwords; run it once as an administrator of the managed PostgreSQL (README: Database roles). Re-run after a password rotation (ALTER ROLE lines)."
+  sensitive   = true
+  value = join("\n", flatten([
+    for role, password in random_password.database : [
+      "SELECT 'CREATE ROLE keel_${role}' WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'keel_${role}')\\gexec",
+      "ALTER ROLE keel_${role} WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD '${password.result}';",
+    ]
+  ]))
+}
+
+output "database_auditor_url" {
+  description = "The read-only role's URL, for people running `keel incidents` and the like against this database."
+  sensitive   = true
+  value       = local.database_role_urls["auditor"]
 }
 
 output "image" {

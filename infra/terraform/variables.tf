@@ -63,13 +63,17 @@ variable "node_selector" {
 # -- PostgreSQL (managed, outside this module) ---------------------------------------------------
 
 variable "database_url" {
-  description = "Connection string of the managed PostgreSQL that holds the event store, e.g. postgresql://keel:PASSWORD@db.example.com:5432/keel?sslmode=require. Stored in a Kubernetes Secret (and, like every sensitive value, in the Terraform state)."
+  description = "URL of the role that owns the event store's tables (keel_migrate: the only role with DDL, used only by the migrate Job) on the managed PostgreSQL, with its password and an explicit sslmode, e.g. postgresql://keel_migrate:PASSWORD@db.example.com:5432/keel?sslmode=verify-full&sslrootcert=system. The services' URLs are this one with their own role and generated password. Stored in Kubernetes Secrets (and, like every sensitive value, in the Terraform state)."
   type        = string
   sensitive   = true
 
   validation {
-    condition     = can(regex("^postgres(ql)?://", var.database_url))
-    error_message = "database_url must be a postgresql:// (or postgres://) URL."
+    condition     = can(regex("^postgres(ql)?://[^@/]+:[^@/]+@", var.database_url))
+    error_message = "database_url must be a postgresql:// (or postgres://) URL with user and password (postgresql://keel_migrate:PASSWORD@host:5432/keel?sslmode=verify-full)."
+  }
+  validation {
+    condition     = can(regex("[?&]sslmode=(disable|allow|prefer|require|verify-ca|verify-full)(&|$)", var.database_url))
+    error_message = "database_url must say how it uses TLS: add sslmode=verify-full (recommended, with sslrootcert=<CA file mounted in the pods> or sslrootcert=system), or sslmode=require (encrypted, server not verified); sslmode=disable only on a network you trust."
   }
 }
 

@@ -11,6 +11,11 @@ terraform {
       source  = "hashicorp/helm"
       version = "~> 2.14"
     }
+    # The database roles' generated passwords (main.tf: random_password.database).
+    random = {
+      source  = "hashicorp/random"
+      version = "~> 3.6"
+    }
   }
 }
 

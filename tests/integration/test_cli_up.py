@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from keel.events.envelope import Event, now_utc
 from keel.events.types import NodeRegistered
 from keel.infra.bus import Bus
-from keel.infra.config import BusSettings
+from keel.infra.config import BusSettings, load_settings, resolve_endpoints
+from keel.infra.dbroles import AUDITOR
 from keel.infra.embedded import free_port
 from keel.infra.store import EventStore, create_engine
 from tests.factories import health_event
@@ -33,6 +35,11 @@ def cli_env(home: Path) -> dict[str, str]:
         KEEL_POSTGRES__PORT=str(free_port()),
     )
     return env
+
+
+def auditor_url(env: dict[str, str]) -> str:
+    """The read-only role's URL on the runtime `keel up` started (what `keel incidents` and the like use)."""
+    return resolve_endpoints(load_settings(environ=env), AUDITOR)[1]
 
 
 def keel(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -53,6 +60,7 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
     try:
         assert up.returncode == 0, up.stderr
         state = json.loads(up.stdout)
+        assert "@" not in state["database_url"]  # printed without credentials
         pids = [state["services"][s]["pid"] for s in ("recorder", "controller", "checkpoint-broker", "actuator")]
         pids += [state["runtime"]["nats"]["pid"], state["runtime"]["postgres"]["pid"]]
         assert all(pids) and all(pid_alive(pid) for pid in pids)
@@ -70,7 +78,7 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
             await bus.publish(health_event("n1", status="failed", fatal=True, confidence="high", component="gpu",
                                            at=now_utc()))
             await bus.close()
-            engine = create_engine(state["database_url"])
+            engine = create_engine(auditor_url(env))
             store = EventStore(engine)
             deadline = time.monotonic() + 30
             # The registration, the fault, the controller's eviction and the actuator's report of it.
@@ -78,11 +86,16 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
                 await asyncio.sleep(0.1)
             count = await store.count()
             reports = [r.event.payload async for r in store.read(types=["NodeEvicted"])]
+            async with engine.connect() as conn:  # who the services connect as
+                users = set((await conn.execute(sa.text(
+                    "SELECT usename FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid()"))).scalars())
             await engine.dispose()
-            return count, reports
+            return count, reports, users
 
-        count, reports = asyncio.run(publish_and_read())
+        count, reports, users = asyncio.run(publish_and_read())
         assert count == 4
+        assert users == {"keel_recorder", "keel_decider"}, users  # each its own role; never the superuser
         # No local cluster runs under this home: the actuator says so instead of pretending.
         assert [(r.outcome, "no local cluster" in r.detail) for r in reports] == [("failed", True)], reports
         status = json.loads(keel(env, "status").stdout)
@@ -136,7 +149,7 @@ def test_up_restarts_a_killed_service_and_records_it(scratch_dir: Path) -> None:
         assert "SIGKILL" in controller["reason"] and pid_alive(controller["pid"])
 
         async def restarts() -> list:
-            engine = create_engine(state["database_url"])
+            engine = create_engine(auditor_url(env))
             store = EventStore(engine)
             deadline = time.monotonic() + 30
             found: list = []

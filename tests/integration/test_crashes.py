@@ -14,6 +14,7 @@ import pytest
 
 from keel.infra.bus import Bus, PublishFailed
 from keel.infra.config import Settings
+from keel.infra.dbroles import MIGRATE
 from keel.infra.embedded import NatsServer, PostgresServer
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
@@ -24,8 +25,11 @@ pytestmark = pytest.mark.integration
 
 
 def service_env(settings: Settings) -> dict[str, str]:
+    """A service's environment for ``settings``: each role's database URL too, so it connects as its own role."""
     return {
         **os.environ,
+        **{f"KEEL_DATABASE_URLS__{role.upper()}": url
+           for role, url in settings.database_urls.model_dump().items() if url},
         "KEEL_NATS_URL": settings.nats_url or "",
         "KEEL_DATABASE_URL": settings.database_url or "",
         "KEEL_DB_SCHEMA": settings.db_schema,
@@ -103,8 +107,8 @@ async def test_recorder_killed_mid_batch_loses_nothing_and_duplicates_nothing(ke
 async def test_nats_killed_mid_stream_every_acknowledged_event_reaches_postgres(
     own_nats: NatsServer, servers: Servers
 ) -> None:
-    settings = isolated_settings(Servers(own_nats.url, servers.database_url, own_nats))
-    await asyncio.to_thread(run_migrations, servers.database_url, settings.db_schema)
+    settings = isolated_settings(Servers(own_nats.url, servers.database_url, nats=own_nats, role_urls=servers.role_urls))
+    await asyncio.to_thread(run_migrations, servers.url(MIGRATE), settings.db_schema)
     engine = create_engine(servers.database_url, settings.db_schema)
     store = EventStore(engine)
     publisher = await Bus.connect(own_nats.url, settings.bus, name="publisher")
@@ -152,7 +156,7 @@ def _restart_later(server: NatsServer, delay_s: float) -> None:
 
 
 async def test_postgres_restarted_recorder_retries_and_catches_up(own_postgres: PostgresServer, servers: Servers) -> None:
-    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn, servers.nats))
+    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn, nats=servers.nats))
     await asyncio.to_thread(run_migrations, own_postgres.dsn, settings.db_schema)
     engine = create_engine(own_postgres.dsn, settings.db_schema)
     store = EventStore(engine)

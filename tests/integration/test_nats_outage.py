@@ -64,7 +64,7 @@ class Outage:
         self.nats = NatsServer(store_dir=scratch / "nats", port=free_port(), monitor_port=free_port(), sync_always=True,
                                credentials_dir=TEST_CREDENTIALS)
         self.nats.start()
-        self.settings = isolated_settings(Servers(self.nats.url, servers.database_url, self.nats))
+        self.settings = isolated_settings(Servers(self.nats.url, servers.database_url, servers.role_urls, self.nats))
         self.directory = scratch / "cluster"
         self.knobs = {"KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
                       "KEEL_CHECKPOINT__PERSIST_ROOT": str(scratch / "checkpoints")}
@@ -80,7 +80,8 @@ class Outage:
         self.store = EventStore(self.engine)
 
     async def start(self) -> None:
-        await asyncio.to_thread(run_migrations, self.settings.database_url, self.settings.db_schema)
+        await asyncio.to_thread(run_migrations, self.settings.database_urls.migrate or self.settings.database_url,
+                                self.settings.db_schema)
         self.task = asyncio.create_task(self.supervisor.run(self.stop))
         deadline = time.monotonic() + 120
         while not all(s.state == "running" for s in self.supervisor.services.values()):

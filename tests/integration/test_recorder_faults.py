@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from keel.infra.bus import Bus
+from keel.infra.dbroles import MIGRATE, RECORDER
 from keel.infra.embedded import PostgresServer
 from keel.infra.store import EventStore, create_engine, run_migrations
 from keel.recorder.adapter import Recorder
@@ -34,7 +35,9 @@ class CrashingPostgresRecorder(Recorder):
 
     async def _write(self, conn: AsyncConnection, plan: BatchPlan, by_seq):  # type: ignore[no-untyped-def]
         result = await super()._write(conn, plan, by_seq)
-        if self.crashed < self.crashes and plan.accepted:
+        # Not while the previous restart is still under way (start() also sets up the roles once the server is up).
+        if self.crashed < self.crashes and plan.accepted and (self.crashed == 0 or self.restarted.is_set()):
+            self.restarted.clear()
             self.crashed += 1
             self.postgres.kill()  # the transaction holding this batch's COPY dies with the server
 
@@ -48,9 +51,9 @@ class CrashingPostgresRecorder(Recorder):
 
 async def test_postgres_killed_mid_copy_loses_nothing_doubles_nothing(own_postgres: PostgresServer,
                                                                         servers: Servers) -> None:
-    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn, servers.nats), batch_size=500)
-    await asyncio.to_thread(run_migrations, own_postgres.dsn, settings.db_schema)
-    engine = create_engine(own_postgres.dsn, settings.db_schema)
+    settings = isolated_settings(Servers(servers.nats_url, own_postgres.dsn, nats=servers.nats), batch_size=500)
+    await asyncio.to_thread(run_migrations, own_postgres.role_dsn(MIGRATE), settings.db_schema)
+    engine = create_engine(own_postgres.role_dsn(RECORDER), settings.db_schema)  # as the recorder service connects
     store = EventStore(engine)
     bus = await Bus.connect(servers.nats_url, settings.bus)
     recorder = CrashingPostgresRecorder(bus, engine, settings.recorder, postgres=own_postgres, crashes=2)

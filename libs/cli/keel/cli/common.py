@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from keel.infra.config import ConfigError, Settings, load_settings, resolve_endpoints
+from keel.infra.dbroles import AUDITOR
 
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 """What ``ArgumentParser.add_subparsers`` returns (argparse has no public name for it). Each command
@@ -47,10 +48,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(Path(args.config) if args.config else None, overrides=overrides)
 
 
-def endpoints(settings: Settings) -> tuple[str, str]:
-    """(NATS URL, database URL): external servers when configured, else the running embedded ones."""
+def endpoints(settings: Settings, role: str | None = AUDITOR) -> tuple[str, str]:
+    """(NATS URL, database URL): external servers when configured, else the running embedded ones. The database
+    URL carries ``role``'s credentials (by default the read-only auditor's: every reporting command only reads;
+    ``None``: no credentials, for a caller that needs only NATS)."""
     try:
-        return resolve_endpoints(settings)
+        return resolve_endpoints(settings, role)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
@@ -61,7 +64,7 @@ def nats_url_or_none(settings: Settings) -> str | None:
     if settings.nats_url:
         return settings.nats_url
     try:
-        return endpoints(settings)[0]
+        return endpoints(settings, None)[0]
     except CliError:
         return None
 
@@ -117,7 +120,7 @@ def publish(settings: Settings, event: Any) -> None:
     from keel.infra.secrets import InsecurePathError
     from keel.infra.signing import operator_signing
 
-    nats_url, _ = endpoints(settings)
+    nats_url, _ = endpoints(settings, None)
     try:
         signing = operator_signing(settings, login_name())
     except (KeyringError, InsecurePathError) as exc:

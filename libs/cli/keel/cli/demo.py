@@ -57,6 +57,7 @@ from keel.events.types import (
     StandbyChecked,
 )
 from keel.infra.config import Settings
+from keel.infra.dburl import redact
 from keel.infra.embedded import free_port
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
     directory = cluster_dir(settings)
     demo = Demo(settings, store, nats_url, directory, scratch)
     env = {k: v for k, v in os.environ.items() if k.startswith("KEEL_")} | STACK_ENV
-    env["KEEL_NATS_URL"], env["KEEL_DATABASE_URL"] = nats_url, database_url
+    env["KEEL_NATS_URL"] = nats_url  # the agents read no database: no credentials for them
     env["KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR"] = "60s"
     results: dict[str, Any] = {"incidents": []}
     try:
@@ -364,7 +365,7 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False) 
         print(up.stderr, file=sys.stderr)
         return up.returncode
     nats_url, database_url = endpoints(settings)
-    print(f"NATS {nats_url}   PostgreSQL {database_url}   home {settings.home}")
+    print(f"NATS {nats_url}   PostgreSQL {redact(database_url)}   home {settings.home}")
     scratch = settings.home / "demo"
     subprocess.run(["rm", "-rf", str(scratch)], check=False)
     scratch.mkdir(parents=True, exist_ok=True)

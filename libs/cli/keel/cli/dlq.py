@@ -108,7 +108,7 @@ def cmd_dlq(args: argparse.Namespace, settings: Settings) -> int:
     from keel.infra.bus import Bus
     from keel.infra.dlq import DeadLetters, RedriveRefused, plan_redrive
 
-    nats_url, _ = endpoints(settings)
+    nats_url, _ = endpoints(settings, None)
     now = now_utc()
     since = parse_since(args.since, now) if getattr(args, "since", None) else None
     if args.dlq_command == "ls" and args.limit < 1:

@@ -9,6 +9,11 @@
     keel service NAME                run one service in the foreground (recorder, controller,
                                      checkpoint-broker, actuator, analyzer, hot-update)
 
+Database roles (``keel.infra.dbroles``): ``keel up`` and ``keel migrate`` migrate as the ``migrate`` role (the
+embedded server creates every role with a generated password at start); each service resolves its own role's
+URL when it starts (``keel service NAME``), so no password travels in an environment variable; ``keel up``
+prints the database's address without credentials.
+
 ``keel up`` starts one background ``keel supervise`` (pid in ``<home>/services/supervisor.pid``, output
 in ``supervisor.log``), which starts each service as ``python -m keel.cli.main service NAME`` in its own
 session, with its pid in ``<home>/services/NAME.pid`` and its output in ``NAME.log``, and restarts one
@@ -33,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 from keel.cli.common import CliError, Subparsers, endpoints, login_name
 from keel.cluster.local import cluster_dir
-from keel.infra.config import Settings
+from keel.infra.config import Settings, credentials_path
+from keel.infra.dbroles import MIGRATE, service_role
+from keel.infra.dburl import redact
 
 if TYPE_CHECKING:
     from keel.infra.embedded import EmbeddedRuntime
@@ -110,14 +117,34 @@ async def administer_streams(nats_url: str, settings: Settings) -> None:
     await bus.close()
 
 
+def _service_env(settings: Settings, nats_url: str) -> dict[str, str]:
+    """The environment of the supervisor and its services: the servers, the home; a database URL only when one
+    is configured (each service then resolves its own role's URL from the settings or the embedded runtime)."""
+    env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_HOME=str(settings.home))
+    if settings.database_url:
+        env["KEEL_DATABASE_URL"] = settings.database_url
+    return env
+
+
+def migrate(settings: Settings) -> str:
+    """Bring the event store's schema up to date as the ``migrate`` role (which also grants every other role
+    its privileges); returns the NATS URL."""
+    from keel.infra.store import MissingRoles, run_migrations
+
+    nats_url, database_url = endpoints(settings, MIGRATE)
+    try:
+        run_migrations(database_url, settings.db_schema)
+    except MissingRoles as exc:
+        raise CliError(str(exc)) from None
+    return nats_url
+
+
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     state: dict[str, Any] = {}
     if not (settings.nats_url and settings.database_url):
         state = runtime_for(settings).up()
-    nats_url, database_url = endpoints(settings)
-    from keel.infra.store import run_migrations
-
-    run_migrations(database_url, settings.db_schema)
+    nats_url = migrate(settings)
+    database_url = endpoints(settings, None)[1]
     asyncio.run(administer_streams(nats_url, settings))
     _ensure_signing_keys(settings)
     services_dir = settings.home / "services"
@@ -125,7 +152,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     if not args.no_services:
         supervisor = _supervisor_pid(settings)
         if supervisor is None:
-            env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
+            env = _service_env(settings, nats_url)
             with open(services_dir / "supervisor.log", "ab") as log_file:
                 process = subprocess.Popen(
                     [*_keel_command(args), "supervise"], env=env, stdout=log_file, stderr=subprocess.STDOUT,
@@ -139,7 +166,8 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
             pid = supervisor
             exited = lambda: not _pid_alive(pid)  # noqa: E731
         _wait_until_ready(settings, supervisor, exited, timeout_s=60.0)
-    print(json.dumps({"nats_url": nats_url, "database_url": database_url, **_status(settings, state)}, indent=2, default=str))
+    print(json.dumps({"nats_url": nats_url, "database_url": redact(database_url), **_status(settings, state)},
+                     indent=2, default=str))
     return 0
 
 
@@ -264,10 +292,10 @@ def cmd_supervise(args: argparse.Namespace, settings: Settings) -> int:
     from keel.infra.nats_auth import SUPERVISOR, bus_settings_for
     from keel.infra.supervisor import ServiceSpec, Supervisor, policy_from_settings, run_supervisor
 
-    nats_url, database_url = endpoints(settings)
+    nats_url, _ = endpoints(settings, None)
     services_dir = settings.home / "services"
     services_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, KEEL_NATS_URL=nats_url, KEEL_DATABASE_URL=database_url, KEEL_HOME=str(settings.home))
+    env = _service_env(settings, nats_url)
     specs = [ServiceSpec(service, [*_keel_command(args), "service", service], env) for service in SERVICES]
     supervisor = Supervisor(specs, services_dir, policy_from_settings(settings.supervisor), nats_url=nats_url,
                             bus_settings=bus_settings_for(settings, SUPERVISOR),
@@ -278,8 +306,9 @@ def cmd_supervise(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     from keel.infra.service import run_service
+    from keel.infra.store import SchemaNotCurrent
 
-    nats_url, database_url = endpoints(settings)
+    nats_url, database_url = endpoints(settings, None if args.name == "actuator" else service_role(args.name))
     if args.name == "recorder":
         from keel.recorder.main import serve
     elif args.name == "controller":
@@ -300,15 +329,15 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
             return serve_actuator(settings, nats_url, directory, stop, on_ready)
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")
-    run_service(serve, settings, nats_url, database_url)
+    try:
+        run_service(serve, settings, nats_url, database_url)
+    except SchemaNotCurrent as exc:
+        raise CliError(f"service {args.name}: {exc}") from None
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from keel.infra.store import run_migrations
-
-    nats_url, database_url = endpoints(settings)
-    run_migrations(database_url, settings.db_schema)
+    nats_url = migrate(settings)
     asyncio.run(administer_streams(nats_url, settings))
     print(f"keel: schema {settings.db_schema} is at the latest revision; streams {settings.bus.stream} and "
           f"{settings.bus.dlq_stream} have these settings")

@@ -3,8 +3,8 @@
 Every duration and size carries a unit (see ``keel.events.units``). A bad value anywhere fails at start
 with a ``ConfigError`` that names the source, the field and the reason.
 
-Environment variables: ``KEEL_NATS_URL``, ``KEEL_DATABASE_URL``, ``KEEL_HOME``, ``KEEL_DB_SCHEMA`` and
-``KEEL_CONFIG`` (the YAML path) are top-level; every other field is ``KEEL_<SECTION>__<FIELD>``, e.g.
+Environment variables: ``KEEL_NATS_URL``, ``KEEL_DATABASE_URL``, ``KEEL_DATABASE_PASSWORD_FILE``, ``KEEL_HOME``,
+``KEEL_DB_SCHEMA`` and ``KEEL_CONFIG`` (the YAML path) are top-level; every other field is ``KEEL_<SECTION>__<FIELD>``, e.g.
 ``KEEL_BUS__MAX_AGE=3d`` or ``KEEL_NATS__SYNC_ALWAYS=false``.
 
 Every field carries its documentation as an attribute docstring (``use_attribute_docstrings``: pydantic
@@ -25,6 +25,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from keel.events.units import ByteSize, Duration, parse_duration, parse_size
+from keel.infra.dbroles import AUDITOR, pg_role
+from keel.infra.dburl import has_password, url_user, with_credentials
+from keel.infra.secrets import InsecurePathError, read_secret
 
 if TYPE_CHECKING:
     from keel.rules.metrics import MetricSettings
@@ -61,6 +64,25 @@ class PostgresSettings(_Section):
 
     port: int = Field(5433, ge=1, le=65535)
     """The embedded PostgreSQL server's TCP port (it listens on 127.0.0.1 only)."""
+
+
+class DatabaseUrls(_Section):
+    """Per-role database URLs for an external PostgreSQL (``keel.infra.dbroles``: each service connects as its
+    role, never as the owner). A role without one here uses ``database_url``. Ignored by the embedded server,
+    whose roles and passwords Keel makes itself (``<credentials>/postgres/``)."""
+
+    migrate: str | None = None
+    """The owner of the event store's tables, the only role that runs DDL: ``keel migrate``, ``keel-migrate``
+    and ``keel up``'s migrate step (role ``keel_migrate``, or any role that owns the tables)."""
+    recorder: str | None = None
+    """The recorder's: appends events, records dead letters and its read models (role ``keel_recorder``, or a
+    login role that is a member of it)."""
+    decider: str | None = None
+    """The controller's, checkpoint broker's, analyzer's and hot-update service's: read the log, write their
+    snapshots (role ``keel_decider`` or a member of it)."""
+    auditor: str | None = None
+    """The reporting commands' (``keel incidents``, ``keel replay``, ``keel events``, ...): read only (role
+    ``keel_auditor`` or a member of it)."""
 
 
 class BusSettings(_Section):
@@ -427,7 +449,14 @@ class Settings(_Section):
     nats_url: str | None = None
     """Use this NATS server instead of the embedded one (e.g. ``nats://host:4222``)."""
     database_url: str | None = None
-    """Use this PostgreSQL instead of the embedded one (e.g. ``postgresql://user:pw@host:5432/keel``)."""
+    """Use this PostgreSQL instead of the embedded one (e.g. ``postgresql://keel_recorder@host:5432/keel?sslmode=verify-full&sslrootcert=/etc/keel/db-ca.pem``):
+    the URL of the role this process connects as (``database_urls`` overrides it per role). libpq's TLS
+    parameters are understood: ``sslmode`` (``disable``, ``prefer``, ``require``, ``verify-ca``, ``verify-full``),
+    ``sslrootcert`` (a CA file, or ``system``), ``sslcert``, ``sslkey``, ``sslpassword``, ``sslcrl``."""
+    database_password_file: Path | None = None
+    """A file holding the password for ``database_url`` (when the URL has none): a Docker or Kubernetes secret,
+    so the password is in no environment variable and no settings file."""
+    database_urls: DatabaseUrls = DatabaseUrls()
     db_schema: str = "public"
     """The PostgreSQL schema of the event store and read models (a lower-case SQL identifier)."""
     credentials_dir: Path | None = None
@@ -478,6 +507,7 @@ def default_home() -> Path:
 _TOP_LEVEL_ENV = {
     "KEEL_NATS_URL": "nats_url",
     "KEEL_DATABASE_URL": "database_url",
+    "KEEL_DATABASE_PASSWORD_FILE": "database_password_file",
     "KEEL_HOME": "home",
     "KEEL_DB_SCHEMA": "db_schema",
     "KEEL_CREDENTIALS_DIR": "credentials_dir",
@@ -575,11 +605,14 @@ def _drop_none(mapping: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
-def resolve_endpoints(settings: Settings) -> tuple[str, str]:
-    """(NATS URL, database URL): the configured servers (``KEEL_NATS_URL``/``KEEL_DATABASE_URL`` or the
-    settings file) when set, else those of the embedded runtime that ``keel up`` started under
-    ``settings.home``. Raises ``ConfigError`` when neither is there."""
-    nats_url, database_url = settings.nats_url, settings.database_url
+def resolve_endpoints(settings: Settings, role: str | None = AUDITOR) -> tuple[str, str]:
+    """(NATS URL, database URL of ``role``): the configured servers (``KEEL_NATS_URL``/``KEEL_DATABASE_URL``,
+    ``database_urls`` or the settings file) when set, else those of the embedded runtime that ``keel up``
+    started under ``settings.home``. ``role`` (``keel.infra.dbroles.ROLES``; by default the read-only
+    ``auditor``) picks whose credentials the database URL carries; ``None``: none (for a caller that needs only
+    the NATS URL: no password is read). Raises ``ConfigError`` when neither is there, or the role's password
+    cannot be read."""
+    nats_url, database_url = settings.nats_url, _configured_database_url(settings, role)
     if nats_url and database_url:
         return nats_url, database_url
     state_file = settings.home / "runtime.json"
@@ -588,4 +621,49 @@ def resolve_endpoints(settings: Settings) -> tuple[str, str]:
             f"no embedded runtime under {settings.home}: run `keel up` or set KEEL_NATS_URL and KEEL_DATABASE_URL"
         )
     state = json.loads(state_file.read_text())
-    return nats_url or state["nats"]["url"], database_url or state["postgres"]["dsn"]
+    if role is None:
+        return nats_url or state["nats"]["url"], database_url or state["postgres"]["dsn"]
+    return nats_url or state["nats"]["url"], database_url or _embedded_database_url(settings, state["postgres"], role)
+
+
+def database_url_for(settings: Settings, role: str) -> str:
+    """The database URL ``role`` connects with (see ``resolve_endpoints``)."""
+    return _configured_database_url(settings, role) or resolve_endpoints(settings, role)[1]
+
+
+def _configured_database_url(settings: Settings, role: str | None) -> str | None:
+    """``database_urls.<role>``, else ``database_url`` (with ``database_password_file``'s password when the URL
+    has none), else None: the embedded server's. ``role`` None: ``database_url`` as it is."""
+    if role is None:
+        return settings.database_url
+    pg_role(role)  # an unknown role is a programming error: fail here, whatever is configured
+    url = getattr(settings.database_urls, role) or settings.database_url
+    if url is None:
+        return None
+    if settings.database_password_file is not None and not has_password(url):
+        path = settings.database_password_file
+        try:
+            # Not read_secret: a mounted Docker/Kubernetes secret is often owned by root and readable by all.
+            password = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"database_password_file {path}: cannot read it: {exc.strerror or exc}") from None
+        if not password:
+            raise ConfigError(f"database_password_file {path} is empty")
+        url = with_credentials(url, url_user(url) or pg_role(role), password)
+    return url
+
+
+def _embedded_database_url(settings: Settings, postgres: dict[str, Any], role: str) -> str:
+    """``role``'s URL on the embedded server: its address from ``runtime.json`` and the password ``keel up``
+    generated for it under ``<credentials>/postgres/``."""
+    secrets_dir = Path(postgres.get("secrets_dir") or credentials_path(settings) / "postgres")
+    name = pg_role(role)
+    try:
+        password = read_secret(secrets_dir / f"{name}.password").decode().strip()
+    except (FileNotFoundError, InsecurePathError) as exc:
+        raise ConfigError(f"the embedded PostgreSQL's password for role {name}: {exc} (`keel up` generates it; "
+                          f"run Keel as the user who ran `keel up`)") from None
+    except PermissionError as exc:
+        raise ConfigError(f"the embedded PostgreSQL's password for role {name}: {exc}; run Keel as the user who "
+                          f"ran `keel up`") from None
+    return with_credentials(postgres["dsn"], name, password)

@@ -1,13 +1,16 @@
 """The one service host: how every service is started, run and stopped (``keel service NAME`` or the
 service's own console script ``keel-NAME``).
 
-- ``serve_service``: the start-up every service shares: bring the event store's schema up to date and
-  open it (services that read the log), load (on first start create) its signing key and the keyring
-  (``keel.infra.signing``: identity and role are the service's name), connect to NATS, build the service, ``start()`` it (rebuild its
+- ``serve_service``: the start-up every service shares: open the event store (services that read the log)
+  as the service's own database role and check that its schema is at the latest revision (services have no
+  DDL rights: ``keel migrate`` migrates; a service on an older schema stops and says so), load (on first
+  start create) its signing key and the keyring (``keel.infra.signing``: identity and role are the service's
+  name), connect to NATS as its own identity, build the service, ``start()`` it (rebuild its
   state from the log, bind its consumer on ``keel.infra.consumer``), say it is ready, ``run(stop)``.
 - ``run_service``: signals (graceful once ready, at once while starting) and the ready file ``keel up``
   waits for.
-- ``service_main``: the console script: settings, the servers' URLs, exit status 2 on a configuration error.
+- ``service_main``: the console script: settings, the servers' URLs (the database's for the service's role,
+  ``keel.infra.dbroles.SERVICE_ROLES``), exit status 2 on a configuration error or an unmigrated schema.
 - ``RunnerService``: a decider service with no I/O of its own (the analyzer, hot-update).
 """
 
@@ -25,10 +28,12 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from keel.infra.bus import Bus
 from keel.infra.config import ConfigError, Settings, SnapshotSettings, load_settings, resolve_endpoints
+from keel.infra.dbroles import MIGRATE, service_role
+from keel.infra.dburl import redact
 from keel.infra.nats_auth import ADMIN, bus_settings_for
 from keel.infra.runner import DeciderRunner
 from keel.infra.signing import service_signing
-from keel.infra.store import EventStore, create_engine, run_migrations
+from keel.infra.store import EventStore, SchemaNotCurrent, check_schema_current, create_engine, run_migrations
 from keel.kernel.decider import Decider
 
 log = logging.getLogger(__name__)
@@ -76,16 +81,18 @@ async def serve_service(
     on_ready: Callable[[], None] = lambda: None,
     describe: Callable[[Any], str] = lambda _: "",
 ) -> None:
-    """The one start-up of every service: migrate the event store and open it (when ``database_url`` is
-    given: every service but the actuator, which reads no log), connect to NATS, ``build`` the service,
-    ``start()`` it, call ``on_ready`` once it consumes live, ``run(stop)``; the bus and the engine are
-    closed whatever happens. ``describe``: an extra clause for the "consuming live" log line."""
+    """The one start-up of every service: open the event store (when ``database_url`` is given: every service
+    but the actuator, which reads no log) and check its schema is at the latest revision (``SchemaNotCurrent``
+    otherwise: run ``keel migrate``), connect to NATS, ``build`` the service, ``start()`` it, call
+    ``on_ready`` once it consumes live, ``run(stop)``; the bus and the engine are closed whatever happens.
+    ``describe``: an extra clause for the "consuming live" log line."""
     signing = await asyncio.to_thread(service_signing, settings, name, name)
     engine = None
     if database_url is not None:
-        await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
         engine = create_engine(database_url, settings.db_schema)
     try:
+        if engine is not None:
+            await check_schema_current(engine, settings.db_schema)
         bus = await Bus.connect(nats_url, bus_settings_for(settings, name), name=f"keel-{name}", signing=signing)
         try:
             service = build(bus, EventStore(engine) if engine is not None else None)
@@ -158,29 +165,36 @@ def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None, *
         settings = load_settings(Path(args.config) if args.config else None)
         if not needs_database and settings.nats_url:
             nats_url, database_url = settings.nats_url, ""
+        elif not needs_database:
+            nats_url, database_url = resolve_endpoints(settings, None)[0], ""
         else:
-            nats_url, database_url = resolve_endpoints(settings)
+            nats_url, database_url = resolve_endpoints(settings, service_role(name))
     except ConfigError as exc:
         print(f"keel-{name}: {exc}", file=sys.stderr)
         return 2
-    run_service(serve, settings, nats_url, database_url)
+    try:
+        run_service(serve, settings, nats_url, database_url)
+    except SchemaNotCurrent as exc:
+        print(f"keel-{name}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 def migrate_main(argv: Sequence[str] | None = None) -> int:
-    """``keel-migrate``: bring the event store's schema to the latest revision and the streams to these
+    """``keel-migrate``: bring the event store's schema to the latest revision (as the ``migrate`` role, the
+    only one with DDL rights; it then grants every other role its privileges) and the streams to these
     settings (the only command besides ``keel migrate`` and ``keel up`` that changes an existing stream),
-    then exit (0 done, 2 a configuration error). The services also migrate the schema on start; this
-    makes a failing migration visible alone."""
+    then exit (0 done, 2 a configuration error). Services do not migrate: they stop on an older schema."""
     parser = argparse.ArgumentParser(prog="keel-migrate", description="Bring Keel's event store schema up to date.")
     parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
     args = parser.parse_args(argv)
     try:
         settings = load_settings(Path(args.config) if args.config else None)
-        nats_url, database_url = resolve_endpoints(settings)
+        nats_url, database_url = resolve_endpoints(settings, MIGRATE)
     except ConfigError as exc:
         print(f"keel-migrate: {exc}", file=sys.stderr)
         return 2
+    log.info("migrating schema %s at %s", settings.db_schema, redact(database_url))
     run_migrations(database_url, settings.db_schema)
 
     async def administer() -> None:

@@ -16,6 +16,11 @@ Tables (created by the Alembic migrations under ``migrations/``):
 
 SQLAlchemy 2 (async, asyncpg) for everything except the bulk append, which uses asyncpg's binary COPY
 (``bench/bus.py`` measures why).
+
+Roles (``keel.infra.dbroles``): only the migrating role runs DDL. ``run_migrations`` brings a schema to the
+latest revision and then grants every other role exactly its privileges in it; a service only checks at start
+that the schema is at that revision (``check_schema_current``) and stops with "run `keel migrate`" otherwise.
+A URL's libpq TLS parameters (``sslmode``, ``sslrootcert``, ...) become asyncpg's ``ssl=`` (``keel.infra.dburl``).
 """
 
 from __future__ import annotations
@@ -34,9 +39,13 @@ from typing import Any
 import sqlalchemy as sa
 from pydantic import TypeAdapter
 from sqlalchemy.dialects.postgresql import BYTEA, JSONB, UUID, insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from keel.events.envelope import REGISTRY, Event, EventRegistry, InvalidEvent
+from keel.infra.dbroles import AUDITOR, DECIDER, LOCK_FUNCTION, RECORDER, grant_statements, pg_role, quote_ident
+from keel.infra.dburl import split_tls, sqlalchemy_url
 
 metadata = sa.MetaData()
 
@@ -151,34 +160,110 @@ EVENT_COLUMNS = (
 MIGRATIONS_DIR = Path(str(files("keel.migrations")))
 
 
+class SchemaNotCurrent(RuntimeError):
+    """The event store's schema is not at the revision this Keel needs; the message says to run ``keel migrate``."""
+
+
+class MissingRoles(RuntimeError):
+    """The roles the migration grants to do not exist and the migrating role may not create them."""
+
+
 def async_dsn(dsn: str) -> str:
-    """``postgresql://...`` as SQLAlchemy's asyncpg URL."""
-    for prefix in ("postgresql+asyncpg://", "postgresql://", "postgres://"):
-        if dsn.startswith(prefix):
-            return "postgresql+asyncpg://" + dsn[len(prefix) :]
-    raise ValueError(f"not a PostgreSQL URL: {dsn!r}")
+    """``postgresql://...`` as SQLAlchemy's asyncpg URL (TLS parameters left as they are: see ``engine_options``)."""
+    return sqlalchemy_url(dsn)
+
+
+def engine_options(dsn: str) -> tuple[str, dict[str, Any]]:
+    """(SQLAlchemy URL, ``connect_args``) for ``dsn``: libpq's ``sslmode``/``sslrootcert``/... taken out of the
+    URL and given to asyncpg as ``ssl=`` (asyncpg has no ``sslmode`` keyword). ``ValueError`` on a bad one."""
+    url, tls = split_tls(dsn)
+    return sqlalchemy_url(url), ({} if tls is None else {"ssl": tls})
 
 
 def create_engine(dsn: str, schema: str = "public", *, pool_size: int = 5) -> AsyncEngine:
     """An async engine whose connections use ``schema`` (tests give each test its own schema)."""
+    url, connect_args = engine_options(dsn)
     return create_async_engine(
-        async_dsn(dsn),
+        url,
         pool_size=pool_size,
         pool_pre_ping=True,
-        connect_args={"server_settings": {"search_path": schema, "synchronous_commit": "on"}},
+        connect_args={**connect_args, "server_settings": {"search_path": schema, "synchronous_commit": "on"}},
     )
 
 
-def run_migrations(dsn: str, schema: str = "public") -> None:
-    """Bring ``schema`` to the latest Alembic revision (creating the schema if needed). Synchronous."""
-    from alembic import command
+def _alembic_config(dsn: str | None = None, schema: str = "public") -> Any:
     from alembic.config import Config
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.attributes["keel_dsn"] = dsn
     config.attributes["keel_schema"] = schema
-    command.upgrade(config, "head")
+    return config
+
+
+def run_migrations(dsn: str, schema: str = "public") -> None:
+    """Bring ``schema`` to the latest Alembic revision (creating the schema if needed), then grant the
+    recorder, decider and auditor roles exactly their privileges in it (``grant_privileges``). ``dsn`` is
+    the migrating role's (it owns the tables). Synchronous."""
+    from alembic import command
+
+    command.upgrade(_alembic_config(dsn, schema), "head")
+
+
+def head_revision() -> str:
+    """The latest revision of the migrations this Keel ships."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def grant_privileges(connection: Connection, schema: str) -> None:
+    """Give every non-owner role exactly ``keel.infra.dbroles.TABLE_PRIVILEGES`` in ``schema`` (run by the
+    migrations, in their connection). A missing role is created NOLOGIN when the migrating role may create
+    roles (an external database: an administrator then lets a login user in, ``GRANT keel_recorder TO ...``
+    or ``ALTER ROLE keel_recorder LOGIN PASSWORD ...``); otherwise ``MissingRoles`` says what to create."""
+    names = [pg_role(role) for role in (RECORDER, DECIDER, AUDITOR)]
+    existing = set(connection.execute(sa.text("SELECT rolname FROM pg_roles WHERE rolname = ANY(:names)"),
+                                      {"names": names}).scalars())
+    missing = [name for name in names if name not in existing]
+    if missing:
+        user, may = connection.execute(sa.text(
+            "SELECT current_user, rolsuper OR rolcreaterole FROM pg_roles WHERE rolname = current_user")).one()
+        if not may:
+            raise MissingRoles(
+                f"the event store's roles {', '.join(missing)} do not exist and {user!r} may not create roles: "
+                f"have an administrator create them once (CREATE ROLE {missing[0]} LOGIN PASSWORD '...'; and so on), "
+                f"or run `keel migrate` as a role with CREATEROLE")
+        for name in missing:
+            connection.execute(sa.text(f"CREATE ROLE {quote_ident(name)} NOLOGIN"))
+    present = connection.execute(sa.text(
+        "SELECT relname FROM pg_class WHERE relnamespace = CAST(:s AS regnamespace) AND relkind IN ('r', 'p') "
+        "UNION SELECT proname || '()' FROM pg_proc WHERE pronamespace = CAST(:s AS regnamespace) AND pronargs = 0"),
+        {"s": quote_ident(schema)}).scalars()
+    for statement in grant_statements(schema, frozenset(present)):
+        connection.execute(sa.text(statement))
+
+
+async def check_schema_current(engine: AsyncEngine, schema: str) -> None:
+    """Raise ``SchemaNotCurrent`` unless ``schema`` is at ``head_revision()``: what a service checks at start
+    instead of migrating (it has no DDL rights)."""
+    head = head_revision()
+    try:
+        async with engine.connect() as conn:
+            current = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))).scalar_one_or_none()
+    except DBAPIError as exc:
+        # 42P01: no such table (never migrated, or this role has no USAGE on the schema); 42501: no SELECT.
+        if str(getattr(exc.orig, "sqlstate", "")) not in ("42P01", "42501"):
+            raise
+        raise SchemaNotCurrent(
+            f"the event store schema {schema!r} is not migrated (or not for this database role): run `keel migrate` "
+            f"(or keel-migrate) first; it creates the tables and grants each service's role its privileges") from None
+    if current != head:
+        raise SchemaNotCurrent(
+            f"the event store schema {schema!r} is at revision {current or 'none'}, this Keel needs {head}: "
+            f"run `keel migrate` (or keel-migrate) first")
 
 
 @dataclass(frozen=True)
@@ -224,7 +309,8 @@ async def append_events(conn: AsyncConnection, rows: Sequence[tuple[Any, ...]]) 
     """
     if not rows:
         return {}
-    await conn.execute(sa.text("LOCK TABLE events IN SHARE ROW EXCLUSIVE MODE"))
+    # Through a SECURITY DEFINER function: the recorder's role may not LOCK in this mode itself.
+    await conn.execute(sa.text(f"SELECT {LOCK_FUNCTION}()"))
     raw = (await conn.get_raw_connection()).driver_connection
     assert raw is not None
     # The payload travels as text and is cast to jsonb in the INSERT: asyncpg's text jsonb codec
@@ -477,6 +563,12 @@ class EventStore:
 __all__ = [
     "EventStore",
     "InvalidEvent",
+    "MissingRoles",
+    "SchemaNotCurrent",
+    "check_schema_current",
+    "engine_options",
+    "grant_privileges",
+    "head_revision",
     "RecordedEvent",
     "Snapshot",
     "append_events",
