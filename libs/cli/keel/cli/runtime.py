@@ -65,7 +65,6 @@ def register(sub: Subparsers) -> None:
 
 
 def runtime_for(settings: Settings) -> EmbeddedRuntime:
-    from keel.infra.config import credentials_path
     from keel.infra.embedded import EmbeddedRuntime
     from keel.infra.nats_auth import NatsScope
 

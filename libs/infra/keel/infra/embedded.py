@@ -81,9 +81,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.infra.nats_auth import LocalServer, NatsAuthority, NatsScope, ensure_server_tls, identity_file, server_tls_ca
 from keel.infra.dbroles import ROLES, adopt_script, generate_password, login_role_script, pg_role, scram_verifier
 from keel.infra.dburl import with_credentials
+from keel.infra.nats_auth import LocalServer, NatsAuthority, NatsScope, ensure_server_tls, identity_file, server_tls_ca
 from keel.infra.secrets import read_secret, write_secret
 
 __all__ = [
