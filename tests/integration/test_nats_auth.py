@@ -115,3 +115,47 @@ async def test_a_tls_server_is_reached_verified_and_plain_text_is_refused(scratc
                                                                       "nats://x")), 5)  # type: ignore[arg-type]
     finally:
         server.stop()
+
+
+RANK_PROBE = '''
+import asyncio, json, os, sys
+from keel.infra.bus import Bus, NotAuthorized
+from keel.infra.config import BusSettings
+
+async def main() -> str:
+    try:
+        bus = await asyncio.wait_for(Bus.connect(sys.argv[1], BusSettings(), name="rank"), 10)
+    except NotAuthorized:
+        return "refused"
+    await bus.close()
+    return "connected"
+
+secret_env = sorted(k for k in os.environ if k.startswith(("KEEL_BUS__", "KEEL_NATS", "KEEL_DATABASE", "KEEL_CREDENTIALS",
+                                                            "KEEL_HOME", "KEEL_POSTGRES")))
+result = {"env": secret_env, "connect": asyncio.run(main())}
+with open(sys.argv[2], "w") as out:
+    json.dump(result, out)
+'''
+
+
+def test_a_rank_inherits_no_credentials_and_nats_refuses_it(server: NatsServer, scratch_dir: Path) -> None:
+    """A real agent (`keel run`) with its identity and the credentials folder in its environment starts a rank
+    that looks for control-plane credentials and tries the bus: it finds none and is refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe, result = scratch_dir / "probe.py", scratch_dir / "result.json"
+    probe.write_text(RANK_PROBE)
+    agent_identity = server.authority.ensure_agent("solo", "n0")
+    env = {**os.environ, "KEEL_NATS_URL": server.url, "KEEL_HOME": str(scratch_dir / "home"),
+           "KEEL_CREDENTIALS_DIR": str(server.credentials_dir), "KEEL_BUS__CREDENTIALS": str(agent_identity),
+           "KEEL_DATABASE_URL": "postgresql://keel_recorder:secret@127.0.0.1:1/keel"}
+    agent = subprocess.run([sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "1",
+                            "--master-port", str(free_port()), "--keel-job-id", "solo", "--keel-node-id", "n0",
+                            "--keel-agent-dir", str(scratch_dir / "agent"), str(probe), server.url, str(result)],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert agent.returncode == 0, agent.stderr[-3000:]
+    seen = json.loads(result.read_text())
+    assert seen == {"env": [], "connect": "refused"}
