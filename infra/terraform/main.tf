@@ -25,7 +25,7 @@ locals {
   nats_url  = "tls://${local.nats_host}:4222"
 
   # Where every Keel container finds its credentials (KEEL_CREDENTIALS_DIR): a private copy its init container
-  # makes of its credentials Secret, in a memory-backed emptyDir (see local.credentials_init).
+  # makes of its credentials Secret, in a memory-backed emptyDir (the pods' `credentials` init container).
   credentials_run_dir = "/var/lib/keel/run"
   credentials_dir     = "${local.credentials_run_dir}/credentials"
   credentials_source  = "/etc/keel/credentials"
@@ -148,7 +148,7 @@ resource "kubernetes_secret_v1" "nats_authorization" {
 }
 
 # One per consumer, holding only its own part; nothing else in the namespace mounts it. Keys are flat (a Secret's
-# keys cannot hold '/'); the pods' secret volumes put them back at their paths (local.bundles).
+# keys cannot hold '/'); the pods' secret volumes put them back at their paths (local.bundle_items).
 resource "kubernetes_secret_v1" "credentials" {
   for_each = local.bundles
 
