@@ -1,6 +1,7 @@
 # Keel control-plane image: the control-plane distributions, installed as plain wheels (no editable
 # install, no source tree), without torch. One console script per role:
 #   keel-migrate, keel-recorder, keel-controller, keel-checkpoint-broker, keel-analyzer, keel-hot-update
+# and keel-credentials (a deployment's NATS identities, signing keys and NATS TLS certificate).
 #
 #   docker build -t keel:dev .
 #   docker run --rm keel:dev keel-controller --help
@@ -33,10 +34,21 @@ COPY services/controller services/controller
 COPY services/checkpoint_broker services/checkpoint_broker
 COPY services/analyzer services/analyzer
 COPY services/hot_update services/hot_update
+# Mount points, owned by the image's user: Docker gives an empty named volume the owner and mode of the folder it
+# is first mounted on, so the volumes docker-compose.yml mounts here belong to uid 10001. Keel refuses secrets
+# that are not private to the user reading them (0700 folders, 0600 files: keel.infra.secrets), which is why
+# the credentials folders are 0700: /var/lib/keel/credentials (KEEL_CREDENTIALS_DIR) and the per-consumer
+# exports the compose `credentials` step writes (keel-credentials, keel.infra.provision). The checkpoint
+# broker writes the persistent tier's manifests to /var/lib/keel/checkpoints.
 RUN pip install --no-cache-dir ./libs/events ./libs/kernel ./libs/rules ./libs/checkpoint ./migrations ./libs/infra \
         ./services/recorder ./services/controller ./services/checkpoint_broker ./services/analyzer ./services/hot_update \
  && rm -rf /src \
- && useradd --system --uid 10001 --gid 0 --home-dir /home/keel --create-home --shell /usr/sbin/nologin keel
+ && useradd --system --uid 10001 --gid 0 --home-dir /home/keel --create-home --shell /usr/sbin/nologin keel \
+ && install -d -m 0700 -o 10001 -g 0 /var/lib/keel/credentials \
+    /var/lib/keel/export/nats /var/lib/keel/export/migrate /var/lib/keel/export/recorder \
+    /var/lib/keel/export/controller /var/lib/keel/export/checkpoint-broker /var/lib/keel/export/analyzer \
+    /var/lib/keel/export/hot-update /var/lib/keel/export/operator \
+ && install -d -m 0750 -o 10001 -g 0 /var/lib/keel/checkpoints
 
 WORKDIR /home/keel
 USER 10001

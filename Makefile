@@ -96,6 +96,8 @@ config-docs: install
 	$(BIN)/python -m keel.infra.config_docs --write docs/configuration.md
 
 # docker-compose.yml's PostgreSQL passwords (one per role, random, never committed); kept if they exist.
+# Its NATS identities and TLS certificate need no step here: the compose `credentials` service generates them
+# inside the image, as the uid that reads them (docker-compose.yml explains why not on the host).
 compose-secrets:
 	sh infra/postgres/make-secrets.sh .secrets/postgres
 

@@ -4,6 +4,8 @@
 #   NATS JetStream cluster (official nats Helm chart: file storage on PVCs, var.nats_replicas servers)
 #   ConfigMap (KEEL_* settings) + one Secret per database role (KEEL_DATABASE_URL of that role on the
 #   managed PostgreSQL; the recorder's and deciders' passwords generated here: random_password)
+#   NATS over TLS only, with Keel's identities and permissions: the server's certificate and authorization,
+#   and one credentials Secret per consumer, read from var.credentials_dir (`keel credentials init`, README)
 #   migrate Job (`keel-migrate`), then one Deployment per control-plane service (one replica each):
 #   recorder, controller, checkpoint-broker, analyzer, hot-update
 #
@@ -18,13 +20,22 @@ locals {
     var.labels,
   )
 
-  nats_url = "nats://${var.nats_release_name}.${var.namespace}.svc.${var.cluster_domain}:4222"
+  # TLS only: the server's certificate must name this host (README: "NATS identities and TLS").
+  nats_host = "${var.nats_release_name}.${var.namespace}.svc.${var.cluster_domain}"
+  nats_url  = "tls://${local.nats_host}:4222"
+
+  # Where every Keel container finds its credentials (KEEL_CREDENTIALS_DIR): a private copy its init container
+  # makes of its credentials Secret, in a memory-backed emptyDir (the pods' `credentials` init container).
+  credentials_run_dir = "/var/lib/keel/run"
+  credentials_dir     = "${local.credentials_run_dir}/credentials"
+  credentials_source  = "/etc/keel/credentials"
 
   # Every KEEL_* setting except the database URL, which lives in the Secret. Values are strings; the
   # services validate them at start (durations and sizes need units) and exit on a bad one.
   keel_settings = merge(
     {
       KEEL_NATS_URL                 = local.nats_url
+      KEEL_CREDENTIALS_DIR          = local.credentials_dir
       KEEL_DB_SCHEMA                = var.db_schema
       KEEL_HOME                     = "/tmp/keel"
       KEEL_BUS__MAX_AGE             = var.bus_max_age
@@ -66,6 +77,28 @@ locals {
   # The image runs as an unprivileged user (Dockerfile: uid 10001, gid 0).
   run_as_user  = 10001
   run_as_group = 0
+
+  # Each consumer's credentials (keel.infra.provision.BUNDLES, the same layout): its NATS identity
+  # (nats/<identity>.json), the NATS server's CA, the public keyring and, when it signs events, its signing key.
+  # The migrate Job acts as NATS's admin (it brings the streams to these settings) and signs nothing.
+  bundles = merge(
+    { migrate = { nats = "admin", signing = null } },
+    { for name in keys(local.services) : name => { nats = name, signing = name } },
+  )
+  master = pathexpand(var.credentials_dir)
+
+  # Each bundle's Secret keys and where its pods' secret volume puts them: a credentials folder's layout
+  # (keel.infra.provision.bundle_files).
+  bundle_items = {
+    for name, bundle in local.bundles : name => concat(
+      [
+        { key = "nats-identity", path = "nats/${bundle.nats}.json" },
+        { key = "nats-ca", path = "nats/shard-ca/tls/ca.pem" },
+        { key = "keyring", path = "signing/keyring.json" },
+      ],
+      bundle.signing == null ? [] : [{ key = "signing-key", path = "signing/${bundle.signing}.key" }],
+    )
+  }
 }
 
 # -- namespace ---------------------------------------------------------------------------------------
@@ -75,6 +108,66 @@ resource "kubernetes_namespace_v1" "keel" {
     name   = var.namespace
     labels = local.common_labels
   }
+}
+
+# -- NATS identities and TLS (keel.infra.nats_auth, docs/security.md) -----------------------------------
+#
+# Read from var.credentials_dir, which `keel credentials init --tls-host ... --auth-file ...` filled on the
+# operator's machine (README). Terraform keeps them, like every secret it handles, in its state.
+
+# The server's certificate and key (clients and, between servers, routes) and the CA that signed it.
+resource "kubernetes_secret_v1" "nats_tls" {
+  metadata {
+    name      = "keel-nats-tls"
+    namespace = kubernetes_namespace_v1.keel.metadata[0].name
+    labels    = local.common_labels
+  }
+
+  type = "Opaque"
+
+  data = {
+    "tls.crt" = file("${local.master}/nats/shard-ca/tls/nodes/nats-server/cert.pem")
+    "tls.key" = file("${local.master}/nats/shard-ca/tls/nodes/nats-server/key.pem")
+    "ca.crt"  = file("${local.master}/nats/shard-ca/tls/ca.pem")
+  }
+}
+
+# Every identity's user, password and permissions: the server's `authorization` block, included by nats.conf.
+resource "kubernetes_secret_v1" "nats_authorization" {
+  metadata {
+    name      = "keel-nats-authorization"
+    namespace = kubernetes_namespace_v1.keel.metadata[0].name
+    labels    = local.common_labels
+  }
+
+  type = "Opaque"
+
+  data = {
+    "authorization.conf" = file(var.nats_authorization_file != null ? pathexpand(var.nats_authorization_file) : "${local.master}/nats-authorization.conf")
+  }
+}
+
+# One per consumer, holding only its own part; nothing else in the namespace mounts it. Keys are flat (a Secret's
+# keys cannot hold '/'); the pods' secret volumes put them back at their paths (local.bundle_items).
+resource "kubernetes_secret_v1" "credentials" {
+  for_each = local.bundles
+
+  metadata {
+    name      = "keel-credentials-${each.key}"
+    namespace = kubernetes_namespace_v1.keel.metadata[0].name
+    labels    = local.common_labels
+  }
+
+  type = "Opaque"
+
+  data = merge(
+    {
+      "nats-identity" = file("${local.master}/nats/${each.value.nats}.json")
+      "nats-ca"       = file("${local.master}/nats/shard-ca/tls/ca.pem")
+      "keyring"       = file("${local.master}/signing/keyring.json")
+    },
+    { for name in(each.value.signing == null ? [] : [each.value.signing]) : "signing-key" => file("${local.master}/signing/${name}.key") },
+  )
 }
 
 # -- NATS JetStream ----------------------------------------------------------------------------------
@@ -99,11 +192,41 @@ resource "helm_release" "nats" {
         repository = "nats"
         tag        = var.nats_image_tag
       }
+      # Keel's authorization, from its Secret; config.merge below includes it. Under /etc/, so the chart's
+      # config reloader watches it too: a changed Secret (a new identity) reloads the servers.
+      patch = [{
+        op    = "add"
+        path  = "/volumeMounts/-"
+        value = { name = "keel-authorization", mountPath = "/etc/keel-nats-auth", readOnly = true }
+      }]
+    }
+    # The CA that signed the server's certificate: each tls block's ca_file (routes verify each other with it).
+    tlsCA = {
+      enabled    = true
+      secretName = kubernetes_secret_v1.nats_tls.metadata[0].name
+      key        = "ca.crt"
     }
     config = {
+      # Clients over TLS only: a client that does not start TLS is refused.
+      nats = {
+        tls = {
+          enabled    = true
+          secretName = kubernetes_secret_v1.nats_tls.metadata[0].name
+          cert       = "tls.crt"
+          key        = "tls.key"
+        }
+      }
       cluster = {
         enabled  = var.nats_replicas > 1
         replicas = var.nats_replicas
+        # Routes between the servers over TLS too (the server forces mutual verification on routes): the same
+        # certificate, which names *.<release>-headless (README).
+        tls = {
+          enabled    = true
+          secretName = kubernetes_secret_v1.nats_tls.metadata[0].name
+          cert       = "tls.crt"
+          key        = "tls.key"
+        }
       }
       jetstream = {
         enabled = true
@@ -122,10 +245,13 @@ resource "helm_release" "nats" {
         # fsync before every ack; see var.nats_sync_always and the README.
         merge = { for k, v in { sync_interval = "always" } : k => v if var.nats_sync_always }
       }
-      # 1 MiB, the NATS default, stated because Keel depends on it: the stream's max_msg_size is
-      # 1 MiB so an oversized event reaches the recorder and is dead-lettered with a reason.
       merge = {
+        # 1 MiB, the NATS default, stated because Keel depends on it: the stream's max_msg_size is
+        # 1 MiB so an oversized event reaches the recorder and is dead-lettered with a reason.
         max_payload = 1048576
+        # Only Keel's identities connect, each with its own permissions: `include` of the authorization Secret
+        # (the chart turns a key ending in $include into an include, relative to /etc/nats-config).
+        "00$include" = "../keel-nats-auth/authorization.conf"
       }
     }
     # One server per Kubernetes node: three replicas on one node would make R3 a formality.
@@ -136,6 +262,18 @@ resource "helm_release" "nats" {
           whenUnsatisfiable = "DoNotSchedule"
         }
       }
+      patch = [{
+        op   = "add"
+        path = "/spec/volumes/-"
+        value = {
+          name   = "keel-authorization"
+          secret = { secretName = kubernetes_secret_v1.nats_authorization.metadata[0].name, defaultMode = 256 } # 0400
+        }
+      }]
+    }
+    # nats-box would be one more client without an identity; the CLI (`keel ...`) is the way in.
+    natsBox = {
+      enabled = false
     }
   })]
 }
@@ -236,6 +374,39 @@ resource "kubernetes_job_v1" "migrate" {
           }
         }
 
+        # Keel reads a secret only from a private file of its own user (0600 in 0700 folders,
+        # keel.infra.secrets); a Secret volume's files belong to root. This copies the Secret into a private
+        # folder of uid 10001 (memory-backed) that the container uses as KEEL_CREDENTIALS_DIR.
+        init_container {
+          name              = "credentials"
+          image             = var.image
+          image_pull_policy = var.image_pull_policy
+          command           = ["keel-credentials", "install", "--from", local.credentials_source, "--to", local.credentials_dir]
+
+          resources {
+            requests = { cpu = "10m", memory = "64Mi" }
+            limits   = { memory = "128Mi" }
+          }
+
+          security_context {
+            allow_privilege_escalation = false
+            read_only_root_filesystem  = true
+            capabilities {
+              drop = ["ALL"]
+            }
+          }
+
+          volume_mount {
+            name       = "credentials-source"
+            mount_path = local.credentials_source
+            read_only  = true
+          }
+          volume_mount {
+            name       = "credentials"
+            mount_path = local.credentials_run_dir
+          }
+        }
+
         container {
           name              = "migrate"
           image             = var.image
@@ -270,11 +441,38 @@ resource "kubernetes_job_v1" "migrate" {
             name       = "tmp"
             mount_path = "/tmp"
           }
+          volume_mount {
+            name       = "credentials"
+            mount_path = local.credentials_run_dir
+          }
         }
 
         volume {
           name = "tmp"
           empty_dir {}
+        }
+        # This consumer's credentials Secret, laid out as a credentials folder (keel.infra.provision.bundle_files),
+        # readable by the pod's group (gid 0) for the init container's copy.
+        volume {
+          name = "credentials-source"
+          secret {
+            secret_name  = kubernetes_secret_v1.credentials["migrate"].metadata[0].name
+            default_mode = "0440"
+            dynamic "items" {
+              for_each = local.bundle_items["migrate"]
+              content {
+                key  = items.value.key
+                path = items.value.path
+              }
+            }
+          }
+        }
+        volume {
+          name = "credentials"
+          empty_dir {
+            medium     = "Memory"
+            size_limit = "1Mi"
+          }
         }
       }
     }
@@ -286,6 +484,9 @@ resource "kubernetes_job_v1" "migrate" {
     create = "10m"
     update = "10m"
   }
+
+  # keel-migrate also brings the streams to these settings, as NATS's admin identity.
+  depends_on = [helm_release.nats]
 }
 
 # -- recorder and controller -------------------------------------------------------------------------
@@ -320,9 +521,11 @@ resource "kubernetes_deployment_v1" "service" {
         labels = merge(local.common_labels, { "app.kubernetes.io/name" = "keel-${each.key}" })
         annotations = {
           # Roll the pod when a setting or the database Secret changes: env_from is read only at
-          # container start.
+          # container start ...
           "checksum/keel-settings"       = sha256(jsonencode(local.keel_settings))
           "keel/database-secret-version" = kubernetes_secret_v1.database[each.key == "recorder" ? "recorder" : "decider"].metadata[0].resource_version
+          # ... or its credentials Secret (the init container copies it only at start).
+          "keel/credentials-secret-version" = kubernetes_secret_v1.credentials[each.key].metadata[0].resource_version
         }
       }
 
@@ -345,6 +548,39 @@ resource "kubernetes_deployment_v1" "service" {
           run_as_group    = local.run_as_group
           seccomp_profile {
             type = "RuntimeDefault"
+          }
+        }
+
+        # Keel reads a secret only from a private file of its own user (0600 in 0700 folders,
+        # keel.infra.secrets); a Secret volume's files belong to root. This copies the Secret into a private
+        # folder of uid 10001 (memory-backed) that the container uses as KEEL_CREDENTIALS_DIR.
+        init_container {
+          name              = "credentials"
+          image             = var.image
+          image_pull_policy = var.image_pull_policy
+          command           = ["keel-credentials", "install", "--from", local.credentials_source, "--to", local.credentials_dir]
+
+          resources {
+            requests = { cpu = "10m", memory = "64Mi" }
+            limits   = { memory = "128Mi" }
+          }
+
+          security_context {
+            allow_privilege_escalation = false
+            read_only_root_filesystem  = true
+            capabilities {
+              drop = ["ALL"]
+            }
+          }
+
+          volume_mount {
+            name       = "credentials-source"
+            mount_path = local.credentials_source
+            read_only  = true
+          }
+          volume_mount {
+            name       = "credentials"
+            mount_path = local.credentials_run_dir
           }
         }
 
@@ -387,6 +623,10 @@ resource "kubernetes_deployment_v1" "service" {
             name       = "tmp"
             mount_path = "/tmp"
           }
+          volume_mount {
+            name       = "credentials"
+            mount_path = local.credentials_run_dir
+          }
 
           # The checkpoint broker writes the persistent tier's manifests beside the shards the nodes
           # write: the same shared filesystem, mounted at the persist root.
@@ -409,6 +649,29 @@ resource "kubernetes_deployment_v1" "service" {
         volume {
           name = "tmp"
           empty_dir {}
+        }
+        # This consumer's credentials Secret, laid out as a credentials folder (keel.infra.provision.bundle_files),
+        # readable by the pod's group (gid 0) for the init container's copy.
+        volume {
+          name = "credentials-source"
+          secret {
+            secret_name  = kubernetes_secret_v1.credentials[each.key].metadata[0].name
+            default_mode = "0440"
+            dynamic "items" {
+              for_each = local.bundle_items[each.key]
+              content {
+                key  = items.value.key
+                path = items.value.path
+              }
+            }
+          }
+        }
+        volume {
+          name = "credentials"
+          empty_dir {
+            medium     = "Memory"
+            size_limit = "1Mi"
+          }
         }
         dynamic "volume" {
           for_each = each.key == "checkpoint-broker" && var.checkpoint_volume_claim != null ? [1] : []

@@ -197,3 +197,21 @@ variable "checkpoint_volume_claim" {
   type        = string
   default     = null
 }
+
+# -- NATS identities and TLS -----------------------------------------------------------------------
+
+variable "credentials_dir" {
+  description = "The credentials folder that `keel credentials init --tls-host HOST ... --auth-file DIR/nats-authorization.conf` filled on the operator's machine (KEEL_CREDENTIALS_DIR there; README: NATS identities and TLS). Terraform reads the NATS server's certificate, key and CA, its authorization, and each service's NATS identity and signing key from it into Kubernetes Secrets (and its state). Keep the folder: it holds the CA's key and is where new identities (an agent's) are issued."
+  type        = string
+
+  validation {
+    condition     = fileexists("${pathexpand(var.credentials_dir)}/nats/admin.json") && fileexists("${pathexpand(var.credentials_dir)}/nats/shard-ca/tls/nodes/nats-server/cert.pem")
+    error_message = "credentials_dir has no NATS identities or no NATS server certificate: run `KEEL_CREDENTIALS_DIR=<credentials_dir> keel credentials init --tls-host <nats host> ... --auth-file <credentials_dir>/nats-authorization.conf` first (infra/terraform/README.md lists the hosts)."
+  }
+}
+
+variable "nats_authorization_file" {
+  description = "The NATS server's authorization, as `keel credentials init --auth-file` (or `keel credentials issue-agent --auth-file`) wrote it; null: <credentials_dir>/nats-authorization.conf. Re-apply after issuing an identity: the chart's config reloader has the servers load it."
+  type        = string
+  default     = null
+}

@@ -1,4 +1,6 @@
-"""docker-compose.yml cannot be started here (no Docker engine), so it is checked statically."""
+"""docker-compose.yml cannot be started here (no Docker engine), so it is checked statically; so is the
+Terraform module (no providers offline). The NATS configuration compose ships is also run by a real server:
+tests/integration/test_compose_nats_config.py."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import re
 import shlex
 import tomllib
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
 
@@ -45,7 +48,7 @@ def test_compose_file_runs_real_keel_commands_against_its_servers() -> None:
         environment = service.get("environment", {})
         if isinstance(environment, list):
             environment = dict(item.split("=", 1) for item in environment)
-        assert environment["KEEL_NATS_URL"] == "nats://nats:4222", name
+        assert environment["KEEL_NATS_URL"] == "tls://nats:4222", name
         assert environment["KEEL_DATABASE_URL"].startswith("postgresql://"), name
     assert "-js" in str(services["nats"].get("command", "")) or "jetstream" in (ROOT / "infra/nats/nats.conf").read_text()
 
@@ -78,3 +81,136 @@ def test_compose_has_no_default_database_password_and_each_container_its_role() 
     for secret in compose["secrets"].values():
         assert secret["file"].startswith("./.secrets/postgres/")
     assert ".secrets/" in (ROOT / ".gitignore").read_text().split()
+
+
+KEEL_CONTAINERS = ("migrate", "recorder", "controller", "checkpoint-broker", "analyzer", "hot-update")
+
+
+def _compose() -> dict[str, Any]:
+    return cast(dict[str, Any], yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """``{target path: named volume}`` of a service's ``source:target[:mode]`` volumes."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        mounts[target] = source
+    return mounts
+
+
+def _credentials_exports(compose: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """The credentials step's ``{bundle: volume it is exported into}`` and the NATS server's volume."""
+    step = compose["services"]["credentials"]
+    assert step["command"][:2] == ["keel-credentials", "init"]
+    mounts = _mounts(step)
+    exports, server = {}, None
+    for argument in step["command"][2:]:
+        if argument.startswith("--export="):
+            name, folder = argument.removeprefix("--export=").split("=", 1)
+            exports[name] = mounts[folder]
+        elif argument.startswith("--export-server="):
+            server = mounts[argument.removeprefix("--export-server=")]
+    assert server is not None
+    return exports, server
+
+
+def test_compose_nats_requires_tls_and_only_keel_identities() -> None:
+    from keel.infra.provision import SERVER_FILES
+
+    compose = _compose()
+    nats = compose["services"]["nats"]
+    assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    mounts = _mounts(nats)
+    assert mounts["/etc/nats/nats.conf"] == "./infra/nats/nats.conf"
+    _, server_volume = _credentials_exports(compose)
+    assert mounts["/etc/nats/keel"] == server_volume and "/etc/nats/keel:ro" in " ".join(nats["volumes"])
+    assert nats["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
+    conf = (ROOT / "infra/nats/nats.conf").read_text()
+    lines = [line.split("#")[0].strip() for line in conf.splitlines()]
+    # The include is relative to the including file: /etc/nats/keel/authorization.conf, from the server's volume.
+    assert 'include "keel/authorization.conf"' in lines and SERVER_FILES[0] == "authorization.conf"
+    tls = conf[conf.index("\ntls {"):]
+    tls = tls[:tls.index("}")]
+    assert 'cert_file: "/etc/nats/keel/cert.pem"' in tls and 'key_file: "/etc/nats/keel/key.pem"' in tls
+    assert "allow_non_tls" not in conf and "no_auth_user" not in conf and "password" not in conf
+    # The healthcheck keeps using the plain-HTTP monitoring port, inside the container.
+    assert "http://127.0.0.1:8222/healthz" in " ".join(nats["healthcheck"]["test"]) and "http_port: 8222" in lines
+
+
+def test_every_keel_container_reaches_nats_over_tls_as_its_own_identity_only() -> None:
+    from keel.infra.provision import BUNDLES
+
+    compose = _compose()
+    services = compose["services"]
+    exports, server_volume = _credentials_exports(compose)
+    step = services["credentials"]
+    assert {"--tls-host=nats", "--tls-host=127.0.0.1"} <= set(step["command"])  # in-network and host names
+    assert step.get("network_mode") == "none" and step["restart"] == "no"
+    master = _mounts(step)[step["environment"]["KEEL_CREDENTIALS_DIR"]]
+    seen: set[str] = set()
+    for name in KEEL_CONTAINERS:
+        service = services[name]
+        environment = service["environment"]
+        assert environment["KEEL_NATS_URL"].startswith("tls://"), name
+        folder = environment["KEEL_CREDENTIALS_DIR"]
+        volume = _mounts(service)[folder]
+        # Its own bundle, exported by the credentials step before it starts, and no other credentials volume.
+        assert exports[name] == volume, (name, volume)
+        assert BUNDLES[name].nats_identity == ("admin" if name == "migrate" else name)
+        assert service["depends_on"]["credentials"]["condition"] == "service_completed_successfully", name
+        assert master not in _mounts(service).values() and server_volume not in _mounts(service).values(), name
+        seen.add(volume)
+    assert len(seen) == len(KEEL_CONTAINERS)  # no two containers share credentials
+    # The master (it holds the CA's key) is mounted by the credentials step only.
+    assert [n for n, s in services.items() if master in _mounts(s).values()] == ["credentials"]
+    assert services["migrate"]["depends_on"]["nats"]["condition"] == "service_healthy"  # it sets up the streams
+
+
+def test_the_image_owns_every_credentials_mount_point_so_its_volumes_are_private_to_uid_10001() -> None:
+    compose = _compose()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    match = re.search(r"install -d -m 0700 -o 10001 -g 0 ([^&]+)", dockerfile)
+    assert match, "the Dockerfile creates the credentials mount points 0700, owned by uid 10001"
+    private = set(match.group(1).replace("\\", " ").split())
+    assert "USER 10001" in dockerfile
+    for name in ("credentials", *KEEL_CONTAINERS):
+        service = compose["services"][name]
+        assert "user" not in service, name  # the image's uid, the one the mount points belong to
+        for target, source in _mounts(service).items():
+            if source.startswith(("credentials-", "keel-credentials", "nats-credentials")):
+                assert target in private, (name, target)
+
+
+def test_compose_has_no_default_password_anywhere() -> None:
+    compose = _compose()
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert not re.search(r"://[^/@\s]+:[^/@\s]+@", text), "a URL with a password in it"
+    for name, service in compose["services"].items():
+        environment = service.get("environment", {})
+        for key, value in environment.items():
+            if re.search(r"PASSWORD|PASS$|SECRET|TOKEN", key):
+                assert key.endswith("_FILE") and str(value).startswith("/run/secrets/"), (name, key, value)
+    for secret in compose["secrets"].values():
+        assert "environment" not in secret and secret["file"].startswith("./.secrets/")
+
+
+def test_terraform_runs_nats_with_tls_and_keel_authorization() -> None:
+    main = (ROOT / "infra/terraform/main.tf").read_text()
+    variables = (ROOT / "infra/terraform/variables.tf").read_text()
+    assert 'nats_url  = "tls://${local.nats_host}:4222"' in main
+    assert "KEEL_CREDENTIALS_DIR          = local.credentials_dir" in main
+    # The chart's client TLS and route TLS from the server certificate's Secret, its CA in every tls block.
+    nats_values = main[main.index('resource "helm_release" "nats"'):main.index("# -- settings")]
+    assert nats_values.count("secretName = kubernetes_secret_v1.nats_tls.metadata[0].name") == 3
+    assert re.search(r"nats = \{\s+tls = \{\s+enabled\s+= true", nats_values)
+    assert '"00$include" = "../keel-nats-auth/authorization.conf"' in nats_values
+    assert 'mountPath = "/etc/keel-nats-auth"' in nats_values and "kubernetes_secret_v1.nats_authorization" in nats_values
+    assert re.search(r"natsBox = \{\s+enabled = false", nats_values)
+    # Every Keel pod copies its own credentials Secret into a private folder before it starts.
+    assert main.count('command           = ["keel-credentials", "install", "--from", local.credentials_source, '
+                      '"--to", local.credentials_dir]') == 2
+    assert 'kubernetes_secret_v1.credentials["migrate"]' in main and "kubernetes_secret_v1.credentials[each.key]" in main
+    assert 'variable "credentials_dir"' in variables and "keel credentials init" in variables
+    readme = (ROOT / "infra/terraform/README.md").read_text()
+    assert "keel credentials init" in readme and "--tls-host" in readme and "credentials_dir" in readme

@@ -43,12 +43,12 @@ def register(sub: Subparsers) -> None:
 
 def cmd_credentials(args: argparse.Namespace, settings: Settings) -> int:
     from keel.events.signing import KeyringError
-    from keel.infra.nats_auth import NatsAuthError, NatsAuthority, NatsScope, fingerprint, render_authorization
+    from keel.infra.nats_auth import NatsAuthError, NatsAuthority, fingerprint, render_authorization
+    from keel.infra.provision import ProvisionError, init_credentials, scope_of
     from keel.infra.secrets import InsecurePathError, write_secret
 
     folder = credentials_path(settings)
     authority = NatsAuthority(folder)
-    scope = NatsScope(settings.bus.subject_prefix, settings.bus.stream, settings.bus.dlq_stream)
     result: dict[str, object] = {"credentials_dir": str(folder)}
     try:
         if args.credentials_command == "ls":
@@ -62,23 +62,18 @@ def cmd_credentials(args: argparse.Namespace, settings: Settings) -> int:
                           f"{row['fingerprint']}")
             return 0
         if args.credentials_command == "init":
-            from keel.infra.signing import ensure_control_plane_keys, operator_name
+            from keel.infra.signing import operator_name
 
-            authority.ensure_standard()
-            ensure_control_plane_keys(settings, operator_name(settings, login_name()))
-            result["identities"] = sorted(i.name for i in authority.identities())
-            if args.tls_host:
-                from keel.infra.nats_auth import ensure_server_tls
-
-                cert, key, ca = ensure_server_tls(folder, args.tls_host)
-                result["nats_tls"] = {"cert_file": str(cert), "key_file": str(key), "ca_file": str(ca)}
+            result = init_credentials(settings, operator=operator_name(settings, login_name()),
+                                      tls_hosts=args.tls_host, auth_file=Path(args.auth_file) if args.auth_file else None)
         else:
             result["identity_file"] = str(authority.ensure_agent(args.job, args.node))
-        if args.auth_file:
-            path = Path(args.auth_file)
-            write_secret(path, render_authorization(authority.identities(), [scope]).encode(), private_parent=False)
-            result["auth_file"] = str(path)
-    except (NatsAuthError, InsecurePathError, KeyringError, OSError) as exc:
+            if args.auth_file:
+                path = Path(args.auth_file)
+                write_secret(path, render_authorization(authority.identities(), [scope_of(settings)]).encode(),
+                             private_parent=False)
+                result["auth_file"] = str(path)
+    except (NatsAuthError, ProvisionError, InsecurePathError, KeyringError, OSError) as exc:
         raise CliError(f"credentials: {exc}") from None
     print_json(result)
     return 0
