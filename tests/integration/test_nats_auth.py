@@ -159,3 +159,28 @@ def test_a_rank_inherits_no_credentials_and_nats_refuses_it(server: NatsServer, 
     assert agent.returncode == 0, agent.stderr[-3000:]
     seen = json.loads(result.read_text())
     assert seen == {"env": [], "connect": "refused"}
+
+
+def test_agents_issuing_their_identities_together_are_all_accepted(server: NatsServer) -> None:
+    """Eight `keel run`s starting at once each issue their node's identity: none is dropped from the server's
+    authorization by another's rewrite (the issuers take turns under a file lock). The race it guards against
+    is narrow: without the lock this test passed 2 runs of 2, so it is a check of concurrent issuance, not a
+    reliable reproduction of the race (the benchmarks' four-agent clusters did hit it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from keel.infra.nats_auth import NatsAuthority; "
+            "print(NatsAuthority(sys.argv[1]).ensure_agent('race', sys.argv[2]))")
+    issuers = [subprocess.Popen([sys.executable, "-c", code, str(server.credentials_dir), f"n{i}"],
+                                stdout=subprocess.PIPE, text=True) for i in range(8)]
+    paths = [Path(p.communicate(timeout=60)[0].strip()) for p in issuers]
+    assert all(p.returncode == 0 for p in issuers)
+
+    async def connect_all() -> None:
+        admin = await Bus.connect(server.url, as_identity(server, "admin"), name="admin", administer=True)
+        await admin.close()
+        for path in paths:
+            bus = await Bus.connect(server.url, BusSettings(credentials=path), name=path.stem)
+            await bus.close()
+
+    asyncio.run(connect_all())

@@ -37,6 +37,8 @@ Identity files: ``<credentials>/nats/<name>.json`` (0600): ``{"name", "role", "u
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,7 +49,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -354,21 +356,41 @@ class NatsAuthority:
             return []
         return [load_identity(path) for path in sorted(self.folder.glob("*.json")) if path.name != "server.json"]
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One issuer at a time (processes on this host): agents starting together each issue their identity,
+        and a rewrite of the authorization rendered before another's identity existed, written after it,
+        would drop that identity from the server."""
+        ensure_private_dir(self.folder.parent)  # the credentials folder itself, before mkdir makes it 0755
+        ensure_private_dir(self.folder)
+        fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
     def ensure(self, name: str, role: str, *, node: str | None = None, job: str | None = None,
                reload: bool = True) -> Path:
         """The identity file of ``name`` (created, and the attached servers reloaded, when missing)."""
         path = identity_file(self.folder.parent, name)
-        ensure_private_dir(self.folder.parent)  # the credentials folder itself, before mkdir makes it 0755
-        ensure_private_dir(self.folder)
         if path.exists():
-            existing = load_identity(path)
-            if existing.role != role or existing.node != node or existing.job != job:
-                raise NatsAuthError(f"identity {name} exists with role {existing.role} (node {existing.node}, job "
-                                    f"{existing.job}), not {role}; remove {path} to issue it anew")
-            return path
-        write_secret(path, new_identity(name, role, node=node, job=job).to_json())
-        if reload:
-            self.reload()
+            return self._existing(path, name, role, node, job)
+        with self._locked():
+            if path.exists():  # issued by another process meanwhile
+                return self._existing(path, name, role, node, job)
+            write_secret(path, new_identity(name, role, node=node, job=job).to_json())
+            if reload:
+                self._reload()
+        return path
+
+    @staticmethod
+    def _existing(path: Path, name: str, role: str, node: str | None, job: str | None) -> Path:
+        """``path`` when the identity there is the one asked for; else the reason it is not."""
+        existing = load_identity(path)
+        if existing.role != role or existing.node != node or existing.job != job:
+            raise NatsAuthError(f"identity {name} exists with role {existing.role} (node {existing.node}, job "
+                                f"{existing.job}), not {role}; remove {path} to issue it anew")
         return path
 
     def ensure_standard(self) -> None:
@@ -395,8 +417,10 @@ class NatsAuthority:
     def attach(self, server: LocalServer, scope: NatsScope) -> None:
         """Record ``server`` (replacing a record of the same authorization file, dropping servers no longer
         running) and write its authorization file. ``scope`` is added to the rendered scopes."""
-        ensure_private_dir(self.folder.parent)
-        ensure_private_dir(self.folder)
+        with self._locked():
+            self._attach(server, scope)
+
+    def _attach(self, server: LocalServer, scope: NatsScope) -> None:
         previous = self.attachment() or Attachment(servers=(), scopes=())
         servers = tuple(s for s in previous.servers if s.auth_file != server.auth_file and s.pid() is not None)
         scopes = previous.scopes if scope in previous.scopes else (*previous.scopes, scope)
@@ -411,16 +435,21 @@ class NatsAuthority:
     def add_scope(self, scope: NatsScope, keep: int = 8) -> None:
         """Render the attached servers' permissions for ``scope`` too (the newest ``keep`` scopes are kept):
         how a test server shared by tests with their own prefixes and streams enforces exact permissions."""
-        attachment = self.attachment()
-        if attachment is None:
-            raise NatsAuthError(f"no local NATS server attached to {self.folder}")
-        scopes = tuple(s for s in attachment.scopes if s != scope)[-(keep - 1):] + (scope,)
-        write_secret(self.server_file, Attachment(attachment.servers, scopes).to_json())
-        self.reload()
+        with self._locked():
+            attachment = self.attachment()
+            if attachment is None:
+                raise NatsAuthError(f"no local NATS server attached to {self.folder}")
+            scopes = tuple(s for s in attachment.scopes if s != scope)[-(keep - 1):] + (scope,)
+            write_secret(self.server_file, Attachment(attachment.servers, scopes).to_json())
+            self._reload()
 
     def reload(self, timeout_s: float = 10.0) -> bool:
         """Rewrite every running attached server's authorization and have it reload; False when none runs
         (a server reads the file when it starts)."""
+        with self._locked():
+            return self._reload(timeout_s)
+
+    def _reload(self, timeout_s: float = 10.0) -> bool:
         attachment = self.attachment()
         if attachment is None:
             log.warning("NATS identities in %s have no local server attached: add the new identity to your "
