@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,3 +178,41 @@ def identity_from_json(text: str):  # type: ignore[no-untyped-def]
     from keel.infra.config import BusSettings
 
     return BusSettings.model_validate(json.loads(text))
+
+
+def start_services(services: dict[str, list[str]], env: dict[str, str], work: Path, timeout_s: float = 60.0,
+                   ) -> dict[str, subprocess.Popen]:
+    """Start ``keel service <name> <args>`` for each entry, as ``keel up`` does (``env`` over this process's
+    environment; give it ``Servers.service_env`` so that each authenticates as its own role), and wait until
+    every one is ready. Logs: ``<work>/<name>.log``. Raises ``RuntimeError`` naming a service that exits or
+    is not ready within ``timeout_s`` (the others are stopped)."""
+    started: dict[str, subprocess.Popen] = {}
+    for name, args in services.items():
+        ready = work / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        with open(work / f"{name}.log", "ab") as out:
+            started[name] = subprocess.Popen(
+                [sys.executable, "-m", "keel.cli.main", "service", name, *args],
+                env={**os.environ, **env, "KEEL_SERVICE_READY_FILE": str(ready)},
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    for name, process in started.items():
+        while not (work / f"{name}.ready").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                stop_services(started)
+                raise RuntimeError(f"Keel's {name} did not start: see {work / (name + '.log')}")
+            time.sleep(0.1)
+    return started
+
+
+def stop_services(services: dict[str, subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM each service, SIGKILL the ones still running after ``timeout_s``."""
+    for process in services.values():
+        if process.poll() is None:
+            process.terminate()
+    for process in services.values():
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
