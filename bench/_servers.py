@@ -149,6 +149,18 @@ class Servers:
         if self.embedded_nats and self.credentials_dir is not None:
             NatsAuthority(self.credentials_dir).add_scope(NatsScope(bus.subject_prefix, bus.stream, bus.dlq_stream))
 
+    def issue_agents(self, job_id: str, node_ids: list[str]) -> None:
+        """Issue the agents' identities of ``job_id``'s nodes before their agents start, one after the other
+        (``keel credentials issue-agent``'s way). An agent issues its own when it has none, but agents that
+        start together each rewrite the server's authorization from what the folder held a moment before,
+        and the last one written can leave out another's identity, which is then refused."""
+        from keel.infra.nats_auth import NatsAuthority
+
+        if self.embedded_nats and self.credentials_dir is not None:
+            authority = NatsAuthority(self.credentials_dir)
+            for node_id in node_ids:
+                authority.ensure_agent(job_id, node_id)
+
     def signing(self):  # type: ignore[no-untyped-def]
         """The harness's signing: it publishes what a control-plane service or an operator would (a restart
         command, a code version), signed with that role's key in the credentials folder as they would be,

@@ -288,6 +288,7 @@ class Cluster:
         # the checkpoint broker's plan, so it runs as in any deployment (the controller does not: the bench
         # restarts the ranks itself).
         self.services = start_services({"checkpoint-broker": []}, env, self.work)
+        self.log.servers.issue_agents(JOB_ID, [f"n{i:02d}" for i in range(NODES)])
         self.state = cluster_up(self.log.settings, self.directory, nodes=NODES, standby=0, nproc_per_node=NPROC,
                                 job_id=JOB_ID, command=["-m", "bench._workload", *wrapper, "--", *train],
                                 nats_url=self.log.servers.nats_url, extra_env=env, persist_root=persist_root,
