@@ -404,7 +404,9 @@ class KeelSlice:
         await asyncio.to_thread(run_migrations, self.database_url, self.piece.schema)
         bus = self.piece.bus_settings(self.servers)
         self.servers.authorize(bus)  # the recorder's identity, on this slice's prefix and streams
-        self.bus = await Bus.connect(self.nats_url, bus, name="keel-bench")
+        # Signed as the control plane signs (the lag bench publishes clock ticks and commits; events that need
+        # no signature, the fleet's, are published as they are).
+        self.bus = await Bus.connect(self.nats_url, bus, name="keel-bench", signing=self.servers.signing())
         return self
 
     async def start_recorder(self) -> None:
