@@ -25,7 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keel.infra.config import BusSettings, Settings
+    from keel.infra.signing import Signing
 
 BENCH_OPERATOR = "bench"
 """The operator identity the harness signs operator events with (their ``by`` must name it)."""
@@ -108,7 +112,7 @@ class Servers:
 
     # -- identities -------------------------------------------------------------------------------
 
-    def bus_settings(self, **fields: Any):  # type: ignore[no-untyped-def]
+    def bus_settings(self, **fields: Any) -> BusSettings:
         """``BusSettings(**fields)`` with the harness's identity: the admin of the servers started here."""
         from keel.infra.config import BusSettings
 
@@ -132,7 +136,7 @@ class Servers:
         role (and find the keyring): the credentials folder, never the admin's file."""
         return {"KEEL_CREDENTIALS_DIR": str(self.credentials_dir)} if self.credentials_dir else {}
 
-    def settings(self, **fields: Any):  # type: ignore[no-untyped-def]
+    def settings(self, **fields: Any) -> Settings:
         """``Settings(**fields)`` on these servers and their credentials folder; ``bus`` (a dict of
         ``BusSettings`` fields) gets the harness's identity."""
         from keel.infra.config import Settings
@@ -140,7 +144,7 @@ class Servers:
         return Settings(nats_url=self.nats_url, database_url=self.database_url, credentials_dir=self.credentials_dir,
                         **{**fields, "bus": self.bus_settings(**fields.get("bus", {}))})
 
-    def authorize(self, bus: Any) -> None:
+    def authorize(self, bus: BusSettings) -> None:
         """Let the services' and agents' identities use ``bus``'s subject prefix and streams on the NATS servers
         started here (permissions are rendered per prefix and streams, ``NatsAuthority.add_scope``; the
         newest few are kept). External servers are their operator's: nothing is changed there."""
@@ -161,7 +165,7 @@ class Servers:
             for node_id in node_ids:
                 authority.ensure_agent(job_id, node_id)
 
-    def signing(self):  # type: ignore[no-untyped-def]
+    def signing(self) -> Signing:
         """The harness's signing: it publishes what a control-plane service or an operator would (a restart
         command, a code version), signed with that role's key in the credentials folder as they would be,
         and checks against the keyring there (what the services and agents it starts check against)."""
@@ -183,7 +187,7 @@ class Servers:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def identity_from_json(text: str):  # type: ignore[no-untyped-def]
+def identity_from_json(text: str) -> BusSettings:
     """``BusSettings`` with the identity ``Servers.identity_json`` wrote."""
     import json
 

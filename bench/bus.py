@@ -55,13 +55,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tests.factories builds the events
     sys.path.insert(0, str(REPO))
 
 from bench._servers import Servers, scratch_dir  # noqa: E402
+
+if TYPE_CHECKING:
+    from keel.infra.config import BusSettings
 
 MODES = ("sync_always", "sync_default")
 OFFERED_EPS = 1000
@@ -165,7 +168,7 @@ class Slice:
     def schema(self) -> str:
         return f"bench_{self.tag}"
 
-    def bus_settings(self, servers: Servers):  # type: ignore[no-untyped-def]
+    def bus_settings(self, servers: Servers) -> BusSettings:
         """The slice's prefix and streams, with the harness's identity on ``servers``."""
         return servers.bus_settings(subject_prefix=f"kb{self.tag}", stream=f"KB{self.tag}", dlq_stream=f"KB{self.tag}_DLQ")
 
@@ -243,7 +246,7 @@ async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, ba
     from keel.infra.config import BusSettings
 
     nc = await nats.connect(url, pending_size=64 * 1024 * 1024,
-                            **connect_credentials(identity_from_json(identity), url))  # type: ignore[arg-type]
+                            **connect_credentials(identity_from_json(identity), url))
     js = nc.jetstream()
     config = api.ConsumerConfig(
         durable_name="raw",
@@ -290,7 +293,7 @@ async def measure_raw_jetstream(servers: Servers, url: str, events: Sequence[Any
     messages = wire_messages(events, prefix)
     # The raw ceiling authenticates too (as the admin, publisher and consumer alike), so it pays the same
     # per-connection authentication as Keel's clients and the persisted/raw ratio stays like for like.
-    nc = await nats.connect(url, pending_size=64 * 1024 * 1024, **servers.connect_options(url))  # type: ignore[arg-type]
+    nc = await nats.connect(url, pending_size=64 * 1024 * 1024, **servers.connect_options(url))
     consumer = None
     try:
         js = nc.jetstream(timeout=5)
