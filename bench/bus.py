@@ -7,6 +7,8 @@ servers — one with JetStream ``sync_interval: always`` (the embedded single-se
 acknowledged means on disk) and one with the default sync interval (what a replicated R3 cluster runs,
 where replication carries durability) — and one PostgreSQL. With ``KEEL_NATS_URL`` /
 ``KEEL_DATABASE_URL`` set, those servers are used instead (both "modes" then share the one NATS).
+Every NATS client authenticates (``bench._servers``): the bench as the servers' admin, the recorder as
+its own role.
 
 Measured, all in the same run so that the ratios are fair on a noisy machine:
 
@@ -53,13 +55,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # tests.factories builds the events
     sys.path.insert(0, str(REPO))
 
 from bench._servers import Servers, scratch_dir  # noqa: E402
+
+if TYPE_CHECKING:
+    from keel.infra.config import BusSettings
 
 MODES = ("sync_always", "sync_default")
 OFFERED_EPS = 1000
@@ -163,10 +168,9 @@ class Slice:
     def schema(self) -> str:
         return f"bench_{self.tag}"
 
-    def bus_settings(self):  # type: ignore[no-untyped-def]
-        from keel.infra.config import BusSettings
-
-        return BusSettings(subject_prefix=f"kb{self.tag}", stream=f"KB{self.tag}", dlq_stream=f"KB{self.tag}_DLQ")
+    def bus_settings(self, servers: Servers) -> BusSettings:
+        """The slice's prefix and streams, with the harness's identity on ``servers``."""
+        return servers.bus_settings(subject_prefix=f"kb{self.tag}", stream=f"KB{self.tag}", dlq_stream=f"KB{self.tag}_DLQ")
 
 
 async def pg_connect(database_url: str, schema: str = "public"):  # type: ignore[no-untyped-def]
@@ -181,21 +185,6 @@ async def drop_schema(database_url: str, schema: str) -> None:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         await conn.close()
-
-
-async def delete_streams(url: str, names: Sequence[str]) -> None:
-    import nats
-
-    nc = await nats.connect(url)
-    try:
-        js = nc.jetstream()
-        for name in names:
-            try:
-                await js.delete_stream(name)
-            except Exception:  # noqa: BLE001 - best-effort cleanup
-                pass
-    finally:
-        await nc.close()
 
 
 # -- events ---------------------------------------------------------------------------------------
@@ -240,8 +229,10 @@ def stream_config(name: str, subjects: str):  # type: ignore[no-untyped-def]
     )
 
 
-async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, batch: int, fetch_timeout_s: float) -> None:
-    """The raw ceiling's consumer (a child process): fetch and acknowledge, nothing else.
+async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, batch: int, fetch_timeout_s: float,
+                            identity: str) -> None:
+    """The raw ceiling's consumer (a child process): fetch and acknowledge, nothing else. It authenticates as
+    the harness (``identity``: ``Servers.identity_json``), as every client of the servers must.
 
     It pulls with the same ``BatchPuller`` as Keel's services (nats-py's own ``fetch`` costs about
     three times the CPU per message), so the ceiling is the best this client stack does, not a
@@ -250,10 +241,12 @@ async def raw_consumer_main(url: str, stream: str, subjects: str, count: int, ba
     import nats
     from nats.js import api
 
-    from keel.infra.bus import BatchPuller, fetch_batch
+    from bench._servers import identity_from_json
+    from keel.infra.bus import BatchPuller, connect_credentials, fetch_batch
     from keel.infra.config import BusSettings
 
-    nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
+    nc = await nats.connect(url, pending_size=64 * 1024 * 1024,
+                            **connect_credentials(identity_from_json(identity), url))
     js = nc.jetstream()
     config = api.ConsumerConfig(
         durable_name="raw",
@@ -291,21 +284,23 @@ async def windowed_publish_async(js, messages: Sequence[tuple[str, bytes, dict[s
     await asyncio.gather(*futures)
 
 
-async def measure_raw_jetstream(url: str, events: Sequence[Any], window: int, batch: int, fetch_timeout_s: float,
-                                nats_pid: int | None = None) -> dict[str, Any]:
+async def measure_raw_jetstream(servers: Servers, url: str, events: Sequence[Any], window: int, batch: int,
+                                fetch_timeout_s: float, nats_pid: int | None = None) -> dict[str, Any]:
     import nats
 
     piece = Slice()
     prefix, stream = f"rb{piece.tag}", f"RB{piece.tag}"
     messages = wire_messages(events, prefix)
-    nc = await nats.connect(url, pending_size=64 * 1024 * 1024)
+    # The raw ceiling authenticates too (as the admin, publisher and consumer alike), so it pays the same
+    # per-connection authentication as Keel's clients and the persisted/raw ratio stays like for like.
+    nc = await nats.connect(url, pending_size=64 * 1024 * 1024, **servers.connect_options(url))
     consumer = None
     try:
         js = nc.jetstream(timeout=5)
         await js.add_stream(stream_config(stream, f"{prefix}.>"))
         consumer = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.bus", "_raw_consumer", url, stream, f"{prefix}.>", str(len(messages)),
-            str(batch), str(fetch_timeout_s),
+            str(batch), str(fetch_timeout_s), servers.identity_json(),
             cwd=REPO, stdout=asyncio.subprocess.PIPE,
         )
         assert consumer.stdout is not None
@@ -339,14 +334,16 @@ async def measure_raw_jetstream(url: str, events: Sequence[Any], window: int, ba
 
 
 class RecorderProcess:
-    """``keel service recorder`` in its own process, on one slice."""
+    """``keel service recorder`` in its own process, on one slice, as the recorder identity (from the
+    servers' credentials folder, as ``keel up`` runs it)."""
 
-    def __init__(self, nats_url: str, database_url: str, piece: Slice, home: Path) -> None:
-        bus = piece.bus_settings()
+    def __init__(self, servers: Servers, nats_url: str, piece: Slice, home: Path) -> None:
+        bus = piece.bus_settings(servers)
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("KEEL_")},
+            **servers.service_env,
             "KEEL_NATS_URL": nats_url,
-            "KEEL_DATABASE_URL": database_url,
+            "KEEL_DATABASE_URL": servers.database_url,
             "KEEL_HOME": str(home),
             "KEEL_DB_SCHEMA": piece.schema,
             "KEEL_BUS__SUBJECT_PREFIX": bus.subject_prefix,
@@ -397,8 +394,8 @@ class RecorderProcess:
 class KeelSlice:
     """A slice with its schema migrated, its streams created, a connected Bus and a recorder process."""
 
-    def __init__(self, nats_url: str, database_url: str, home: Path) -> None:
-        self.nats_url, self.database_url, self.home = nats_url, database_url, home
+    def __init__(self, servers: Servers, nats_url: str, home: Path) -> None:
+        self.servers, self.nats_url, self.database_url, self.home = servers, nats_url, servers.database_url, home
         self.piece = Slice()
         self.bus: Any = None
         self.recorder: RecorderProcess | None = None
@@ -408,11 +405,15 @@ class KeelSlice:
         from keel.infra.store import run_migrations
 
         await asyncio.to_thread(run_migrations, self.database_url, self.piece.schema)
-        self.bus = await Bus.connect(self.nats_url, self.piece.bus_settings(), name="keel-bench")
+        bus = self.piece.bus_settings(self.servers)
+        self.servers.authorize(bus)  # the recorder's identity, on this slice's prefix and streams
+        # Signed as the control plane signs (the lag bench publishes clock ticks and commits; events that need
+        # no signature, the fleet's, are published as they are).
+        self.bus = await Bus.connect(self.nats_url, bus, name="keel-bench", signing=self.servers.signing())
         return self
 
     async def start_recorder(self) -> None:
-        self.recorder = RecorderProcess(self.nats_url, self.database_url, self.piece, self.home)
+        self.recorder = RecorderProcess(self.servers, self.nats_url, self.piece, self.home)
         self.recorder.start()
         await self.recorder.wait_ready(self.bus)
 
@@ -429,7 +430,7 @@ class KeelSlice:
         await drop_schema(self.database_url, self.piece.schema)
 
 
-async def measure_persisted(nats_url: str, database_url: str, home: Path, events: Sequence[Any], window: int,
+async def measure_persisted(servers: Servers, nats_url: str, home: Path, events: Sequence[Any], window: int,
                             pids: dict[str, int | None] | None = None, sign_all: bool = False) -> dict[str, Any]:
     """``sign_all``: the worst case of signed events: the publisher signs every event (in the timed part, as a
     producer signs at publish) and the recorder verifies every one (the fleet's events need no signature)."""
@@ -438,10 +439,12 @@ async def measure_persisted(nats_url: str, database_url: str, home: Path, events
     if sign_all:
         from keel.infra.signing import ensure_signing_identity
 
-        key = ensure_signing_identity(home / "credentials", "bench-signer", "controller")
-    async with KeelSlice(nats_url, database_url, home) as ks:
+        assert servers.credentials_dir is not None
+        # In the keyring the recorder checks against (the servers' credentials folder).
+        key = ensure_signing_identity(servers.credentials_dir, "bench-signer", "controller")
+    async with KeelSlice(servers, nats_url, home) as ks:
         await ks.start_recorder()
-        conn = await pg_connect(database_url, ks.piece.schema)
+        conn = await pg_connect(servers.database_url, ks.piece.schema)
         try:
             assert ks.recorder is not None and ks.recorder.proc is not None
             meter = CpuMeter({"publisher": os.getpid(), **(pids or {}), "recorder": ks.recorder.proc.pid})
@@ -476,7 +479,8 @@ async def measure_persisted(nats_url: str, database_url: str, home: Path, events
     return {"eps": count / elapsed, "publish_eps": count / (published_at[0] - t0), "cpu_us": cpu}
 
 
-async def measure_latency(nats_url: str, database_url: str, home: Path, duration_s: float, warmup_s: float = 1.0) -> dict[str, float]:
+async def measure_latency(servers: Servers, nats_url: str, home: Path, duration_s: float,
+                          warmup_s: float = 1.0) -> dict[str, float]:
     """End-to-end latency at ``OFFERED_EPS``, paced against a fixed schedule.
 
     Visibility is taken at commit, exactly: an ``AFTER INSERT … FOR EACH STATEMENT`` trigger (added to
@@ -490,10 +494,10 @@ async def measure_latency(nats_url: str, database_url: str, home: Path, duration
     ticks = round(duration_s / TICK_S)
     events = make_events(per_tick * ticks, job="latency")
     channel = f"keel_bench_{uuid.uuid4().hex[:8]}"
-    async with KeelSlice(nats_url, database_url, home) as ks:
+    async with KeelSlice(servers, nats_url, home) as ks:
         schema = ks.piece.schema
-        conn = await pg_connect(database_url, schema)
-        listener = await pg_connect(database_url, schema)
+        conn = await pg_connect(servers.database_url, schema)
+        listener = await pg_connect(servers.database_url, schema)
         try:
             await conn.execute(
                 f"""
@@ -685,8 +689,9 @@ async def measure_replay(database_url: str, count: int) -> dict[str, float]:
         elapsed = time.perf_counter() - t0
         if folded != count:
             raise RuntimeError(f"replay folded {folded} events, expected {count}")
-        if len(session.state.nodes) != 1200:
-            raise RuntimeError(f"replay saw {len(session.state.nodes)} nodes, expected 1200")
+        nodes = sum(len(job.nodes) for job in session.state.jobs.values())  # the state is per job
+        if nodes != 1200:
+            raise RuntimeError(f"replay saw {nodes} nodes, expected 1200")
     finally:
         await engine.dispose()
         await conn.close()
@@ -780,9 +785,9 @@ async def run_bus(results: dict[str, Any], servers: Servers, sizes: Sizes, home:
                   fetch_timeout_s: float, sign_all: bool = False) -> None:
     for mode in MODES:
         events = make_events(sizes.persisted[mode], job=f"bus{mode.replace('_', '')}")
-        raw = await measure_raw_jetstream(servers.nats[mode], events, window, batch, fetch_timeout_s,
+        raw = await measure_raw_jetstream(servers, servers.nats[mode], events, window, batch, fetch_timeout_s,
                                           servers.pids.get(f"nats-{mode}"))
-        keel = await measure_persisted(servers.nats[mode], servers.database_url, home, events, window,
+        keel = await measure_persisted(servers, servers.nats[mode], home, events, window,
                                        {"nats": servers.pids.get(f"nats-{mode}"), "postgres": servers.pids.get("postgres")},
                                        sign_all=sign_all)
         results.setdefault("cpu_us_per_event", {})[f"raw_{mode}"] = raw["cpu_us"]
@@ -804,7 +809,7 @@ async def run_bus(results: dict[str, Any], servers: Servers, sizes: Sizes, home:
 
 async def run_latency(results: dict[str, Any], servers: Servers, sizes: Sizes, home: Path) -> None:
     for mode in MODES:
-        lat = await measure_latency(servers.nats[mode], servers.database_url, home, sizes.latency_s[mode])
+        lat = await measure_latency(servers, servers.nats[mode], home, sizes.latency_s[mode])
         suffix = "" if mode == "sync_always" else "_sync_default"
         results[f"p50_ms{suffix}"] = lat["p50_ms"]
         results[f"p99_ms{suffix}"] = lat["p99_ms"]
@@ -835,8 +840,8 @@ async def run_replay(results: dict[str, Any], servers: Servers, sizes: Sizes) ->
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_raw_consumer":  # internal: the raw ceiling's consumer process
-        url, stream, subjects, count, batch, timeout_s = argv[1:7]
-        asyncio.run(raw_consumer_main(url, stream, subjects, int(count), int(batch), float(timeout_s)))
+        url, stream, subjects, count, batch, timeout_s, identity = argv[1:8]
+        asyncio.run(raw_consumer_main(url, stream, subjects, int(count), int(batch), float(timeout_s), identity))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.bus", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes; finishes in under a minute")

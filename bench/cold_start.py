@@ -21,6 +21,9 @@ For each history size N (events in the log before the restart):
 The history is in the store only (copied, ``js_seq`` empty, as if recorded from an earlier stream), so the
 stream holds only the live job: that is the state a long-running deployment is in, where the stream keeps
 days and the log keeps everything.
+
+Authentication is on (``bench._servers``): the bench publishes as the servers' admin; the recorder and the
+controller authenticate as their own roles.
 """
 
 from __future__ import annotations
@@ -146,12 +149,14 @@ def history_rows(count: int, start: datetime) -> list[tuple[Any, ...]]:
             return None if value is None else uuid.UUID(fresh(str(value)))
 
         for (event_id, js_seq, type_, version, _job, subject, occurred_at, producer, causation, correlation,
-             payload) in template:
+             payload, _signed_by, _signature) in template:
             text = payload if isinstance(payload, str) else payload.decode()
             text = uuid_text.sub(lambda m: fresh(m.group(0)), text.replace("done00000", name))
+            # Unsigned: the controller folds its log as recorded (signatures are checked when an event is
+            # consumed live, not on a cold start), and a copy's signature would not match its new ids.
             rows.append((new_id(event_id), js_seq, type_, version, name, subject.replace("done00000", name),
                          occurred_at + shift, producer, new_id(causation), new_id(correlation),
-                         text if isinstance(payload, str) else text.encode()))
+                         text if isinstance(payload, str) else text.encode(), None, None))
         job += 1
     return rows[:count]
 
@@ -178,9 +183,12 @@ def live_job_events(job: str, end: datetime) -> list[Any]:
     return events
 
 
-def service_env(settings: Any, home: Path) -> dict[str, str]:
+def service_env(settings: Any, home: Path, servers: Any) -> dict[str, str]:
+    """The services' environment: ``settings``' servers and slice, each service's own identity from the
+    servers' credentials folder (``Servers.service_env``)."""
     return {
         **os.environ,
+        **servers.service_env,
         "KEEL_HOME": str(home),
         "KEEL_NATS_URL": settings.nats_url or "",
         "KEEL_DATABASE_URL": settings.database_url or "",
@@ -216,7 +224,7 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(10)
 
 
-async def measure_cold_start_once(nats_url: str, database_url: str, scratch: Path, history: int) -> dict[str, float]:
+async def measure_cold_start_once(servers: Any, scratch: Path, history: int) -> dict[str, float]:
     """One history size (events in the log before the timed restart): ``cold_start_s`` and its context."""
     import uuid
 
@@ -225,15 +233,16 @@ async def measure_cold_start_once(nats_url: str, database_url: str, scratch: Pat
     from keel.events.envelope import Event, decode_event, now_utc
     from keel.events.types import NodeHealthChanged
     from keel.infra.bus import Bus, fetch_batch
-    from keel.infra.config import BusSettings, Settings
     from keel.infra.store import EVENT_COLUMNS, EventStore, create_engine, run_migrations
 
     tag = uuid.uuid4().hex[:10]
-    settings = Settings(nats_url=nats_url, database_url=database_url, db_schema=f"cold_{tag}",
-                        bus=BusSettings(subject_prefix=f"kc{tag}", stream=f"KC{tag}", dlq_stream=f"KC{tag}_DLQ"))
+    nats_url, database_url = servers.nats_url, servers.database_url
+    settings = servers.settings(db_schema=f"cold_{tag}",
+                                bus={"subject_prefix": f"kc{tag}", "stream": f"KC{tag}", "dlq_stream": f"KC{tag}_DLQ"})
     home = scratch / f"home-{tag}"
     home.mkdir(parents=True)
-    env = service_env(settings, home)
+    env = service_env(settings, home, servers)
+    servers.authorize(settings.bus)  # the recorder's and the controller's identities, on this slice
     await asyncio.to_thread(run_migrations, database_url, settings.db_schema)
     engine = create_engine(database_url, settings.db_schema)
     store = EventStore(engine)
@@ -335,14 +344,14 @@ async def measure_cold_start_once(nats_url: str, database_url: str, scratch: Pat
             await conn.close()
 
 
-async def measure_cold_start(nats_url: str, database_url: str, scratch: Path,
+async def measure_cold_start(servers: Any, scratch: Path,
                              sizes: tuple[int, ...] = (100_000, 1_000_000)) -> dict[str, Any]:
     """``cold_start_s`` keyed by history size (as a string), ``cold_start_growth`` (largest / smallest),
-    and the details of each size."""
+    and the details of each size, on ``servers`` (``bench._servers.Servers``, started)."""
     details = {}
     for size in sizes:
         log(f"cold start, {size:,} events of history:")
-        details[str(size)] = await measure_cold_start_once(nats_url, database_url, scratch, size)
+        details[str(size)] = await measure_cold_start_once(servers, scratch, size)
     figures = {size: d["cold_start_s"] for size, d in details.items()}
     growth = figures[str(max(sizes))] / figures[str(min(sizes))]
     return {"cold_start_s": figures, "cold_start_growth": growth, "cold_start_detail": details}
@@ -363,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     servers.start()
     try:
         assert servers.root is not None
-        results = asyncio.run(measure_cold_start(servers.nats_url, servers.database_url, servers.root,
-                                                 tuple(int(s) for s in args.sizes.split(","))))
+        results = asyncio.run(measure_cold_start(servers, servers.root, tuple(int(s) for s in args.sizes.split(","))))
     finally:
         servers.stop()
     print(json.dumps({k: v for k, v in results.items() if k != "cold_start_detail"}, indent=2))

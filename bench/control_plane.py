@@ -294,7 +294,7 @@ async def measure_recorder_lag(servers: Servers, home: Path, duration_s: float, 
         f"{max(sizes) / 1024:.1f} KiB, mean event {sum(sizes) / len(sizes) / 1024:.1f} KiB)")
     channel = f"keel_bench_{uuid.uuid4().hex[:8]}"
     home.mkdir(parents=True, exist_ok=True)
-    async with KeelSlice(servers.nats_url, servers.database_url, home) as ks:
+    async with KeelSlice(servers, servers.nats_url, home) as ks:
         schema = ks.piece.schema
         conn = await pg_connect(servers.database_url, schema)
         listener = await pg_connect(servers.database_url, schema)
@@ -403,7 +403,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "cold" in only:
             from bench.cold_start import measure_cold_start
 
-            cold = await measure_cold_start(servers.nats_url, servers.database_url, work, COLD_START_SIZES)
+            cold = await measure_cold_start(servers, work, COLD_START_SIZES)
             results.update(cold)
             log(f"cold start: {', '.join(f'{int(k):,} events {v:.2f} s' for k, v in cold['cold_start_s'].items())}; "
                 f"growth {cold['cold_start_growth']:.2f}")

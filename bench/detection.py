@@ -4,11 +4,14 @@
 
 One run starts its own servers (keel.infra.embedded: NATS JetStream + PostgreSQL on free ports, scratch
 dirs under /tmp; ``KEEL_NATS_URL`` / ``KEEL_DATABASE_URL`` use external ones instead), an in-process
-recorder into a fresh schema, with its own subject prefix and streams, and a local cluster
+recorder into a fresh schema, with its own subject prefix and streams, the checkpoint broker as a process
+(restarted ranks restore from its plan), and a local cluster
 (``keel.cluster.local.cluster_up``): 4 nodes × 2 ranks, each node a separate agent with its own overlay
 root, running ``bench._workload`` = the example GPT (``keel.workload.train --size tiny --pp 2``) with
 periodic eval phases and checkpoint phases (the wrapper adds the checkpoint: ``torch.save`` of the
-stage, padded to a fixed duration, then a barrier inside the phase).
+stage, padded to a fixed duration, then a barrier inside the phase). Authentication is on
+(``bench._servers``): the bench is the servers' admin and signs the restart commands it sends as the
+controller would; the agents and the broker authenticate as their own roles.
 
 Detection time = the detecting event's ``occurred_at`` (the agent's clock, when it noticed) minus the
 ``FaultInjected`` event's ``occurred_at``, **both read back from the event log** (``EventStore.read``).
@@ -87,7 +90,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import _peers  # noqa: E402
-from bench._servers import Servers, scratch_dir  # noqa: E402
+from bench._servers import Servers, scratch_dir, start_services, stop_services  # noqa: E402
 
 HARDWARE = ("gpu-lost", "xid", "nic-down", "disk-full")
 WORKLOAD = ("crash", "oom", "hang")
@@ -145,12 +148,12 @@ class EventLog:
     """The bench's slice of the bus and store, a recorder, and a tail of the recorded events."""
 
     def __init__(self, servers: Servers) -> None:
-        from keel.infra.config import BusSettings, Settings
-
         tag = uuid.uuid4().hex[:10]
-        self.settings = Settings(
-            nats_url=servers.nats_url, database_url=servers.database_url, db_schema=f"bd_{tag}",
-            bus=BusSettings(subject_prefix=f"kd{tag}", stream=f"KD{tag}", dlq_stream=f"KD{tag}_DLQ", max_bytes="256MiB"),
+        # The bench's own connection is the servers' admin (it publishes what an operator or the controller
+        # would, signed as they sign); the agents and services authenticate as themselves (``env``).
+        self.settings = servers.settings(
+            db_schema=f"bd_{tag}",
+            bus={"subject_prefix": f"kd{tag}", "stream": f"KD{tag}", "dlq_stream": f"KD{tag}_DLQ", "max_bytes": "256MiB"},
         )
         self.servers = servers
         self.events: list[Any] = []  # RecordedEvent, in position order
@@ -163,7 +166,7 @@ class EventLog:
         b = self.settings.bus
         return {"KEEL_BUS__SUBJECT_PREFIX": b.subject_prefix, "KEEL_BUS__STREAM": b.stream,
                 "KEEL_BUS__DLQ_STREAM": b.dlq_stream, "KEEL_BUS__MAX_BYTES": "256MiB",
-                "KEEL_DB_SCHEMA": self.settings.db_schema}
+                "KEEL_DB_SCHEMA": self.settings.db_schema, **self.servers.service_env}
 
     async def start(self) -> None:
         from keel.infra.bus import Bus
@@ -171,7 +174,9 @@ class EventLog:
         from keel.recorder.adapter import Recorder
 
         await asyncio.to_thread(run_migrations, self.servers.database_url, self.settings.db_schema)
-        self.bus = await Bus.connect(self.servers.nats_url, self.settings.bus, name="keel-bench-detection")
+        self.servers.authorize(self.settings.bus)  # the agents' and services' identities, on this prefix
+        self.bus = await Bus.connect(self.servers.nats_url, self.settings.bus, name="keel-bench-detection",
+                                     signing=self.servers.signing())
         self.engine = create_engine(self.servers.database_url, self.settings.db_schema)
         self.store = EventStore(self.engine)
         self.recorder = Recorder(self.bus, self.engine, self.settings.recorder)
@@ -265,25 +270,38 @@ class Cluster:
         self.nodes: dict[str, Any] = {}
         self.windows: list[tuple[datetime, datetime | None]] = []
         """Workload-fault windows: injection → the restarted ranks step again (hangs there are expected)."""
+        self.services: dict[str, Any] = {}
+        self.work = directory.parent  # cluster_up empties ``directory``
 
     def up(self) -> None:
         from keel.cluster.local import cluster_nodes, cluster_up
 
         wrapper, train = workload_args(self.mode)
+        persist_root = self.work / "checkpoints"
         env = {**self.log.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               "KEEL_HOME": str(self.directory / "home"),
+               "KEEL_HOME": str(self.work / "home"), "KEEL_NATS_URL": self.log.servers.nats_url,
+               "KEEL_DATABASE_URL": self.log.servers.database_url, "KEEL_CHECKPOINT__PERSIST_ROOT": str(persist_root),
                "KEEL_INSPECTOR__RECOVERY_HOLD": RECOVERY_HOLD, "KEEL_INSPECTOR__FATAL_RECOVERY_HOLD": RECOVERY_HOLD}
         if self.mode.floor:
             env["KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR"] = self.mode.floor
+        # The agents checkpoint every step (cluster_up gives each a slot folder): restarted ranks restore from
+        # the checkpoint broker's plan, so it runs as in any deployment (the controller does not: the bench
+        # restarts the ranks itself).
+        self.services = start_services({"checkpoint-broker": []}, env, self.work)
+        self.log.servers.issue_agents(JOB_ID, [f"n{i:02d}" for i in range(NODES)])
         self.state = cluster_up(self.log.settings, self.directory, nodes=NODES, standby=0, nproc_per_node=NPROC,
                                 job_id=JOB_ID, command=["-m", "bench._workload", *wrapper, "--", *train],
-                                nats_url=self.log.servers.nats_url, extra_env=env, fault_injection=True)
+                                nats_url=self.log.servers.nats_url, extra_env=env, persist_root=persist_root,
+                                fault_injection=True)
         self.nodes = cluster_nodes(self.state)
 
     def down(self) -> None:
         from keel.cluster.local import cluster_down
 
-        cluster_down(self.directory)
+        try:
+            cluster_down(self.directory)
+        finally:
+            stop_services(self.services)
 
     # rank 0's stdout (node n00) tells the bench where training is
     def rank0_log(self, generation: int | None = None) -> Path:
@@ -375,8 +393,27 @@ class Cluster:
         if len(done) < len(self.nodes) or any(o != "restarted" for o in done.values()):
             raise RuntimeError(f"restart to generation {generation}: {done} (expected every node 'restarted')")
         self.generation = generation
-        await self.steady_point(min_step=5, timeout_s=timeout_s)
+        # The ranks resume from their checkpoint, not from step 0: count five steps of this generation (the
+        # inspector arms its step timeout only once it knows a few step times of the generation).
+        first = await self.first_step(timeout_s)
+        await self.steady_point(min_step=first + 5, timeout_s=timeout_s)
         return time.monotonic() - t0
+
+    async def first_step(self, timeout_s: float) -> int:
+        """The first step rank 0 of this generation completed."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with open(self.rank0_log(), "rb") as f:
+                    for line in f.read(1 << 20).decode(errors="replace").splitlines():
+                        match = STEP_RE.match(line)
+                        if match:
+                            return int(match.group(1))
+            except OSError:
+                pass
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"generation {self.generation}: no training step within {timeout_s:.0f}s "
+                           f"(see {self.rank0_log()} and {self.directory}/nodes/*/agent.log)")
 
     def fired_at(self, rank: int) -> float | None:
         """When the injected fault fired in ``rank`` (this generation): its stderr's last write (the

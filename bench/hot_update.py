@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench._servers import Servers, scratch_dir  # noqa: E402
+from bench._servers import BENCH_OPERATOR, Servers, scratch_dir  # noqa: E402
 from bench.recovery import (  # noqa: E402
     FULL,
     JOB_ID,
@@ -91,10 +91,10 @@ async def inplace_trial(stack: KeelStack, i: int, timeout_s: float = 120.0) -> d
     s_d, _ = _last_before(step_lines(stack.rank0_lines(gen)))
     t0 = time.time()
     event = await asyncio.to_thread(deploy_event, Settings(home=stack.work / "home"), JOB_ID, str(source), entry=None,
-                                    mode="urgent", deadline=None, by="bench", why=f"trial {i}", now=now_utc())
+                                    mode="urgent", deadline=None, by=BENCH_OPERATOR, why=f"trial {i}", now=now_utc())
     if event.type != "CodeVersionRegistered":
         raise TrialFailed(f"the version was rejected: {event.payload.reason}")
-    await stack.log.bus.publish(event)
+    await stack.log.bus.publish(event)  # signed by the bench's operator key, as `keel deploy` signs
     published = time.time()
     version = event.payload.version_id
     deadline = time.monotonic() + timeout_s

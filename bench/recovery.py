@@ -101,7 +101,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import _torchrun_group as tg  # noqa: E402
-from bench._servers import Servers, scratch_dir  # noqa: E402
+from bench._servers import Servers, scratch_dir, start_services, stop_services  # noqa: E402
 
 NODES, NPROC = 4, 2
 WORLD = NODES * NPROC
@@ -276,6 +276,8 @@ class KeelStack:
 
     @property
     def env(self) -> dict[str, str]:
+        """The services' and agents' environment: each authenticates as its own role (``EventLog.env`` names the
+        servers' credentials folder)."""
         return {**self.log.env, "KEEL_NATS_URL": self.servers.nats_url, "KEEL_DATABASE_URL": self.servers.database_url,
                 "KEEL_HOME": str(self.work / "home"), **self.knobs,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -285,21 +287,13 @@ class KeelStack:
 
         (self.work / "home").mkdir(parents=True, exist_ok=True)
         await self.log.start()
-        for name, args in (("controller", []), ("checkpoint-broker", []), ("analyzer", []),
-                           ("actuator", ["--cluster-dir", str(self.directory)]),
-                           *((name, []) for name in self.more_services)):
-            ready = self.work / f"{name}.ready"
-            with open(self.work / f"{name}.log", "ab") as out:
-                self.services[name] = subprocess.Popen(
-                    [sys.executable, "-m", "keel.cli.main", "service", name, *args],
-                    env={**os.environ, **self.env, "KEEL_SERVICE_READY_FILE": str(ready)},
-                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        for name in self.services:
-            while not (self.work / f"{name}.ready").exists():
-                if self.services[name].poll() is not None or time.monotonic() > deadline:
-                    raise TrialFailed(f"Keel's {name} did not start: see {self.work / (name + '.log')}")
-                await asyncio.sleep(0.1)
+        services = {"controller": [], "checkpoint-broker": [], "analyzer": [],
+                    "actuator": ["--cluster-dir", str(self.directory)], **{name: [] for name in self.more_services}}
+        try:
+            self.services = await asyncio.to_thread(start_services, services, self.env, self.work)
+        except RuntimeError as exc:
+            raise TrialFailed(str(exc)) from None
+        self.servers.issue_agents(JOB_ID, [*(f"n{i:02d}" for i in range(NODES)), "s00"])
         await asyncio.to_thread(cluster_up, self.log.settings, self.directory, nodes=NODES, standby=1,
                                 nproc_per_node=NPROC, job_id=JOB_ID, command=["-m", "keel.workload.train", *TRAIN],
                                 nats_url=self.servers.nats_url, extra_env=self.env,
@@ -312,13 +306,7 @@ class KeelStack:
             await asyncio.to_thread(cluster_down, self.directory)
         except Exception as exc:  # noqa: BLE001 - keep stopping the rest
             log(f"warning: cluster down: {exc!r}")
-        for _name, process in self.services.items():
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        await asyncio.to_thread(stop_services, self.services)
         await self.log.close(drop=True)
 
     # -- where training is --
