@@ -63,6 +63,8 @@ class Servers:
     identity: dict[str, Path] = field(default_factory=dict)
     """The harness's own identity and TLS on the bus (``BusSettings`` fields; set by ``start``)."""
     embedded_nats: bool = False
+    role_urls: dict[str, str] = field(default_factory=dict)
+    """Each database role's URL on the embedded PostgreSQL (``keel.infra.dbroles``); empty for an external one."""
 
     @property
     def nats_url(self) -> str:
@@ -105,8 +107,12 @@ class Servers:
         if external_db:
             self.database_url = external_db
         else:
+            from keel.infra.dbroles import ROLES
+
             postgres = PostgresServer(data_dir=self.root / "pg", port=free_port())
             self.database_url = postgres.start()
+            # The services connect as their own database roles, as they do under `keel up`.
+            self.role_urls = {role: postgres.role_dsn(role) for role in ROLES}
             self.started.append(postgres)
             self.pids["postgres"] = postgres.pid
 
@@ -134,7 +140,9 @@ class Servers:
     def service_env(self) -> dict[str, str]:
         """What a service or agent started by the bench needs in its environment to authenticate as its own
         role (and find the keyring): the credentials folder, never the admin's file."""
-        return {"KEEL_CREDENTIALS_DIR": str(self.credentials_dir)} if self.credentials_dir else {}
+        env = {"KEEL_CREDENTIALS_DIR": str(self.credentials_dir)} if self.credentials_dir else {}
+        env.update({f"KEEL_DATABASE_URLS__{role.upper()}": url for role, url in self.role_urls.items()})
+        return env
 
     def settings(self, **fields: Any) -> Settings:
         """``Settings(**fields)`` on these servers and their credentials folder; ``bus`` (a dict of
