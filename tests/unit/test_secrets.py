@@ -41,6 +41,14 @@ def test_world_open_folder_is_refused_and_left_alone(tmp_path: Path) -> None:
     assert (folder.stat().st_mode & 0o777) == 0o777
 
 
+def test_own_folder_only_others_could_read_is_made_private(tmp_path: Path) -> None:
+    folder = tmp_path / "readable"
+    folder.mkdir()
+    folder.chmod(0o755)
+    ensure_private_dir(folder)
+    assert (folder.stat().st_mode & 0o777) == 0o700
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 def test_folder_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "theirs"

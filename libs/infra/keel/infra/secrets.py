@@ -3,9 +3,9 @@
 Contracts:
 
 - ``ensure_private_dir(path)`` creates ``path`` (and missing parents) with mode 0700, or accepts an
-  existing one only if it is a real folder (not a symbolic link), owned by this process's effective user,
-  and neither group- nor world-accessible. Anything else raises ``InsecurePathError`` naming the folder,
-  what is wrong and how to fix it; nothing is changed.
+  existing one only if it is a real folder (not a symbolic link) owned by this process's effective user.
+  One that others may read but not write is made 0700 (logged); one others may write, or another user's,
+  raises ``InsecurePathError`` naming the folder, what is wrong and how to fix it, and is left as it is.
 - ``write_secret(path, data)`` writes atomically (a temporary file in the same folder, fsynced, renamed
   over ``path``) with mode 0600; the folder must pass ``ensure_private_dir``.
 - ``read_secret(path)`` refuses a symbolic link, a file owned by someone else or one readable by group or
@@ -14,10 +14,13 @@ Contracts:
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class InsecurePathError(PermissionError):
@@ -47,6 +50,13 @@ def ensure_private_dir(path: Path) -> Path:
         raise InsecurePathError(f"folder {path} is a symbolic link: refusing to keep secrets behind it")
     if not stat.S_ISDIR(st.st_mode):
         raise InsecurePathError(f"{path} is not a folder")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid == os.geteuid() and mode & 0o077 and not mode & 0o022:
+        # Ours, and others could only read it (a folder made before, or by `mkdir -p`): nobody else could
+        # have put anything in it, so it is made private rather than refused.
+        os.chmod(path, 0o700)
+        log.warning("folder %s had mode %04o: made it 0700 (it holds secrets)", path, mode)
+        st = os.lstat(path)
     _check_private(path, st, "folder", 0o700)
     return path
 

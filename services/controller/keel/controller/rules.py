@@ -44,7 +44,6 @@ from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
-from keel.controller.state import JobView, NodeView
 from keel.events.envelope import EventPayload
 from keel.events.types import (
     ApprovalGiven,
@@ -358,7 +357,7 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
         # is gone: its peers would only wait for it in the all-gather until the deadline.
         requested_at = incident.diag_requested_at
         if requested_at is not None and now - requested_at >= policy.diagnostics_ack_timeout:
-            unacked = [n for n in missing if not _heard_since(job, job.node(n), requested_at)]
+            unacked = [n for n in missing if n not in incident.diag_acknowledged]
             if unacked and len(unacked) < len(incident.diag_nodes):
                 plan.note(f"diagnostics round {incident.diag_round}: {', '.join(unacked)} sent nothing in the "
                           f"{policy.diagnostics_ack_timeout.total_seconds():g} s since the request: not waiting "
@@ -379,15 +378,6 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
            f"{policy.node_silence_timeout.total_seconds():g} s): the node's agent is gone; evict it")
     plan.open_incident("lost_node", lost[0].node_id, "", why)
     plan.recover(1, frozenset(n.node_id for n in lost), why)
-
-def _heard_since(job: JobView, node: NodeView, at: datetime) -> bool:
-    """Whether ``node`` was heard after ``at`` (a decision's time). On the recorded clock a node is
-    credited at the tick after its event, so a credit at ``at`` itself came before the decision."""
-    seen = node.heard_at
-    if seen is None:
-        return False
-    return seen > at if job.recorded_clock else seen >= at
-
 
 def report_skews(plan: ActionPlan, now: datetime) -> None:
     """A node whose newest timestamp in the window the tick closed lies further outside it than the

@@ -130,6 +130,9 @@ class OpenIncident:
     stacks_requested_at: datetime | None = None
     diag_nodes: frozenset[str] = frozenset()
     diag_results: Mapping[str, DiagnosticsCompleted] = field(default_factory=dict)
+    diag_acknowledged: frozenset[str] = frozenset()
+    """Round nodes whose agent sent anything after the request, in log order: an event that arrived before
+    the request but is credited at the tick after it (the recorded clock) is no acknowledgement."""
     target_generation: int | None = None
     restore_step: int = -1
     started: frozenset[str] = frozenset()
@@ -304,6 +307,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     legacy = job.clock_at is None
     if not legacy and event.producer == AGENT_PRODUCER:
         job = _heard(job, event)
+    if event.producer == AGENT_PRODUCER or isinstance(p, (NodeHeartbeat, DiagnosticsCompleted)):
+        job = _acknowledged(job, event)
     if job.first_seen_at is None and isinstance(p, (RankStarted, NodeRegistered, JobRegistered)):
         job = replace(job, first_seen_at=at)
     if isinstance(p, JobRegistered):
@@ -404,11 +409,28 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         return replace(job, rollout_due=p.version_id)
     return _evolve_incident(job, event)
 
-def _heard(job: JobView, event: Event) -> JobView:
-    """An event its node's agent produced: the node is heard now (credited at the next tick)."""
+def _agent_node(event: Event) -> str:
+    """The node whose agent produced ``event`` ("" when it names none)."""
     node_id = getattr(event.payload, "node_id", None)
     if not isinstance(node_id, str) or not node_id:
         node_id = event.aggregate_id if event.aggregate_kind == "node" else ""
+    return node_id
+
+
+def _acknowledged(job: JobView, event: Event) -> JobView:
+    """An agent's event during a diagnostics round: its node has answered the request (log order)."""
+    incident = job.incident
+    if incident is None or incident.diag_requested_at is None or incident.stage != "diagnosing":
+        return job
+    node_id = _agent_node(event)
+    if node_id not in incident.diag_nodes or node_id in incident.diag_acknowledged:
+        return job
+    return replace(job, incident=replace(incident, diag_acknowledged=incident.diag_acknowledged | {node_id}))
+
+
+def _heard(job: JobView, event: Event) -> JobView:
+    """An event its node's agent produced: the node is heard now (credited at the next tick)."""
+    node_id = _agent_node(event)
     if not node_id:
         return job
     seen = job.heard.get(node_id)
@@ -483,7 +505,7 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
         return replace(job, incident=replace(
             incident, stage="diagnosing", rung=max(incident.rung, 2), diag_round=p.round,
             diag_deadline=at + timedelta(seconds=p.timeout_s), diag_requested_at=at, diag_nodes=frozenset(p.nodes),
-            diag_results={}))
+            diag_results={}, diag_acknowledged=frozenset()))
     if incident is None:
         return job
     if isinstance(p, DiagnosticsCompleted):
