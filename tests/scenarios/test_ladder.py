@@ -171,6 +171,11 @@ async def test_rung1_promotes_the_standby_and_rung2_diagnoses_then_restarts_in_p
     await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN)
     await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
     await stack.stepping(10)
+    # The premise of promoting from a peer copy: one exists whose digest its owner reported (restore plans
+    # trust only the owning node's digests, which come with its heartbeats' report rounds; on a loaded
+    # machine the first round can land after step 10).
+    await stack.wait_for(["CheckpointStepCommitted"], lambda e: e.payload.tier == "peer" and e.payload.step >= 5,
+                         90, "a peer-tier commit past step 5")
 
     # Rung 1: a fatal XID on the node of rank 1.
     victim = stack.node_of_rank(1)
