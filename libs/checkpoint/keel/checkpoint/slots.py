@@ -34,6 +34,7 @@ import os
 import re
 import struct
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,19 +241,20 @@ def list_slots(node_dir: Path) -> dict[int, list[Path]]:
     return out
 
 
-def write_file_atomic(path: Path, data: bytes | bytearray | memoryview, *, fsync: bool = True) -> None:
+def write_file_atomic(path: Path, data: bytes | bytearray | memoryview, *, fsync: bool = True,
+                      mode: int = 0o666) -> None:
     """Write ``data`` to ``path`` via a temp file in the same folder, fsync, rename (and fsync the folder).
 
     A crash or ``ENOSPC`` leaves the old file (if any) untouched; the temp file is removed on error. The
-    temp file is created new (``O_EXCL | O_NOFOLLOW``, mode 0666 less the umask, as ``open`` would): a
-    name planted in the folder is never written through.
+    temp file is created new (``O_EXCL | O_NOFOLLOW``, ``mode`` less the umask, 0666 as ``open`` would by
+    default; 0600 for a private file): a name planted in the folder is never written through. Its name is
+    unique per call, so threads of one process may write side by side.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a crashed writer's leftover with this pid
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:

@@ -73,6 +73,7 @@ from keel.checkpoint.slots import (
     read_payload,
     read_payload_consistent,
     sha256_hex,
+    write_file_atomic,
 )
 from keel.infra.shard_ca import SERVER_NAME, NodeCredentials, ShardCaError, issue_node_certificate, node_identity
 from keel.protocol import shard_store_pb2 as pb
@@ -157,19 +158,8 @@ _PRIVATE_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CL
 
 
 def _write_private_atomic(path: Path, data: bytes, *, fsync: bool) -> None:
-    """Write ``data`` to ``path`` via a fresh 0600 temp file beside it (never following a link), then rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    fd = os.open(tmp, _PRIVATE_CREATE, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``data`` to ``path`` through a fresh 0600 temp file beside it, never following a link, then rename."""
+    write_file_atomic(path, data, fsync=fsync, mode=0o600)
 
 
 # -- errors and results ---------------------------------------------------------------------------
