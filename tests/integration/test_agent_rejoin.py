@@ -25,7 +25,6 @@ import pytest
 from keel.agent.rejoin import AgentDirBusy, AgentLock, process_start, processes_of_socket, read_state
 from keel.cluster.local import alive, cluster_down, cluster_up, load_cluster, ranks_of, spawn_agent
 from keel.events.envelope import Event
-from keel.infra.embedded import free_port
 from tests.integration.test_crashes import service_env, start_service_process
 
 pytestmark = pytest.mark.integration
@@ -215,7 +214,7 @@ def test_an_unsupervised_agent_killed_and_run_again_resumes_from_its_memory_tier
     agent_dir = scratch_dir / "agent"
     ckpt_dir = Path("/dev/shm") / f"keel-test-{uuid.uuid4().hex[:10]}"
     argv = [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "1",
-            "--master-port", str(free_port()), "--keel-job-id", "solo", "--keel-agent-dir", str(agent_dir),
+            "--keel-job-id", "solo", "--keel-agent-dir", str(agent_dir),
             "--keel-ckpt-dir", str(ckpt_dir), *TRAIN]
     env = {k: v for k, v in os.environ.items() if k != "KEEL_NATS_URL"} | {"KEEL_HOME": str(scratch_dir / "home")}
     agent_dir.mkdir(parents=True)

@@ -153,7 +153,7 @@ def test_a_rank_inherits_no_credentials_and_nats_refuses_it(server: NatsServer, 
            "KEEL_CREDENTIALS_DIR": str(server.credentials_dir), "KEEL_BUS__CREDENTIALS": str(agent_identity),
            "KEEL_DATABASE_URL": "postgresql://keel_recorder:secret@127.0.0.1:1/keel"}
     agent = subprocess.run([sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "1",
-                            "--master-port", str(free_port()), "--keel-job-id", "solo", "--keel-node-id", "n0",
+                            "--keel-job-id", "solo", "--keel-node-id", "n0",
                             "--keel-agent-dir", str(scratch_dir / "agent"), str(probe), server.url, str(result)],
                            env=env, capture_output=True, text=True, timeout=120)
     assert agent.returncode == 0, agent.stderr[-3000:]

@@ -21,7 +21,6 @@ from keel.agent.inspector_adapter import classify
 from keel.agent.launch_spec import LaunchSpec
 from keel.cluster.local import alive, rendezvous_base_port
 from keel.infra.config import BusSettings
-from keel.infra.embedded import free_port
 from keel.infra.outbox import Outbox
 from keel.protocol import node_local_pb2
 
@@ -74,7 +73,7 @@ async def test_a_failure_sent_by_a_process_that_is_not_the_rank_kills_nothing(sc
 def _keel_run(agent_dir: Path, scratch_dir: Path) -> subprocess.CompletedProcess[str]:
     script = scratch_dir / "rank.py"
     script.write_text("print('a rank ran')\n")
-    argv = [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--master-port", str(free_port()),
+    argv = [sys.executable, "-m", "keel.cli.main", "run", "--standalone",
             "--keel-agent-dir", str(agent_dir), "--keel-ckpt-dir", str(scratch_dir / "slots"), "--keel-no-warm-ranks",
             str(script)]
     env = {k: v for k, v in os.environ.items() if k != "KEEL_NATS_URL"} | {"KEEL_HOME": str(scratch_dir / "home")}

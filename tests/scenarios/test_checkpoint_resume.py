@@ -28,7 +28,6 @@ from keel.checkpoint_broker.restore import joined_sources
 from keel.cluster.local import cluster_down, cluster_status, cluster_up, kill_node, start_node
 from keel.events.envelope import Event, now_utc
 from keel.events.types import RanksRestartRequested
-from keel.infra.embedded import free_port
 from keel.sdk.shard import decode_shard
 from tests.integration.test_crashes import service_env, start_service_process
 from tests.scenarios.test_cluster_faults import stop_process
@@ -89,7 +88,7 @@ def reference_run(directory: Path) -> None:
     env.pop("KEEL_NATS_URL", None)
     result = subprocess.run(
         [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "4",
-         "--master-port", str(free_port()), "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
+         "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
          *TRAIN, "--save-final", str(directory / "final")],
         env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from keel.cluster.local import FaultSpec
-from keel.infra.embedded import free_port
 from tests.integration.test_crashes import service_env
 from tests.scenarios.test_checkpoint_resume import losses_of
 from tests.scenarios.test_ladder import Stack
@@ -62,7 +61,7 @@ def reference_losses(directory: Path, train: list[str]) -> dict[int, str]:
     env.pop("KEEL_NATS_URL", None)
     result = subprocess.run(
         [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
+         "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
          *train], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return losses_of(list((directory / "agent" / "logs").glob("rank0.g*.stdout")))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from keel.agent.agent import ZYGOTE_RESTART_AFTER_S, zygote_restart_due
+from keel.agent.launch_spec import parse_launch_args
 from keel.agent.warm import LaunchMessageError, parse_launch
 
 
@@ -55,3 +57,16 @@ def test_warm_starts_are_on_by_default_and_keel_no_warm_ranks_turns_them_off() -
     assert parse_launch_args(["--nproc-per-node", "2", "train.py"]).warm_ranks
     assert not parse_launch_args(["--keel-no-warm-ranks", "-m", "pkg.train"]).warm_ranks
     assert not parse_launch_args(["--keel_no_warm_ranks", "train.py", "--lr", "1"]).warm_ranks
+
+
+def test_standalone_without_a_port_picks_a_free_one_below_the_ephemeral_range() -> None:
+    # torchrun's --standalone rendezvous on localhost:0; a fixed 29500 made a second job on the host fail,
+    # and a port inside the ephemeral range can be taken by any outgoing connection before rank 0 binds it.
+    spec = parse_launch_args(["--standalone", "train.py"])
+    assert spec.master_port == 0
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picked = {spec.with_free_master_port().master_port for _ in range(5)}
+    assert all(10_000 <= port < low for port in picked), picked
+    assert len(picked) > 1  # random within the range, so two jobs started together rarely race for one
+    assert parse_launch_args(["--standalone", "--master-port", "1234", "train.py"]).with_free_master_port().master_port == 1234
+    assert parse_launch_args(["train.py"]).master_port == 29500

@@ -69,7 +69,7 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     supervised = "--keel-supervised" in argv
     argv = [a for a in argv if a != "--keel-supervised"]
     try:
-        spec = parse_launch_args(argv)
+        spec = parse_launch_args(argv).with_free_master_port()
     except LaunchError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2

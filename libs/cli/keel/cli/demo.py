@@ -58,7 +58,6 @@ from keel.events.types import (
 )
 from keel.infra.config import Settings
 from keel.infra.dburl import redact
-from keel.infra.embedded import free_port
 
 if TYPE_CHECKING:
     # Imported where the demo runs: every `keel` command imports this module to build its parser, and
@@ -203,7 +202,7 @@ def _reference_run(directory: Path) -> dict[int, str]:
     env.pop("KEEL_NATS_URL", None)
     result = subprocess.run(
         [sys.executable, "-m", "keel.cli.main", "run", "--standalone", "--nproc-per-node", "4",
-         "--master-port", str(free_port()), "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
+         "--keel-agent-dir", str(directory / "agent"), "--keel-no-checkpoint",
          *TRAIN], env=env, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise DemoError(f"the reference run failed: {result.stderr[-2000:]}")

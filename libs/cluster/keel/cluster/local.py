@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +38,7 @@ from keel.events.types import FaultInjected
 from keel.events.units import parse_duration
 from keel.infra.bus import Bus
 from keel.infra.config import Settings, credentials_path
-from keel.infra.embedded import free_port
+from keel.infra.embedded import rendezvous_base_port
 from keel.infra.nats_auth import OPERATOR, bus_settings_for
 from keel.infra.secrets import ensure_private_dir
 from keel.infra.shard_ca import issue_node_certificate
@@ -210,39 +208,6 @@ def cluster_up(
              "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
     atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return state
-
-
-def rendezvous_base_port(offsets: tuple[int, ...] = (0, 1, 2, 3, 500, 501, 502)) -> int:
-    """A free base port for a cluster's rendezvous, below the kernel's ephemeral port range.
-
-    Restart generation g rendezvous on ``base + g`` and diagnostics round r on ``base + 500 + r``. A base
-    inside the ephemeral range (what binding port 0 gives) leaves those ports free for the kernel to
-    hand out as the source port of any outgoing connection (gloo pairs, gRPC, NATS, PostgreSQL clients);
-    a restart then fails with EADDRINUSE. Below the range, only another listener can take them.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    top = low - max(offsets) - 100
-    if top <= 10_000:
-        return free_port()
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randrange(10_000, top)
-        if all(_can_listen(base + offset) for offset in offsets):
-            return base
-    return free_port()
-
-
-def _can_listen(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 def spawn_agent(argv: list[str], env: dict[str, str], agent_dir: Path) -> subprocess.Popen:

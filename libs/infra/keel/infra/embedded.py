@@ -65,6 +65,7 @@ import importlib.util
 import json
 import os
 import pwd
+import random
 import shlex
 import shutil
 import signal
@@ -163,6 +164,39 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOCALHOST, 0))
         return int(s.getsockname()[1])
+
+
+def rendezvous_base_port(offsets: tuple[int, ...] = (0, 1, 2, 3, 500, 501, 502)) -> int:
+    """A free base port for a cluster's rendezvous, below the kernel's ephemeral port range.
+
+    Restart generation g rendezvous on ``base + g`` and diagnostics round r on ``base + 500 + r``. A base
+    inside the ephemeral range (what binding port 0 gives) leaves those ports free for the kernel to
+    hand out as the source port of any outgoing connection (gloo pairs, gRPC, NATS, PostgreSQL clients);
+    a restart then fails with EADDRINUSE. Below the range, only another listener can take them.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = low - max(offsets) - 100
+    if top <= 10_000:
+        return free_port()
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10_000, top)
+        if all(_can_listen(base + offset) for offset in offsets):
+            return base
+    return free_port()
+
+
+def _can_listen(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _port_is_free(port: int) -> bool:

@@ -71,6 +71,17 @@ class LaunchSpec:
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nproc_per_node + local_rank
 
+    def with_free_master_port(self) -> LaunchSpec:
+        """A spec whose ``master_port`` 0 (``--standalone`` without a port) is replaced by a free base port
+        below the kernel's ephemeral range, so two standalone jobs on one host never share a port."""
+        if self.master_port:
+            return self
+        from dataclasses import replace
+
+        from keel.infra.embedded import rendezvous_base_port
+
+        return replace(self, master_port=rendezvous_base_port())
+
     def master_port_for(self, generation: int) -> int:
         """Each restart generation rendezvous on its own port, so no stale store keys survive a restart
         (torchrun reuses its TCPStore and fails 'Gloo connectFullMesh' half the time after a kill)."""
@@ -103,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--nproc-per-node", type=_positive, default=1)
     add("--node-rank", type=int, default=0)
     add("--master-addr", default="127.0.0.1")
-    add("--master-port", type=int, default=29500)
+    add("--master-port", type=int, default=None, help="default 29500; with --standalone, a free port")
     add("--max-restarts", type=int, default=0)
     add("--standalone", action="store_true", help="single node, localhost rendezvous")
     add("--rdzv-backend", default="static", help="accepted for compatibility; Keel uses a static rendezvous")
@@ -154,7 +165,8 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
     if not 0 <= args.node_rank < nnodes:
         raise LaunchError(f"--node-rank {args.node_rank} is outside 0..{nnodes - 1}")
-    master_addr, master_port = args.master_addr, args.master_port
+    master_addr = args.master_addr
+    master_port = 29500 if args.master_port is None else args.master_port
     if args.rdzv_endpoint:
         host, _, port = args.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
@@ -164,6 +176,8 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         if nnodes != 1:
             raise LaunchError("--standalone launches a single node; drop --nnodes or --standalone")
         master_addr = "127.0.0.1"
+        if args.master_port is None and not args.rdzv_endpoint:
+            master_port = 0  # like torchrun's localhost:0: the launcher picks a free port (`LaunchSpec.with_free_master_port`)
     if not args.script and not args.keel_standby:
         raise LaunchError("no training script given (keel run [options] script.py [args] or -m module [args])")
     command: tuple[str, ...] = ()
