@@ -163,6 +163,9 @@ class IncidentSummary:
     resolved_at: datetime | None = None
     resolution: str = ""
     """The ``IncidentResolved`` (or ``JobStopDecided``) reason."""
+    measure: str = ""
+    """How its recovery was judged (``IncidentResolved.measure``): ``step``, or ``process`` for a job
+    without the SDK (coarser); "" while unresolved."""
 
     @property
     def time_to_resolution(self) -> timedelta | None:
@@ -174,7 +177,8 @@ class IncidentSummary:
                 "node_id": self.node_id, "rung": self.rung, "outcome": self.outcome,
                 "resolved_at": self.resolved_at.isoformat() if self.resolved_at else None,
                 "time_to_resolution_s": None if ttr is None else ttr.total_seconds(), "reason": self.reason,
-                "resolution": self.resolution, "generation": self.generation, "evidence": list(self.evidence)}
+                "resolution": self.resolution, "measure": self.measure or None, "generation": self.generation,
+                "evidence": list(self.evidence)}
 
 
 def summarize_incidents(events: Iterable[Event]) -> list[IncidentSummary]:
@@ -201,6 +205,7 @@ def summarize_incidents(events: Iterable[Event]) -> list[IncidentSummary]:
             incident.rung = rung if incident.rung is None else max(incident.rung, rung)
         if isinstance(p, IncidentResolved):
             incident.outcome, incident.resolved_at, incident.resolution = p.outcome, event.occurred_at, p.reason
+            incident.measure = p.measure
         elif isinstance(p, JobStopDecided) and incident.outcome == "open":
             incident.outcome, incident.resolved_at, incident.resolution = "stopped", event.occurred_at, p.reason
     return list(incidents.values())
@@ -227,6 +232,10 @@ def format_incidents(incidents: Sequence[IncidentSummary], *, reason_width: int 
         lines.append(f"{short_id(i.id):<8}  {i.job_id:<12} {_stamp(i.opened_at):<23}  {i.kind:<11} {i.node_id or '-':<10} "
                      f"{'-' if i.rung is None else i.rung:>4}  {i.outcome:<10} "
                      f"{'-' if ttr is None else format_duration(ttr):>13}  {_truncate(i.reason, reason_width)}")
+    coarse = [short_id(i.id) for i in incidents if i.measure == "process"]
+    if coarse:
+        lines.append(f"process-level (no SDK, coarser: a hang is not seen): {', '.join(coarse)} resolved once every "
+                     f"rank of the new generation ran for the settle interval, not on a reported step")
     return "\n".join(lines)
 
 
@@ -424,6 +433,7 @@ def format_ettr(job: JobEttr) -> str:
         ("restart requests", str(len(report.restart_requests)), str(window.restart_requests)),
     ]
     lines = [f"job {job.job_id}: {_stamp(report.started_at)} .. {_stamp(report.ended_at)}, generation {report.generation}",
+             *([f"measured {report.note}"] if report.note else []),
              "", f"{'':<20} {'cumulative':>14} {label:>14}"]
     lines += [f"{name:<20} {a:>14} {b:>14}" for name, a, b in rows]
     if report.incidents:
@@ -449,7 +459,8 @@ def ettr_json(job: JobEttr) -> dict[str, Any]:
                                  strict=True):
         entry["controller_incident"] = None if controller is None else {"id": str(controller.id),
                                                                         "kind": controller.kind}
-    return {"job_id": job.job_id, "cumulative": cumulative, "window": job.window.to_json()}
+    return {"job_id": job.job_id, "measure": job.report.measure, "note": job.report.note, "cumulative": cumulative,
+            "window": job.window.to_json()}
 
 
 # -- pure: human input ------------------------------------------------------------------------------

@@ -210,6 +210,10 @@ class ControllerSettings(_Section):
     recovery_timeout: Duration = parse_duration("10m")
     """A restart that has not brought the job back to stepping this long after it was decided stops the
     job and pages a human (the ``recovering`` stage never waits for ever)."""
+    process_settle_interval: Duration = parse_duration("5s")
+    """A job whose ranks never report through the SDK (no step is ever seen): its incident is resolved once
+    every rank of the restarted generation has been running this long (process-level, coarser: a rank
+    that runs but hangs counts as recovered)."""
     node_silence_timeout: Duration = parse_duration("30s")
     """A node of a running job the controller has not heard from this long is lost (rung 1). Judged on the
     controller's recorded clock (when the node's events arrive, between two job-clock ticks), never on the

@@ -431,6 +431,10 @@ class NodeAgent:
                 step_time_p50_s=self.step_time_p50_s(),
                 rank_compute_time_p50_s=compute,
                 stored=self._holdings(),
+                generation=self.generation,
+                # Ranks of this generation that ever reported through the SDK: 0 with ranks alive is a
+                # program without it (so far), which the controller and ETTR judge on process liveness.
+                ranks_reporting=sum(1 for s in self.channel.ranks.values() if s.generation == self.generation),
             )
         )
         self.last_heartbeat_at = now

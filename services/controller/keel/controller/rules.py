@@ -44,6 +44,7 @@ from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
+from keel.controller.state import processes_up
 from keel.events.envelope import EventPayload
 from keel.events.types import (
     ApprovalGiven,
@@ -325,6 +326,8 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
                                      f"{(policy.sdc_replay_timeout + SDC_VERDICT_GRACE).total_seconds():g} s after it "
                                      f"was asked for (is the analyzer running?): restart in place from before the anomaly")
         return
+    if incident is not None and resolve_by_processes(plan, now):
+        return
     if (incident is not None and incident.stage == "recovering" and incident.recovering_since is not None
             and not job.stopped and not job.finished and now - incident.recovering_since >= policy.recovery_timeout):
         plan.resolve("stopped", f"the restart to generation {incident.target_generation} did not bring the job back to "
@@ -437,10 +440,39 @@ def on_heartbeat(plan: ActionPlan, p: NodeHeartbeat) -> None:
             code = f"; the code {incident.code_change}"
         plan.resolve("recovered", f"generation {incident.target_generation} is stepping again{by} ({p.node_id} at "
                                   f"step {p.last_step}, restored after step {incident.restore_step}){code}")
-        job = plan.job
-        if job.rollout_due and job.code_pending and not job.stopped and not job.finished:
-            plan.roll_out(f"rollout of {job.code_pending} asked for during incident {incident.id[:8]}, which is "
-                          f"over: restart onto it now")
+        _rollout_after(plan, incident.id)
+
+
+def _rollout_after(plan: ActionPlan, incident_id: str) -> None:
+    """A rollout asked for during the incident just resolved: restart onto the pending version now."""
+    job = plan.job
+    if job.rollout_due and job.code_pending and not job.stopped and not job.finished:
+        plan.roll_out(f"rollout of {job.code_pending} asked for during incident {incident_id[:8]}, which is "
+                      f"over: restart onto it now")
+
+def resolve_by_processes(plan: ActionPlan, now: datetime) -> bool:
+    """A job without the SDK (no rank ever reported a step, so none can be seen): its incident is resolved
+    once every rank of the restarted generation has been running for ``process_settle_interval``, on
+    process liveness alone. Coarser than a step: a rank that runs but hangs counts as recovered. True
+    when it resolved the incident."""
+    job, settle = plan.job, plan.policy.process_settle_interval
+    incident = job.incident
+    if (incident is None or job.sdk_seen or incident.stage not in ("recovering", "observing")
+            or incident.processes_up_since is None or now - incident.processes_up_since < settle
+            or not processes_up(job, incident)):
+        return False
+    ranks = sorted({r for n in job.active for r in n.ranks})
+    by = "" if incident.stage == "recovering" else " without the controller acting"
+    code = f"; the code {incident.code_change}" if incident.code_change else ""
+    plan.resolve("recovered", f"generation {incident.target_generation} is running again{by}: all {len(ranks)} "
+                              f"rank(s) on {', '.join(n.node_id for n in job.active)} alive for "
+                              f"{(now - incident.processes_up_since).total_seconds():.1f} s (settle "
+                              f"{settle.total_seconds():g} s){code}. Process-level: no rank reports through the "
+                              f"SDK, so no step is seen; a rank that runs but hangs would count as recovered",
+                 measure="process")
+    _rollout_after(plan, incident.id)
+    return True
+
 
 def on_pool_change(plan: ActionPlan, p: EventPayload) -> None:
     """The standby pool changed: carry out a recovery that waits for a standby, else re-size the pool."""

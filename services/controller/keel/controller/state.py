@@ -8,7 +8,10 @@
 
 Incidents: the first signal opens one (``IncidentOpened``); its id - that event's id - is the correlation
 id of every decision about it and of the agents' answers. Signals that arrive while it is open join it.
-``IncidentResolved`` closes it once a node of the restarted generation steps past the restore point.
+``IncidentResolved`` closes it once a node of the restarted generation steps past the restore point; for
+a job whose ranks never report through the SDK (``JobView.sdk_seen`` false), once every rank of the
+restarted generation has been running for ``ControllerPolicy.process_settle_interval`` (the fold keeps
+since when: ``OpenIncident.processes_up_since``).
 
 Code versions (hot-update): the fold keeps the registered versions (``CodeVersionRegistered``), the newest
 one no restart has carried yet (``code_pending``), the ones hot-update found stable and the ones rolled
@@ -149,6 +152,14 @@ class OpenIncident:
     """Replay phases run for this incident so far."""
     code_change: str = ""
     """What the incident's restart did to the code ("" : nothing), for its resolution's reason."""
+    processes_up: frozenset[str] = frozenset()
+    """Nodes of ``target_generation`` whose latest heartbeat showed every rank alive and none reporting
+    through the SDK (what resolves a job without the SDK)."""
+    processes_up_since: datetime | None = None
+    """Since when every rank of ``target_generation`` is known to run (``processes_up_at``): on the recorded
+    clock the tick after the heartbeat that completed the set, else that heartbeat's timestamp."""
+    processes_up_pending: bool = False
+    """The set is complete and the next tick dates it (the recorded clock)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,10 @@ class JobView:
     code_rolled_back: frozenset[str] = frozenset()
     rollout_due: str = ""
     """Hot-update asked for a rollout that no restart has carried out yet."""
+    sdk_seen: bool = False
+    """A rank of the job reported through the SDK (a heartbeat with ``ranks_reporting`` above 0 or a step),
+    or an agent older than heartbeat v4 said nothing about it: recovery is judged on steps. False: every
+    heartbeat so far showed no rank reporting, and recovery is judged on process liveness (coarser)."""
     clock_at: datetime | None = None
     """The job clock's latest tick (v2, ``TimerTicked.interval_s``): the controller's recorded time. None:
     no such tick yet, or a log of v1 ticks (then producers' timestamps are the time, as they were)."""
@@ -346,6 +361,11 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, NodeHeartbeat):
         if legacy:
             job = job.with_node(replace(job.node(p.node_id), heard_at=at))
+        if not p.standby and not job.sdk_seen and (p.ranks_reporting is None or p.ranks_reporting > 0
+                                                   or p.last_step >= 0):
+            job = replace(job, sdk_seen=True)
+        if not p.standby and job.incident is not None:
+            job = _processes_heard(job, job.incident, p, at, legacy)
         if p.standby or job.incident is not None:
             return job
         # Past where it failed: no loop. A failure before any reported step (failed_at_step -1) is
@@ -409,6 +429,37 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         return replace(job, rollout_due=p.version_id)
     return _evolve_incident(job, event)
 
+def processes_up(job: JobView, incident: OpenIncident) -> bool:
+    """Whether every rank of the incident's restarted generation runs, as the heartbeats of a job without
+    the SDK tell it: every active node started that generation and its latest heartbeat showed all its
+    ranks alive, and the active nodes' ranks cover the job's world size (a promoted standby's too)."""
+    target = incident.target_generation
+    active = job.active
+    if target is None or not active:
+        return False
+    ranks = frozenset().union(*(n.ranks for n in active))
+    return (all(n.generation == target and n.node_id in incident.processes_up for n in active)
+            and len(ranks) >= max(1, job.world_size))
+
+
+def _processes_heard(job: JobView, incident: OpenIncident, p: NodeHeartbeat, at: datetime, legacy: bool) -> JobView:
+    """A heartbeat during an incident, for a job without the SDK: whether the node's ranks of the
+    restarted generation all run, and since when the whole generation does (``processes_up_since``)."""
+    if incident.target_generation is None or p.generation != incident.target_generation \
+            or p.node_id not in incident.started:
+        return job
+    alive = 0 < p.ranks_expected <= p.ranks_alive and p.ranks_reporting == 0
+    nodes = incident.processes_up | {p.node_id} if alive else incident.processes_up - {p.node_id}
+    incident = replace(incident, processes_up=nodes)
+    if not alive:
+        incident = replace(incident, processes_up_since=None, processes_up_pending=False)
+    elif incident.processes_up_since is None and not incident.processes_up_pending \
+            and processes_up(replace(job, incident=incident), incident):
+        # On the recorded clock the heartbeat is credited at the next tick, as every arrival is.
+        incident = replace(incident, processes_up_since=at) if legacy else replace(incident, processes_up_pending=True)
+    return replace(job, incident=incident)
+
+
 def _agent_node(event: Event) -> str:
     """The node whose agent produced ``event`` ("" when it names none)."""
     node_id = getattr(event.payload, "node_id", None)
@@ -463,7 +514,10 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
             skews[node_id] = 0.0
         if node_id in nodes:
             nodes[node_id] = replace(nodes[node_id], heard_at=now)
-    return replace(job, nodes=nodes, clock_at=now, clock_interval=interval,
+    incident = job.incident
+    if incident is not None and incident.processes_up_pending:
+        incident = replace(incident, processes_up_since=now, processes_up_pending=False)
+    return replace(job, nodes=nodes, clock_at=now, clock_interval=interval, incident=incident,
                    clock_since=job.clock_since if unbroken else now, heard={}, skews=skews)
 
 
@@ -527,7 +581,9 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
         return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
                        incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                         target_generation=p.generation, started=frozenset(), restore_step=-1,
-                                        held=None, code_change=code_change, recovering_since=at))
+                                        held=None, code_change=code_change, recovering_since=at,
+                                        processes_up=frozenset(), processes_up_since=None,
+                                        processes_up_pending=False))
     if isinstance(p, ActionHeld):
         held = HeldPlan(p.rung, frozenset(p.evict), p.reason, p.rollback)
         stage: Stage = {"approval": "awaiting_approval", "no_standby": "waiting_standby"}.get(  # type: ignore[assignment]
