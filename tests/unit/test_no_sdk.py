@@ -182,6 +182,13 @@ def test_ettr_of_a_job_without_the_sdk_counts_from_process_liveness_and_says_so(
     assert body["measure"] == "process" and "coarser" in body["note"] and body["incidents"][0]["measure"] == "process"
 
 
+def test_the_recovery_is_the_latest_start_whatever_the_log_order() -> None:
+    log = no_sdk_log()
+    log[6], log[7] = log[7], log[6]  # rank 1's start (103.5 s) recorded before rank 0's (103 s)
+    report = compute_ettr(log)
+    assert report is not None and report.incidents[0].recovered_at == at(103.5)
+
+
 def test_a_new_generation_that_dies_before_it_is_seen_running_has_not_recovered() -> None:
     log = no_sdk_log()[:8] + [exited(104, 0, 1)]  # generation 1 dies before any heartbeat saw it running
     restart = RanksRestartRequested(node_id="n0", generation=2, reason="test", expires_at=at(400))

@@ -92,6 +92,8 @@ class Incident:
     started_nodes: dict[int, set[str]] = field(default_factory=dict)
     """Per such generation, the nodes that started its ranks; ``confirmed``: those heard with all alive since."""
     confirmed: set[str] = field(default_factory=set)
+    last_start: dict[int, datetime] = field(default_factory=dict)
+    """Per such generation, the latest ``occurred_at`` of its rank starts (the log need not be in time order)."""
 
     @property
     def recovered_at(self) -> datetime | None:
@@ -331,11 +333,13 @@ def _process_started(incident: Incident, p: RankStarted, at: datetime) -> None:
     ranks = incident.started_ranks.setdefault(p.generation, set())
     ranks.add(p.rank)
     incident.started_nodes.setdefault(p.generation, set()).add(p.node_id)
+    last = incident.last_start.get(p.generation)
+    incident.last_start[p.generation] = at if last is None or at > last else last
     newest = incident.candidate[0] if incident.candidate is not None else -1
     if len(ranks) >= p.world_size and p.generation >= newest:
         if p.generation > newest:
             incident.confirmed = set()
-        incident.candidate = (p.generation, at)
+        incident.candidate = (p.generation, incident.last_start[p.generation])
 
 
 def _process_recovered(incident: Incident, p: NodeHeartbeat) -> bool:
