@@ -59,7 +59,7 @@ async def test_a_job_without_the_sdk_is_resolved_on_process_liveness_and_its_ett
     for node in ("n00", "n01"):
         await stack.wait_for(["NodeHeartbeat"], lambda e, n=node: e.payload.node_id == n and running_without_sdk(0)(e),
                              60, f"{node} running generation 0 without the SDK")
-    await asyncio.sleep(4)  # productive time before the fault
+    await asyncio.sleep(2)  # productive time before the fault
     victim = next(e for e in await stack.events(["RankStarted"]) if e.payload.rank == 1 and e.payload.generation == 0)
     killed_at = time.monotonic()
     os.kill(victim.payload.pid, signal.SIGKILL)
@@ -78,7 +78,7 @@ async def test_a_job_without_the_sdk_is_resolved_on_process_liveness_and_its_ett
     assert len({e.payload.rank for e in restarted}) == 2
     assert (resolved.occurred_at - max(e.occurred_at for e in restarted)).total_seconds() >= SETTLE_S
 
-    await asyncio.sleep(8)  # the restarted job runs on: productive time again
+    await asyncio.sleep(4)  # the restarted job runs on: productive time again
     await stack.stop_and_verify()
 
     job = keel_ettr(stack)
