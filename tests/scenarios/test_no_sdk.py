@@ -21,22 +21,15 @@ import pytest
 
 from keel.events.envelope import Event
 from tests.integration.test_crashes import service_env
+from tests.scenarios import test_ladder
 from tests.scenarios.test_ladder import Stack
 
 pytestmark = pytest.mark.integration
 
 SCRIPT = Path(__file__).resolve().parents[1] / "fixtures" / "nosdk_train.py"
 SETTLE_S = 3.0
-
-
-@pytest.fixture
-async def stack(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
-    await keel_env.start_recorder()
-    running = Stack(keel_env, scratch_dir, "nosdk")
-    try:
-        yield running
-    finally:
-        await asyncio.to_thread(running.stop)
+stack = test_ladder.stack
+"""The ladder scenarios' fixture: the control plane as services, the session's recorder, a cluster."""
 
 
 def running_without_sdk(generation: int) -> Callable[[Event], bool]:
