@@ -139,6 +139,25 @@ class NodeClockSkewed(EventPayload):
     reason: str
 
 
+@event_type("NodeFenced", version=1, aggregate="node")
+class NodeFenced(EventPayload):
+    """The controller heard from a node it decided to evict (``NodeEvictionDecided``): the node is fenced
+    out of the job. What it reports (heartbeats, rank starts, registrations as a worker, checkpoint
+    reports) counts for nothing, and this records that the controller ignored it, once per fence. The
+    node's agent consumes it (``node.<its id>.NodeFenced``) and stops: its ranks are of a generation the
+    job has left (``fenced_generation`` or older) and never join a newer one.
+
+    ``generation``: the job's newest generation when the input arrived; ``input_type``: what the node
+    sent; ``evicted_by``: the id of the eviction decision."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    fenced_generation: int = Field(ge=0)
+    evicted_by: str
+    input_type: str
+    reason: str
+
+
 @event_type("NodeEvicted", version=1, aggregate="node")
 class NodeEvicted(EventPayload):
     """An actuator carried out an eviction (or reports why it could not)."""

@@ -75,7 +75,7 @@ _DECIDER_REFUSAL = (("job", "DecisionRefused"),)
 ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
     RECORDER: (("recorder", "RecorderLagReported"),),
     CONTROLLER: (
-        ("clock", "TimerTicked"), ("node", "NodeEvictionDecided"), ("node", "NodeClockSkewed"),
+        ("clock", "TimerTicked"), ("node", "NodeEvictionDecided"), ("node", "NodeClockSkewed"), ("node", "NodeFenced"),
         ("node", "RanksRestartRequested"), ("job", "IncidentOpened"), ("job", "IncidentResolved"),
         ("job", "DiagnosticsRequested"), ("node", "StandbyPromotionRequested"), ("job", "StandbyPoolSized"),
         ("job", "StandbyRefillRequested"), ("job", "RollbackDecided"), ("job", "JobStopDecided"),
@@ -109,7 +109,8 @@ AGENT_NODE_FACTS = (
 AGENT_OTHER_FACTS = (("rank", "RankStarted"), ("rank", "RankExited"), ("job", "CheckpointTierFallback"))
 """What an agent reports on other aggregates: its ranks (rank ids are job-wide numbers, so any rank of a
 job it serves) and the job's tier fallback."""
-AGENT_NODE_COMMANDS = ("RanksRestartRequested", "StandbyPromotionRequested", "NodeClockSkewed",
+AGENT_NODE_COMMANDS = ("RanksRestartRequested", "StandbyPromotionRequested", "NodeClockSkewed", "NodeEvictionDecided",
+                       "NodeFenced",
                        "CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned", "CheckpointNodeBackupsHeld")
 AGENT_JOB_COMMANDS = ("DiagnosticsRequested", "StacksRequested", "SdcReplayRequested", "CheckpointBackupAssigned",
                       "CheckpointScheduleSet", "CheckpointRestorePlanned", "CheckpointStepCommitted")

@@ -38,14 +38,15 @@ producer's timestamp; a producer's clock skew is reported (``report_skews``), ne
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
-from keel.controller.state import processes_up
-from keel.events.envelope import EventPayload
+from keel.controller.state import NodeView, processes_up
+from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     ApprovalGiven,
     CodeRolloutRequested,
@@ -54,8 +55,10 @@ from keel.events.types import (
     MetricAnomalyDetected,
     NodeClockSkewed,
     NodeCordoned,
+    NodeFenced,
     NodeHealthChanged,
     NodeHeartbeat,
+    NodeRegistered,
     RankExited,
     RanksRestarted,
     SdcReplayAnalyzed,
@@ -511,6 +514,41 @@ def on_restart_report(plan: ActionPlan, p: RanksRestarted) -> None:
     plan.recover(3, frozenset({p.node_id}), f"rung 3: {p.node_id} could not restart to generation {p.generation} "
                                             f"({p.outcome}{': ' + p.detail if p.detail else ''}): evict it, a standby "
                                             f"takes its ranks")
+
+
+def acting_as_member(p: EventPayload) -> bool:
+    """Whether a fenced node's report shows it still acting as a member of the job (pure): ranks alive in
+    its heartbeat, a registration as a worker, a rank that ended on its own (it was running), answers to
+    commands, a standby's self-check. A drained agent's goodbye (its ranks stopped by it, a heartbeat with
+    none alive) and its health probes do not."""
+    if isinstance(p, NodeHeartbeat):
+        return p.ranks_alive > 0
+    if isinstance(p, NodeRegistered):
+        return not p.standby
+    if isinstance(p, RankExited):
+        return p.classification != "stopped_by_agent"
+    return not isinstance(p, NodeHealthChanged)
+
+
+def on_fenced(plan: ActionPlan, event: Event, node: NodeView) -> None:
+    """A report from a node the controller decided to evict (``state.fenced_report``): the fold ignored it;
+    the first one that shows the node still acting as a member is recorded (``NodeFenced``, once per fence
+    and again for a new agent registering there), which tells its agent to stop and leave."""
+    job, what = plan.job, event.type
+    fence = f"evicted by decision {node.fenced_by[:8]} at generation {node.fenced_generation}"
+    if node.fence_reported or not acting_as_member(event.payload):
+        plan.note(f"{node.node_id} is fenced ({fence}): its {what} is ignored"
+                  + ("" if node.fence_reported else " (not acting as a member: not reported)"))
+        return
+    why = (f"{node.node_id} was {fence} and is fenced: its {what} is ignored (it counts for no progress, "
+           f"liveness, membership or checkpoint), and its agent is told to stop its ranks and leave; the job "
+           f"is at generation {job.generation} without it")
+    plan.note(why)
+    plan.emit(NodeFenced(node_id=node.node_id, generation=max(0, job.generation),
+                         fenced_generation=max(0, node.fenced_generation), evicted_by=node.fenced_by,
+                         input_type=what, reason=why),
+              subject=f"node/{node.node_id}", key=f"fenced/{node.node_id}/{node.fenced_by}",
+              correlation_id=uuid.UUID(node.fenced_incident) if node.fenced_incident else None)
 
 
 def on_cordon(plan: ActionPlan, p: NodeCordoned) -> None:

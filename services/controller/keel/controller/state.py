@@ -49,6 +49,7 @@ from keel.events.types import (
     NodeCordoned,
     NodeEvicted,
     NodeEvictionDecided,
+    NodeFenced,
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
@@ -101,6 +102,20 @@ class NodeView:
     clock_skewed: bool = False
     """The node's clock is off the recorded clock by more than the allowance (``NodeClockSkewed``)."""
     skew_s: float = 0.0
+    fenced_by: str = ""
+    """Id of the eviction decision that fenced the node out of the job ("" : not fenced). It holds whatever
+    the actuator reports (a partitioned host cannot be drained): until the node offers itself back as a
+    standby (a new agent registering with ``standby``), nothing it reports counts (``fenced``)."""
+    fenced_generation: int = -1
+    """The job's generation when the node was fenced: its ranks are of that generation or older."""
+    fenced_incident: str = ""
+    """The incident that evicted it (the correlation id of its ``NodeFenced``, so the timeline shows it)."""
+    fence_reported: bool = False
+    """A ``NodeFenced`` was recorded for this fence (once per fence, however often the node reports)."""
+
+    @property
+    def fenced(self) -> bool:
+        return bool(self.fenced_by)
 
 
 @dataclass(frozen=True)
@@ -277,13 +292,13 @@ class JobView:
     @property
     def active(self) -> list[NodeView]:
         """Nodes running ranks of the job (not evicted, not standbys), by id."""
-        return sorted((n for n in self.nodes.values() if n.ranks and not n.evicted and not n.standby),
-                      key=lambda n: n.node_id)
+        return sorted((n for n in self.nodes.values() if n.ranks and not n.evicted and not n.standby
+                       and not n.fenced), key=lambda n: n.node_id)
 
     @property
     def ready_standbys(self) -> list[NodeView]:
         """Standbys that passed their self-check and are free to take over a node's ranks."""
-        return sorted((n for n in self.nodes.values() if n.standby and n.checked and not n.evicted
+        return sorted((n for n in self.nodes.values() if n.standby and n.checked and not n.evicted and not n.fenced
                        and not n.eviction_pending and not n.cordoned and not n.promoting), key=lambda n: n.node_id)
 
 
@@ -326,6 +341,12 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         job = _acknowledged(job, event)
     if job.first_seen_at is None and isinstance(p, (RankStarted, NodeRegistered, JobRegistered)):
         job = replace(job, first_seen_at=at)
+    fenced = fenced_report(job, event)
+    if fenced is not None and not (isinstance(p, NodeRegistered) and p.standby):
+        # A fenced node's progress, rank starts and registration as a worker count for nothing (its
+        # heartbeat's step would reset the crash-loop breaker; its registration would un-evict it).
+        # ``rules.on_fenced`` records that it was ignored. A new agent registering there must be told.
+        return job.with_node(replace(fenced, fence_reported=False)) if isinstance(p, NodeRegistered) else job
     if isinstance(p, JobRegistered):
         return replace(job, world_size=job.world_size or p.world_size)
     if isinstance(p, NodeRegistered):
@@ -335,10 +356,14 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         # clock is judged afresh (the new agent learns its skew from a new ``NodeClockSkewed``).
         if p.standby and job.refills_pending:
             job = replace(job, refills_pending=job.refills_pending - 1)  # one of those asked for
+        # A fenced node comes back only this way, as a standby (reaching here): its fence is lifted and it
+        # counts for the pool once its self-check passes; its old ranks are gone.
         return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
                                      promoting=False, checked=None if p.standby else view.checked,
                                      ranks=frozenset() if p.standby else view.ranks,
-                                     heard_at=at if legacy else view.heard_at, clock_skewed=False))
+                                     heard_at=at if legacy else view.heard_at, clock_skewed=False,
+                                     fenced_by="", fenced_generation=-1, fenced_incident="",
+                                     fence_reported=False))
     if isinstance(p, RankStarted):
         view = job.node(p.node_id)
         if p.generation < view.generation:
@@ -384,8 +409,13 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, NodeEvictionDecided):
         if p.observe_only:
             return job
-        return replace(job.with_node(replace(job.node(p.node_id), eviction_pending=str(event.id))),
+        view = job.node(p.node_id)
+        fence = {} if view.fenced else {"fenced_by": str(event.id), "fenced_generation": max(0, job.generation),
+                                        "fenced_incident": str(event.correlation_id or ""), "fence_reported": False}
+        return replace(job.with_node(replace(view, eviction_pending=str(event.id), **fence)),  # type: ignore[arg-type]
                        evictions=job.evictions.record(at), node_failures=job.node_failures + 1)
+    if isinstance(p, NodeFenced):
+        return job.with_node(replace(job.node(p.node_id), fence_reported=True))
     if isinstance(p, NodeEvicted):
         view = job.node(p.node_id)
         # ``ranks`` stays: what the node ran is what a standby must take over (``active`` skips it).
@@ -458,6 +488,23 @@ def _processes_heard(job: JobView, incident: OpenIncident, p: NodeHeartbeat, at:
         # On the recorded clock the heartbeat is credited at the next tick, as every arrival is.
         incident = replace(incident, processes_up_since=at) if legacy else replace(incident, processes_up_pending=True)
     return replace(job, incident=incident)
+
+
+FENCED_INPUTS = frozenset({"NodeHeartbeat", "NodeRegistered", "RankStarted", "RankExited", "NodeHealthChanged",
+                           "MetricAnomalyDetected", "DiagnosticsCompleted", "RanksRestarted", "StandbyChecked",
+                           "StandbyPromoted", "StacksCaptured", "SdcReplayCompleted", "CheckpointRanksRegistered",
+                           "CheckpointShardsStored", "CheckpointInventoryReported", "CodeVersionApplied"})
+"""What a node's agent reports about its node or ranks: from a fenced node, each counts for nothing."""
+
+
+def fenced_report(job: JobView, event: Event) -> NodeView | None:
+    """The fenced node ``event`` is a report of, if it is one (pure): an agent's report (``FENCED_INPUTS``)
+    about a node the controller decided to evict. None: not such a report."""
+    if event.producer != AGENT_PRODUCER or event.type not in FENCED_INPUTS:
+        return None
+    node_id = _agent_node(event)
+    view = job.nodes.get(node_id) if node_id else None
+    return view if view is not None and view.fenced else None
 
 
 def _agent_node(event: Event) -> str:
