@@ -240,6 +240,45 @@ def kill_node(directory: Path, node_id: str) -> None:
     shutil.rmtree(node["ckpt_dir"], ignore_errors=True)
 
 
+def _signal_node(node: dict[str, Any], signum: int) -> list[int]:
+    """Send ``signum`` to the node's agent and to every process of its ranks and zygote (each in its own
+    process group); the pids signalled."""
+    pids = [node["pid"], *ranks_of(Path(node["agent_dir"]), zygotes=True)]
+    hit = []
+    for pid in pids:
+        for send in (os.killpg, os.kill):  # the group (workers included), and the process if it leads none
+            try:
+                send(pid, signum)
+                hit.append(pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+    return sorted(set(hit))
+
+
+def freeze_node(directory: Path, node_id: str) -> list[int]:
+    """Freeze a node as a host that hangs or whose link is cut: SIGSTOP its agent and every process of its
+    ranks (the controller stops hearing it and evicts it after ``node_silence_timeout``), and mark it
+    ``unreachable``: the ``local`` actuator cannot drain it, as nothing reaches a partitioned host (the
+    eviction is reported ``failed``; the controller fences the node all the same). ``thaw_node`` lets it
+    run on: the host comes back with its old agent and ranks. Returns the pids stopped."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    if not alive(node["pid"]):
+        raise ClusterError(f"node {node_id} is not running; nothing to freeze")
+    node["unreachable"] = True
+    atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return _signal_node(node, signal.SIGSTOP)
+
+
+def thaw_node(directory: Path, node_id: str) -> list[int]:
+    """The frozen host comes back (``freeze_node``): SIGCONT its processes, reachable again. Returns the pids."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    node.pop("unreachable", None)
+    atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return _signal_node(node, signal.SIGCONT)
+
+
 def start_node(directory: Path, node_id: str) -> int:
     """Start a fresh agent for ``node_id`` (a replacement machine with empty shared memory). It joins as
     an idle standby with the node's rank slice and starts ranks on the next restart command (or on a
@@ -272,6 +311,8 @@ def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
         return []
     nodes = json.loads((directory / "cluster.json").read_text())["nodes"]
     for node in nodes:
+        if node.get("unreachable"):
+            _signal_node(node, signal.SIGCONT)  # a frozen node cannot act on SIGTERM
         if alive(node["pid"]):
             os.kill(node["pid"], signal.SIGTERM)
     deadline = time.monotonic() + grace_s

@@ -2,7 +2,8 @@
 
 - Evict: stop the node's agent (SIGTERM to its process group: the agent stops its ranks), SIGKILL what
   is left after a grace period, and mark the node ``evicted`` in ``cluster.json`` (a human's
-  ``keel cluster`` commands see it). Its shared memory is left to ``cluster down``: a real evicted
+  ``keel cluster`` commands see it). A node frozen as unreachable (``freeze_node``: a host cut off) cannot
+  be drained: the eviction is reported failed, and the controller's fence keeps the node out. Its shared memory is left to ``cluster down``: a real evicted
   machine is drained, not wiped.
 - Provision: start a new standby agent (``s<NN>``, the next free number) with its own overlay root,
   agent folder and shared-memory folder, the same job, rendezvous and settings as the cluster's nodes.
@@ -53,6 +54,10 @@ class LocalActuator:
         node = next((n for n in state["nodes"] if n["node_id"] == node_id), None)
         if node is None:
             raise ActuatorError(f"no node {node_id!r} in the local cluster at {self.directory}")
+        if node.get("unreachable"):
+            # A frozen or partitioned host (``keel.cluster.local.freeze_node``): nothing reaches it.
+            raise ActuatorError(f"{node_id} is unreachable (frozen or cut off): it cannot be drained now; "
+                                f"it is fenced out of the job by the controller's decision")
         pid = node["pid"]
         how = "not running"
         if alive(pid):
