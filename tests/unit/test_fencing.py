@@ -218,3 +218,14 @@ def test_the_broker_ignores_a_left_nodes_reports_until_it_runs_a_newer_generatio
     session.observe(newer)
     job = session.state.job(BROKER_JOB)
     assert "n3" not in job.left and "n3" not in job.left_at
+
+
+def test_keel_incidents_lists_the_fenced_nodes() -> None:
+    from keel.cli.incidents import format_fences
+
+    job, eviction = lost_and_replaced()
+    from_agent(job, NodeHeartbeat(node_id="n2", ranks_alive=2, ranks_expected=2, last_step=30), "node/n2")
+    text = format_fences(job.log)
+    assert text.startswith("nodes fenced out of their job") and "n2" in text
+    assert "left at generation 0, heard at generation 1 (NodeHeartbeat)" in text
+    assert str(eviction.correlation_id)[:8] in text and format_fences([]) == ""

@@ -43,6 +43,7 @@ from keel.events.types import (
     JobStopDecided,
     NodeClockSkewed,
     NodeCordoned,
+    NodeFenced,
 )
 from keel.events.units import format_duration as format_duration_spec
 from keel.events.units import parse_duration
@@ -269,6 +270,27 @@ def skewed_clocks(events: Iterable[Event]) -> list[SkewedClock]:
             latest[(event.job_id, event.payload.node_id)] = event
     return [SkewedClock(job, node, e.payload.skew_s, e.occurred_at, e.payload.reason)
             for (job, node), e in sorted(latest.items()) if isinstance(e.payload, NodeClockSkewed) and e.payload.skewed]
+
+
+FENCE_TYPES = ("NodeFenced",)
+
+
+def format_fences(events: Iterable[Event]) -> str:
+    """A line per node the controller fenced out of its job (``NodeFenced``: a host back after its eviction,
+    whose reports were ignored), its latest record; "" when none."""
+    latest: dict[tuple[str, str], Event] = {}
+    for event in events:
+        if isinstance(event.payload, NodeFenced):
+            latest[(event.job_id, event.payload.node_id)] = event
+    if not latest:
+        return ""
+    lines = ["nodes fenced out of their job (evicted, then heard from again: what they sent was ignored):"]
+    for (job, node), e in sorted(latest.items()):
+        assert isinstance(e.payload, NodeFenced)
+        p = e.payload
+        lines.append(f"  {job:<12} {node:<10} left at generation {p.fenced_generation}, heard at generation "
+                     f"{p.generation} ({p.input_type}), {_stamp(e.occurred_at)}, incident {short_id(str(e.correlation_id))}")
+    return "\n".join(lines)
 
 
 def format_skewed_clocks(clocks: Sequence[SkewedClock]) -> str:
@@ -643,14 +665,23 @@ def cmd_ettr(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def load_fences(store: EventStore, job_id: str | None = None) -> list[Event]:
+    return [r.event async for r in store.read(job_id=job_id, types=FENCE_TYPES)]
+
+
 def cmd_incidents(args: argparse.Namespace, settings: Settings) -> int:
     incidents, clocks = on_store(settings, lambda store: load_incidents_and_clocks(store, args.job))
+    fences = on_store(settings, lambda store: load_fences(store, args.job))
     if args.json:
-        print_json({**incidents_json(incidents), "skewed_clocks": [c.to_json() for c in clocks]})
+        print_json({**incidents_json(incidents), "skewed_clocks": [c.to_json() for c in clocks],
+                    "fenced": [{"job_id": e.job_id, **e.payload.model_dump(mode="json"),
+                                "at": e.occurred_at.isoformat(), "incident": str(e.correlation_id)} for e in fences]})
     else:
         print(format_incidents(incidents))
         if clocks:
             print("\n" + format_skewed_clocks(clocks))
+        if fences:
+            print("\n" + format_fences(fences))
     return 0
 
 
