@@ -229,3 +229,18 @@ def test_keel_incidents_lists_the_fenced_nodes() -> None:
     assert text.startswith("nodes fenced out of their job") and "n2" in text
     assert "left at generation 0, heard at generation 1 (NodeHeartbeat)" in text
     assert str(eviction.correlation_id)[:8] in text and format_fences([]) == ""
+
+
+def test_each_generation_rendezvous_on_its_own_port(tmp_path: Path) -> None:
+    """The rendezvous fence: a stale rank of generation g knows only its own store's port (base + g); the
+    new generation's store listens on base + g + 1, so the stale rank can never join it."""
+    from keel.agent.launch_spec import LaunchSpec
+    from keel.agent.supervisor import RankSupervisor
+
+    spec = LaunchSpec(nnodes=4, nproc_per_node=1, node_rank=1, master_addr="127.0.0.1", master_port=29400,
+                      command=("-c", "pass"), job_id="job", node_id="n01", agent_dir=tmp_path, root=tmp_path)
+    supervisor = RankSupervisor(spec, tmp_path / "agent.sock", tmp_path / "fault.json")
+    stale, new = supervisor.rank_env(0, 3), supervisor.rank_env(0, 4)
+    assert (stale["MASTER_PORT"], new["MASTER_PORT"]) == ("29403", "29404")
+    assert (stale["KEEL_GENERATION"], new["KEEL_GENERATION"]) == ("3", "4")
+    assert stale["RANK"] == new["RANK"] == "1"

@@ -393,7 +393,7 @@ def report_skews(plan: ActionPlan, now: datetime) -> None:
     unbroken = job.clock_since is not None and job.clock_since < now
     for node_id, skew in sorted(job.skews.items()):
         node = job.nodes.get(node_id)
-        if node is None or node.evicted:
+        if node is None or node.evicted or node.fenced:
             continue
         way = "ahead of" if skew > 0 else "behind"
         if abs(skew) > allowance and not node.clock_skewed:
