@@ -244,3 +244,13 @@ def test_each_generation_rendezvous_on_its_own_port(tmp_path: Path) -> None:
     assert (stale["MASTER_PORT"], new["MASTER_PORT"]) == ("29403", "29404")
     assert (stale["KEEL_GENERATION"], new["KEEL_GENERATION"]) == ("3", "4")
     assert stale["RANK"] == new["RANK"] == "1"
+
+
+def test_a_heartbeat_of_a_generation_the_job_left_counts_no_progress() -> None:
+    job, _ = lost_and_replaced()
+    before = job.session.state.job("job1").last_step
+    job.feed(NodeHeartbeat(node_id="n0", ranks_alive=2, ranks_expected=2, last_step=900, generation=0), "node/n0")
+    assert job.session.state.job("job1").last_step == before
+    job.feed(NodeHeartbeat(node_id="n0", ranks_alive=2, ranks_expected=2, last_step=40, generation=1), "node/n0")
+    job.feed(NodeHeartbeat(node_id="n1", ranks_alive=2, ranks_expected=2, last_step=41), "node/n1")  # an older agent
+    assert job.session.state.job("job1").last_step == 41

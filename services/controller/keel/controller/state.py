@@ -393,6 +393,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
             job = _processes_heard(job, job.incident, p, at, legacy)
         if p.standby or job.incident is not None:
             return job
+        if p.generation is not None and p.generation < job.generation:
+            return job  # ranks of a generation the job left (a node left behind): their steps are no progress
         # Past where it failed: no loop. A failure before any reported step (failed_at_step -1) is
         # passed by the first step reported after it.
         if p.last_step > job.failed_at_step and job.crash_loop.fingerprints:
