@@ -140,8 +140,8 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     recovered_s = time.monotonic() - cut_at
     evicted = next(n for n in load_cluster(stack.directory)["nodes"] if n["node_id"] == victim)
     assert evicted["evicted"] is True
-    standby = next(n for n in load_cluster(stack.directory)["nodes"] if n["node_id"] == promotion.node_id)
-    assert standby.get("host") == promotion.node_id and ipaddress.ip_address(standby["address"]) in subnet
+    standby = next(n for n in load_cluster(stack.directory)["nodes"] if n["node_id"] == promotion.standby_node_id)
+    assert standby.get("host") == promotion.standby_node_id and ipaddress.ip_address(standby["address"]) in subnet
     plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == restart.payload.generation,
                                 30, "the restore plan")
     print(f"link cut of {victim}: incident resolved {recovered_s:.1f} s after the cut; resumed at step "

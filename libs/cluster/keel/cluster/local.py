@@ -43,7 +43,7 @@ from keel.events.units import parse_duration
 from keel.infra.bus import Bus
 from keel.infra.config import Settings, credentials_path
 from keel.infra.embedded import rendezvous_base_port
-from keel.infra.nats_auth import OPERATOR, bus_settings_for
+from keel.infra.nats_auth import OPERATOR, NatsAuthError, NatsAuthority, bus_settings_for
 from keel.infra.secrets import ensure_private_dir
 from keel.infra.shard_ca import issue_node_certificate
 from keel.infra.signing import keyring_path
@@ -193,6 +193,7 @@ def cluster_up(
     if network is not None:
         # Every node's host before any agent starts: the rendezvous master is node rank 0's host.
         env["GLOO_SOCKET_IFNAME"] = HOST_IFNAME  # gloo would resolve the machine's hostname, on no host's link
+        issue_agent_identities(credentials_path(settings), job_id, node_ids)
         try:
             for node_id in node_ids:
                 network = netns.add_host(network, node_id)
@@ -235,6 +236,7 @@ def cluster_up(
     state = {"job_id": job_id, "nodes": node_states, "master_port": master_port, "nproc_per_node": nproc_per_node,
              "hosts": "netns" if network is not None else "flat", "master_addr": master_addr,
              "network": network.tag if network is not None else None,
+             "credentials_dir": str(credentials_path(settings)),
              "command": command, "started_at": now_utc().isoformat(), "shm_root": str(shm_root),
              "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_") or k == "GLOO_SOCKET_IFNAME"}}
     atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
@@ -287,6 +289,20 @@ def drop_home_network(home: Path) -> None:
     if network is not None:
         netns.destroy(network)
     (home / "network.json").unlink(missing_ok=True)
+
+
+def issue_agent_identities(credentials: Path, job_id: str, node_ids: list[str]) -> None:
+    """Issue the agents' NATS identities here, before they start on their hosts: an agent issues its own when it
+    has none, but it then has the local server reload, which it checks on the server's monitoring port on
+    127.0.0.1, and a node host's loopback is its own."""
+    authority = NatsAuthority(credentials)
+    try:
+        if authority.local_server() is None:
+            return
+        for node_id in node_ids:
+            authority.ensure_agent(job_id, node_id)
+    except (OSError, NatsAuthError) as exc:
+        raise ClusterError(f"cannot issue the agents' NATS identities in {authority.folder}: {exc}") from None
 
 
 def host_network(state: dict[str, Any]) -> NetworkPlan | None:

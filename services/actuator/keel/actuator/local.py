@@ -27,6 +27,7 @@ from keel.cluster.local import (
     atomic_write,
     host_argv,
     host_network,
+    issue_agent_identities,
     load_cluster,
     ranks_of,
     seed_overlay_root,
@@ -121,6 +122,10 @@ class LocalActuator:
                 except netns.NetnsError as exc:
                     raise ActuatorError(f"cannot make a host for standby {node_id}: {exc}") from exc
                 address = network.host(node_id).address
+                try:
+                    issue_agent_identities(Path(state["credentials_dir"]), state["job_id"], [node_id])
+                except (ClusterError, KeyError) as exc:
+                    raise ActuatorError(f"standby {node_id}: {exc}") from exc
             argv = _standby_argv(template["argv"], node_id=node_id, agent_dir=agent_dir, root=root, ckpt_dir=ckpt_dir,
                                  fault_domain=f"domain-{node_id}", store_address=f"{address}:0")
             env = dict(os.environ, **state.get("env", {}))
