@@ -162,8 +162,8 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     assert losses_of(list((stack.directory / "nodes" / "n00" / "logs").glob("rank0.g*.stdout"))) == reference_losses
 
 
-def test_a_cluster_of_hosts_needs_nats_off_loopback_and_the_capability(scratch_dir: Path) -> None:
-    """The errors a user meets: NATS on loopback (each host has its own), and no CAP_NET_ADMIN."""
+def test_a_cluster_of_hosts_refuses_nats_on_loopback(scratch_dir: Path) -> None:
+    """NATS on loopback cannot be reached from the node hosts (each has its own): refused before anything starts."""
     from keel.cluster.local import ClusterError, cluster_up
     from keel.infra.config import Settings
 

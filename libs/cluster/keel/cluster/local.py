@@ -12,6 +12,10 @@ detection latency is measured from the log. ``nic-down`` takes ``interface`` (de
 
 Standbys run idle with the job's training command (``--keel-standby``): a ``StandbyPromotionRequested``
 gives one any node's slice of ranks (``keel.agent.commands``).
+
+By default every node shares this machine's loopback. Given a host network (``keel.cluster.netns``,
+``keel cluster up --hosts netns``), each node is a host of its own on it: its agent runs in the node's
+network namespace and everything between nodes crosses the bridge; ``cut_link`` partitions one.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import subprocess
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 RECORDS = Path("/run/keel-netns")
 NETNS_DIR = Path("/run/netns")
@@ -104,7 +105,7 @@ class NetworkPlan:
                 "hosts": [vars(h) for h in self.hosts]}
 
     @classmethod
-    def from_json(cls, data: dict) -> NetworkPlan:  # type: ignore[type-arg]
+    def from_json(cls, data: dict[str, Any]) -> NetworkPlan:
         return cls(tag=data["tag"], index=int(data["index"]), owner_pid=data.get("owner_pid"),
                    hosts=tuple(HostPlan(**h) for h in data.get("hosts", [])))
 
