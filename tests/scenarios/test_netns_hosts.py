@@ -193,3 +193,53 @@ def test_without_cap_net_admin_cluster_up_on_hosts_fails_with_a_clear_error(scra
         assert "need CAP_NET_ADMIN" in result.stderr and "flat" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (scratch_dir / "cluster").exists() and not (scratch_dir / "runtime.json").exists()
+
+
+def test_hosts_reach_each_other_over_the_bridge_a_cut_partitions_and_a_crashed_owners_network_is_removed() -> None:
+    """The library on real namespaces: two hosts and the control plane reach each other by address, not by
+    loopback; a cut host is unreachable until restored; a network whose owner died goes with destroy_stale."""
+    import subprocess
+    import sys
+
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    network = netns.create(["a", "b"], owner_pid=dead.pid)
+    server = None
+    try:
+        serve = ("import socket; s = socket.socket(); s.bind(('0.0.0.0', 7070)); s.listen()\n"
+                 "while True:\n    c, _ = s.accept(); c.send(b'up'); c.close()")
+        server = subprocess.Popen(netns.in_host(network, "b", [sys.executable, "-c", serve]))
+
+        def reach(host: str, address: str) -> str:
+            probe = (f"import socket\ntry:\n    print(socket.create_connection(('{address}', 7070), timeout=1).recv(2).decode())\n"
+                     "except OSError as e:\n    print(type(e).__name__)")
+            return subprocess.run(netns.in_host(network, host, [sys.executable, "-c", probe]), capture_output=True,
+                                  text=True, timeout=30).stdout.strip()
+
+        b = network.host("b").address
+        deadline = time.monotonic() + 10
+        while reach("a", b) != "up" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reach("a", b) == "up"
+        assert reach("a", "127.0.0.1") == "ConnectionRefusedError"  # a's loopback is a's own
+        netns.cut(network, "b")
+        assert reach("a", b) in ("TimeoutError", "timeout")
+        assert server.poll() is None  # a partition: b's process runs on
+        netns.restore(network, "b")
+        deadline = time.monotonic() + 10
+        while reach("a", b) != "up" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reach("a", b) == "up"
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        assert network.tag in netns.destroy_stale()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert f"keel-{network.tag}-" not in listed and network.bridge not in links
+    assert network.tag not in [plan.tag for plan in netns.recorded()]

@@ -299,17 +299,11 @@ def current(tag: str) -> NetworkPlan:
     raise NetnsError(f"no network {tag!r} recorded in {RECORDS}")
 
 
-def _owner_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def destroy_stale() -> list[str]:
     """Destroy the recorded networks whose owner process is gone (a crashed test's); returns their tags."""
-    gone = [plan for plan in recorded() if plan.owner_pid is not None and not _owner_alive(plan.owner_pid)]
+    from keel.cluster.local import alive  # the cluster module builds on this one
+
+    gone = [plan for plan in recorded() if plan.owner_pid is not None and not alive(plan.owner_pid)]
     for plan in gone:
         destroy(plan)
     return [plan.tag for plan in gone]
