@@ -29,7 +29,7 @@ from keel.cluster import netns
 from keel.cluster.local import cluster_status, cut_link, load_cluster
 from keel.infra.embedded import NatsServer, free_port
 from tests.conftest import TEST_CREDENTIALS, Servers, keel_env_on
-from tests.scenarios.test_checkpoint_resume import STEPS, TRAIN, assert_bitwise_equal, losses_of, reference_run
+from tests.scenarios.test_checkpoint_resume import TRAIN, assert_equal_to_reference, reference_run
 from tests.scenarios.test_ladder import Stack
 
 pytestmark = pytest.mark.integration
@@ -151,15 +151,7 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     await stack.wait_for(["RankExited"], lambda e: e.payload.generation == restart.payload.generation
                          and e.payload.rank == 0 and e.payload.classification == "success", 180, "the end of training")
     await reference
-    for rank in range(4):
-        final = Path(f"{scratch_dir / 'final'}.rank{rank}")
-        deadline = time.monotonic() + 60
-        while not final.exists() and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert_bitwise_equal(final, Path(f"{scratch_dir / 'reference' / 'final'}.rank{rank}"))
-    reference_losses = losses_of(list((scratch_dir / "reference" / "agent" / "logs").glob("rank0.g*.stdout")))
-    assert sorted(reference_losses) == list(range(STEPS))
-    assert losses_of(list((stack.directory / "nodes" / "n00" / "logs").glob("rank0.g*.stdout"))) == reference_losses
+    await assert_equal_to_reference(scratch_dir, list((stack.directory / "nodes" / "n00" / "logs").glob("rank0.g*.stdout")))
 
 
 def test_a_cluster_of_hosts_refuses_nats_on_loopback(scratch_dir: Path) -> None:
