@@ -57,6 +57,19 @@ class NatsSettings(_Section):
     """Serve TLS only on the embedded server (``tls://``), with a certificate from a CA in the credentials folder
     that clients verify (``bus.tls_ca`` defaults to it). Off by default: the embedded server listens on
     127.0.0.1 only; every client authenticates either way."""
+    host: str = "127.0.0.1"
+    """The one address the embedded server's client port listens on. ``keel up --hosts netns`` sets it to its host
+    network's bridge address, where the node hosts (``keel cluster up --hosts netns``) reach the control plane."""
+
+    @field_validator("host")
+    @classmethod
+    def _an_address(cls, value: str) -> str:
+        import ipaddress
+
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise ValueError(f"nats.host must be an IP address the server can listen on, got {value!r}") from None
 
 
 class PostgresSettings(_Section):
