@@ -77,6 +77,9 @@ def runtime_for(settings: Settings) -> EmbeddedRuntime:
         credentials_dir=credentials_path(settings),
         nats_tls=settings.nats.tls,
         nats_scope=NatsScope(settings.bus.subject_prefix, settings.bus.stream, settings.bus.dlq_stream),
+        nats_cluster_size=settings.nats.embedded_cluster_size,
+        nats_cluster_port=settings.nats.cluster_port,
+        nats_hosts=tuple(settings.nats.hosts),
     )
 
 

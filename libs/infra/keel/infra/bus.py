@@ -72,6 +72,9 @@ _TRANSIENT = (
     asyncio.TimeoutError,
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    # What nats-py makes of "no responders" to a JetStream publish: in a cluster, the stream's leader is being
+    # elected (a server was lost); the publish is retried, not dropped.
+    nats.js.errors.NoStreamResponseError,
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
@@ -112,12 +115,17 @@ def connect_credentials(settings: BusSettings, url: str) -> dict[str, object]:
             except (OSError, NatsAuthError) as exc:
                 raise NotAuthorized(f"NATS credentials {path}: {exc}") from exc
             options.update(user=identity.user, password=identity.password, inbox_prefix=identity.inbox_prefix)
-    if url.startswith("tls://") or settings.tls_cert:
+    if any(server.startswith("tls://") for server in server_urls(url)) or settings.tls_cert:
         context = ssl.create_default_context(cafile=str(settings.tls_ca) if settings.tls_ca else None)
         if settings.tls_cert:
             context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key) if settings.tls_key else None)
         options["tls"] = context
     return options
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL: one, or several comma-separated (a cluster: ``nats://a:4222,nats://b:4222``)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 class PublishFailed(RuntimeError):
@@ -261,13 +269,18 @@ class Bus:
                 buses[0].note_denied(text)
             log.debug("nats %s: %r", name, error)
 
+        servers = server_urls(url)
         connecting = asyncio.ensure_future(nats.connect(
-            url,
+            servers if len(servers) > 1 else url,
             name=name,
             error_cb=quiet_error,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.2,
             connect_timeout=2,
+            # A server that stops answering without closing the connection (a partitioned or frozen host) is
+            # left for another of the cluster after this many unanswered pings at this interval.
+            ping_interval=settings.ping_interval.total_seconds(),
+            max_outstanding_pings=2,
             allow_reconnect=True,
             pending_size=64 * 1024 * 1024,
             **connect_credentials(settings, url),
