@@ -6,7 +6,8 @@ Keel's streams replicated on all three (R3):
 - the stream leader frozen (SIGSTOP: to the others a server cut off, its connections left hanging) for
   several seconds while publishing: the same;
 - routes authenticate: a server without the cluster's route password (or, with TLS on, without TLS) never
-  becomes a route, one with it does.
+  becomes a route, one with it does;
+- ``keel up``'s runtime with ``nats.embedded_cluster_size: 3`` starts the three and makes R3 streams.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import pytest
 
 from keel.events.envelope import Event, now_utc
 from keel.events.types import NodeRegistered
+from keel.cli.runtime import administer_streams, runtime_for
 from keel.infra.bus import Bus
-from keel.infra.config import BusSettings
+from keel.infra.config import BusSettings, NatsSettings, PostgresSettings, Settings, resolve_endpoints
 from keel.infra.embedded import (
     LOCALHOST,
     NatsCluster,
@@ -34,7 +36,16 @@ from keel.infra.embedded import (
     free_port,
     rendezvous_base_port,
 )
-from keel.infra.nats_auth import ADMIN, AGENT, ROUTE_USER, NatsAuthority, NatsScope, route_password
+from keel.infra.nats_auth import (
+    ADMIN,
+    AGENT,
+    AUDITOR,
+    ROUTE_USER,
+    NatsAuthority,
+    NatsScope,
+    bus_settings_for,
+    route_password,
+)
 from keel.infra.outbox import Outbox
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -246,3 +257,33 @@ def test_tls_cluster_refuses_a_plaintext_route(scratch_dir: Path) -> None:
             rogue.stop()
     finally:
         cluster.stop()
+
+
+async def test_keel_up_starts_an_embedded_cluster_with_r3_streams(scratch_dir: Path) -> None:
+    """``keel up`` with ``nats.embedded_cluster_size: 3``: three servers, Keel's streams on all three, the
+    runtime file naming all of them; ``keel down`` with settings that no longer say so stops all three."""
+    base = rendezvous_base_port(offsets=(0, 1, 2, 100, 101, 102, 200, 201, 202))
+    settings = Settings(home=scratch_dir / "home", credentials_dir=scratch_dir / "credentials",
+                        nats=NatsSettings(embedded_cluster_size=3, port=base, monitor_port=base + 100,
+                                          cluster_port=base + 200),
+                        postgres=PostgresSettings(port=free_port()))
+    assert settings.bus.replicas == 3
+    runtime = runtime_for(settings)
+    try:
+        info = await asyncio.to_thread(runtime.up, 60.0)
+        assert info["nats"]["url"] == ",".join(f"nats://{LOCALHOST}:{base + i}" for i in range(3))
+        assert [server["name"] for server in info["nats"]["servers"]] == ["nats-1", "nats-2", "nats-3"]
+        assert resolve_endpoints(settings, None)[0] == info["nats"]["url"]
+        await administer_streams(info["nats"]["url"], settings)
+        bus = await Bus.connect(info["nats"]["url"], bus_settings_for(settings, AUDITOR), name="cluster-auditor")
+        try:
+            for stream in (settings.bus.stream, settings.bus.dlq_stream):
+                stream_info = await bus.js.stream_info(stream)
+                assert stream_info.config.num_replicas == 3
+                assert stream_info.cluster is not None and len(stream_info.cluster.replicas or []) == 2
+        finally:
+            await bus.close()
+        assert runtime.status()["nats"]["running"] is True
+    finally:
+        await asyncio.to_thread(runtime_for(settings.model_copy(update={"nats": NatsSettings()})).down)
+    assert not any(server.is_running() for server in runtime.nats_cluster.servers)

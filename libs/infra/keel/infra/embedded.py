@@ -829,10 +829,10 @@ class NatsServer:
         if stray is not None:
             raise DataDirLockedError(self.store_dir, stray, " (not recorded in the PID file)")
         self.pid_file.unlink(missing_ok=True)  # stale
-        ports = {"NATS client": self.port, "NATS monitoring": self.monitor_port}
+        needed = {"NATS client": self.port, "NATS monitoring": self.monitor_port}
         if self.routes is not None:
-            ports["NATS cluster"] = self.routes.port
-        _check_ports_free(ports, self.host)
+            needed["NATS cluster"] = self.routes.port
+        _check_ports_free(needed, self.host)
 
         binary = _nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
