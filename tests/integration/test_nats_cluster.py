@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from keel.cli.runtime import administer_streams, runtime_for
 from keel.events.envelope import Event, now_utc
 from keel.events.types import NodeRegistered
-from keel.cli.runtime import administer_streams, runtime_for
 from keel.infra.bus import Bus
 from keel.infra.config import BusSettings, NatsSettings, PostgresSettings, Settings, resolve_endpoints
 from keel.infra.embedded import (

