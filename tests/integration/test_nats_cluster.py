@@ -74,7 +74,7 @@ def cluster(scratch_dir: Path) -> Iterator[NatsCluster]:
 def settings_for(cluster: NatsCluster, identity: str) -> BusSettings:
     assert cluster.credentials_dir is not None
     return BusSettings(subject_prefix=PREFIX, stream=STREAM, dlq_stream=DLQ, max_bytes="32MiB", replicas=3,
-                       credentials=cluster.servers[0].identity_file(identity), publish_timeout="2s",
+                       credentials=cluster.servers[0].identity_file(identity), publish_timeout="3s",
                        retry_backoff_initial="50ms", retry_backoff_max="500ms", ping_interval="2s")
 
 
@@ -123,10 +123,21 @@ async def stream_ids(bus: Bus, expected: int) -> list[str]:
     return ids
 
 
+async def publish_directly(bus: Bus, events: list[Event], stop: asyncio.Event, acknowledged: list[Event]) -> None:
+    """What a service does: ``Bus.publish`` one event after another, no outbox, until ``stop``; a
+    ``PublishFailed`` fails the test. ``acknowledged``: the events acknowledged so far."""
+    for event in events:
+        if stop.is_set():
+            break
+        await bus.publish(event)
+        acknowledged.append(event)
+        await asyncio.sleep(0.02)
+
+
 async def publish_through_fault(cluster: NatsCluster, fault, heal) -> None:  # type: ignore[no-untyped-def]
-    """An agent's outbox puts ``EVENTS`` events, 10 ms apart, onto the R3 stream; a third of the way the stream
-    leader gets ``fault``, two thirds of the way ``heal``. Then every event is in the stream once, in order, and
-    on every server."""
+    """An agent's outbox puts ``EVENTS`` events, 10 ms apart, onto the R3 stream, and a service publishes
+    others itself; a third of the way the stream leader gets ``fault``, two thirds of the way ``heal``. Then
+    every acknowledged event is in the stream once, in the order of its publisher, and on every server."""
     authority = NatsAuthority(cluster.credentials_dir)  # type: ignore[arg-type]
     agent = authority.ensure("agent.j.n", AGENT, node="n", job="j")
     admin = await Bus.connect(cluster.url, settings_for(cluster, ADMIN), name="cluster-admin", administer=True)
@@ -138,11 +149,17 @@ async def publish_through_fault(cluster: NatsCluster, fault, heal) -> None:  # t
                         name="cluster-agent")
         stop = asyncio.Event()
         running = asyncio.create_task(outbox.run(stop))
+        service = await Bus.connect(cluster.url, settings_for(cluster, ADMIN), name="cluster-service")
+        published: list[Event] = []
+        direct = asyncio.create_task(publish_directly(service, [registered(i) for i in range(1000, 1000 + 10 * EVENTS)],
+                                                      stop, published))
+        before_fault = 0
         events = [registered(i) for i in range(EVENTS)]
         faulted: NatsServer | None = None
         for index, event in enumerate(events):
             if index == EVENTS // 3:
                 faulted = await stream_leader(admin, cluster)
+                before_fault = len(published)
                 await asyncio.to_thread(fault, faulted)
             if index == 2 * EVENTS // 3:
                 assert faulted is not None
@@ -156,11 +173,16 @@ async def publish_through_fault(cluster: NatsCluster, fault, heal) -> None:  # t
         stop.set()
         await asyncio.wait_for(running, 20)
         await outbox.close()
-        ids = await stream_ids(admin, EVENTS)
-        assert ids == [str(event.id) for event in events], (
-            f"{len(ids)} messages, {len(set(ids))} distinct; missing {len({str(e.id) for e in events} - set(ids))}")
+        await asyncio.wait_for(direct, 30)  # raises PublishFailed if the service gave up on one
+        await service.close()
+        assert len(published) > before_fault, "the service's publishing did not go on past the fault"
+        ids = await stream_ids(admin, EVENTS + len(published))
+        wanted = {str(event.id) for event in events}
+        assert [i for i in ids if i in wanted] == [str(event.id) for event in events], (
+            f"{len(ids)} messages, {len(set(ids))} distinct; missing {len(wanted - set(ids))}")
+        assert [i for i in ids if i not in wanted] == [str(event.id) for event in published]
         deadline = time.monotonic() + 30
-        while any(messages_on(server) != EVENTS for server in cluster.servers):
+        while any(messages_on(server) != len(ids) for server in cluster.servers):
             assert time.monotonic() < deadline, {s.server_name: messages_on(s) for s in cluster.servers}
             await asyncio.sleep(0.2)
     finally:

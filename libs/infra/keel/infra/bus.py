@@ -10,6 +10,8 @@ Contracts:
   number of times, then raised as ``PublishFailed``. While the connection is down (the client reconnects
   on its own, for ever) attempts are not counted: a publish waits up to ``outage_tolerance`` for NATS to
   come back, so a NATS outage is ridden out rather than turned into a crash of every service.
+  A stream without a leader (a cluster electing one: JetStream answers "no responders") is such an outage
+  too.
 - Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
 - Signing (``keel.infra.signing.Signing``): every publish signs the events whose types the bus's keys must
   sign (``keel.events.signing.REQUIRED_SIGNER``), so a service's decisions are signed wherever they are
@@ -40,6 +42,7 @@ import asyncio
 import json
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,6 +200,29 @@ class _Outage:
             return ""
         return f" (NATS unreachable for {self.waited_s:.0f} s; bus.outage_tolerance " \
                f"{self.bus.settings.outage_tolerance.total_seconds():g} s)"
+
+
+class _Election:
+    """One publish call's view of a stream without a leader: while a cluster elects the stream's leader (seconds,
+    more than ten on a loaded host, after its server was lost or cut off; for as long as a quorum is missing)
+    JetStream answers a publish at once with "no responders". Like a lost connection (``_Outage``), that is an
+    outage of the stream, not a failed attempt: such attempts are not counted, up to ``bus.outage_tolerance``,
+    retried at the back-off's pace (at most ``retry_backoff_max`` apart)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.budget_s = bus.settings.outage_tolerance.total_seconds()
+        self.started: float | None = None
+
+    def ride_out(self, error: BaseException | None, what: str) -> bool:
+        """True when ``error`` is "no responders" and the election's budget is not spent (retry uncounted)."""
+        if not isinstance(error, (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError)):
+            return False
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+            log.warning("publish of %s: the stream has no leader (one is being elected?); retrying for up to %g s",
+                        what, self.budget_s)
+        return now - self.started < self.budget_s
 
 
 @dataclass
@@ -405,6 +431,7 @@ class Bus:
         last_error: BaseException | None = None
         attempt = 0
         outage = _Outage(self)
+        election = _Election(self)
         while attempt < self.settings.publish_attempts:
             try:
                 ack = await self._publish_checked(subject, data, all_headers)
@@ -415,6 +442,10 @@ class Bus:
                 last_error = exc
                 if not is_stream_full(exc) and await outage.wait_for_connection(subject):
                     continue  # the connection was down: that attempt does not count
+                if election.ride_out(exc, subject):
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+                    continue
                 attempt += 1
                 if is_stream_full(exc):
                     self._note_stream_full(subject)
@@ -474,6 +505,7 @@ class Bus:
         msg_id = api.Header.MSG_ID
         full = False
         outage = _Outage(self)
+        election = _Election(self)
         attempt = 0
         while attempt < self.settings.publish_attempts:
             attempt += 1
@@ -491,6 +523,7 @@ class Bus:
                     continue
             failed: list[int] = []
             full = False
+            no_leader: BaseException | None = None
             slots = asyncio.Semaphore(max_in_flight)
             in_flight: dict[asyncio.Future, int] = {}
 
@@ -533,6 +566,8 @@ class Bus:
                     elif isinstance(error, (*_TRANSIENT, nats.js.errors.APIError)):
                         failed.append(in_flight[future])
                         full = full or is_stream_full(error)
+                        if isinstance(error, nats.js.errors.NoStreamResponseError):
+                            no_leader = error
                     else:
                         raise error
                 if not_done and not full:
@@ -552,6 +587,8 @@ class Bus:
             if not full and await outage.wait_for_connection(f"{len(pending)} events"):
                 attempt -= 1  # the connection was down: that attempt does not count
                 continue
+            if not full and election.ride_out(no_leader, f"{len(pending)} events"):
+                attempt -= 1  # the stream's leader is being elected: not counted either (within its budget)
             if full:
                 self._note_stream_full(event_subject(prefix, events[failed[0]]))
             else:

@@ -202,8 +202,9 @@ class BusSettings(_Section):
     partitioned or frozen host)."""
     outage_tolerance: Duration = parse_duration("15m")
     """How long a publisher waits for a lost NATS connection to come back (the client reconnects on its
-    own) before ``PublishFailed``; attempts made while the connection is down do not count against
-    ``publish_attempts``. A NATS outage shorter than this is ridden out, not a crash."""
+    own), or for the stream to have a leader again (a cluster electing one answers "no responders"), before
+    ``PublishFailed``; attempts made meanwhile do not count against ``publish_attempts``. A NATS outage
+    shorter than this is ridden out, not a crash."""
     credentials: Path | None = None
     """This process's NATS identity: a Keel identity file (``<credentials_dir>/nats/<name>.json``, 0600, issued
     by ``keel up`` / ``keel credentials issue``) or a NATS ``.creds`` file (JWT + nkey seed, from ``nsc``).
