@@ -12,7 +12,7 @@ import pytest
 from keel.cli.runtime import runtime_for
 from keel.infra.bus import server_urls
 from keel.infra.config import ConfigError, load_settings
-from keel.infra.embedded import NatsCluster
+from keel.infra.embedded import NatsCluster, NatsServer, RuntimeStartError
 from keel.infra.nats_auth import ROUTE_USER, route_password
 
 
@@ -124,3 +124,15 @@ def test_a_tampered_route_password_is_refused(tmp_path: Path) -> None:
     path.write_text("short\n")
     with pytest.raises(Exception, match="does not hold a route password"):
         route_password(credentials)
+
+
+def test_launchers_and_foreign_addresses(tmp_path: Path) -> None:
+    launchers = tuple(("ip", "netns", "exec", f"h{i}") for i in range(3))
+    cluster = NatsCluster(tmp_path, 4322, 8322, 6322, size=3, launchers=launchers)
+    assert [s.launcher for s in cluster.servers] == list(launchers)
+    with pytest.raises(ValueError, match="2 launchers for 3 NATS servers"):
+        NatsCluster(tmp_path, 4322, 8322, 6322, size=3, launchers=launchers[:2])
+    # 192.0.2.1 (TEST-NET-1) is no address of this host: said so before anything is spawned.
+    server = NatsServer(tmp_path / "nats", 4322, 8322, host="192.0.2.1", credentials_dir=tmp_path / "credentials")
+    with pytest.raises(RuntimeStartError, match="192.0.2.1 is not an address of this host"):
+        server.start(timeout_s=1)

@@ -234,9 +234,17 @@ def _port_is_free(port: int, host: str = LOCALHOST) -> bool:
 
 
 def _check_ports_free(ports: dict[str, int], host: str = LOCALHOST) -> None:
-    """Raise :class:`PortInUseError` for the first role whose port on ``host`` is taken."""
+    """Raise :class:`PortInUseError` for the first role whose port on ``host`` is taken, :class:`RuntimeStartError`
+    when ``host`` is not an address of this host."""
     for role, port in ports.items():
-        if not _port_is_free(port, host):
+        try:
+            free = _port_is_free(port, host)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise RuntimeStartError(f"{role} address {host} is not an address of this host (or of the network "
+                                        f"namespace it runs in): give one of its own (nats.hosts)") from None
+            raise
+        if not free:
             raise PortInUseError(port, role, host)
 
 
@@ -625,6 +633,10 @@ class NatsServer:
     routes: NatsRoutes | None = None
     server_name: str | None = None
     """The server's name in its cluster (default: the store folder's name)."""
+    launcher: tuple[str, ...] = ()
+    """A command that runs the server where it must run and then execs it, so the PID stays the server's (e.g.
+    ``("ip", "netns", "exec", "host-1")`` for a host in a network namespace). With one, the ports are not
+    test-bound from here (a server that cannot bind says so in its log, and its start fails with that)."""
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir).expanduser().resolve()
@@ -835,7 +847,8 @@ class NatsServer:
         needed = {"NATS client": self.port, "NATS monitoring": self.monitor_port}
         if self.routes is not None:
             needed["NATS cluster"] = self.routes.port
-        _check_ports_free(needed, self.host)
+        if not self.launcher:
+            _check_ports_free(needed, self.host)
 
         binary = _nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -848,7 +861,8 @@ class NatsServer:
         with open(self.log_file, "ab") as log:
             log.write(f"\n--- keel: starting {binary} -c {self.config_file} at {time.ctime()} ---\n".encode())
             log.flush()
-            pid = _spawn_detached([str(binary), "-c", str(self.config_file)], log.fileno(), self.store_dir.parent)
+            pid = _spawn_detached([*self.launcher, str(binary), "-c", str(self.config_file)], log.fileno(),
+                                  self.store_dir.parent)
         _atomic_write_text(self.pid_file, f"{pid}\n")
 
         deadline = time.monotonic() + timeout_s
@@ -925,6 +939,8 @@ class NatsCluster:
     scope: NatsScope = field(default_factory=NatsScope)
     tls: bool = False
     name: str = "keel"
+    launchers: tuple[tuple[str, ...], ...] = ()
+    """Server ``i``'s :attr:`NatsServer.launcher` (none by default)."""
 
     def __post_init__(self) -> None:
         self.root = Path(self.root).expanduser().resolve()
@@ -936,6 +952,8 @@ class NatsCluster:
             self.hosts = self.hosts * self.size
         if len(self.hosts) != self.size:
             raise ValueError(f"{len(self.hosts)} NATS server addresses for {self.size} servers: give one, or one each")
+        if self.launchers and len(self.launchers) != self.size:
+            raise ValueError(f"{len(self.launchers)} launchers for {self.size} NATS servers: give none, or one each")
         highest = max(self.port, self.monitor_port, self.cluster_port if self.size > 1 else 0) + self.size - 1
         if highest > 65535:
             raise ValueError(f"the ports of {self.size} NATS servers (each base + 0..{self.size - 1}) go past 65535")
@@ -945,14 +963,15 @@ class NatsCluster:
         if self.size == 1:
             return [NatsServer(self.root / "nats", self.port, self.monitor_port, self.sync_always,
                                credentials_dir=self.credentials_dir, scope=self.scope, tls=self.tls,
-                               host=self.hosts[0])]
+                               host=self.hosts[0], launcher=self.launchers[0] if self.launchers else ())]
         servers = []
         for i in range(self.size):
             peers = tuple((self.hosts[j], self.cluster_port + j) for j in range(self.size) if j != i)
             servers.append(NatsServer(self.root / f"nats-{i + 1}", self.port + i, self.monitor_port + i,
                                       self.sync_always, credentials_dir=self.credentials_dir, scope=self.scope,
                                       tls=self.tls, host=self.hosts[i],
-                                      routes=NatsRoutes(self.cluster_port + i, peers, self.name)))
+                                      routes=NatsRoutes(self.cluster_port + i, peers, self.name),
+                                      launcher=self.launchers[i] if self.launchers else ()))
         return servers
 
     @property
