@@ -7,6 +7,7 @@ Keel's streams replicated on all three (R3):
   several seconds while publishing: the same;
 - routes authenticate: a server without the cluster's route password (or, with TLS on, without TLS) never
   becomes a route, one with it does;
+- the stream leader's host cut off (its link down, three network namespaces as hosts) for 8 s: the same;
 - ``keel up``'s runtime with ``nats.embedded_cluster_size: 3`` starts the three and makes R3 streams.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -309,3 +312,98 @@ async def test_keel_up_starts_an_embedded_cluster_with_r3_streams(scratch_dir: P
     finally:
         await asyncio.to_thread(runtime_for(settings.model_copy(update={"nats": NatsSettings()})).down)
     assert not any(server.is_running() for server in runtime.nats_cluster.servers)
+
+
+# ----------------------------------------------------------------------------- a real partition (netns)
+
+
+class Hosts:
+    """Three network namespaces, each a "host" with its own address on a bridge of this (root) namespace, which
+    the test's clients use too: 10.<a>.<b>.2..4, the bridge .1. ``cut(i)`` takes host i's link down (the
+    partition: no packet to or from it, connections left hanging), ``mend(i)`` brings it back."""
+
+    def __init__(self) -> None:
+        tag = os.urandom(2).hex()
+        self.bridge = f"kcb{tag}"
+        self.namespaces = [f"kc{tag}h{i}" for i in range(3)]
+        self.links = [f"kc{tag}v{i}" for i in range(3)]
+        a, b = 200 + int(tag[:2], 16) % 50, int(tag[2:], 16)
+        self.gateway = f"10.{a}.{b}.1"
+        self.addresses = tuple(f"10.{a}.{b}.{i + 2}" for i in range(3))
+
+    @staticmethod
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def create(self) -> None:
+        self.ip("link", "add", self.bridge, "type", "bridge")
+        self.ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        self.ip("link", "set", self.bridge, "up")
+        for namespace, link, address in zip(self.namespaces, self.links, self.addresses, strict=True):
+            self.ip("netns", "add", namespace)
+            self.ip("link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            self.ip("link", "set", link, "master", self.bridge, "up")
+            self.ip("-n", namespace, "addr", "add", f"{address}/24", "dev", "eth0")
+            self.ip("-n", namespace, "link", "set", "eth0", "up")
+            self.ip("-n", namespace, "link", "set", "lo", "up")
+
+    def launchers(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(("ip", "netns", "exec", namespace) for namespace in self.namespaces)
+
+    def cut(self, index: int) -> None:
+        self.ip("link", "set", self.links[index], "down")
+
+    def mend(self, index: int) -> None:
+        self.ip("link", "set", self.links[index], "up")
+
+    def remove(self) -> None:
+        for link in self.links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=10)
+        for namespace in self.namespaces:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=10)
+
+
+def netns_unavailable() -> str | None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "network namespaces need root and iproute2's ip"
+    probe = f"kcprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=10)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return None if made.returncode == 0 else f"cannot create a network namespace: {made.stderr.decode().strip()}"
+
+
+async def test_stream_leader_partitioned_loses_no_acknowledged_event(scratch_dir: Path) -> None:
+    """The three servers on three hosts (network namespaces, nothing over loopback between them); the stream
+    leader's link is cut for 8 s while an agent and a service publish, then mended."""
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    hosts = Hosts()
+    try:
+        hosts.create()
+        base = rendezvous_base_port(offsets=(0, 1, 2, 100, 101, 102, 200, 201, 202))
+        credentials = scratch_dir / "credentials"
+        credentials.mkdir(mode=0o700)
+        cluster = NatsCluster(scratch_dir, base, base + 100, base + 200, size=3, hosts=hosts.addresses,
+                              credentials_dir=credentials, scope=NatsScope(PREFIX, STREAM, DLQ),
+                              launchers=hosts.launchers())
+        cluster.start(timeout_s=45)
+        try:
+            assert cluster.url == ",".join(f"nats://{address}:{base + i}" for i, address in enumerate(hosts.addresses))
+            for server in cluster.servers:
+                assert {route.get("ip") for route in (server.monitor("routez") or {}).get("routes") or []} <= set(
+                    hosts.addresses) - {server.host}
+
+            def cut(server: NatsServer) -> None:
+                hosts.cut(cluster.servers.index(server))
+                time.sleep(8)
+
+            def mend(server: NatsServer) -> None:
+                hosts.mend(cluster.servers.index(server))
+
+            await publish_through_fault(cluster, cut, mend)
+        finally:
+            cluster.stop()
+    finally:
+        hosts.remove()

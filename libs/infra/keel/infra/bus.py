@@ -10,8 +10,9 @@ Contracts:
   number of times, then raised as ``PublishFailed``. While the connection is down (the client reconnects
   on its own, for ever) attempts are not counted: a publish waits up to ``outage_tolerance`` for NATS to
   come back, so a NATS outage is ridden out rather than turned into a crash of every service.
-  A stream without a leader (a cluster electing one: JetStream answers "no responders") is such an outage
-  too.
+  A stream without a leader (a cluster electing one: JetStream answers "no responders", its API "temporarily
+  unavailable", a retry "duplicate message id is in process" while its first copy is being replicated) is such
+  an outage too; so is creating a consumer meanwhile.
 - Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
 - Signing (``keel.infra.signing.Signing``): every publish signs the events whose types the bus's keys must
   sign (``keel.events.signing.REQUIRED_SIGNER``), so a service's decisions are signed wherever they are
@@ -144,6 +145,19 @@ class StreamFull(PublishFailed):
     is not all recorded yet (the recorder purges what it has stored): keep the event and publish it later."""
 
 
+JS_UNAVAILABLE_ERR_CODE = 10008
+"""JetStream's "JetStream system temporarily unavailable" (503): a cluster without a meta leader for now."""
+
+DUPLICATE_IN_PROCESS_ERR_CODE = 10158
+"""JetStream's "duplicate message id is in process" (409): a retry met its first copy still being replicated (a
+stream leader lost meanwhile); asked again, the answer is that copy's acknowledgement or a failure to retry."""
+
+
+def _in_process(error: BaseException | None) -> bool:
+    return isinstance(error, nats.js.errors.APIError) and getattr(error, "err_code", None) == \
+        DUPLICATE_IN_PROCESS_ERR_CODE
+
+
 STREAM_FULL_ERR_CODE = 10077
 """JetStream's "stream store failed" error code, which a full discard-new stream answers with ("maximum
 bytes exceeded", "maximum messages exceeded")."""
@@ -214,14 +228,17 @@ class _Election:
         self.started: float | None = None
 
     def ride_out(self, error: BaseException | None, what: str) -> bool:
-        """True when ``error`` is "no responders" and the election's budget is not spent (retry uncounted)."""
-        if not isinstance(error, (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError)):
+        """True when ``error`` is "no responders" (or JetStream "temporarily unavailable", which its API answers
+        while the cluster's meta leader is elected) and the budget is not spent (retry uncounted)."""
+        if not (isinstance(error, (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError))
+                or (isinstance(error, nats.js.errors.ServiceUnavailableError)
+                    and getattr(error, "err_code", None) == JS_UNAVAILABLE_ERR_CODE) or _in_process(error)):
             return False
         now = time.monotonic()
         if self.started is None:
             self.started = now
-            log.warning("publish of %s: the stream has no leader (one is being elected?); retrying for up to %g s",
-                        what, self.budget_s)
+            log.warning("%s: the stream (or JetStream) has no leader for now (one is being elected?); retrying for "
+                        "up to %g s", what, self.budget_s)
         return now - self.started < self.budget_s
 
 
@@ -438,11 +455,13 @@ class Bus:
                 if self._stream_full_said:
                     self._stream_full_ended()
                 return PublishResult(ack.seq, bool(ack.duplicate))
-            except _TRANSIENT as exc:
+            except (*_TRANSIENT, nats.js.errors.APIError) as exc:
+                if not isinstance(exc, _TRANSIENT) and not _in_process(exc):
+                    raise
                 last_error = exc
                 if not is_stream_full(exc) and await outage.wait_for_connection(subject):
                     continue  # the connection was down: that attempt does not count
-                if election.ride_out(exc, subject):
+                if election.ride_out(exc, f"publish to {subject}"):
                     await asyncio.sleep(delay_s)
                     delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
                     continue
@@ -566,7 +585,8 @@ class Bus:
                     elif isinstance(error, (*_TRANSIENT, nats.js.errors.APIError)):
                         failed.append(in_flight[future])
                         full = full or is_stream_full(error)
-                        if isinstance(error, nats.js.errors.NoStreamResponseError):
+                        if isinstance(error, (nats.js.errors.NoStreamResponseError,
+                                              nats.js.errors.ServiceUnavailableError)) or _in_process(error):
                             no_leader = error
                     else:
                         raise error
@@ -587,7 +607,7 @@ class Bus:
             if not full and await outage.wait_for_connection(f"{len(pending)} events"):
                 attempt -= 1  # the connection was down: that attempt does not count
                 continue
-            if not full and election.ride_out(no_leader, f"{len(pending)} events"):
+            if not full and election.ride_out(no_leader, f"publish of {len(pending)} events"):
                 attempt -= 1  # the stream's leader is being elected: not counted either (within its budget)
             if full:
                 self._note_stream_full(event_subject(prefix, events[failed[0]]))
@@ -667,12 +687,28 @@ class Bus:
             max_ack_pending=max_ack_pending,
             inactive_threshold=inactive_threshold.total_seconds() if inactive_threshold else None,
         )
-        try:
-            await self.js.add_consumer(self.settings.stream, config)  # idempotent for the same config
-        except nats.js.errors.BadRequestError as exc:
-            # It exists with another configuration (say an older ack_wait). Recreating it would lose
-            # its position, so keep it and say so.
-            log.warning("consumer %s exists with other settings (%s); using it as it is", durable, exc.description)
+        delay_s = self.settings.retry_backoff_initial.total_seconds()
+        election = _Election(self)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self.js.add_consumer(self.settings.stream, config)  # idempotent for the same config
+                break
+            except nats.js.errors.BadRequestError as exc:
+                # It exists with another configuration (say an older ack_wait). Recreating it would lose
+                # its position, so keep it and say so.
+                log.warning("consumer %s exists with other settings (%s); using it as it is", durable, exc.description)
+                break
+            except _TRANSIENT as exc:
+                # A cluster electing a leader answers "JetStream system temporarily unavailable" (503) for a while.
+                if election.ride_out(exc, f"consumer {durable}"):
+                    attempt -= 1
+                elif attempt >= self.settings.publish_attempts:
+                    raise
+                log.warning("creating consumer %s failed (attempt %d): %r; retrying", durable, attempt, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
         puller = BatchPuller(self.nc, self.settings.stream, durable)
         await puller.start()
         return puller
