@@ -69,11 +69,11 @@ def register(sub: Subparsers) -> None:
 
 def runtime_for(settings: Settings) -> EmbeddedRuntime:
     from keel.cluster.local import home_network
-    from keel.infra.embedded import LOCALHOST, EmbeddedRuntime
+    from keel.infra.embedded import EmbeddedRuntime
     from keel.infra.nats_auth import NatsScope
 
-    if settings.nats.host == LOCALHOST and (network := home_network(settings.home)) is not None:
-        settings = settings.model_copy(update={"nats": settings.nats.model_copy(update={"host": network.gateway})})
+    if not settings.nats.hosts and (network := home_network(settings.home)) is not None:
+        settings = settings.model_copy(update={"nats": settings.nats.model_copy(update={"hosts": [network.gateway]})})
     return EmbeddedRuntime(
         home=settings.home,
         nats_port=settings.nats.port,
@@ -82,8 +82,10 @@ def runtime_for(settings: Settings) -> EmbeddedRuntime:
         sync_always=settings.nats.sync_always,
         credentials_dir=credentials_path(settings),
         nats_tls=settings.nats.tls,
-        nats_host=settings.nats.host,
         nats_scope=NatsScope(settings.bus.subject_prefix, settings.bus.stream, settings.bus.dlq_stream),
+        nats_cluster_size=settings.nats.embedded_cluster_size,
+        nats_cluster_port=settings.nats.cluster_port,
+        nats_hosts=tuple(settings.nats.hosts),
     )
 
 
@@ -184,6 +186,7 @@ def _host_network_for_up(settings: Settings) -> None:
     NATS listens on; refused where namespaces cannot be made, or when NATS already runs on another address."""
     from keel.cluster.local import ClusterError, ensure_home_network
     from keel.cluster.netns import unavailable_reason
+    from keel.infra.embedded import LOCALHOST
 
     reason = unavailable_reason()
     if reason:
@@ -192,7 +195,7 @@ def _host_network_for_up(settings: Settings) -> None:
         raise CliError("--hosts netns starts the embedded NATS on the host network's bridge; an external NATS "
                        "(KEEL_NATS_URL) must itself listen where the node hosts reach it")
     running = runtime_for(settings)
-    if running.nats.is_running() and running.nats.host == "127.0.0.1":
+    if running.nats.is_running() and running.nats.host == LOCALHOST:
         raise CliError("the embedded NATS already runs on 127.0.0.1: `keel down` first, then `keel up --hosts netns`")
     try:
         ensure_home_network(settings.home)
