@@ -165,7 +165,7 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
     started = emitted(standby, "RankStarted")
     assert sorted(e.payload.rank for e in started) == [2, 3] and {e.payload.generation for e in started} == {3}
     env = (Path("/proc") / str(standby.supervisor.ranks[2].pid) / "environ").read_bytes().split(b"\0")
-    assert b"RANK=2" in env and b"NODE_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
+    assert b"RANK=2" in env and b"GROUP_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
     assert promote(1, [2, 3], generation=4).payload.outcome == "not_standby"
 
 
