@@ -320,7 +320,7 @@ class RankSupervisor:
                     # Keel's own name for the stream (what the inspector and a rejoining agent read).
                     link = self.logs_dir / f"rank{spec.global_rank(local_rank)}.g{generation}.{name}"
                     link.unlink(missing_ok=True)
-                    link.symlink_to(stream.path)
+                    link.symlink_to(stream.path.absolute())
         self._close_filtered()
         if attempt is not None:
             for needles, name in ((spec.duplicate_stdout_filters, "stdout"), (spec.duplicate_stderr_filters, "stderr")):
