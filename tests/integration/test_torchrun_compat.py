@@ -148,10 +148,6 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, La
     return table
 
 
-SEEN: set[str] = set()
-"""The allowed differences the cases met (checked by the last test)."""
-
-
 def console_lines(text: str) -> list[str]:
     """The probe's lines on one console stream, with any ``[<role><n>]:`` prefix, sorted."""
     return sorted(line for line in text.splitlines() if re.match(r"^(\[[a-z]+\d+\]:)?PROBE-", line))
@@ -203,6 +199,29 @@ def allowed(name: str, torchrun: tuple | None, keel: tuple | None) -> bool:
     return False
 
 
+def env_differences(case: Case, torchrun: Launch, keel: Launch) -> tuple[list[str], set[str]]:
+    """The ranks' environment variables that differ: (those not allowed, the allowed ones met)."""
+    parent = {**parent_env(Path("/unused")), **case.env}
+    shaped: dict[str, dict[tuple[int, int], dict[str, tuple]]] = {}
+    for name, launch in (("torchrun", torchrun), ("keel", keel)):
+        # A local rendezvous (no --master-port on one node): a free port, rank 0's of attempt 0 the base.
+        local = "{port}" not in case.flags
+        base = launch.records.get((0, 0), {}).get("env", {}).get("MASTER_PORT") if local else None
+        shaped[name] = {key: normalise(rank_env(record, parent), launch, case, key[0], base)
+                        for key, record in launch.records.items()}
+    problems, seen = [], set()
+    for key, theirs in shaped["torchrun"].items():
+        ours = shaped["keel"].get(key, {})
+        for name in sorted(set(ours) | set(theirs)):
+            if ours.get(name) == theirs.get(name):
+                continue
+            if allowed(name, theirs.get(name), ours.get(name)):
+                seen.add(name)
+            else:
+                problems.append(f"{key}: {name}: torchrun {theirs.get(name)} keel {ours.get(name)}")
+    return problems, seen
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_keel_run_gives_the_ranks_what_torchrun_gives_them(case: Case, launches: dict[str, dict[str, Launch]]) -> None:
     torchrun, keel = launches[case.name]["torchrun"], launches[case.name]["keel"]
@@ -217,28 +236,8 @@ def test_keel_run_gives_the_ranks_what_torchrun_gives_them(case: Case, launches:
             assert keel.records[key]["gloo"] == torchrun.records[key]["gloo"]
             assert keel.records[key]["gloo"]["rank"] == int(keel.records[key]["env"]["RANK"])
     # The environment, variable by variable.
-    parent = parent_env(Path("/unused"))
-    parent.pop("KEEL_HOME")
-    parent = {**parent, **case.env}
-    differences = []
-    for launch in (torchrun, keel):
-        launch.shaped = {}  # type: ignore[attr-defined]
-        # A local rendezvous (no --master-port on one node): a free port, rank 0's of attempt 0 the base.
-        local = "{port}" not in case.flags
-        base = launch.records.get((0, 0), {}).get("env", {}).get("MASTER_PORT") if local else None
-        for (attempt, rank), record in launch.records.items():
-            launch.shaped[(attempt, rank)] = normalise(rank_env(record, parent), launch, case, attempt,  # type: ignore[attr-defined]
-                                                       base)
-    for key in torchrun.records:
-        ours, theirs = keel.shaped[key], torchrun.shaped[key]  # type: ignore[attr-defined]
-        for name in sorted(set(ours) | set(theirs)):
-            if ours.get(name) == theirs.get(name):
-                continue
-            if allowed(name, theirs.get(name), ours.get(name)):
-                SEEN.add(name)
-                continue
-            differences.append(f"{key}: {name}: torchrun {theirs.get(name)} keel {ours.get(name)}")
-    assert not differences, "\n".join(differences) + context
+    problems, _ = env_differences(case, torchrun, keel)
+    assert not problems, "\n".join(problems) + context
     # The output: each console stream's probe lines (prefixes included), and the log files.
     assert console_lines(keel.stdout) == console_lines(torchrun.stdout), context
     assert console_lines(keel.stderr) == console_lines(torchrun.stderr), context
@@ -249,4 +248,7 @@ def test_the_allowed_differences_are_documented_and_each_one_occurs(launches: di
     text = DOC.read_text()
     for name in ALLOWED_DIFFERENCES:
         assert f"`{name}`" in text, f"docs/torchrun.md does not list the difference in {name}"
-    assert SEEN == set(ALLOWED_DIFFERENCES), f"allowed but not seen (stale?): {set(ALLOWED_DIFFERENCES) - SEEN}"
+    seen: set[str] = set()
+    for case in CASES:
+        seen |= env_differences(case, launches[case.name]["torchrun"], launches[case.name]["keel"])[1]
+    assert seen == set(ALLOWED_DIFFERENCES), f"allowed but not seen (stale?): {set(ALLOWED_DIFFERENCES) - seen}"
