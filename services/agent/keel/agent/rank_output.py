@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
-from typing import BinaryIO
+from typing import IO
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ def prepare_attempt(attempt_dir: Path, nproc: int) -> None:
 @dataclass
 class _Tail:
     path: Path
-    console: BinaryIO
+    console: IO[bytes]
     prefix: bytes
-    filtered: BinaryIO | None
+    filtered: IO[bytes] | None
     needles: tuple[bytes, ...]
-    handle: BinaryIO | None = None
+    handle: IO[bytes] | None = None
     partial: bytes = b""
     closing: bool = False
 
@@ -146,7 +146,7 @@ class ConsoleTail:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def follow(self, path: Path, console: BinaryIO, prefix: str, filtered: BinaryIO | None = None,
+    def follow(self, path: Path, console: IO[bytes], prefix: str, filtered: IO[bytes] | None = None,
                needles: Iterable[str] = ()) -> None:
         with self._lock:
             self._tails.append(_Tail(path, console, prefix.encode(), filtered, tuple(n.encode() for n in needles)))
