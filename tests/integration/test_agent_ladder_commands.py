@@ -201,7 +201,7 @@ def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agent
     for process in agent.supervisor.alive():  # no zygote here: fresh interpreters, argv visible
         proc = Path("/proc") / str(process.pid)
         assert Path(os.readlink(proc / "cwd")) == version
-        assert (proc / "cmdline").read_bytes().split(b"\0")[1:4] == [str(version / "train.py").encode(), b"--lr", b"1"]
+        assert (proc / "cmdline").read_bytes().split(b"\0")[1:5] == [b"-u", str(version / "train.py").encode(), b"--lr", b"1"]
         env = (proc / "environ").read_bytes().split(b"\0")
         assert f"KEEL_CODE_VERSION={v1.version_id}".encode() in env and f"KEEL_CODE_DIR={version}".encode() in env
         assert b"PYTHONDONTWRITEBYTECODE=1" in env  # nothing written into the read-only store

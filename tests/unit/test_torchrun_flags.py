@@ -165,7 +165,7 @@ def test_output_plan_follows_redirects_tee_and_the_filter(tmp_path: Path) -> Non
 
 def test_console_tail_copies_whole_lines_with_the_prefix_and_drains_at_the_end(tmp_path: Path) -> None:
     log, console, filtered = tmp_path / "stdout.log", io.BytesIO(), io.BytesIO()
-    log.write_bytes(b"")
+    log.write_bytes(b"an earlier launch's line\n")  # Keel's own files are appended to: not shown again
     tail = ConsoleTail(interval_s=0.01)
     tail.follow(log, console, "[default0]:", filtered, ["loss"])
     with open(log, "ab") as writer:

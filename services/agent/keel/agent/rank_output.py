@@ -129,15 +129,16 @@ class _Tail:
     prefix: bytes
     filtered: IO[bytes] | None
     needles: tuple[bytes, ...]
+    start: int = 0
     handle: IO[bytes] | None = None
     partial: bytes = b""
-    closing: bool = False
 
 
 class ConsoleTail:
-    """Copies new lines of the ranks' files to the agent's stdout/stderr (a thread polling every
-    ``interval_s``, as torchrun's tee does), optionally duplicating lines that contain a filter word
-    into a ``filtered_*.log``. ``finish(paths)`` drains those files to their end and stops following them."""
+    """Copies the lines written to the ranks' files after ``follow`` to the agent's stdout/stderr (a
+    thread polling every ``interval_s``, as torchrun's tee does), optionally duplicating lines that
+    contain a filter word into a ``filtered_*.log``. ``finish(paths)`` drains those files to their end
+    and stops following them."""
 
     def __init__(self, interval_s: float = 0.1) -> None:
         self.interval_s = interval_s
@@ -148,8 +149,13 @@ class ConsoleTail:
 
     def follow(self, path: Path, console: IO[bytes], prefix: str, filtered: IO[bytes] | None = None,
                needles: Iterable[str] = ()) -> None:
+        try:
+            start = path.stat().st_size  # only what is written from now on (Keel's own files are appended to)
+        except OSError:
+            start = 0
         with self._lock:
-            self._tails.append(_Tail(path, console, prefix.encode(), filtered, tuple(n.encode() for n in needles)))
+            self._tails.append(_Tail(path, console, prefix.encode(), filtered, tuple(n.encode() for n in needles),
+                                     start))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="keel-console-tail", daemon=True)
             self._thread.start()
@@ -175,6 +181,7 @@ class ConsoleTail:
         if tail.handle is None:
             try:
                 tail.handle = open(tail.path, "rb")  # noqa: SIM115 - kept open while followed
+                tail.handle.seek(tail.start)
             except OSError:
                 return
         data = tail.partial + tail.handle.read()

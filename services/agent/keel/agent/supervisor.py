@@ -141,9 +141,9 @@ class RankSupervisor:
         self.run_log_dir: Path | None = None
         """torchrun's run folder, ``<--log-dir or logs_dir>/<run id>_<random>/`` (made at the first start)."""
         self.console = ConsoleTail(interval_s=min(0.1, spec.monitor_interval.total_seconds()))
-        self.console_out = sys.stdout.buffer
-        self.console_err = sys.stderr.buffer
-        """Where the ranks' console lines go: the agent's own stdout and stderr."""
+        self.console_out: IO[bytes] | None = getattr(sys.stdout, "buffer", None)
+        self.console_err: IO[bytes] | None = getattr(sys.stderr, "buffer", None)
+        """Where the ranks' console lines go: the agent's own stdout and stderr (None: nowhere)."""
         self._filtered: dict[str, IO[bytes]] = {}
 
     def rank_env(self, local_rank: int, generation: int, error_file: str | None = None) -> dict[str, str]:
@@ -260,12 +260,12 @@ class RankSupervisor:
             rank = self.spec.global_rank(local_rank)
             stdout_path, stderr_path = plan.stdout.path, plan.stderr.path
             env = self.rank_env(local_rank, generation, plan.error_file)
+            self._show(plan)
             forked = None if shadowed or self.spec.no_python else self._fork(
                 f"rank{rank}.g{generation}", env, stdout_path, stderr_path, command, cwd)
             if forked is not None:
                 self.ranks[rank] = RankProcess(rank, local_rank, generation, forked, time.monotonic(),
                                                self.clock(), stderr_path=stderr_path, stdout_path=stdout_path)
-                self._show(plan)
                 continue
             self.cold_starts += 1
             self.last_start_warm = False
@@ -290,7 +290,6 @@ class RankSupervisor:
             )
             process.reader.start()
             self.ranks[rank] = process
-            self._show(plan)
         return list(self.ranks.values())
 
     # -- the ranks' output --------------------------------------------------------------------------
@@ -334,16 +333,15 @@ class RankSupervisor:
         self._filtered = {}
 
     def _show(self, plan: RankOutputPlan) -> None:
-        """Follow the rank's streams that torchrun would show on the console."""
+        """Follow the rank's streams that torchrun would show on the console (from their current end:
+        Keel's own files are appended to)."""
         spec = self.spec
-        if plan.stdout.console is not None:
-            teed = plan.stdout.torchrun_file
-            self.console.follow(plan.stdout.path, self.console_out, plan.stdout.console,
-                                self._filtered.get("stdout") if teed else None, spec.duplicate_stdout_filters)
-        if plan.stderr.console is not None:
-            teed = plan.stderr.torchrun_file
-            self.console.follow(plan.stderr.path, self.console_err, plan.stderr.console,
-                                self._filtered.get("stderr") if teed else None, spec.duplicate_stderr_filters)
+        for stream, console, name, needles in (
+                (plan.stdout, self.console_out, "stdout", spec.duplicate_stdout_filters),
+                (plan.stderr, self.console_err, "stderr", spec.duplicate_stderr_filters)):
+            if stream.console is not None and console is not None:
+                filtered = self._filtered.get(name) if stream.torchrun_file else None
+                self.console.follow(stream.path, console, stream.console, filtered, needles)
 
     def close_output(self) -> None:
         """Copy what is left of every rank's output to the console; close the filtered files."""
