@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from keel.agent.rank_output import StdSpecError, parse_std
 from keel.events.units import parse_duration
 
 
@@ -73,6 +74,7 @@ class LaunchSpec:
     min_nodes: int = 0
     """``--nnodes MIN:MAX``'s MIN (0: the same as ``nnodes``, which holds MAX)."""
     rdzv_backend: str = "static"
+    """As given (``--standalone`` leaves it; torchrun would switch to ``c10d`` on localhost:0)."""
     rdzv_endpoint: str = ""
     rdzv_conf: tuple[tuple[str, str], ...] = ()
     run_id: str = "none"
@@ -122,7 +124,8 @@ class LaunchSpec:
 
     def master_port_for(self, generation: int) -> int:
         """Each restart generation rendezvous on its own port, so no stale store keys survive a restart
-        (torchrun reuses its TCPStore and fails 'Gloo connectFullMesh' half the time after a kill)."""
+        and no rank of an older generation reaches the new one's store (rank 0 hosts it; torchrun's agent
+        store fences attempts with key prefixes instead). A deliberate difference: docs/torchrun.md."""
         return self.master_port + generation
 
 
@@ -365,8 +368,6 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         raise LaunchError(f"--node-rank {args.node_rank} is outside 0..{nnodes - 1}")
     if args.event_log_handler not in EVENT_LOG_HANDLERS:
         raise LaunchError(f"--event-log-handler must be one of {', '.join(EVENT_LOG_HANDLERS)}; got {args.event_log_handler!r}")
-    from keel.agent.rank_output import StdSpecError, parse_std
-
     for flag, text in (("--redirects", args.redirects), ("--tee", args.tee)):
         try:
             parse_std(text)
@@ -390,7 +391,6 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
     master_addr = args.master_addr
     master_port = 29500 if args.master_port is None else args.master_port
     run_id = args.rdzv_id
-    rdzv_backend = args.rdzv_backend
     if args.rdzv_endpoint:
         host, _, port = args.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
@@ -399,14 +399,12 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
     if args.standalone:
         if nnodes != 1:
             raise LaunchError("--standalone launches a single node; drop --nnodes or --standalone")
-    local_rendezvous = args.standalone or (rdzv_backend == "static" and not args.rdzv_endpoint
+    local_rendezvous = args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
                                            and args.master_port is None and nnodes == 1)
     if local_rendezvous:
         # torchrun's c10d rendezvous on localhost:0 with a fresh run id: the launcher picks a free port
         # (``LaunchSpec.with_free_master_port``).
         master_addr, run_id = "127.0.0.1", str(uuid.uuid4())
-        if args.standalone:
-            rdzv_backend = "c10d"
         if args.master_port is None and not args.rdzv_endpoint:
             master_port = 0
     if not args.script and not args.keel_standby:
@@ -462,7 +460,7 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         warm_ranks=not args.keel_no_warm_ranks,
         fault_injection=args.keel_fault_injection,
         min_nodes=min_nodes,
-        rdzv_backend=rdzv_backend,
+        rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_conf=rdzv_conf,
         run_id=run_id,
