@@ -61,7 +61,7 @@ def agent_bus_settings(settings: Settings, job_id: str, node_id: str) -> BusSett
 def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     from keel.agent.agent import NodeAgent
     from keel.agent.inspector_adapter import build_watcher, classify
-    from keel.agent.launch_spec import LaunchError, parse_launch_args
+    from keel.agent.launch_spec import LaunchError, LaunchHelp, parse_launch_args
     from keel.events.signing import KeyringError
     from keel.infra.outbox import Outbox
     from keel.infra.signing import consumer_signing
@@ -70,9 +70,12 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     argv = [a for a in argv if a != "--keel-supervised"]
     try:
         spec = parse_launch_args(argv).with_free_master_port()
+    except LaunchHelp:
+        return 0
     except LaunchError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2
+    warn_torchrun_differences(spec)
     # The agent signs nothing; it checks its commands against the control plane's keyring (signing.keyring).
     try:
         signing = consumer_signing(settings)
@@ -135,8 +138,9 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        # torchrun's --signals-to-handle (SIGTERM and SIGINT always): the agent stops its ranks and exits.
+        for name in dict.fromkeys(("SIGTERM", "SIGINT", *spec.signals_to_handle)):
+            loop.add_signal_handler(getattr(signal, name), stop.set)
         outbox_stop = asyncio.Event()
         publisher = asyncio.create_task(outbox.run(outbox_stop)) if outbox else None
         result = await agent.run(stop)
@@ -150,6 +154,22 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
         return result.exit_code
 
     return asyncio.run(main())
+
+
+def warn_torchrun_differences(spec: LaunchSpec) -> None:
+    """Say what torchrun would have said, and where a flag means less under Keel (docs/torchrun.md)."""
+    import os
+
+    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        log.warning("\n*****************************************\nSetting OMP_NUM_THREADS environment variable for "
+                    "each process to be 1 in default, to avoid your system being overloaded, please further tune "
+                    "the variable for optimal performance in your application as needed. \n"
+                    "*****************************************")
+    if spec.numa_binding is not None:
+        log.warning("keel run: --numa-binding %s is accepted but not applied (docs/torchrun.md)", spec.numa_binding)
+    if spec.logs_specs is not None:
+        log.warning("keel run: --logs-specs %s is accepted; Keel writes torchrun's default log layout "
+                    "(docs/torchrun.md)", spec.logs_specs)
 
 
 def interface_toward(host: str, port: int) -> str:

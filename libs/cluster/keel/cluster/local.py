@@ -187,6 +187,9 @@ def cluster_up(
     # never commits (the broker would wait for shard files in another folder and give every step up).
     persist_root = persist_root or settings.checkpoint.resolved_persist_root(settings.home)
     env = dict(os.environ, **(extra_env or {}))
+    # The simulated nodes share this host's cores: one OpenMP thread per rank, as torchrun gives several
+    # ranks of one host (each agent alone would leave it unset for a single rank per node).
+    env.setdefault("OMP_NUM_THREADS", "1")
     if nats_url:
         env["KEEL_NATS_URL"] = nats_url
     # The agents check their commands' signatures against the keyring these settings name (a config file

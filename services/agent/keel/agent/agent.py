@@ -796,6 +796,7 @@ class NodeAgent:
             last_exits: list[RankExit] = run("shutdown", self.supervisor.poll) or []
             for exit_ in last_exits:
                 self._report_exit_guarded(exit_)
+            run("shutdown", self.supervisor.close_output)
             if self.fence is None:
                 run("shutdown", self.heartbeat, self.clock())
             if consumer is not None:
