@@ -190,7 +190,7 @@ def cluster_up(
             "--keel-agent-dir", str(agent_dir), "--keel-root", str(root),
             "--keel-probe-interval", probe_interval, "--keel-heartbeat-interval", heartbeat_interval,
             "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
-            "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
+            "--keel-store-address", "127.0.0.1:0",
             *(["--keel-fault-injection"] if fault_injection else []),
         ]
         # The launcher holds the credentials folder: it issues each node its shard-store certificate from
@@ -250,7 +250,7 @@ def start_node(directory: Path, node_id: str) -> int:
         raise ClusterError(f"node {node_id} is still running (pid {node['pid']}); kill it first")
     argv = list(node["argv"])
     if "--keel-standby" not in argv:
-        argv.insert(argv.index("--keel-supervised") + 1, "--keel-standby")
+        argv.insert(argv.index("run") + 1, "--keel-standby")  # before the training command
     env = dict(os.environ, **state.get("env", {}))
     process = spawn_agent(argv, env, Path(node["agent_dir"]))
     node["pid"] = process.pid

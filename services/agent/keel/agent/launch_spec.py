@@ -8,12 +8,28 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
+import re
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from keel.agent.rendezvous import (
+    C10D,
+    DEFAULT_C10D_PORT,
+    STATIC,
+    UNSUPPORTED_BACKENDS,
+    RendezvousConf,
+    RendezvousConfigError,
+    parse_endpoint,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
 from keel.events.units import parse_duration
+
+log = logging.getLogger(__name__)
 
 
 class LaunchError(ValueError):
@@ -63,6 +79,21 @@ class LaunchSpec:
     warm_ranks: bool = True
     """Fork ranks, promotions and diagnostics rounds from the node's zygote (``keel.agent.warm``: torch
     imported once); ``--keel-no-warm-ranks`` starts every process as a fresh interpreter."""
+    # -- rendezvous (keel.agent.rendezvous) and supervision -------------------------------------------------
+    rendezvous: bool = False
+    """``--rdzv-backend c10d``: ``node_rank``, ``nnodes`` and ``master_*`` are placeholders (the endpoint)
+    until ``with_rendezvous`` fills them in from the rendezvous of the job's first start."""
+    rdzv_backend: str = STATIC
+    rdzv_id: str = "none"
+    min_nodes: int = 1
+    max_nodes: int = 1
+    """``--nnodes MIN:MAX`` (static: ``nnodes`` is MAX, as under torchrun's static backend)."""
+    rdzv_conf: RendezvousConf = field(default_factory=RendezvousConf)
+    local_restarts: bool = False
+    """``--keel-local-restarts``: handle failures here like torchrun (``--max-restarts``) and leave the control
+    plane out (no events, no commands), even where one is configured."""
+    agent_dir_default: bool = False
+    """No ``--keel-agent-dir``: the launcher may take the next free folder of the default's series."""
 
     @property
     def world_size(self) -> int:
@@ -82,10 +113,39 @@ class LaunchSpec:
 
         return replace(self, master_port=rendezvous_base_port())
 
+    def with_rendezvous(self, node_rank: int, nnodes: int, master_addr: str, master_port: int) -> LaunchSpec:
+        """The spec once the rendezvous placed this node (its rank, the admitted count, rank 0's store)."""
+        from dataclasses import replace
+
+        if not 0 <= node_rank < nnodes:
+            raise LaunchError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
+        return replace(self, node_rank=node_rank, nnodes=nnodes, master_addr=master_addr, master_port=master_port,
+                       rendezvous=False)
+
+    def with_agent_dir(self, agent_dir: Path) -> LaunchSpec:
+        """The spec in another agent folder; a slot folder derived from the old one follows it."""
+        from dataclasses import replace
+
+        ckpt_dir = self.ckpt_dir
+        if ckpt_dir is not None and ckpt_dir == default_ckpt_dir(self.agent_dir):
+            ckpt_dir = default_ckpt_dir(agent_dir)
+        return replace(self, agent_dir=agent_dir, ckpt_dir=ckpt_dir)
+
     def master_port_for(self, generation: int) -> int:
         """Each restart generation rendezvous on its own port, so no stale store keys survive a restart
         (torchrun reuses its TCPStore and fails 'Gloo connectFullMesh' half the time after a kill)."""
         return self.master_port + generation
+
+
+def default_agent_dir(node_id: str, job_id: str) -> Path:
+    """``$TMPDIR/keel-agent-<node>-<job>`` (``/tmp`` by default); a second agent of the same node and job
+    on the host takes ``-2``, ``-3``... (``keel.cli.agent_cmd.claim_agent_dir``)."""
+    return Path(tempfile.gettempdir()) / re.sub(r"[^A-Za-z0-9._-]", "_", f"keel-agent-{node_id}-{job_id}")
+
+
+def default_ckpt_dir(agent_dir: Path) -> Path:
+    """One shared-memory folder per agent directory, so two agents on one host never share slots."""
+    return Path("/dev/shm") / f"keel-{hashlib.sha256(str(agent_dir.resolve()).encode()).hexdigest()[:12]}"
 
 
 def _positive(text: str) -> int:
@@ -110,16 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
                 spellings.append("--" + name[2:].replace("-", "_"))
         parser.add_argument(*spellings, **kwargs)
 
-    add("--nnodes", type=str, default="1", help="N or MIN:MAX (Keel uses MAX; elasticity comes from the controller)")
+    add("--nnodes", type=str, default="1", help="N or MIN:MAX (c10d: wait for MIN nodes, admit up to MAX; static: MAX)")
     add("--nproc-per-node", type=_positive, default=1)
-    add("--node-rank", type=int, default=0)
+    add("--node-rank", type=int, default=None, help="this node's rank (static rendezvous; default 0; ignored by c10d, "
+        "whose rendezvous assigns it)")
     add("--master-addr", default="127.0.0.1")
     add("--master-port", type=int, default=None, help="default 29500; with --standalone, a free port")
     add("--max-restarts", type=int, default=0)
     add("--standalone", action="store_true", help="single node, localhost rendezvous")
-    add("--rdzv-backend", default="static", help="accepted for compatibility; Keel uses a static rendezvous")
-    add("--rdzv-endpoint", default="", help="HOST:PORT, the same as --master-addr/--master-port")
-    add("--rdzv-id", default="", help="accepted for compatibility; used as the job id if --keel-job-id is absent")
+    add("--rdzv-backend", default=STATIC, help="static (--node-rank, --master-addr/--master-port) or c10d (node ranks "
+        "from a rendezvous at --rdzv-endpoint, at the job's first start)")
+    add("--rdzv-endpoint", default="", help="HOST[:PORT]: static, the ranks' master (like --master-addr/--master-port); "
+        "c10d, the rendezvous store (default port 29400)")
+    add("--rdzv-id", default="", help="the rendezvous id (default none); the job id if --keel-job-id is absent")
+    add("--rdzv-conf", default="", help="key=value,... : join_timeout, last_call_timeout, close_timeout, read_timeout "
+        "(seconds, or with a unit), is_host")
     add("--keel-job-id", default="")
     add("--keel-node-id", default="")
     add("--keel-fault-domain", default="")
@@ -143,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ranks (they read <agent dir>/fault.json); for tests and demos, off by default")
     add("--keel-no-warm-ranks", action="store_true", help="start every rank and diagnostics process as a fresh "
         "interpreter (default: fork them from the node's zygote, which imported torch once)")
+    add("--keel-local-restarts", action="store_true", help="handle rank failures here like torchrun (restarts up to "
+        "--max-restarts) and leave the control plane out, even where one is configured (default: supervised by it "
+        "when there is one)")
     parser.add_argument("-m", "--module", dest="module", action="store_true", help="run the script as a module")
     parser.add_argument("script", nargs="?")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -156,24 +224,37 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed the usage message
         raise LaunchError(f"invalid arguments for keel run: {' '.join(argv)}") from exc
-    nnodes_text = args.nnodes.split(":")[-1]
+    # -- rendezvous (keel.agent.rendezvous) ----------------------------------------------------------------
     try:
-        nnodes = int(nnodes_text)
-    except ValueError:
-        raise LaunchError(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}") from None
-    if nnodes < 1:
-        raise LaunchError(f"--nnodes must be >= 1, got {nnodes}")
-    if not 0 <= args.node_rank < nnodes:
-        raise LaunchError(f"--node-rank {args.node_rank} is outside 0..{nnodes - 1}")
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+        rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
+    except RendezvousConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    backend = args.rdzv_backend.strip().lower()
+    if backend in UNSUPPORTED_BACKENDS:
+        raise LaunchError(f"--rdzv-backend {args.rdzv_backend}: Keel rendezvous with static or c10d (a TCP store "
+                          f"at --rdzv-endpoint, no etcd server needed)")
+    if backend not in (STATIC, C10D):
+        raise LaunchError(f"--rdzv-backend must be static or c10d, got {args.rdzv_backend!r}")
+    rendezvous = backend == C10D and not args.standalone
+    if rendezvous and args.node_rank is not None:
+        log.warning("--node-rank is ignored with --rdzv-backend c10d: the rendezvous assigns node ranks (as torchrun)")
+    node_rank = 0 if rendezvous or args.node_rank is None else args.node_rank
+    nnodes = 1 if rendezvous else max_nodes
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
     master_addr = args.master_addr
     master_port = 29500 if args.master_port is None else args.master_port
-    if args.rdzv_endpoint:
-        host, _, port = args.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise LaunchError(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
-        master_addr, master_port = host, int(port)
+    if args.rdzv_endpoint or rendezvous:
+        try:
+            master_addr, master_port = parse_endpoint(args.rdzv_endpoint or "localhost",
+                                                      DEFAULT_C10D_PORT if rendezvous else master_port)
+        except RendezvousConfigError as exc:
+            raise LaunchError(str(exc)) from None
+    elif args.master_port is None and max_nodes == 1:
+        master_port = 0  # torchrun's localhost:0 for a one-node job: a free port (`LaunchSpec.with_free_master_port`)
     if args.standalone:
-        if nnodes != 1:
+        if max_nodes != 1:
             raise LaunchError("--standalone launches a single node; drop --nnodes or --standalone")
         master_addr = "127.0.0.1"
         if args.master_port is None and not args.rdzv_endpoint:
@@ -190,11 +271,9 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     job_id = args.keel_job_id or args.rdzv_id or "job"
-    agent_dir = Path(args.keel_agent_dir or f"/tmp/keel-agent-{node_id}")
-    # One shared-memory folder per agent directory, so two agents on one host never share slots.
-    default_ckpt_dir = Path("/dev/shm") / f"keel-{hashlib.sha256(str(agent_dir.resolve()).encode()).hexdigest()[:12]}"
-    ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir)
-    store_address = args.keel_store_address or ("127.0.0.1:0" if nnodes == 1 else "")
+    agent_dir = Path(args.keel_agent_dir) if args.keel_agent_dir else default_agent_dir(node_id, job_id)
+    ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir(agent_dir))
+    store_address = args.keel_store_address or ("127.0.0.1:0" if max_nodes == 1 else "")
     host, _, port = store_address.rpartition(":")
     if store_address and (not host or not port.isdigit()):
         raise LaunchError(f"--keel-store-address must be HOST:PORT, got {store_address!r}")
@@ -207,7 +286,7 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
     return LaunchSpec(
         nnodes=nnodes,
         nproc_per_node=args.nproc_per_node,
-        node_rank=args.node_rank,
+        node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
         command=command,
@@ -229,4 +308,12 @@ def parse_launch_args(argv: list[str]) -> LaunchSpec:
         persist_root=Path(args.keel_persist_root) if args.keel_persist_root else None,
         warm_ranks=not args.keel_no_warm_ranks,
         fault_injection=args.keel_fault_injection,
+        rendezvous=rendezvous,
+        rdzv_backend=backend,
+        rdzv_id=args.rdzv_id or "none",
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        rdzv_conf=rdzv_conf,
+        local_restarts=args.keel_local_restarts,
+        agent_dir_default=not args.keel_agent_dir,
     )
