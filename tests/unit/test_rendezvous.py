@@ -178,3 +178,27 @@ def test_default_agent_folders_are_per_node_and_job_and_the_slot_folder_follows_
     assert not given.agent_dir_default
     assert given.with_agent_dir(Path("/y")).ckpt_dir == Path("/dev/shm/mine")  # a given slot folder stays
     assert parse_launch_args(["--keel-local-restarts", "t.py"]).local_restarts
+
+
+def test_a_second_agent_takes_the_next_default_folder_and_a_given_busy_one_is_refused(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from keel.agent.rejoin import AgentDirBusy
+    from keel.cli.agent_cmd import claim_agent_dir
+
+    spec = replace(parse_launch_args(["--keel-node-id", "n0", "t.py"]), agent_dir=tmp_path / "keel-agent-n0-job",
+                   agent_dir_default=True)
+    first, lock1 = claim_agent_dir(spec)
+    second, lock2 = claim_agent_dir(spec)
+    try:
+        assert first.agent_dir == tmp_path / "keel-agent-n0-job" and second.agent_dir == tmp_path / "keel-agent-n0-job-2"
+        assert first.ckpt_dir != second.ckpt_dir  # nor one slot folder
+        given = replace(spec, agent_dir_default=False)
+        with pytest.raises(AgentDirBusy, match="one agent per agent folder"):
+            claim_agent_dir(given)
+    finally:
+        lock1.release()
+        lock2.release()
+    third, lock3 = claim_agent_dir(spec)  # released: the first of the series again (a restarted agent rejoins it)
+    lock3.release()
+    assert third.agent_dir == first.agent_dir
