@@ -186,8 +186,8 @@ def test_a_second_agent_takes_the_next_default_folder_and_a_given_busy_one_is_re
     from keel.agent.rejoin import AgentDirBusy
     from keel.cli.agent_cmd import claim_agent_dir
 
-    spec = replace(parse_launch_args(["--keel-node-id", "n0", "t.py"]), agent_dir=tmp_path / "keel-agent-n0-job",
-                   agent_dir_default=True)
+    spec = parse_launch_args(["--keel-node-id", "n0", "t.py"]).with_agent_dir(tmp_path / "keel-agent-n0-job")
+    assert spec.agent_dir_default
     first, lock1 = claim_agent_dir(spec)
     second, lock2 = claim_agent_dir(spec)
     try:
