@@ -118,3 +118,26 @@ def test_two_standalone_keel_runs_on_one_host_at_once_both_succeed(scratch_dir: 
     # Each its own agent folder: the default one, and the next of its series while the first was held.
     folders = sorted(p.name for p in (scratch_dir / "tmp").iterdir() if p.name.startswith("keel-agent-"))
     assert folders == [f"keel-agent-{socket.gethostname()}-job", f"keel-agent-{socket.gethostname()}-job-2"], folders
+
+
+def test_a_standby_watches_the_rendezvous_and_learns_the_world_without_a_rank(scratch_dir: Path) -> None:
+    port = free_port()
+    agents, out = start_agents(scratch_dir, 2, "2", port, "withstandby", last_call_s=20)
+    argv = [sys.executable, "-m", "keel.cli.main", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "withstandby", "--rdzv-conf", fast(20),
+            "--keel-node-id", "spare", "--keel-agent-dir", str(scratch_dir / "spare"), "--keel-standby",
+            "--keel-no-checkpoint", "--keel-no-warm-ranks", str(PROBE), str(out)]
+    log = scratch_dir / "spare.log"
+    with open(log, "wb") as sink:
+        standby = subprocess.Popen(argv, env=env_for(scratch_dir), stdout=sink, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+    try:
+        wait_all(agents, scratch_dir, "withstandby")
+        assert sorted(s["rank"] for s in read_ranks(out)) == [0, 1]  # the standby took no rank
+        deadline = time.monotonic() + 60
+        while "node rank - (standby) of 2" not in log.read_text():
+            assert time.monotonic() < deadline and standby.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+    finally:
+        standby.terminate()
+        standby.wait(30)
