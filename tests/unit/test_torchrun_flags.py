@@ -62,7 +62,7 @@ def test_pet_environment_variables_are_defaults_and_flags_win() -> None:
     spec = parse(["t.py"], PET_NPROC_PER_NODE="3", PET_MAX_RESTARTS="2", PET_STANDALONE="1", PET_TEE="3",
                  PET_ROLE="trainer", PET_LOG_DIR="/tmp/x", PET_RDZV_CONF="join_timeout=5")
     assert (spec.nproc_per_node, spec.max_restarts, spec.tee, spec.role) == (3, 2, "3", "trainer")
-    assert spec.master_port == 0 and spec.log_dir == Path("/tmp/x") and spec.rdzv_conf == (("join_timeout", "5"),)
+    assert spec.master_port == 0 and spec.log_dir == Path("/tmp/x") and spec.rdzv_conf.join_timeout == timedelta(seconds=5)
     assert parse(["--nproc_per_node", "4", "t.py"], PET_NPROC_PER_NODE="3").nproc_per_node == 4
     assert not parse(["t.py"], PET_NO_PYTHON="0").no_python
     with pytest.raises(LaunchError, match="PET_STANDALONE must be an integer"):
@@ -102,8 +102,9 @@ def test_nproc_per_node_names(tmp_path: Path) -> None:
     (["--redirects", "4", "t.py"], "--redirects"),
     (["--tee", "0:1,x", "t.py"], "--tee"),
     (["--local-ranks-filter", "0,a", "t.py"], "comma-separated integers"),
-    (["--rdzv-conf", "timeout", "t.py"], "has no value"),
-    (["--rdzv-conf", "=5", "t.py"], "KEY=VALUE"),
+    (["--rdzv-conf", "timeout", "t.py"], "must be key=value"),
+    (["--rdzv-conf", "=5", "t.py"], "must be key=value"),
+    (["--rdzv-conf", "join_timeout=soon", "t.py"], "not a duration"),
     (["--max-restarts", "-1", "t.py"], ">= 0"),
     (["--monitor-interval", "0", "t.py"], "> 0"),
     (["--event-log-handler", "kafka", "t.py"], "one of null"),

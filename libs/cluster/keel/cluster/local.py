@@ -225,7 +225,7 @@ def cluster_up(
             "--keel-agent-dir", str(agent_dir), "--keel-root", str(root),
             "--keel-probe-interval", probe_interval, "--keel-heartbeat-interval", heartbeat_interval,
             "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
-            "--keel-store-address", f"{addresses[node_id]}:0", "--keel-supervised",
+            "--keel-store-address", f"{addresses[node_id]}:0",
             *(["--keel-fault-injection"] if fault_injection else []),
         ]
         # The launcher holds the credentials folder: it issues each node its shard-store certificate from
@@ -427,7 +427,7 @@ def start_node(directory: Path, node_id: str) -> int:
         raise ClusterError(f"node {node_id} is still running (pid {node['pid']}); kill it first")
     argv = list(node["argv"])
     if "--keel-standby" not in argv:
-        argv.insert(argv.index("--keel-supervised") + 1, "--keel-standby")
+        argv.insert(argv.index("run") + 1, "--keel-standby")  # before the training command
     env = dict(os.environ, **state.get("env", {}))
     process = spawn_agent(host_argv(host_network(state), node, argv), env, Path(node["agent_dir"]))
     node["pid"] = process.pid

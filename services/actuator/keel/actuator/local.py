@@ -168,9 +168,10 @@ def _standby_argv(template: list[str], *, node_id: str, agent_dir: Path, root: P
             # from the job's CA in the credentials folder (keel.infra.shard_ca).
             index += 2
             continue
+        launcher = arg == "run" and argv[-1:] == ["keel.cli.main"]  # `python -m keel.cli.main run ...`
         if arg != "--keel-standby":
             argv.append(arg)
-        if arg == "--keel-supervised":
-            argv.append("--keel-standby")
+        if launcher:
+            argv.append("--keel-standby")  # a launcher flag, before the training command
         index += 1
     return argv

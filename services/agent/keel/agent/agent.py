@@ -17,10 +17,10 @@ for it. The agent holds its folder's lock and records its state there (``keel.ag
 restarted after its predecessor died stops what that one left running and, under the same job and node,
 rejoins it with the node's memory tier intact.
 
-Failure handling without a controller (``supervised=False``, plain ``keel run``): like torchrun,
-a failed rank stops the node's other ranks, then the agent restarts them locally while
-``--max-restarts`` allows, else exits non-zero. Supervised (a local cluster, a real deployment),
-the agent reports and waits: the controller decides.
+Failure handling without a controller (``supervised=False``: ``keel run`` where no control plane is
+configured, or with ``--keel-local-restarts``): like torchrun, a failed rank stops the node's other ranks,
+then the agent restarts them locally while ``--max-restarts`` allows, else exits non-zero. Supervised
+(the default wherever a control plane is configured), the agent reports and waits: the controller decides.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ class NodeAgent:
         diagnostics_policy: DiagnosticsPolicy | None = None,
         metric_settings: MetricSettings | None = None,
         code_store: Path | None = None,
+        lock: AgentLock | None = None,
     ) -> None:
         self.spec = spec
         self.outbox = outbox
@@ -171,7 +172,7 @@ class NodeAgent:
         # The folder is this user's own (``UntrustedPathError`` otherwise: the agent does not start) and one
         # agent per folder (``AgentDirBusy`` otherwise), before anything in it is touched: binding the
         # socket below would unbind a live agent's.
-        self.lock = AgentLock(spec.agent_dir)
+        self.lock = lock if lock is not None else AgentLock(spec.agent_dir)  # ``lock``: the launcher took it already
         self.previous = read_state(spec.agent_dir)
         """What the folder's previous agent recorded, if it died without ending (``keel.agent.rejoin``)."""
         self._recorded_state = ""

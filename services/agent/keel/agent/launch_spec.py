@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
+import re
 import signal
 import socket
+import tempfile
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from keel.agent.rank_output import StdSpecError, parse_std
+from keel.agent.rendezvous import (
+    C10D,
+    DEFAULT_C10D_PORT,
+    STATIC,
+    UNSUPPORTED_BACKENDS,
+    RendezvousConf,
+    RendezvousConfigError,
+    parse_endpoint,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
 from keel.events.units import parse_duration
+
+log = logging.getLogger(__name__)
 
 
 class LaunchError(ValueError):
@@ -70,13 +86,17 @@ class LaunchSpec:
     warm_ranks: bool = True
     """Fork ranks, promotions and diagnostics rounds from the node's zygote (``keel.agent.warm``: torch
     imported once); ``--keel-no-warm-ranks`` starts every process as a fresh interpreter."""
-    # torchrun's flags (docs/torchrun.md). The rendezvous ones are kept as given for the rendezvous.
-    min_nodes: int = 0
-    """``--nnodes MIN:MAX``'s MIN (0: the same as ``nnodes``, which holds MAX)."""
-    rdzv_backend: str = "static"
-    """As given (``--standalone`` leaves it; torchrun would switch to ``c10d`` on localhost:0)."""
+    # torchrun's flags (docs/torchrun.md); the rendezvous ones are keel.agent.rendezvous's.
+    rendezvous: bool = False
+    """``--rdzv-backend c10d``: ``node_rank``, ``nnodes`` and ``master_*`` are placeholders (the endpoint)
+    until ``with_rendezvous`` fills them in from the rendezvous of the job's first start."""
+    rdzv_backend: str = STATIC
+    rdzv_id: str = "none"
     rdzv_endpoint: str = ""
-    rdzv_conf: tuple[tuple[str, str], ...] = ()
+    min_nodes: int = 1
+    max_nodes: int = 1
+    """``--nnodes MIN:MAX`` (static: ``nnodes`` is MAX, as under torchrun's static backend)."""
+    rdzv_conf: RendezvousConf = field(default_factory=RendezvousConf)
     run_id: str = "none"
     """``TORCHELASTIC_RUN_ID``: ``--rdzv-id``; a fresh uuid for a local rendezvous (``--standalone``, or
     one node without a master port), as torchrun does."""
@@ -103,6 +123,12 @@ class LaunchSpec:
     shutdown_timeout: timedelta = timedelta(seconds=5)
     """SIGTERM to SIGKILL when the agent stops ranks (``--shutdown-timeout``)."""
     virtual_local_rank: bool = False
+    # Keel's own
+    local_restarts: bool = False
+    """``--keel-local-restarts``: handle failures here like torchrun (``--max-restarts``) and leave the control
+    plane out (no events, no commands), even where one is configured."""
+    agent_dir_default: bool = False
+    """No ``--keel-agent-dir``: the launcher may take the next free folder of the default's series."""
 
     @property
     def world_size(self) -> int:
@@ -122,6 +148,24 @@ class LaunchSpec:
 
         return replace(self, master_port=rendezvous_base_port())
 
+    def with_rendezvous(self, node_rank: int, nnodes: int, master_addr: str, master_port: int) -> LaunchSpec:
+        """The spec once the rendezvous placed this node (its rank, the admitted count, rank 0's store)."""
+        from dataclasses import replace
+
+        if not 0 <= node_rank < nnodes:
+            raise LaunchError(f"node rank {node_rank} is outside 0..{nnodes - 1}")
+        return replace(self, node_rank=node_rank, nnodes=nnodes, master_addr=master_addr, master_port=master_port,
+                       rendezvous=False)
+
+    def with_agent_dir(self, agent_dir: Path) -> LaunchSpec:
+        """The spec in another agent folder; a slot folder derived from the old one follows it."""
+        from dataclasses import replace
+
+        ckpt_dir = self.ckpt_dir
+        if ckpt_dir is not None and ckpt_dir == default_ckpt_dir(self.agent_dir):
+            ckpt_dir = default_ckpt_dir(agent_dir)
+        return replace(self, agent_dir=agent_dir, ckpt_dir=ckpt_dir)
+
     def master_port_for(self, generation: int) -> int:
         """Each restart generation rendezvous on its own port, so no stale store keys survive a restart
         and no rank of an older generation reaches the new one's store (rank 0 hosts it; torchrun's agent
@@ -137,6 +181,17 @@ EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
 KEEL_SHUTDOWN_TIMEOUT = timedelta(seconds=5)
 """How long ranks get between SIGTERM and SIGKILL when neither ``--shutdown-timeout`` nor
 ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says (torchrun: 30 s; Keel's restarts are timed, see docs/torchrun.md)."""
+
+
+def default_agent_dir(node_id: str, job_id: str) -> Path:
+    """``$TMPDIR/keel-agent-<node>-<job>`` (``/tmp`` by default); a second agent of the same node and job
+    on the host takes ``-2``, ``-3``... (``keel.cli.agent_cmd.claim_agent_dir``)."""
+    return Path(tempfile.gettempdir()) / re.sub(r"[^A-Za-z0-9._-]", "_", f"keel-agent-{node_id}-{job_id}")
+
+
+def default_ckpt_dir(agent_dir: Path) -> Path:
+    """One shared-memory folder per agent directory, so two agents on one host never share slots."""
+    return Path("/dev/shm") / f"keel-{hashlib.sha256(str(agent_dir.resolve()).encode()).hexdigest()[:12]}"
 
 
 class LaunchHelp(Exception):
@@ -181,10 +236,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     # torchrun's own flags, in its order.
     add("--nnodes", default="1:1", help="N or MIN:MAX")
     add("--nproc-per-node", default="1", help="workers per node: an integer, or auto, cpu, gpu, xpu")
-    add("--rdzv-backend", default="static", help="the rendezvous backend")
-    add("--rdzv-endpoint", default="", help="the rendezvous endpoint, HOST:PORT")
+    add("--rdzv-backend", default=STATIC, help="static (--node-rank, --master-addr/--master-port) or c10d (node ranks "
+        "from a rendezvous at --rdzv-endpoint, at the job's first start)")
+    add("--rdzv-endpoint", default="", help="HOST[:PORT]: static, the ranks' master (like --master-addr/--master-port); "
+        "c10d, the rendezvous store (default port 29400)")
     add("--rdzv-id", default="none", help="the run id; also Keel's job id when --keel-job-id is absent")
-    add("--rdzv-conf", default="", help="rendezvous options, KEY=VALUE,...")
+    add("--rdzv-conf", default="", help="key=value,... : join_timeout, last_call_timeout, close_timeout, read_timeout "
+        "(seconds, or with a unit), is_host")
     add("--standalone", flag=True, help="single node, a local rendezvous on a free port")
     add("--max-restarts", type=int, default=0, help="local restarts of the node's ranks before failing")
     add("--monitor-interval", type=float, default=0.1, help="seconds between looks at the ranks' state")
@@ -203,7 +261,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="copy tee'd stdout lines containing one of these (comma-separated) to filtered_stdout.log")
     add("--duplicate-stderr-filters", type=_comma_separated, default=[],
         help="copy tee'd stderr lines containing one of these (comma-separated) to filtered_stderr.log")
-    add("--node-rank", type=int, default=0)
+    add("--node-rank", type=int, default=None, help="this node's rank (static rendezvous; default 0; ignored by c10d, "
+        "whose rendezvous assigns it)")
     add("--master-addr", default="127.0.0.1")
     add("--master-port", type=int, default=None, help="default 29500; single node without one: a free port")
     add("--local-addr", default=None, help="this node's address for peers (default: found from the rendezvous)")
@@ -237,23 +296,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "ranks (they read <agent dir>/fault.json); for tests and demos, off by default")
     add("--keel-no-warm-ranks", pet=False, flag=True, help="start every rank and diagnostics process as a fresh "
         "interpreter (default: fork them from the node's zygote, which imported torch once)")
+    add("--keel-local-restarts", pet=False, flag=True, help="handle rank failures here like torchrun (restarts up "
+        "to --max-restarts) and leave the control plane out, even where one is configured (default: supervised by "
+        "it when there is one)")
     parser.add_argument("script", nargs="?", help="the training script (or module with -m, program with --no-python)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     return parser
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX``, 0 < MIN <= MAX."""
-    parts = text.split(":")
-    try:
-        if len(parts) not in (1, 2):
-            raise ValueError
-        low, high = int(parts[0]), int(parts[-1])
-    except ValueError:
-        raise LaunchError(f"--nnodes must be N or MIN:MAX, got {text!r}") from None
-    if not 0 < low <= high:
-        raise LaunchError(f"--nnodes {text}: needs 0 < MIN <= MAX")
-    return low, high
 
 
 def visible_gpus(environ: Mapping[str, str], root: Path = Path("/")) -> int:
@@ -303,21 +351,6 @@ def resolve_nproc_per_node(text: str, environ: Mapping[str, str], root: Path = P
     raise LaunchError(f"--nproc-per-node must be an integer or auto, cpu, gpu, xpu; got {text!r}")
 
 
-def parse_rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
-    """torchrun's ``--rdzv-conf``: ``KEY=VALUE,...``; every key needs a non-empty value."""
-    pairs: dict[str, str] = {}
-    if not text.strip():
-        return ()
-    for item in text.strip().split(","):
-        key, _, value = item.partition("=")
-        if not key.strip():
-            raise LaunchError(f"--rdzv-conf must be KEY=VALUE,...; got {text!r}")
-        if not value.strip():
-            raise LaunchError(f"--rdzv-conf: option {key.strip()!r} has no value")
-        pairs[key.strip()] = value.strip()
-    return tuple(pairs.items())
-
-
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
     if not text:
         return None
@@ -358,14 +391,29 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         if exc.code == 0:
             raise LaunchHelp() from None
         raise LaunchError(f"invalid arguments for keel run: {' '.join(argv)}") from None
-    min_nodes, nnodes = parse_nnodes(args.nnodes)
+    try:
+        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+        rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
+    except RendezvousConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    backend = args.rdzv_backend.strip().lower()
+    if backend in UNSUPPORTED_BACKENDS:
+        raise LaunchError(f"--rdzv-backend {args.rdzv_backend}: Keel rendezvous with static or c10d (a TCP store "
+                          f"at --rdzv-endpoint, no etcd server needed)")
+    if backend not in (STATIC, C10D):
+        raise LaunchError(f"--rdzv-backend must be static or c10d, got {args.rdzv_backend!r}")
+    rendezvous = backend == C10D and not args.standalone
+    if rendezvous and args.node_rank is not None:
+        log.warning("--node-rank is ignored with --rdzv-backend c10d: the rendezvous assigns node ranks (as torchrun)")
+    node_rank = 0 if rendezvous or args.node_rank is None else args.node_rank
+    nnodes = 1 if rendezvous else max_nodes
     nproc_per_node = resolve_nproc_per_node(args.nproc_per_node, environ, root)
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not args.monitor_interval > 0:
         raise LaunchError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
-    if not 0 <= args.node_rank < nnodes:
-        raise LaunchError(f"--node-rank {args.node_rank} is outside 0..{nnodes - 1}")
+    if not 0 <= node_rank < nnodes:
+        raise LaunchError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
     if args.event_log_handler not in EVENT_LOG_HANDLERS:
         raise LaunchError(f"--event-log-handler must be one of {', '.join(EVENT_LOG_HANDLERS)}; got {args.event_log_handler!r}")
     for flag, text in (("--redirects", args.redirects), ("--tee", args.tee)):
@@ -385,22 +433,22 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         raise LaunchError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT must be whole seconds, got {shutdown_text!r}") from None
     if shutdown < timedelta(0):
         raise LaunchError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_text}")
-    rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     if args.no_python and args.module and not args.run_path:
         raise LaunchError("--no-python and -m/--module do not go together (a module needs python)")
     master_addr = args.master_addr
     master_port = 29500 if args.master_port is None else args.master_port
     run_id = args.rdzv_id
-    if args.rdzv_endpoint:
-        host, _, port = args.rdzv_endpoint.rpartition(":")
-        if not host or not port.isdigit():
-            raise LaunchError(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
-        master_addr, master_port = host, int(port)
+    if args.rdzv_endpoint or rendezvous:
+        try:
+            master_addr, master_port = parse_endpoint(args.rdzv_endpoint or "localhost",
+                                                      DEFAULT_C10D_PORT if rendezvous else master_port)
+        except RendezvousConfigError as exc:
+            raise LaunchError(str(exc)) from None
     if args.standalone:
-        if nnodes != 1:
+        if max_nodes != 1:
             raise LaunchError("--standalone launches a single node; drop --nnodes or --standalone")
-    local_rendezvous = args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
-                                           and args.master_port is None and nnodes == 1)
+    local_rendezvous = args.standalone or (backend == STATIC and not args.rdzv_endpoint
+                                           and args.master_port is None and max_nodes == 1)
     if local_rendezvous:
         # torchrun's c10d rendezvous on localhost:0 with a fresh run id: the launcher picks a free port
         # (``LaunchSpec.with_free_master_port``).
@@ -420,11 +468,9 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
     job_id = args.keel_job_id or (args.rdzv_id if args.rdzv_id != "none" else "") or "job"
-    agent_dir = Path(args.keel_agent_dir or f"/tmp/keel-agent-{node_id}")
-    # One shared-memory folder per agent directory, so two agents on one host never share slots.
-    default_ckpt_dir = Path("/dev/shm") / f"keel-{hashlib.sha256(str(agent_dir.resolve()).encode()).hexdigest()[:12]}"
-    ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir)
-    store_address = args.keel_store_address or ("127.0.0.1:0" if nnodes == 1 else "")
+    agent_dir = Path(args.keel_agent_dir) if args.keel_agent_dir else default_agent_dir(node_id, job_id)
+    ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir(agent_dir))
+    store_address = args.keel_store_address or ("127.0.0.1:0" if max_nodes == 1 else "")
     host, _, port = store_address.rpartition(":")
     if store_address and (not host or not port.isdigit()):
         raise LaunchError(f"--keel-store-address must be HOST:PORT, got {store_address!r}")
@@ -437,7 +483,7 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
     return LaunchSpec(
         nnodes=nnodes,
         nproc_per_node=nproc_per_node,
-        node_rank=args.node_rank,
+        node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
         command=command,
@@ -459,9 +505,12 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         persist_root=Path(args.keel_persist_root) if args.keel_persist_root else None,
         warm_ranks=not args.keel_no_warm_ranks,
         fault_injection=args.keel_fault_injection,
-        min_nodes=min_nodes,
-        rdzv_backend=args.rdzv_backend,
+        rendezvous=rendezvous,
+        rdzv_backend=backend,
+        rdzv_id=args.rdzv_id or "none",
         rdzv_endpoint=args.rdzv_endpoint,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
         rdzv_conf=rdzv_conf,
         run_id=run_id,
         role=args.role,
@@ -483,4 +532,6 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         signals_to_handle=signals,
         shutdown_timeout=shutdown,
         virtual_local_rank=args.virtual_local_rank,
+        local_restarts=args.keel_local_restarts,
+        agent_dir_default=not args.keel_agent_dir,
     )
