@@ -137,6 +137,12 @@ def seed_overlay_root(root: Path, gpus: int) -> None:
     atomic_write(root / "run/keel/nvml.json", json.dumps({"device_count": gpus, "devices": devices}, indent=1))
 
 
+NODE_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+"""Variables besides ``KEEL_*`` that every agent of the cluster gets, recorded so that a node started later
+(``start_node``, the actuator's standbys and refills) runs as its peers do: a different ``OMP_NUM_THREADS``
+changes a rank's floating-point reduction order, and a resumed job would no longer be bitwise exact."""
+
+
 def cluster_up(
     settings: Settings,
     directory: Path,
@@ -245,7 +251,7 @@ def cluster_up(
              "network": network.tag if network is not None else None,
              "credentials_dir": str(credentials_path(settings)),
              "command": command, "started_at": now_utc().isoformat(), "shm_root": str(shm_root),
-             "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_") or k == "GLOO_SOCKET_IFNAME"}}
+             "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_") or k in NODE_ENV}}
     atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return state
 
