@@ -65,6 +65,8 @@ class Servers:
     embedded_nats: bool = False
     role_urls: dict[str, str] = field(default_factory=dict)
     """Each database role's URL on the embedded PostgreSQL (``keel.infra.dbroles``); empty for an external one."""
+    nats_host: str = "127.0.0.1"
+    """The address the embedded NATS servers listen on (a host network's bridge address: ``keel.cluster.netns``)."""
 
     @property
     def nats_url(self) -> str:
@@ -94,7 +96,8 @@ class Servers:
             self.credentials_dir = self.root / "credentials"
             for mode in self.modes:
                 server = NatsServer(store_dir=self.root / f"nats-{mode}", port=free_port(), monitor_port=free_port(),
-                                    sync_always=mode == "sync_always", credentials_dir=self.credentials_dir)
+                                    sync_always=mode == "sync_always", credentials_dir=self.credentials_dir,
+                                    host=self.nats_host)
                 self.nats[mode] = server.start()
                 self.started.append(server)
                 self.pids[f"nats-{mode}"] = server.pid

@@ -364,12 +364,12 @@ async def measure_recorder_lag(servers: Servers, home: Path, duration_s: float, 
 # -- the run ------------------------------------------------------------------------------------------
 
 
-def provenance(argv: list[str]) -> dict[str, Any]:
+def provenance(argv: list[str], module: str = "bench.control_plane") -> dict[str, Any]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                 capture_output=True, text=True).stdout.strip())
     return {"commit": commit + ("-dirty" if dirty else ""), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "cores": os.cpu_count(), "command": " ".join(["python -m bench.control_plane", *argv])}
+            "cores": os.cpu_count(), "command": " ".join([f"python -m {module}", *argv])}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,6 +12,7 @@ their own least-privilege role. ``database_url`` stays the superuser's, for the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -193,6 +194,13 @@ class KeelEnv:
 
 @pytest_asyncio.fixture
 async def keel_env(servers: Servers) -> AsyncIterator[KeelEnv]:
+    async with keel_env_on(servers) as env:
+        yield env
+
+
+@contextlib.asynccontextmanager
+async def keel_env_on(servers: Servers) -> AsyncIterator[KeelEnv]:
+    """A test's slice (``keel_env``) of ``servers``: the session's, or a test's own (a NATS on a host network)."""
     settings = isolated_settings(servers)
     await asyncio.to_thread(run_migrations, servers.url(MIGRATE), settings.db_schema)
     bus = await Bus.connect(servers.nats_url, settings.bus, signing=harness_signing())

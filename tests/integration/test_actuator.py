@@ -45,13 +45,13 @@ def test_refill_is_idempotent_towards_its_target() -> None:
 def test_a_standby_command_line_keeps_the_training_command_under_its_own_identity() -> None:
     worker = ["python", "-m", "keel.cli.main", "run", "--node-rank", "1", "--keel-node-id", "n01",
               "--keel-agent-dir", "/c/nodes/n01", "--keel-root", "/c/nodes/n01/root", "--keel-ckpt-dir", "/shm/n01",
-              "--keel-fault-domain", "domain-1", "--keel-supervised", "--keel-tls-cert", "/cred/n01/cert.pem",
+              "--keel-fault-domain", "domain-1", "--keel-tls-cert", "/cred/n01/cert.pem",
               "--keel-tls-key", "/cred/n01/key.pem", "--keel-tls-ca", "/cred/n01/ca.pem",
               "-m", "keel.workload.train", "--steps", "9"]
     argv = _standby_argv(worker, node_id="s03", agent_dir=Path("/c/nodes/s03"), root=Path("/c/nodes/s03/root"),
                          ckpt_dir=Path("/shm/s03"), fault_domain="domain-s03")
     assert argv[argv.index("--keel-node-id") + 1] == "s03" and "n01" not in " ".join(argv)
-    assert argv[argv.index("--keel-supervised") + 1] == "--keel-standby"
+    assert argv[argv.index("run") + 1] == "--keel-standby" and argv.count("--keel-standby") == 1
     assert argv[-4:] == ["-m", "keel.workload.train", "--steps", "9"]
     # The worker's certificate names the worker: the standby's agent issues its own.
     assert not [a for a in argv if a.startswith("--keel-tls-") or a.startswith("/cred/")]

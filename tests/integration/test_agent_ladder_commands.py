@@ -165,7 +165,7 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
     started = emitted(standby, "RankStarted")
     assert sorted(e.payload.rank for e in started) == [2, 3] and {e.payload.generation for e in started} == {3}
     env = (Path("/proc") / str(standby.supervisor.ranks[2].pid) / "environ").read_bytes().split(b"\0")
-    assert b"RANK=2" in env and b"NODE_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
+    assert b"RANK=2" in env and b"GROUP_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
     assert promote(1, [2, 3], generation=4).payload.outcome == "not_standby"
 
 
@@ -201,7 +201,7 @@ def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agent
     for process in agent.supervisor.alive():  # no zygote here: fresh interpreters, argv visible
         proc = Path("/proc") / str(process.pid)
         assert Path(os.readlink(proc / "cwd")) == version
-        assert (proc / "cmdline").read_bytes().split(b"\0")[1:4] == [str(version / "train.py").encode(), b"--lr", b"1"]
+        assert (proc / "cmdline").read_bytes().split(b"\0")[1:5] == [b"-u", str(version / "train.py").encode(), b"--lr", b"1"]
         env = (proc / "environ").read_bytes().split(b"\0")
         assert f"KEEL_CODE_VERSION={v1.version_id}".encode() in env and f"KEEL_CODE_DIR={version}".encode() in env
         assert b"PYTHONDONTWRITEBYTECODE=1" in env  # nothing written into the read-only store

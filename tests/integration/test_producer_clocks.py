@@ -58,7 +58,7 @@ def start_agents(settings, scratch: Path, started: dict[str, subprocess.Popen]) 
         argv = [sys.executable, "-m", "keel.cli.main", "run", "--nnodes", str(len(OFFSETS)), "--nproc-per-node", "1",
                 "--node-rank", str(index), "--master-addr", "127.0.0.1", "--master-port", str(port),
                 "--keel-job-id", JOB, "--keel-node-id", node_id, "--keel-agent-dir", str(agent_dir),
-                "--keel-root", str(root), "--keel-heartbeat-interval", "1s", "--keel-supervised", str(script)]
+                "--keel-root", str(root), "--keel-heartbeat-interval", "1s", str(script)]
         env = {**service_env(settings), CLOCK_OFFSET_ENV: offset}
         started[node_id] = spawn_agent(argv, env, agent_dir)
 

@@ -82,6 +82,20 @@ def assert_bitwise_equal(a: Path, b: Path) -> None:
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{key} differs"
 
 
+async def assert_equal_to_reference(scratch_dir: Path, rank0_stdout: list[Path]) -> None:
+    """Every rank's final state (``<scratch>/final.rank<r>``) and rank 0's every step's loss equal the
+    reference run's (``<scratch>/reference``), bit for bit."""
+    for rank in range(4):
+        final = Path(f"{scratch_dir / 'final'}.rank{rank}")
+        deadline = time.monotonic() + 60
+        while not final.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert_bitwise_equal(final, Path(f"{scratch_dir / 'reference' / 'final'}.rank{rank}"))
+    reference_losses = losses_of(list((scratch_dir / "reference" / "agent" / "logs").glob("rank0.g*.stdout")))
+    assert sorted(reference_losses) == list(range(STEPS))
+    assert losses_of(rank0_stdout) == reference_losses
+
+
 def reference_run(directory: Path) -> None:
     """The uninterrupted run: the same 4 ranks under `keel run` on one node, no checkpointing at all."""
     env = {**os.environ, "KEEL_HOME": str(directory)}
@@ -138,7 +152,10 @@ class Run:
                                                          expires_at=now_utc() + timedelta(minutes=2)),
                                    job_id="ckpt", subject=f"node/{node}", producer="controller", occurred_at=now_utc())
             await self.env.bus.publish(command)
-        plan = await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 60,
+        # Generous: a node started just before (a lost node, a lost pipeline) imports torch into its zygote
+        # and reports its inventory first, on 2 cores shared with the reference run; this checks what the
+        # plan holds, not how fast it comes (bench/recovery.py times that).
+        plan = await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 150,
                                    f"the restore plan of generation {generation}")
         # Each rank's source is in its node's part of the plan (recorded before the plan itself).
         parts = [e.payload for e in await self.events(["CheckpointNodeRestorePlanned"])]
@@ -298,15 +315,7 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
     await run.wait_for(["RankExited"], lambda e: e.payload.generation == run.generation and e.payload.rank == 0
                        and e.payload.classification == "success", 240, "the end of training")
     await reference
-    for rank in range(4):
-        final = Path(f"{scratch_dir / 'final'}.rank{rank}")
-        deadline = time.monotonic() + 60
-        while not final.exists() and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert_bitwise_equal(final, Path(f"{scratch_dir / 'reference' / 'final'}.rank{rank}"))
-    reference_losses = losses_of(list((scratch_dir / "reference" / "agent" / "logs").glob("rank0.g*.stdout")))
-    assert sorted(reference_losses) == list(range(STEPS))
-    assert losses_of(run.rank0_stdout()) == reference_losses
+    await assert_equal_to_reference(scratch_dir, run.rank0_stdout())
 
     # The persistent tier was written on the broker's schedule (every 10 steps here) with manifests.
     persisted = await run.events(["CheckpointPersisted"])

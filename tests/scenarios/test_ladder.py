@@ -21,6 +21,7 @@ import pytest
 
 from keel.checkpoint_broker.restore import joined_sources
 from keel.cluster.local import FaultSpec, cluster_down, cluster_up, inject, load_cluster
+from keel.cluster.netns import NetworkPlan
 from keel.events.envelope import Event
 from tests.integration.test_crashes import service_env, start_service_process
 from tests.scenarios.test_cluster_faults import stop_process
@@ -39,6 +40,8 @@ class Stack:
         self.directory = scratch / "cluster"
         self.services: list[subprocess.Popen] = []
         self.knobs: dict[str, str] = {}
+        self.network: NetworkPlan | None = None
+        """A host network (``keel.cluster.netns``): each node a host of its own on it; None: a flat cluster."""
 
     def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None,
               nproc_per_node: int = 1, more_services: tuple[str, ...] = ()) -> None:
@@ -63,7 +66,7 @@ class Stack:
         cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=nproc_per_node,
                    job_id=self.job,
                    command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s",
-                   persist_root=self.scratch / "checkpoints", fault_injection=True)
+                   persist_root=self.scratch / "checkpoints", fault_injection=True, network=self.network)
 
     def stop(self) -> None:
         """Idempotent: the cluster down, then every service."""

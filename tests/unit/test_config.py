@@ -42,6 +42,7 @@ def test_config_path_from_environment(tmp_path: Path) -> None:
         ("bus:\n  max_bytes: 1000\n", "bus.max_bytes: size needs a unit"),
         ("bus:\n  max_ages: 3d\n", "bus.max_ages: unknown setting"),
         ("nats:\n  port: 70000\n", "nats.port"),
+        ("nats:\n  hosts: [bridge]\n", "is not an IP address"),
         ("bus:\n  subject_prefix: 'a.b'\n", "bus.subject_prefix: must be letters"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("bus: [unclosed\n", "not valid YAML"),

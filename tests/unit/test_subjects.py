@@ -100,9 +100,12 @@ def test_an_agent_subscribes_to_its_own_nodes_commands_and_the_job_wide_requests
                         "keel.train.job.*.DiagnosticsRequested", "keel.train.job.*.StacksRequested",
                         "keel.train.job.*.SdcReplayRequested",
                         # The controller's report of this node's clock skew (it judges expiries net of it).
-                        "keel.train.node.gpu01%2Edc1.NodeClockSkewed"]
+                        "keel.train.node.gpu01%2Edc1.NodeClockSkewed",
+                        # Its eviction and fence: it stops its ranks and leaves (keel.agent.fencing).
+                        "keel.train.node.gpu01%2Edc1.NodeEvictionDecided",
+                        "keel.train.node.gpu01%2Edc1.NodeFenced"]
     with_broker = command_subjects("keel", "train", "gpu01.dc1", checkpointing=True)
-    assert with_broker[:6] == subjects and "keel.train.job.*.CheckpointRestorePlanned" in with_broker
+    assert with_broker[:8] == subjects and "keel.train.job.*.CheckpointRestorePlanned" in with_broker
     # The broker's per-node parts (a restore plan's, a placement's): this node's only.
     assert with_broker[-3:] == ["keel.train.node.gpu01%2Edc1.CheckpointNodeBackupsAssigned",
                                 "keel.train.node.gpu01%2Edc1.CheckpointNodeRestorePlanned",

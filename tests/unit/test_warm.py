@@ -69,4 +69,7 @@ def test_standalone_without_a_port_picks_a_free_one_below_the_ephemeral_range() 
     assert all(10_000 <= port < low for port in picked), picked
     assert len(picked) > 1  # random within the range, so two jobs started together rarely race for one
     assert parse_launch_args(["--standalone", "--master-port", "1234", "train.py"]).with_free_master_port().master_port == 1234
-    assert parse_launch_args(["train.py"]).master_port == 29500
+    # torchrun: one node without a master port is a local rendezvous on a free port too; a static
+    # multi-node one keeps 29500.
+    assert parse_launch_args(["train.py"]).master_port == 0
+    assert parse_launch_args(["--nnodes", "2", "train.py"]).master_port == 29500

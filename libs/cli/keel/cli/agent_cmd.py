@@ -21,6 +21,7 @@ from keel.infra.config import BusSettings, Settings, credentials_path
 if TYPE_CHECKING:  # imported where used: `keel` commands other than `keel run` never load the agent
     from keel.agent.checkpointing import NodeCheckpointing
     from keel.agent.launch_spec import LaunchSpec
+    from keel.agent.rejoin import AgentLock
     from keel.agent.shard_store import TlsMaterial
 
 log = logging.getLogger(__name__)
@@ -61,18 +62,24 @@ def agent_bus_settings(settings: Settings, job_id: str, node_id: str) -> BusSett
 def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     from keel.agent.agent import NodeAgent
     from keel.agent.inspector_adapter import build_watcher, classify
-    from keel.agent.launch_spec import LaunchError, parse_launch_args
+    from keel.agent.launch_spec import LaunchError, LaunchHelp, parse_launch_args
     from keel.events.signing import KeyringError
     from keel.infra.outbox import Outbox
     from keel.infra.signing import consumer_signing
 
-    supervised = "--keel-supervised" in argv
-    argv = [a for a in argv if a != "--keel-supervised"]
     try:
         spec = parse_launch_args(argv).with_free_master_port()
+    except LaunchHelp:
+        return 0
     except LaunchError as exc:
         print(f"keel run: {exc}", file=sys.stderr)
         return 2
+    warn_torchrun_differences(spec)
+    if spec.local_restarts:
+        nats_url = None  # torchrun's behaviour, even where a control plane is configured
+    # Supervised by the control plane wherever one is configured (KEEL_NATS_URL, nats_url, `keel up`): the
+    # controller decides restarts for every node together. Without one, torchrun's local restarts.
+    supervised = nats_url is not None
     # The agent signs nothing; it checks its commands against the control plane's keyring (signing.keyring).
     try:
         signing = consumer_signing(settings)
@@ -82,7 +89,9 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     outbox = Outbox(nats_url, agent_bus_settings(settings, spec.job_id, spec.node_id),
                     name=f"keel-agent-{spec.node_id}", signing=signing) if nats_url else None
     if outbox is None:
-        log.warning("keel run: no NATS configured (KEEL_NATS_URL or `keel up`): supervising without reporting")
+        log.warning("keel run: %s: failures handled here (restarts up to --max-restarts), nothing reported",
+                    "--keel-local-restarts" if spec.local_restarts else "no control plane configured (KEEL_NATS_URL or "
+                    "`keel up`)")
     try:
         watcher = build_watcher(spec, settings.inspector)
     except (TypeError, ValueError) as exc:
@@ -111,22 +120,33 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     from keel.checkpoint.owned import UntrustedPathError
 
     checkpointing = None
+    lock: AgentLock | None = None
     try:
+        spec, lock = claim_agent_dir(spec)
+        placed = place_node(spec)
+        if isinstance(placed, str):
+            lock.release()
+            print(f"keel run: {placed}", file=sys.stderr)
+            return 2
+        spec = placed
         if spec.ckpt_dir is not None:
             try:
                 checkpointing = build_checkpointing(spec, settings, supervised=supervised)
             except UntrustedPathError:
                 raise
             except (OSError, ValueError) as exc:  # the TLS files, the CA folder, the bind address
+                lock.release()
                 print(f"keel run: shard store: {exc}", file=sys.stderr)
                 return 2
         agent = NodeAgent(spec, outbox=outbox, watcher=watcher, classify=classify(spec), supervised=supervised,
                           checkpointing=checkpointing, diagnostics_policy=diagnostics_policy, clock=clock,
                           metric_settings=settings.analyzer.metric_settings(),
-                          code_store=settings.hot_update.resolved_versions_dir(settings.home))
+                          code_store=settings.hot_update.resolved_versions_dir(settings.home), lock=lock)
     except (AgentDirBusy, UntrustedPathError) as exc:
         if checkpointing is not None:
             checkpointing.close(job_finished=False)
+        if lock is not None:
+            lock.release()
         print(f"keel run: {'refusing to start: ' if isinstance(exc, UntrustedPathError) else ''}{exc}", file=sys.stderr)
         return 2
     if checkpointing is not None:
@@ -135,8 +155,9 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        # torchrun's --signals-to-handle (SIGTERM and SIGINT always): the agent stops its ranks and exits.
+        for name in dict.fromkeys(("SIGTERM", "SIGINT", *spec.signals_to_handle)):
+            loop.add_signal_handler(getattr(signal, name), stop.set)
         outbox_stop = asyncio.Event()
         publisher = asyncio.create_task(outbox.run(outbox_stop)) if outbox else None
         result = await agent.run(stop)
@@ -149,22 +170,80 @@ def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:
         log.info("keel run: %s", result.reason)
         return result.exit_code
 
-    return asyncio.run(main())
-
-
-def interface_toward(host: str, port: int) -> str:
-    """The local address this machine reaches ``host`` from (a UDP "connect" sends nothing): the
-    interface of the cluster network, where the shard store listens by default on a multi-node job."""
-    import socket
-
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return str(probe.getsockname()[0])
-    except OSError as exc:
-        raise OSError(f"cannot tell which interface reaches the rendezvous master {host}:{port} ({exc}); "
-                      f"give --keel-store-address HOST:PORT or the checkpoint.store_address setting") from None
+        return asyncio.run(main())
+    finally:
+        # Ended by itself (not killed): the next agent in this folder is a new launch and rendezvous again.
+        from keel.agent.rendezvous_store import remove_record
+
+        remove_record(spec.agent_dir)
+
+
+def warn_torchrun_differences(spec: LaunchSpec) -> None:
+    """Say what torchrun would have said, and where a flag means less under Keel (docs/torchrun.md)."""
+    import os
+
+    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        log.warning("\n*****************************************\nSetting OMP_NUM_THREADS environment variable for "
+                    "each process to be 1 in default, to avoid your system being overloaded, please further tune "
+                    "the variable for optimal performance in your application as needed. \n"
+                    "*****************************************")
+    if spec.numa_binding is not None:
+        log.warning("keel run: --numa-binding %s is accepted but not applied (docs/torchrun.md)", spec.numa_binding)
+    if spec.logs_specs is not None:
+        log.warning("keel run: --logs-specs %s is accepted; Keel writes torchrun's default log layout "
+                    "(docs/torchrun.md)", spec.logs_specs)
+
+
+def claim_agent_dir(spec: LaunchSpec) -> tuple[LaunchSpec, AgentLock]:
+    """Lock the agent folder. A given ``--keel-agent-dir`` held by a live agent is refused (``AgentDirBusy``);
+    the default one (``$TMPDIR/keel-agent-<node>-<job>``) is followed by ``-2``, ``-3``... until a free one,
+    so two ``keel run``s on one host never share a folder (nor the slot folder derived from it). An agent
+    restarted after its predecessor died takes the first free one: its predecessor's, if that came first."""
+    from keel.agent.rejoin import AgentDirBusy, AgentLock
+
+    if not spec.agent_dir_default:
+        return spec, AgentLock(spec.agent_dir)
+    base = spec.agent_dir
+    for number in range(1, 65):
+        candidate = spec.with_agent_dir(base if number == 1 else base.with_name(f"{base.name}-{number}"))
+        try:
+            return candidate, AgentLock(candidate.agent_dir)
+        except AgentDirBusy:
+            continue
+    raise AgentDirBusy(f"64 agents of node {spec.node_id}, job {spec.job_id} run on this host in {base}[-N]: give "
+                       f"--keel-agent-dir")
+
+
+def place_node(spec: LaunchSpec) -> LaunchSpec | str:
+    """The spec with this node's rank: as given (static), or from the c10d rendezvous of the job's first
+    start (``keel.agent.rendezvous_store``). An agent restarted under the running job (``agent.json`` says
+    rejoin) takes the rank its predecessor recorded instead. Returns why not, as text, when it fails."""
+    if not spec.rendezvous:
+        return spec
+    from keel.agent.launch_spec import LaunchError
+    from keel.agent.rejoin import decide_rejoin, read_state
+    from keel.agent.rendezvous_store import RendezvousFailed, read_record, rendezvous, write_record
+
+    record = read_record(spec.agent_dir)
+    decision = decide_rejoin(read_state(spec.agent_dir), job_id=spec.job_id, node_id=spec.node_id,
+                             standby=spec.standby)
+    if record is not None and record.rdzv_id == spec.rdzv_id and decision.mode == "rejoin":
+        log.info("%s: rejoining with the recorded rendezvous outcome (node rank %d of %d)", spec.node_id,
+                 record.node_rank, record.nnodes)
+    else:
+        try:
+            record = rendezvous(rdzv_id=spec.rdzv_id, node_id=spec.node_id, host=spec.master_addr,
+                                port=spec.master_port, min_nodes=spec.min_nodes, max_nodes=spec.max_nodes,
+                                conf=spec.rdzv_conf, standby=spec.standby)
+        except (RendezvousFailed, OSError) as exc:
+            return f"rendezvous {spec.rdzv_id} at {spec.master_addr}:{spec.master_port}: {exc}"
+        write_record(spec.agent_dir, record)
+    try:
+        return spec.with_rendezvous(record.node_rank, record.nnodes, record.master_addr, record.master_port)
+    except LaunchError as exc:
+        return str(exc)
+
 
 
 def store_bind_address(spec: LaunchSpec, settings: Settings) -> str:
@@ -174,6 +253,8 @@ def store_bind_address(spec: LaunchSpec, settings: Settings) -> str:
         return spec.store_address
     if settings.checkpoint.store_address:
         return settings.checkpoint.store_address
+    from keel.agent.rendezvous_store import interface_toward
+
     host = interface_toward(spec.master_addr, spec.master_port)
     return f"[{host}]:0" if ":" in host else f"{host}:0"
 

@@ -2,7 +2,7 @@
 and faults injected into it.
 
     keel cluster up --nodes N [--standby S] [--nproc-per-node P] [--job-id J] [--dir D] [--fault-injection]
-                    -- [-m MOD | F] [args]
+                    [--hosts flat|netns] -- [-m MOD | F] [args]
     keel cluster down | status [--dir D]
     keel inject KIND --node NODE [--rank R] [--param k=v ...] [--dir D]   one fault
     keel inject --scenario FILE [--dir D]                                 a timed list of faults
@@ -35,6 +35,10 @@ def register(sub: Subparsers) -> None:
     cluster_up.add_argument("--fault-injection", action="store_true",
                             help="let `keel inject` make the ranks fail (crash hang slow nan oom sdc): they read "
                                  "a fault file; off by default")
+    cluster_up.add_argument("--hosts", choices=("flat", "netns"), default="flat",
+                            help="flat: every node on this host's loopback (default); netns: each node a host of "
+                                 "its own (a network namespace on the bridge of `keel up --hosts netns`; needs "
+                                 "root / CAP_NET_ADMIN)")
     cluster_up.add_argument("command", nargs=argparse.REMAINDER, help="-- [-m module | script.py] [args]")
     cluster_up.set_defaults(func=cmd_cluster)
     for name, text in (("down", "stop every agent and rank"), ("status", "agents and their ranks")):
@@ -53,16 +57,27 @@ def register(sub: Subparsers) -> None:
 
 
 def cmd_cluster(args: argparse.Namespace, settings: Settings) -> int:
-    from keel.cluster.local import ClusterError, cluster_dir, cluster_down, cluster_status, cluster_up
+    from keel.cluster.local import ClusterError, cluster_dir, cluster_down, cluster_status, cluster_up, home_network
+    from keel.cluster.netns import unavailable_reason
 
     directory = cluster_dir(settings, args.dir)
     try:
         if args.cluster_command == "up":
             command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            network = None
+            if args.hosts == "netns":
+                reason = unavailable_reason()
+                if reason:
+                    raise CliError(f"--hosts netns: {reason}; use the flat local cluster (--hosts flat) here")
+                network = home_network(settings.home)
+                if network is None:
+                    raise CliError("--hosts netns: no host network: start the control plane on one first, "
+                                   "`keel up --hosts netns` (its NATS then listens on the bridge)")
             state = cluster_up(settings, directory, nodes=args.nodes, standby=args.standby,
                                nproc_per_node=args.nproc_per_node, job_id=args.job_id, command=command,
                                nats_url=nats_url_or_none(settings), probe_interval=args.probe_interval,
-                               heartbeat_interval=args.heartbeat_interval, fault_injection=args.fault_injection)
+                               heartbeat_interval=args.heartbeat_interval, fault_injection=args.fault_injection,
+                               network=network)
             print(json.dumps(state, indent=2))
         elif args.cluster_command == "down":
             stopped = cluster_down(directory)

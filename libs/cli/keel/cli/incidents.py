@@ -43,6 +43,7 @@ from keel.events.types import (
     JobStopDecided,
     NodeClockSkewed,
     NodeCordoned,
+    NodeFenced,
 )
 from keel.events.units import format_duration as format_duration_spec
 from keel.events.units import parse_duration
@@ -163,6 +164,9 @@ class IncidentSummary:
     resolved_at: datetime | None = None
     resolution: str = ""
     """The ``IncidentResolved`` (or ``JobStopDecided``) reason."""
+    measure: str = ""
+    """How its recovery was judged (``IncidentResolved.measure``): ``step``, or ``process`` for a job
+    without the SDK (coarser); "" while unresolved."""
 
     @property
     def time_to_resolution(self) -> timedelta | None:
@@ -174,7 +178,8 @@ class IncidentSummary:
                 "node_id": self.node_id, "rung": self.rung, "outcome": self.outcome,
                 "resolved_at": self.resolved_at.isoformat() if self.resolved_at else None,
                 "time_to_resolution_s": None if ttr is None else ttr.total_seconds(), "reason": self.reason,
-                "resolution": self.resolution, "generation": self.generation, "evidence": list(self.evidence)}
+                "resolution": self.resolution, "measure": self.measure or None, "generation": self.generation,
+                "evidence": list(self.evidence)}
 
 
 def summarize_incidents(events: Iterable[Event]) -> list[IncidentSummary]:
@@ -201,6 +206,7 @@ def summarize_incidents(events: Iterable[Event]) -> list[IncidentSummary]:
             incident.rung = rung if incident.rung is None else max(incident.rung, rung)
         if isinstance(p, IncidentResolved):
             incident.outcome, incident.resolved_at, incident.resolution = p.outcome, event.occurred_at, p.reason
+            incident.measure = p.measure
         elif isinstance(p, JobStopDecided) and incident.outcome == "open":
             incident.outcome, incident.resolved_at, incident.resolution = "stopped", event.occurred_at, p.reason
     return list(incidents.values())
@@ -227,6 +233,10 @@ def format_incidents(incidents: Sequence[IncidentSummary], *, reason_width: int 
         lines.append(f"{short_id(i.id):<8}  {i.job_id:<12} {_stamp(i.opened_at):<23}  {i.kind:<11} {i.node_id or '-':<10} "
                      f"{'-' if i.rung is None else i.rung:>4}  {i.outcome:<10} "
                      f"{'-' if ttr is None else format_duration(ttr):>13}  {_truncate(i.reason, reason_width)}")
+    coarse = [short_id(i.id) for i in incidents if i.measure == "process"]
+    if coarse:
+        lines.append(f"process-level (no SDK, coarser: a hang is not seen): {', '.join(coarse)} resolved once every "
+                     f"rank of the new generation ran for the settle interval, not on a reported step")
     return "\n".join(lines)
 
 
@@ -260,6 +270,27 @@ def skewed_clocks(events: Iterable[Event]) -> list[SkewedClock]:
             latest[(event.job_id, event.payload.node_id)] = event
     return [SkewedClock(job, node, e.payload.skew_s, e.occurred_at, e.payload.reason)
             for (job, node), e in sorted(latest.items()) if isinstance(e.payload, NodeClockSkewed) and e.payload.skewed]
+
+
+FENCE_TYPES = ("NodeFenced",)
+
+
+def format_fences(events: Iterable[Event]) -> str:
+    """A line per node the controller fenced out of its job (``NodeFenced``: a host back after its eviction,
+    whose reports were ignored), its latest record; "" when none."""
+    latest: dict[tuple[str, str], Event] = {}
+    for event in events:
+        if isinstance(event.payload, NodeFenced):
+            latest[(event.job_id, event.payload.node_id)] = event
+    if not latest:
+        return ""
+    lines = ["nodes fenced out of their job (evicted, then heard from again: what they sent was ignored):"]
+    for (job, node), e in sorted(latest.items()):
+        assert isinstance(e.payload, NodeFenced)
+        p = e.payload
+        lines.append(f"  {job:<12} {node:<10} left at generation {p.fenced_generation}, heard at generation "
+                     f"{p.generation} ({p.input_type}), {_stamp(e.occurred_at)}, incident {short_id(str(e.correlation_id))}")
+    return "\n".join(lines)
 
 
 def format_skewed_clocks(clocks: Sequence[SkewedClock]) -> str:
@@ -424,6 +455,7 @@ def format_ettr(job: JobEttr) -> str:
         ("restart requests", str(len(report.restart_requests)), str(window.restart_requests)),
     ]
     lines = [f"job {job.job_id}: {_stamp(report.started_at)} .. {_stamp(report.ended_at)}, generation {report.generation}",
+             *([f"measured {report.note}"] if report.note else []),
              "", f"{'':<20} {'cumulative':>14} {label:>14}"]
     lines += [f"{name:<20} {a:>14} {b:>14}" for name, a, b in rows]
     if report.incidents:
@@ -449,7 +481,8 @@ def ettr_json(job: JobEttr) -> dict[str, Any]:
                                  strict=True):
         entry["controller_incident"] = None if controller is None else {"id": str(controller.id),
                                                                         "kind": controller.kind}
-    return {"job_id": job.job_id, "cumulative": cumulative, "window": job.window.to_json()}
+    return {"job_id": job.job_id, "measure": job.report.measure, "note": job.report.note, "cumulative": cumulative,
+            "window": job.window.to_json()}
 
 
 # -- pure: human input ------------------------------------------------------------------------------
@@ -632,14 +665,23 @@ def cmd_ettr(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+async def load_fences(store: EventStore, job_id: str | None = None) -> list[Event]:
+    return [r.event async for r in store.read(job_id=job_id, types=FENCE_TYPES)]
+
+
 def cmd_incidents(args: argparse.Namespace, settings: Settings) -> int:
     incidents, clocks = on_store(settings, lambda store: load_incidents_and_clocks(store, args.job))
+    fences = on_store(settings, lambda store: load_fences(store, args.job))
     if args.json:
-        print_json({**incidents_json(incidents), "skewed_clocks": [c.to_json() for c in clocks]})
+        print_json({**incidents_json(incidents), "skewed_clocks": [c.to_json() for c in clocks],
+                    "fenced": [{"job_id": e.job_id, **e.payload.model_dump(mode="json"),
+                                "at": e.occurred_at.isoformat(), "incident": str(e.correlation_id)} for e in fences]})
     else:
         print(format_incidents(incidents))
         if clocks:
             print("\n" + format_skewed_clocks(clocks))
+        if fences:
+            print("\n" + format_fences(fences))
     return 0
 
 

@@ -51,6 +51,9 @@ SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer
 def register(sub: Subparsers) -> None:
     up = sub.add_parser("up", help="start the embedded NATS and PostgreSQL, migrate, start the services")
     up.add_argument("--no-services", action="store_true", help="start only the servers")
+    up.add_argument("--hosts", choices=("flat", "netns"), default="flat",
+                    help="netns: make a host network (a bridge; needs root / CAP_NET_ADMIN) whose address NATS "
+                         "listens on, for `keel cluster up --hosts netns`; `keel down` removes it")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop the services and the embedded servers").set_defaults(func=cmd_down)
     sub.add_parser("status", help="what is running").set_defaults(func=cmd_status)
@@ -65,9 +68,12 @@ def register(sub: Subparsers) -> None:
 
 
 def runtime_for(settings: Settings) -> EmbeddedRuntime:
+    from keel.cluster.local import home_network
     from keel.infra.embedded import EmbeddedRuntime
     from keel.infra.nats_auth import NatsScope
 
+    if not settings.nats.hosts and (network := home_network(settings.home)) is not None:
+        settings = settings.model_copy(update={"nats": settings.nats.model_copy(update={"hosts": [network.gateway]})})
     return EmbeddedRuntime(
         home=settings.home,
         nats_port=settings.nats.port,
@@ -77,6 +83,9 @@ def runtime_for(settings: Settings) -> EmbeddedRuntime:
         credentials_dir=credentials_path(settings),
         nats_tls=settings.nats.tls,
         nats_scope=NatsScope(settings.bus.subject_prefix, settings.bus.stream, settings.bus.dlq_stream),
+        nats_cluster_size=settings.nats.embedded_cluster_size,
+        nats_cluster_port=settings.nats.cluster_port,
+        nats_hosts=tuple(settings.nats.hosts),
     )
 
 
@@ -140,6 +149,8 @@ def migrate(settings: Settings) -> str:
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     state: dict[str, Any] = {}
+    if args.hosts == "netns":
+        _host_network_for_up(settings)
     if not (settings.nats_url and settings.database_url):
         state = runtime_for(settings).up()
     nats_url = migrate(settings)
@@ -168,6 +179,28 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     print(json.dumps({"nats_url": nats_url, "database_url": redact(database_url), **_status(settings, state)},
                      indent=2, default=str))
     return 0
+
+
+def _host_network_for_up(settings: Settings) -> None:
+    """``keel up --hosts netns``: the host network (made now if there is none) whose bridge address the embedded
+    NATS listens on; refused where namespaces cannot be made, or when NATS already runs on another address."""
+    from keel.cluster.local import ClusterError, ensure_home_network
+    from keel.cluster.netns import unavailable_reason
+    from keel.infra.embedded import LOCALHOST
+
+    reason = unavailable_reason()
+    if reason:
+        raise CliError(f"--hosts netns: {reason}; `keel up` without it serves the flat local cluster")
+    if settings.nats_url:
+        raise CliError("--hosts netns starts the embedded NATS on the host network's bridge; an external NATS "
+                       "(KEEL_NATS_URL) must itself listen where the node hosts reach it")
+    running = runtime_for(settings)
+    if running.nats.is_running() and running.nats.host == LOCALHOST:
+        raise CliError("the embedded NATS already runs on 127.0.0.1: `keel down` first, then `keel up --hosts netns`")
+    try:
+        ensure_home_network(settings.home)
+    except ClusterError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _ensure_signing_keys(settings: Settings) -> None:
@@ -274,6 +307,9 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
         _pid_file(settings, service).unlink(missing_ok=True)
     if not (settings.nats_url and settings.database_url):
         runtime_for(settings).down()
+    from keel.cluster.local import drop_home_network
+
+    drop_home_network(settings.home)  # `keel up --hosts netns`'s bridge, if any
     print("keel: down")
     return 0
 

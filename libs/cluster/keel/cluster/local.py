@@ -12,11 +12,16 @@ detection latency is measured from the log. ``nic-down`` takes ``interface`` (de
 
 Standbys run idle with the job's training command (``--keel-standby``): a ``StandbyPromotionRequested``
 gives one any node's slice of ranks (``keel.agent.commands``).
+
+By default every node shares this machine's loopback. Given a host network (``keel.cluster.netns``,
+``keel cluster up --hosts netns``), each node is a host of its own on it: its agent runs in the node's
+network namespace and everything between nodes crosses the bridge; ``cut_link`` partitions one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import shutil
@@ -29,17 +34,20 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from keel.cluster import netns
+from keel.cluster.netns import HOST_IFNAME, NetnsError, NetworkPlan
 from keel.events.envelope import Event, now_utc
 from keel.events.types import FaultInjected
 from keel.events.units import parse_duration
 from keel.infra.bus import Bus
 from keel.infra.config import Settings, credentials_path
 from keel.infra.embedded import rendezvous_base_port
-from keel.infra.nats_auth import OPERATOR, bus_settings_for
+from keel.infra.nats_auth import OPERATOR, NatsAuthError, NatsAuthority, bus_settings_for
 from keel.infra.secrets import ensure_private_dir
 from keel.infra.shard_ca import issue_node_certificate
 from keel.infra.signing import keyring_path
@@ -129,6 +137,12 @@ def seed_overlay_root(root: Path, gpus: int) -> None:
     atomic_write(root / "run/keel/nvml.json", json.dumps({"device_count": gpus, "devices": devices}, indent=1))
 
 
+NODE_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+"""Variables besides ``KEEL_*`` that every agent of the cluster gets, recorded so that a node started later
+(``start_node``, the actuator's standbys and refills) runs as its peers do: a different ``OMP_NUM_THREADS``
+changes a rank's floating-point reduction order, and a resumed job would no longer be bitwise exact."""
+
+
 def cluster_up(
     settings: Settings,
     directory: Path,
@@ -144,8 +158,15 @@ def cluster_up(
     heartbeat_interval: str = "5s",
     persist_root: Path | None = None,
     fault_injection: bool = False,
+    network: NetworkPlan | None = None,
 ) -> dict[str, Any]:
     """Start ``nodes`` agents running ``command`` (and ``standby`` idle ones). Returns the state written.
+
+    ``network`` (``keel.cluster.netns``, ``keel cluster up --hosts netns``): each node is a host of its own
+    on that network (a namespace named after the node, added here, removed by ``cluster_down``); its agent
+    runs inside it, the rendezvous master is node rank 0's host address, each shard store binds its host's
+    address and gloo its ``eth0``. ``nats_url`` must then be reachable from the bridge (not loopback).
+    Without it, every node shares this machine's loopback (the flat local cluster).
 
     ``fault_injection``: the agents run with ``--keel-fault-injection``, so ``keel inject`` can make their
     ranks fail (workload faults and ``sdc``, which the ranks read from files); off, ``inject`` refuses
@@ -162,6 +183,8 @@ def cluster_up(
             raise ClusterError(f"a local cluster already runs in {directory}; `keel cluster down` first")
     if not command:
         raise ClusterError("no training command: keel cluster up --nodes N -- [-m module | script.py] [args]")
+    if network is not None:
+        _check_reachable_from_hosts(nats_url, network)
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     master_port = rendezvous_base_port()
@@ -170,44 +193,165 @@ def cluster_up(
     # never commits (the broker would wait for shard files in another folder and give every step up).
     persist_root = persist_root or settings.checkpoint.resolved_persist_root(settings.home)
     env = dict(os.environ, **(extra_env or {}))
+    # The simulated nodes share this host's cores: one OpenMP thread per rank, as torchrun gives several
+    # ranks of one host (each agent alone would leave it unset for a single rank per node).
+    env.setdefault("OMP_NUM_THREADS", "1")
     if nats_url:
         env["KEEL_NATS_URL"] = nats_url
     # The agents check their commands' signatures against the keyring these settings name (a config file
     # given to this command is not read by the agents).
     env.setdefault("KEEL_SIGNING__KEYRING", str(keyring_path(settings)))
+    node_ids = [f"s{index - nodes:02d}" if index >= nodes else f"n{index:02d}" for index in range(nodes + standby)]
+    addresses = {node_id: "127.0.0.1" for node_id in node_ids}
+    if network is not None:
+        # Every node's host before any agent starts: the rendezvous master is node rank 0's host.
+        env["GLOO_SOCKET_IFNAME"] = HOST_IFNAME  # gloo would resolve the machine's hostname, on no host's link
+        issue_agent_identities(credentials_path(settings), job_id, node_ids)
+        try:
+            for node_id in node_ids:
+                network = netns.add_host(network, node_id)
+                addresses[node_id] = network.host(node_id).address
+        except NetnsError as exc:
+            for node_id in node_ids:
+                if any(h.name == node_id for h in network.hosts):
+                    network = netns.remove_host(network, node_id)
+            raise ClusterError(f"cannot make the node hosts: {exc}") from None
+    master_addr = addresses[node_ids[0]]
     node_states = []
-    for index in range(nodes + standby):
+    for index, node_id in enumerate(node_ids):
         is_standby = index >= nodes
-        node_id = f"s{index - nodes:02d}" if is_standby else f"n{index:02d}"
         agent_dir = ensure_private_dir(directory / "nodes" / node_id)  # what the agent accepts
         root = agent_dir / "root"
         seed_overlay_root(root, gpus=nproc_per_node)
         argv = [
             sys.executable, "-m", "keel.cli.main", "run",
             "--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
-            "--node-rank", str(min(index, nodes - 1)), "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+            "--node-rank", str(min(index, nodes - 1)), "--master-addr", master_addr, "--master-port", str(master_port),
             "--keel-job-id", job_id, "--keel-node-id", node_id, "--keel-fault-domain", f"domain-{index}",
             "--keel-agent-dir", str(agent_dir), "--keel-root", str(root),
             "--keel-probe-interval", probe_interval, "--keel-heartbeat-interval", heartbeat_interval,
             "--keel-ckpt-dir", str(shm_root / node_id), "--keel-persist-root", str(persist_root),
-            "--keel-store-address", "127.0.0.1:0", "--keel-supervised",
+            "--keel-store-address", f"{addresses[node_id]}:0",
             *(["--keel-fault-injection"] if fault_injection else []),
         ]
         # The launcher holds the credentials folder: it issues each node its shard-store certificate from
         # the job's CA (keel.infra.shard_ca), so the agents never need the CA's key.
-        tls = issue_node_certificate(credentials_path(settings), job_id, node_id, hosts=("127.0.0.1",))
+        tls = issue_node_certificate(credentials_path(settings), job_id, node_id, hosts=(addresses[node_id],))
         argv += ["--keel-tls-cert", str(tls.cert), "--keel-tls-key", str(tls.key), "--keel-tls-ca", str(tls.ca)]
         # A standby carries the training command too: promoted, it runs the ranks of the slice it takes.
         argv += ["--keel-standby", *command] if is_standby else list(command)
-        process = spawn_agent(argv, env, agent_dir)
-        node_states.append({"node_id": node_id, "standby": is_standby, "agent_dir": str(agent_dir),
-                            "root": str(root), "pid": process.pid, "ckpt_dir": str(shm_root / node_id),
-                            "argv": argv})
+        node_state = {"node_id": node_id, "standby": is_standby, "agent_dir": str(agent_dir), "root": str(root),
+                      "ckpt_dir": str(shm_root / node_id), "argv": argv, "address": addresses[node_id]}
+        if network is not None:
+            node_state["host"] = node_id
+        node_state["pid"] = spawn_agent(host_argv(network, node_state, argv), env, agent_dir).pid
+        node_states.append(node_state)
     state = {"job_id": job_id, "nodes": node_states, "master_port": master_port, "nproc_per_node": nproc_per_node,
+             "hosts": "netns" if network is not None else "flat", "master_addr": master_addr,
+             "network": network.tag if network is not None else None,
+             "credentials_dir": str(credentials_path(settings)),
              "command": command, "started_at": now_utc().isoformat(), "shm_root": str(shm_root),
-             "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_")}}
+             "persist_root": str(persist_root), "fault_injection": fault_injection, "env": {k: v for k, v in env.items() if k.startswith("KEEL_") or k in NODE_ENV}}
     atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return state
+
+
+def _check_reachable_from_hosts(nats_url: str | None, network: NetworkPlan) -> None:
+    """The agents on the node hosts must reach NATS across the bridge: a loopback URL names each host's own."""
+    if not nats_url:
+        return
+    host = urlsplit(nats_url).hostname or ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        raise ClusterError(f"NATS at {nats_url} listens on loopback, which the node hosts cannot reach (each has its "
+                           f"own): start the control plane on the host network's bridge, `keel up --hosts netns` "
+                           f"(NATS then listens on {network.gateway}), or give a NATS URL on the bridge")
+
+
+def home_network(home: Path) -> NetworkPlan | None:
+    """The host network ``keel up --hosts netns`` made for the control plane under ``home`` (None: none)."""
+    try:
+        tag = json.loads((home / "network.json").read_text())["tag"]
+    except (OSError, ValueError, KeyError):
+        return None
+    try:
+        return netns.current(tag)
+    except NetnsError:
+        return None
+
+
+def ensure_home_network(home: Path) -> NetworkPlan:
+    """``home``'s host network, made now when there is none (a bridge whose address is the control plane's);
+    it stays until ``drop_home_network`` (``keel down``)."""
+    network = home_network(home)
+    if network is None:
+        try:
+            network = netns.create()
+        except NetnsError as exc:
+            raise ClusterError(f"--hosts netns: {exc}") from None
+        atomic_write(home / "network.json", json.dumps({"tag": network.tag, "bridge": network.bridge,
+                                                         "gateway": network.gateway}))
+    return network
+
+
+def drop_home_network(home: Path) -> None:
+    network = home_network(home)
+    if network is not None:
+        netns.destroy(network)
+    (home / "network.json").unlink(missing_ok=True)
+
+
+def issue_agent_identities(credentials: Path, job_id: str, node_ids: list[str]) -> None:
+    """Issue the agents' NATS identities here, before they start on their hosts: an agent issues its own when it
+    has none, but it then has the local server reload, which it checks on the server's monitoring port on
+    127.0.0.1, and a node host's loopback is its own."""
+    authority = NatsAuthority(credentials)
+    try:
+        if authority.local_server() is None:
+            return
+        for node_id in node_ids:
+            authority.ensure_agent(job_id, node_id)
+    except (OSError, NatsAuthError) as exc:
+        raise ClusterError(f"cannot issue the agents' NATS identities in {authority.folder}: {exc}") from None
+
+
+def host_network(state: dict[str, Any]) -> NetworkPlan | None:
+    """The host network a cluster's nodes live on (None: a flat cluster), as recorded now."""
+    if not state.get("network"):
+        return None
+    try:
+        return netns.current(state["network"])
+    except NetnsError as exc:
+        raise ClusterError(f"the cluster's host network is gone: {exc}") from None
+
+
+def host_argv(network: NetworkPlan | None, node: dict[str, Any], argv: list[str]) -> list[str]:
+    """``argv`` run on ``node``'s host: inside its namespace on a host network, else as it is."""
+    return netns.in_host(network, node["host"], argv) if network is not None and node.get("host") else argv
+
+
+def cut_link(directory: Path, node_id: str) -> str:
+    """Partition ``node_id``'s host (a cluster on a host network): its link to the bridge goes down; its agent
+    and ranks keep running, unreachable. Returns what was done, for humans."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    network = host_network(state)
+    if network is None or not node.get("host"):
+        raise ClusterError("a link cut needs a cluster whose nodes are hosts: `keel cluster up --hosts netns`")
+    netns.cut(network, node["host"])
+    return f"link of host {node['host']} ({node['address']}) cut from the bridge {network.bridge}"
+
+
+def restore_link(directory: Path, node_id: str) -> None:
+    state = load_cluster(directory)
+    network = host_network(state)
+    node = _node_entry(state, node_id)
+    if network is None or not node.get("host"):
+        raise ClusterError("no host network in this cluster")
+    netns.restore(network, node["host"])
 
 
 def spawn_agent(argv: list[str], env: dict[str, str], agent_dir: Path) -> subprocess.Popen:
@@ -240,6 +384,45 @@ def kill_node(directory: Path, node_id: str) -> None:
     shutil.rmtree(node["ckpt_dir"], ignore_errors=True)
 
 
+def _signal_node(node: dict[str, Any], signum: int) -> list[int]:
+    """Send ``signum`` to the node's agent and to every process of its ranks and zygote (each in its own
+    process group); the pids signalled."""
+    pids = [node["pid"], *ranks_of(Path(node["agent_dir"]), zygotes=True)]
+    hit = []
+    for pid in pids:
+        for send in (os.killpg, os.kill):  # the group (workers included), and the process if it leads none
+            try:
+                send(pid, signum)
+                hit.append(pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+    return sorted(set(hit))
+
+
+def freeze_node(directory: Path, node_id: str) -> list[int]:
+    """Freeze a node as a host that hangs or whose link is cut: SIGSTOP its agent and every process of its
+    ranks (the controller stops hearing it and evicts it after ``node_silence_timeout``), and mark it
+    ``unreachable``: the ``local`` actuator cannot drain it, as nothing reaches a partitioned host (the
+    eviction is reported ``failed``; the controller fences the node all the same). ``thaw_node`` lets it
+    run on: the host comes back with its old agent and ranks. Returns the pids stopped."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    if not alive(node["pid"]):
+        raise ClusterError(f"node {node_id} is not running; nothing to freeze")
+    node["unreachable"] = True
+    atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return _signal_node(node, signal.SIGSTOP)
+
+
+def thaw_node(directory: Path, node_id: str) -> list[int]:
+    """The frozen host comes back (``freeze_node``): SIGCONT its processes, reachable again. Returns the pids."""
+    state = load_cluster(directory)
+    node = _node_entry(state, node_id)
+    node.pop("unreachable", None)
+    atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
+    return _signal_node(node, signal.SIGCONT)
+
+
 def start_node(directory: Path, node_id: str) -> int:
     """Start a fresh agent for ``node_id`` (a replacement machine with empty shared memory). It joins as
     an idle standby with the node's rank slice and starts ranks on the next restart command (or on a
@@ -250,9 +433,9 @@ def start_node(directory: Path, node_id: str) -> int:
         raise ClusterError(f"node {node_id} is still running (pid {node['pid']}); kill it first")
     argv = list(node["argv"])
     if "--keel-standby" not in argv:
-        argv.insert(argv.index("--keel-supervised") + 1, "--keel-standby")
+        argv.insert(argv.index("run") + 1, "--keel-standby")  # before the training command
     env = dict(os.environ, **state.get("env", {}))
-    process = spawn_agent(argv, env, Path(node["agent_dir"]))
+    process = spawn_agent(host_argv(host_network(state), node, argv), env, Path(node["agent_dir"]))
     node["pid"] = process.pid
     atomic_write(directory / "cluster.json", json.dumps(state, indent=2))
     return process.pid
@@ -272,6 +455,8 @@ def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
         return []
     nodes = json.loads((directory / "cluster.json").read_text())["nodes"]
     for node in nodes:
+        if node.get("unreachable"):
+            _signal_node(node, signal.SIGCONT)  # a frozen node cannot act on SIGTERM
         if alive(node["pid"]):
             os.kill(node["pid"], signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -286,9 +471,18 @@ def cluster_down(directory: Path, grace_s: float = 15.0) -> list[str]:
                 os.killpg(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-    shm_root = json.loads((directory / "cluster.json").read_text()).get("shm_root")
+    state = json.loads((directory / "cluster.json").read_text())
+    shm_root = state.get("shm_root")
     if shm_root:
         shutil.rmtree(shm_root, ignore_errors=True)
+    if state.get("network"):  # the node hosts this cluster added (the bridge is its owner's: keel up, a test)
+        try:
+            network = netns.current(state["network"])
+        except NetnsError:
+            network = None
+        for node in nodes:
+            if network is not None and node.get("host") and any(h.name == node["host"] for h in network.hosts):
+                network = netns.remove_host(network, node["host"])
     return [n["node_id"] for n in nodes]
 
 

@@ -60,7 +60,7 @@ REQUIRED_SIGNER: Mapping[str, frozenset[str]] = {
     "RanksRestartRequested": _CONTROLLER, "NodeEvictionDecided": _CONTROLLER,
     "StandbyRefillRequested": _CONTROLLER, "StandbyPromotionRequested": _CONTROLLER,
     "DiagnosticsRequested": _CONTROLLER, "StacksRequested": _CONTROLLER, "SdcReplayRequested": _CONTROLLER,
-    "NodeClockSkewed": _CONTROLLER, "RestartDecided": _CONTROLLER, "RollbackDecided": _CONTROLLER,
+    "NodeClockSkewed": _CONTROLLER, "NodeFenced": _CONTROLLER, "RestartDecided": _CONTROLLER, "RollbackDecided": _CONTROLLER,
     "JobStopDecided": _CONTROLLER, "IncidentOpened": _CONTROLLER, "IncidentResolved": _CONTROLLER,
     "ActionHeld": _CONTROLLER, "ApprovalRequested": _CONTROLLER, "StandbyPoolSized": _CONTROLLER,
     # The job clock: a forged tick from the future would expire every deadline (silence, acknowledgements).

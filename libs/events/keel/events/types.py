@@ -139,6 +139,25 @@ class NodeClockSkewed(EventPayload):
     reason: str
 
 
+@event_type("NodeFenced", version=1, aggregate="node")
+class NodeFenced(EventPayload):
+    """The controller heard from a node it decided to evict (``NodeEvictionDecided``): the node is fenced
+    out of the job. What it reports (heartbeats, rank starts, registrations as a worker, checkpoint
+    reports) counts for nothing, and this records that the controller ignored it, once per fence. The
+    node's agent consumes it (``node.<its id>.NodeFenced``) and stops: its ranks are of a generation the
+    job has left (``fenced_generation`` or older) and never join a newer one.
+
+    ``generation``: the job's newest generation when the input arrived; ``input_type``: what the node
+    sent; ``evicted_by``: the id of the eviction decision."""
+
+    node_id: str
+    generation: int = Field(ge=0)
+    fenced_generation: int = Field(ge=0)
+    evicted_by: str
+    input_type: str
+    reason: str
+
+
 @event_type("NodeEvicted", version=1, aggregate="node")
 class NodeEvicted(EventPayload):
     """An actuator carried out an eviction (or reports why it could not)."""
@@ -157,12 +176,14 @@ ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent"
 FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
 
 
-@event_type("NodeHeartbeat", version=3, aggregate="node")
+@event_type("NodeHeartbeat", version=4, aggregate="node")
 class NodeHeartbeat(EventPayload):
     """Periodic liveness of a node agent and a summary of its ranks (not every sample). Since v3 it also
     carries what the node holds in the memory and peer checkpoint tiers (``stored``): shard reports ride
     on the heartbeat instead of being events of their own (``CheckpointShardsStored`` now only reports
-    the disk tier), and a heartbeat is sent early when a report round completes (see the agent)."""
+    the disk tier), and a heartbeat is sent early when a report round completes (see the agent). Since v4
+    it says which generation its ranks run (``generation``) and how many of them ever reported through
+    the SDK (``ranks_reporting``): a job whose ranks never do is judged on process liveness alone."""
 
     node_id: str
     standby: bool = False
@@ -181,6 +202,12 @@ class NodeHeartbeat(EventPayload):
     ranks in memory and of each backup it holds for another node's rank (one record each). Empty: a
     node without checkpointing, or nothing held yet. The broker folds each tier as a
     ``CheckpointShardsStored`` of that tier."""
+    generation: int | None = Field(default=None, ge=0)
+    """The generation of the ranks the node runs (or last ran). None: an agent older than v4."""
+    ranks_reporting: int | None = Field(default=None, ge=0)
+    """How many of that generation's ranks have reported through the SDK (``keel.sdk``) at least once.
+    0 with ranks alive: a program without the SDK so far (its progress is invisible, only its processes
+    are seen). None: an agent older than v4 (taken as a job that reports through the SDK)."""
 
 
 @upcaster("NodeHeartbeat", from_version=1)
@@ -191,6 +218,12 @@ def _node_heartbeat_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
 @upcaster("NodeHeartbeat", from_version=2)
 def _node_heartbeat_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "stored": {}}  # v2 agents reported shards as CheckpointShardsStored events
+
+
+@upcaster("NodeHeartbeat", from_version=3)
+def _node_heartbeat_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
+    # v3 agents did not say: unknown, which every reader takes as a job reporting through the SDK (as decided then).
+    return {**payload, "generation": None, "ranks_reporting": None}
 
 
 @event_type("RankStarted", version=1, aggregate="rank")
@@ -577,9 +610,10 @@ def _incident_opened_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return dict(payload)  # v2 only added the kind "code_update" (a planned restart onto a new code version)
 
 
-@event_type("IncidentResolved", version=1, aggregate="job")
+@event_type("IncidentResolved", version=2, aggregate="job")
 class IncidentResolved(EventPayload):
-    """The job is stepping again after an incident (or the controller gave up on it and paged)."""
+    """The job is stepping again after an incident (or the controller gave up on it and paged). Since v2
+    it says how recovery was judged (``measure``)."""
 
     incident_id: str
     outcome: Literal["recovered", "stopped", "superseded"]
@@ -587,6 +621,16 @@ class IncidentResolved(EventPayload):
     """The highest rung the incident needed (0: it resolved itself)."""
     generation: int = Field(ge=0)
     reason: str
+    measure: Literal["step", "process"] = "step"
+    """``step``: a node of the restarted generation reported a step past its restore point (the SDK).
+    ``process``: a job without the SDK, recovered once every rank of the restarted generation had been
+    running for ``controller.process_settle_interval`` - coarser: no step is seen, so a rank that runs
+    but hangs or makes no progress counts as recovered."""
+
+
+@upcaster("IncidentResolved", from_version=1)
+def _incident_resolved_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "measure": "step"}  # before v2 only a reported step resolved an incident
 
 
 @event_type("DiagnosticsRequested", version=1, aggregate="job")

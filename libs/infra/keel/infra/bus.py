@@ -10,6 +10,9 @@ Contracts:
   number of times, then raised as ``PublishFailed``. While the connection is down (the client reconnects
   on its own, for ever) attempts are not counted: a publish waits up to ``outage_tolerance`` for NATS to
   come back, so a NATS outage is ridden out rather than turned into a crash of every service.
+  A stream without a leader (a cluster electing one: JetStream answers "no responders", its API "temporarily
+  unavailable", a retry "duplicate message id is in process" while its first copy is being replicated) is such
+  an outage too; so is creating a consumer meanwhile.
 - Consumers are durable pull consumers; callers ack only after the effect of a message is durable.
 - Signing (``keel.infra.signing.Signing``): every publish signs the events whose types the bus's keys must
   sign (``keel.events.signing.REQUIRED_SIGNER``), so a service's decisions are signed wherever they are
@@ -17,8 +20,12 @@ Contracts:
 - ``dead_letter`` moves a message that cannot be processed to the dead-letter stream: the body is the
   original raw bytes, the headers say why and where it came from.
 
+Several servers (a cluster) are one comma-separated URL; the client moves to another when its server fails
+or stops answering pings. While a stream's leader is elected (a server lost) a publish times out or finds no
+responders (``NoStreamResponseError``): both are transient, retried like any other.
+
 Stream limits (``BusSettings``): ``max_age`` 7 d and ``max_bytes`` 2 GiB per stream (reserved up front by
-JetStream), ``replicas`` 1 (3 in production clusters) — the stream is a durable
+JetStream), ``replicas`` 1, or 3 with 3 or more NATS servers — the stream is a durable
 buffer in front of Postgres, which keeps history for good. The events stream discards *new* messages at
 its limit, never old ones: a full stream refuses a publish (``StreamFull``, a ``PublishFailed``, after the
 usual retries with back-off, logged as such) instead of silently dropping its oldest events, which the
@@ -36,6 +43,7 @@ import asyncio
 import json
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +80,9 @@ _TRANSIENT = (
     asyncio.TimeoutError,
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    # What nats-py makes of "no responders" to a JetStream publish: in a cluster, the stream's leader is being
+    # elected (a server was lost); the publish is retried, not dropped.
+    nats.js.errors.NoStreamResponseError,
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
@@ -112,12 +123,17 @@ def connect_credentials(settings: BusSettings, url: str) -> dict[str, object]:
             except (OSError, NatsAuthError) as exc:
                 raise NotAuthorized(f"NATS credentials {path}: {exc}") from exc
             options.update(user=identity.user, password=identity.password, inbox_prefix=identity.inbox_prefix)
-    if url.startswith("tls://") or settings.tls_cert:
+    if any(server.startswith("tls://") for server in server_urls(url)) or settings.tls_cert:
         context = ssl.create_default_context(cafile=str(settings.tls_ca) if settings.tls_ca else None)
         if settings.tls_cert:
             context.load_cert_chain(str(settings.tls_cert), str(settings.tls_key) if settings.tls_key else None)
         options["tls"] = context
     return options
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL: one, or several comma-separated (a cluster: ``nats://a:4222,nats://b:4222``)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
 
 
 class PublishFailed(RuntimeError):
@@ -127,6 +143,19 @@ class PublishFailed(RuntimeError):
 class StreamFull(PublishFailed):
     """The events stream is at its limit and refuses new messages (discard-new): back-pressure. What it holds
     is not all recorded yet (the recorder purges what it has stored): keep the event and publish it later."""
+
+
+JS_UNAVAILABLE_ERR_CODE = 10008
+"""JetStream's "JetStream system temporarily unavailable" (503): a cluster without a meta leader for now."""
+
+DUPLICATE_IN_PROCESS_ERR_CODE = 10158
+"""JetStream's "duplicate message id is in process" (409): a retry met its first copy still being replicated (a
+stream leader lost meanwhile); asked again, the answer is that copy's acknowledgement or a failure to retry."""
+
+
+def _in_process(error: BaseException | None) -> bool:
+    return isinstance(error, nats.js.errors.APIError) and getattr(error, "err_code", None) == \
+        DUPLICATE_IN_PROCESS_ERR_CODE
 
 
 STREAM_FULL_ERR_CODE = 10077
@@ -185,6 +214,32 @@ class _Outage:
             return ""
         return f" (NATS unreachable for {self.waited_s:.0f} s; bus.outage_tolerance " \
                f"{self.bus.settings.outage_tolerance.total_seconds():g} s)"
+
+
+class _Election:
+    """One publish call's view of a stream without a leader: while a cluster elects the stream's leader (seconds,
+    more than ten on a loaded host, after its server was lost or cut off; for as long as a quorum is missing)
+    JetStream answers a publish at once with "no responders". Like a lost connection (``_Outage``), that is an
+    outage of the stream, not a failed attempt: such attempts are not counted, up to ``bus.outage_tolerance``,
+    retried at the back-off's pace (at most ``retry_backoff_max`` apart)."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.budget_s = bus.settings.outage_tolerance.total_seconds()
+        self.started: float | None = None
+
+    def ride_out(self, error: BaseException | None, what: str) -> bool:
+        """True when ``error`` is "no responders" (or JetStream "temporarily unavailable", which its API answers
+        while the cluster's meta leader is elected) and the budget is not spent (retry uncounted)."""
+        if not (isinstance(error, (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError))
+                or (isinstance(error, nats.js.errors.ServiceUnavailableError)
+                    and getattr(error, "err_code", None) == JS_UNAVAILABLE_ERR_CODE) or _in_process(error)):
+            return False
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+            log.warning("%s: the stream (or JetStream) has no leader for now (one is being elected?); retrying for "
+                        "up to %g s", what, self.budget_s)
+        return now - self.started < self.budget_s
 
 
 @dataclass
@@ -261,13 +316,18 @@ class Bus:
                 buses[0].note_denied(text)
             log.debug("nats %s: %r", name, error)
 
+        servers = server_urls(url)
         connecting = asyncio.ensure_future(nats.connect(
-            url,
+            servers if len(servers) > 1 else url,
             name=name,
             error_cb=quiet_error,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.2,
             connect_timeout=2,
+            # A server that stops answering without closing the connection (a partitioned or frozen host) is
+            # left for another of the cluster after this many unanswered pings at this interval.
+            ping_interval=settings.ping_interval.total_seconds(),
+            max_outstanding_pings=2,
             allow_reconnect=True,
             pending_size=64 * 1024 * 1024,
             **connect_credentials(settings, url),
@@ -388,16 +448,23 @@ class Bus:
         last_error: BaseException | None = None
         attempt = 0
         outage = _Outage(self)
+        election = _Election(self)
         while attempt < self.settings.publish_attempts:
             try:
                 ack = await self._publish_checked(subject, data, all_headers)
                 if self._stream_full_said:
                     self._stream_full_ended()
                 return PublishResult(ack.seq, bool(ack.duplicate))
-            except _TRANSIENT as exc:
+            except (*_TRANSIENT, nats.js.errors.APIError) as exc:
+                if not isinstance(exc, _TRANSIENT) and not _in_process(exc):
+                    raise
                 last_error = exc
                 if not is_stream_full(exc) and await outage.wait_for_connection(subject):
                     continue  # the connection was down: that attempt does not count
+                if election.ride_out(exc, f"publish to {subject}"):
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
+                    continue
                 attempt += 1
                 if is_stream_full(exc):
                     self._note_stream_full(subject)
@@ -457,6 +524,7 @@ class Bus:
         msg_id = api.Header.MSG_ID
         full = False
         outage = _Outage(self)
+        election = _Election(self)
         attempt = 0
         while attempt < self.settings.publish_attempts:
             attempt += 1
@@ -474,6 +542,7 @@ class Bus:
                     continue
             failed: list[int] = []
             full = False
+            no_leader: BaseException | None = None
             slots = asyncio.Semaphore(max_in_flight)
             in_flight: dict[asyncio.Future, int] = {}
 
@@ -516,6 +585,9 @@ class Bus:
                     elif isinstance(error, (*_TRANSIENT, nats.js.errors.APIError)):
                         failed.append(in_flight[future])
                         full = full or is_stream_full(error)
+                        if isinstance(error, (nats.js.errors.NoStreamResponseError,
+                                              nats.js.errors.ServiceUnavailableError)) or _in_process(error):
+                            no_leader = error
                     else:
                         raise error
                 if not_done and not full:
@@ -535,6 +607,8 @@ class Bus:
             if not full and await outage.wait_for_connection(f"{len(pending)} events"):
                 attempt -= 1  # the connection was down: that attempt does not count
                 continue
+            if not full and election.ride_out(no_leader, f"publish of {len(pending)} events"):
+                attempt -= 1  # the stream's leader is being elected: not counted either (within its budget)
             if full:
                 self._note_stream_full(event_subject(prefix, events[failed[0]]))
             else:
@@ -613,12 +687,28 @@ class Bus:
             max_ack_pending=max_ack_pending,
             inactive_threshold=inactive_threshold.total_seconds() if inactive_threshold else None,
         )
-        try:
-            await self.js.add_consumer(self.settings.stream, config)  # idempotent for the same config
-        except nats.js.errors.BadRequestError as exc:
-            # It exists with another configuration (say an older ack_wait). Recreating it would lose
-            # its position, so keep it and say so.
-            log.warning("consumer %s exists with other settings (%s); using it as it is", durable, exc.description)
+        delay_s = self.settings.retry_backoff_initial.total_seconds()
+        election = _Election(self)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self.js.add_consumer(self.settings.stream, config)  # idempotent for the same config
+                break
+            except nats.js.errors.BadRequestError as exc:
+                # It exists with another configuration (say an older ack_wait). Recreating it would lose
+                # its position, so keep it and say so.
+                log.warning("consumer %s exists with other settings (%s); using it as it is", durable, exc.description)
+                break
+            except _TRANSIENT as exc:
+                # A cluster electing a leader answers "JetStream system temporarily unavailable" (503) for a while.
+                if election.ride_out(exc, f"consumer {durable}"):
+                    attempt -= 1
+                elif attempt >= self.settings.publish_attempts:
+                    raise
+                log.warning("creating consumer %s failed (attempt %d): %r; retrying", durable, attempt, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, self.settings.retry_backoff_max.total_seconds())
         puller = BatchPuller(self.nc, self.settings.stream, durable)
         await puller.start()
         return puller

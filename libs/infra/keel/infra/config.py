@@ -14,6 +14,7 @@ makes it the field's ``description``); ``keel.infra.config_docs`` renders them i
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -45,18 +46,84 @@ class _Section(BaseModel):
 
 
 class NatsSettings(_Section):
-    """The embedded NATS server (ignored when ``nats_url`` points at an external server)."""
+    """The embedded NATS server or cluster (ignored when ``nats_url`` or ``nats.cluster`` names external servers)."""
 
+    cluster: list[str] = Field(default_factory=list)
+    """Your own NATS cluster: every server's client URL (``nats://host:4222`` or ``tls://...``; in the environment
+    comma-separated). Keel connects with all of them and moves to another when one fails. The same as a
+    comma-separated ``nats_url`` (set one of the two); ``keel up`` then starts no NATS server."""
+    embedded_cluster_size: int = 1
+    """How many NATS servers ``keel up`` starts: 1 (one standalone server) or 3 or 5 (a JetStream cluster on
+    this host, or on ``hosts``; the streams are then replicated on 3 of them: ``bus.replicas``)."""
     port: int = Field(4322, ge=1, le=65535)
-    """The embedded NATS server's client port (``nats://127.0.0.1:<port>``)."""
+    """The embedded NATS server's client port (``nats://127.0.0.1:<port>``); server ``i`` of an embedded
+    cluster (from 0) uses ``port + i``, and so for ``monitor_port`` and ``cluster_port``."""
     monitor_port: int = Field(8322, ge=1, le=65535)
     """Its HTTP monitoring port; ``keel up`` waits on its ``/healthz`` for JetStream to be ready."""
+    cluster_port: int = Field(6322, ge=1, le=65535)
+    """An embedded cluster's route port (servers connect to each other there, authenticated with a generated
+    password, over TLS when ``tls`` is on). A single server opens none."""
+    hosts: list[str] = Field(default_factory=list)
+    """The IP address each embedded server binds every port to: one for all, or one per server (servers on
+    separate hosts). Default 127.0.0.1."""
     sync_always: bool = True
     """JetStream ``sync_interval: always``: an acknowledged publish is on disk. The single-server default."""
     tls: bool = False
     """Serve TLS only on the embedded server (``tls://``), with a certificate from a CA in the credentials folder
-    that clients verify (``bus.tls_ca`` defaults to it). Off by default: the embedded server listens on
-    127.0.0.1 only; every client authenticates either way."""
+    that clients verify (``bus.tls_ca`` defaults to it); an embedded cluster's routes then use TLS too. Off by
+    default: the embedded server listens on 127.0.0.1 only; every client authenticates either way."""
+
+    @field_validator("cluster", "hosts", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from the environment: KEEL_NATS__CLUSTER=nats://a:4222,nats://b:4222
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("cluster")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not re.fullmatch(r"(nats|tls)://[^\s,/]+:\d{1,5}", url):
+                raise ValueError(f"{url!r} is not a NATS server URL: nats://host:port or tls://host:port")
+        return value
+
+    @field_validator("hosts")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for host in value:
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError(f"{host!r} is not an IP address (a server binds to an address, not a name)") from None
+        return value
+
+    @model_validator(mode="after")
+    def _cluster_shape(self) -> NatsSettings:
+        size = self.embedded_cluster_size
+        if size not in (1, 3, 5):
+            raise ValueError(f"embedded_cluster_size must be 1, 3 or 5 (a JetStream cluster needs an odd number of "
+                             f"servers for a quorum), got {size}")
+        if self.cluster and size != 1:
+            raise ValueError("cluster names your own NATS servers and embedded_cluster_size asks Keel to start "
+                             "some: set one of the two")
+        if len(self.hosts) not in (0, 1, size):
+            raise ValueError(f"hosts has {len(self.hosts)} addresses for {size} embedded servers: give one, or "
+                             f"one per server")
+        ranges = {"port": self.port, "monitor_port": self.monitor_port}
+        if size > 1:
+            ranges["cluster_port"] = self.cluster_port
+        for name, base in ranges.items():
+            if base + size - 1 > 65535:
+                raise ValueError(f"{name} {base} + {size - 1} (one port per server) is past 65535")
+            for other, other_base in ranges.items():
+                if other != name and base <= other_base < base + size:
+                    raise ValueError(f"{other} {other_base} falls in the ports of {name} ({base}..{base + size - 1})")
+        return self
+
+    def server_count(self) -> int:
+        """How many NATS servers Keel talks to as configured here: the external cluster's, else the embedded."""
+        return len(self.cluster) or self.embedded_cluster_size
 
 
 class PostgresSettings(_Section):
@@ -103,8 +170,10 @@ class BusSettings(_Section):
     has stored and purged older ones; size it for the event rate times the longest recorder or PostgreSQL
     outage to ride through without back-pressure (2.2 events/s per node of ~500 B: 1,000 nodes fill 2 GiB
     in about 30 min)."""
-    replicas: int = Field(1, ge=1, le=5)
-    """JetStream stream replicas: 1 for the embedded single server, 3 (R3) in production clusters."""
+    replicas: int | None = Field(None, ge=1, le=5)
+    """JetStream stream replicas. Unset: 3 (R3) when Keel talks to 3 or more NATS servers (an embedded cluster,
+    ``nats.cluster``, or a comma-separated ``nats_url``), else 1. An R3 stream acknowledges an event once two of
+    its three servers have it: one server lost or cut off loses no acknowledged event."""
     duplicate_window: Duration = parse_duration("2m")
     """JetStream dedup window on ``Nats-Msg-Id``: redelivered decisions inside it are dropped by the server."""
     max_event_bytes: ByteSize = parse_size("256KiB")
@@ -125,11 +194,17 @@ class BusSettings(_Section):
     retry_backoff_max: Duration = parse_duration("5s")
     """...up to this."""
     publish_timeout: Duration = parse_duration("5s")
-    """How long a publish waits for JetStream's acknowledgement before the attempt counts as failed."""
+    """How long a publish waits for JetStream's acknowledgement before the attempt counts as failed (in a
+    cluster, one that meets a stream leader's election is retried: the event is not dropped)."""
+    ping_interval: Duration = parse_duration("10s")
+    """How often a client pings its NATS server; after two unanswered pings it leaves that server for another
+    (of a cluster) or reconnects. Catches a server that stops answering without closing the connection (a
+    partitioned or frozen host)."""
     outage_tolerance: Duration = parse_duration("15m")
     """How long a publisher waits for a lost NATS connection to come back (the client reconnects on its
-    own) before ``PublishFailed``; attempts made while the connection is down do not count against
-    ``publish_attempts``. A NATS outage shorter than this is ridden out, not a crash."""
+    own), or for the stream to have a leader again (a cluster electing one answers "no responders"), before
+    ``PublishFailed``; attempts made meanwhile do not count against ``publish_attempts``. A NATS outage
+    shorter than this is ridden out, not a crash."""
     credentials: Path | None = None
     """This process's NATS identity: a Keel identity file (``<credentials_dir>/nats/<name>.json``, 0600, issued
     by ``keel up`` / ``keel credentials issue``) or a NATS ``.creds`` file (JWT + nkey seed, from ``nsc``).
@@ -210,6 +285,10 @@ class ControllerSettings(_Section):
     recovery_timeout: Duration = parse_duration("10m")
     """A restart that has not brought the job back to stepping this long after it was decided stops the
     job and pages a human (the ``recovering`` stage never waits for ever)."""
+    process_settle_interval: Duration = parse_duration("5s")
+    """A job whose ranks never report through the SDK (no step is ever seen): its incident is resolved once
+    every rank of the restarted generation has been running this long (process-level, coarser: a rank
+    that runs but hangs counts as recovered)."""
     node_silence_timeout: Duration = parse_duration("30s")
     """A node of a running job the controller has not heard from this long is lost (rung 1). Judged on the
     controller's recorded clock (when the node's events arrive, between two job-clock ticks), never on the
@@ -481,6 +560,47 @@ class Settings(_Section):
     diagnostics: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's stop-time ``DiagnosticsPolicy`` (``keel.agent.diagnostics``; e.g.
     ``min_bandwidth_gbps: 100``, ``matmul_rtol: 1e-4``), checked by the agent at start like ``inspector``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_cluster(cls, data: Any) -> Any:
+        """``nats.cluster`` into ``nats_url`` (comma-separated: what every client and service is given), and
+        ``bus.replicas`` from the number of NATS servers when it is not set."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        nats = data.get("nats")
+        try:
+            nats_settings = nats if isinstance(nats, NatsSettings) else NatsSettings.model_validate(nats or {})
+        except ValidationError:
+            return data  # reported with its field when the section itself is validated
+        if nats_settings.cluster:
+            joined = ",".join(nats_settings.cluster)
+            url = data.get("nats_url")
+            if url and [u.strip() for u in str(url).split(",")] != nats_settings.cluster:
+                raise ValueError(f"nats_url ({url}) and nats.cluster ({joined}) both name NATS servers: set one")
+            data["nats_url"] = joined
+        url = data.get("nats_url")
+        servers = len([u for u in str(url).split(",") if u.strip()]) if url else nats_settings.server_count()
+        bus = data.get("bus")
+        if isinstance(bus, BusSettings):
+            if bus.replicas is None:
+                data["bus"] = bus.model_copy(update={"replicas": 3 if servers >= 3 else 1})
+        elif isinstance(bus, Mapping) or bus is None:
+            bus = dict(bus or {})
+            if bus.get("replicas") is None:
+                bus["replicas"] = 3 if servers >= 3 else 1
+            data["bus"] = bus
+        return data
+
+    @model_validator(mode="after")
+    def _replicas_fit(self) -> Settings:
+        embedded = self.nats_url is None
+        replicas = self.bus.replicas or 1
+        if embedded and replicas > self.nats.embedded_cluster_size:
+            raise ValueError(f"bus.replicas {replicas} needs at least {replicas} NATS servers, and keel up starts "
+                             f"{self.nats.embedded_cluster_size} (nats.embedded_cluster_size)")
+        return self
 
     @field_validator("db_schema")
     @classmethod

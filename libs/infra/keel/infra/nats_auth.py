@@ -75,7 +75,7 @@ _DECIDER_REFUSAL = (("job", "DecisionRefused"),)
 ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
     RECORDER: (("recorder", "RecorderLagReported"),),
     CONTROLLER: (
-        ("clock", "TimerTicked"), ("node", "NodeEvictionDecided"), ("node", "NodeClockSkewed"),
+        ("clock", "TimerTicked"), ("node", "NodeEvictionDecided"), ("node", "NodeClockSkewed"), ("node", "NodeFenced"),
         ("node", "RanksRestartRequested"), ("job", "IncidentOpened"), ("job", "IncidentResolved"),
         ("job", "DiagnosticsRequested"), ("node", "StandbyPromotionRequested"), ("job", "StandbyPoolSized"),
         ("job", "StandbyRefillRequested"), ("job", "RollbackDecided"), ("job", "JobStopDecided"),
@@ -109,7 +109,8 @@ AGENT_NODE_FACTS = (
 AGENT_OTHER_FACTS = (("rank", "RankStarted"), ("rank", "RankExited"), ("job", "CheckpointTierFallback"))
 """What an agent reports on other aggregates: its ranks (rank ids are job-wide numbers, so any rank of a
 job it serves) and the job's tier fallback."""
-AGENT_NODE_COMMANDS = ("RanksRestartRequested", "StandbyPromotionRequested", "NodeClockSkewed",
+AGENT_NODE_COMMANDS = ("RanksRestartRequested", "StandbyPromotionRequested", "NodeClockSkewed", "NodeEvictionDecided",
+                       "NodeFenced",
                        "CheckpointNodeBackupsAssigned", "CheckpointNodeRestorePlanned", "CheckpointNodeBackupsHeld")
 AGENT_JOB_COMMANDS = ("DiagnosticsRequested", "StacksRequested", "SdcReplayRequested", "CheckpointBackupAssigned",
                       "CheckpointScheduleSet", "CheckpointRestorePlanned", "CheckpointStepCommitted")
@@ -513,11 +514,44 @@ def server_tls_ca(credentials_dir: Path) -> Path:
     return identity_dir(credentials_dir) / "shard-ca" / "tls" / "ca.pem"
 
 
-def ensure_server_tls(credentials_dir: Path, hosts: Sequence[str]) -> tuple[Path, Path, Path]:
-    """``(certificate, key, CA certificate)`` for a NATS server reachable as ``hosts``, from a CA of its own
-    kept under ``<credentials>/nats/`` (the shard stores' CA code, ``keel.infra.shard_ca``, for one pseudo
-    job ``tls``). Clients verify the server with the CA (``bus.tls_ca``); issued anew on every call."""
+def ensure_server_tls(credentials_dir: Path, hosts: Sequence[str], server: str = "nats-server") -> tuple[Path, Path, Path]:
+    """``(certificate, key, CA certificate)`` for NATS server ``server`` reachable as ``hosts``, from a CA of its
+    own kept under ``<credentials>/nats/`` (the shard stores' CA code, ``keel.infra.shard_ca``, for one pseudo
+    job ``tls``). Clients verify the server with the CA (``bus.tls_ca``), and the servers of a cluster each other's
+    routes; issued anew on every call, one key and certificate per ``server``."""
     from keel.infra.shard_ca import issue_node_certificate
 
-    issued = issue_node_certificate(identity_dir(credentials_dir), "tls", "nats-server", hosts=tuple(hosts))
+    issued = issue_node_certificate(identity_dir(credentials_dir), "tls", server, hosts=tuple(hosts))
     return issued.cert, issued.key, issued.ca
+
+
+ROUTE_USER = "keel-route"
+"""The user a clustered Keel-managed NATS server's routes authenticate as (``route_password``)."""
+
+
+def route_password_file(credentials_dir: Path) -> Path:
+    return identity_dir(credentials_dir) / "cluster-route.password"
+
+
+def route_password(credentials_dir: Path) -> str:
+    """The password of the routes between the servers of a Keel-managed NATS cluster: generated once into
+    ``<credentials>/nats/cluster-route.password`` (0600), the same for every server that shares the folder.
+    A server that does not present it cannot join the cluster (its route is refused)."""
+    path = route_password_file(credentials_dir)
+    if not path.exists():
+        ensure_private_dir(Path(credentials_dir))
+        ensure_private_dir(path.parent)
+        try:
+            # O_EXCL through a link: two servers starting at once must not each make (and use) their own.
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            write_secret(tmp, secrets.token_urlsafe(32).encode() + b"\n")
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    password = read_secret(path).decode().strip()
+    if not re.fullmatch(r"[A-Za-z0-9_-]{16,}", password):
+        raise NatsAuthError(f"{path} does not hold a route password (16 or more of A-Z a-z 0-9 _ -): remove it to "
+                            "generate one, then restart every server of the cluster")
+    return password

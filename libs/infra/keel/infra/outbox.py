@@ -6,7 +6,9 @@ saying so once in the log), publishes in order and keeps what it could not publi
 full the oldest event is dropped, counted and logged (the first drop, then every 1,000th): a node agent
 must not grow without bound while the control plane is away, and its state events are re-sent by the next
 heartbeat anyway. A full events stream is such an absence: its refusal (``StreamFull``) is retried like
-any failed publish, and the event stays pending until the recorder has made room.
+any failed publish, and the event stays pending until the recorder has made room. An error the bus does not know
+keeps the event too (it is retried a second later, logged each time): only a refusal of this identity's
+permissions drops one.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
+    unexpected_retry_s = 1.0
+    """The wait before retrying an event whose publish failed with an error the bus does not know."""
+
     def __init__(self, url: str, settings: BusSettings, *, name: str, capacity: int = 10_000,
                  signing: Signing = NO_SIGNING) -> None:
         """``signing``: what the connection signs and what consumers on it (a node agent's commands) check
@@ -95,6 +100,13 @@ class Outbox:
                 # hold up every event behind it for good.
                 log.error("%s: dropped %s %s: %s", self.name, event.type, event.id, exc)
                 self.refused += 1
+            except Exception as exc:  # noqa: BLE001 - an error the bus does not know: keep the event, retry
+                # Dropping it, or letting the outbox's task die (every later event with it), would lose what
+                # the node saw; a client error nats-py adds one day must not do either.
+                log.error("%s: publish of %s %s failed with an unexpected %s: %s; keeping it and retrying",
+                          self.name, event.type, event.id, type(exc).__name__, exc)
+                await asyncio.sleep(self.unexpected_retry_s)
+                return
             if self.pending and self.pending[0] is event:
                 self.pending.popleft()
             self.published += 1

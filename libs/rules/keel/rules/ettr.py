@@ -15,6 +15,13 @@ Its lost time is split into phases, each from one event to the next:
                 above the ``CheckpointRestorePlanned`` step, or above -1 with no plan);
 - recompute:    stepping -> back at the step reached when the fault hit.
 
+A job whose ranks never report through the SDK (no heartbeat ever shows a rank reporting or a step:
+``NodeHeartbeat.ranks_reporting`` 0) has no step to resume at. Its incidents are measured on process
+liveness instead (``measure`` "process", coarser): restore ends, and the incident with it, when every
+rank of the new generation has started (the world size), once a heartbeat from each node that started
+them shows all its ranks alive (a generation that dies first never recovered); recompute is unseen (0).
+A rank that runs but hangs or makes no progress is then not visible as lost time.
+
 A phase whose closing event never came is charged up to the end of the log (the job is still down).
 A later mark implies the earlier ones (the controller cannot decide before it detected; ranks that
 step again were restarted), so a missing or late mark takes the time of the next one that came: the
@@ -30,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
@@ -44,7 +51,14 @@ from keel.events.types import (
     RankStarted,
 )
 
-__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "PHASES", "compute_ettr"]
+__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "Measure", "PHASES", "PROCESS_LEVEL_NOTE",
+           "compute_ettr"]
+
+Measure = Literal["step", "process"]
+PROCESS_LEVEL_NOTE = ("process-level (coarser): no rank reports through the SDK, so recovery is when every rank "
+                      "of the new generation runs; no step is seen, so a hang or a rank making no progress is not "
+                      "counted as lost time")
+"""What a process-level report says of itself (``keel ettr`` prints it; ``--json`` carries it)."""
 
 PHASES = ("detection", "localisation", "failover", "restore", "recompute")
 _MARKS = ("detected", "decided", "restarted", "resumed", "recovered")
@@ -69,6 +83,17 @@ class Incident:
     restore_step: int | None = None
     restarted_nodes: set[str] = field(default_factory=set)
     """Nodes that started ranks of a generation newer than the fault's."""
+    measure: Measure = "step"
+    """How its recovery was measured: ``step`` (a reported step), ``process`` (a job without the SDK)."""
+    candidate: tuple[int, datetime] | None = None
+    """A job without the SDK: the newest generation all of whose ranks started, and when the last one did."""
+    started_ranks: dict[int, set[int]] = field(default_factory=dict)
+    """A job without the SDK: per generation newer than the fault's, the ranks started so far."""
+    started_nodes: dict[int, set[str]] = field(default_factory=dict)
+    """Per such generation, the nodes that started its ranks; ``confirmed``: those heard with all alive since."""
+    confirmed: set[str] = field(default_factory=set)
+    last_start: dict[int, datetime] = field(default_factory=dict)
+    """Per such generation, the latest ``occurred_at`` of its rank starts (the log need not be in time order)."""
 
     @property
     def recovered_at(self) -> datetime | None:
@@ -103,7 +128,8 @@ class Incident:
         return {"started_at": self.started_at.isoformat(), "cause": self.cause, "step_at_fault": self.step_at_fault,
                 "recovered": self.recovered_at is not None, "lost_s": self.lost(end).total_seconds(),
                 "phases_s": {k: v.total_seconds() for k, v in self.phases(end).items()},
-                "marks": {k: v.isoformat() for k, v in self.marks.items()}, "restore_step": self.restore_step}
+                "marks": {k: v.isoformat() for k, v in self.marks.items()}, "restore_step": self.restore_step,
+                "measure": self.measure}
 
 
 @dataclass(frozen=True)
@@ -115,6 +141,8 @@ class EttrReport:
     """Each generation change: when the first rank of a newer generation started, and the generation."""
     restart_requests: tuple[tuple[datetime, int], ...] = ()
     """Each ``RanksRestartRequested`` generation: when the first command for it came, and the generation."""
+    measure: Measure = "step"
+    """``process``: no rank of the job ever reported through the SDK; every figure is process-level."""
 
     @property
     def wall(self) -> timedelta:
@@ -123,6 +151,11 @@ class EttrReport:
     @property
     def lost(self) -> timedelta:
         return sum((i.lost(self.ended_at) for i in self.incidents), timedelta(0))
+
+    @property
+    def note(self) -> str:
+        """What the figures can and cannot see ("" for a job measured on steps)."""
+        return PROCESS_LEVEL_NOTE if self.measure == "process" else ""
 
     @property
     def ettr(self) -> float:
@@ -168,7 +201,7 @@ class EttrReport:
                 "wall_s": self.wall.total_seconds(), "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
                 "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase().items()},
                 "generation": self.generation, "generation_changes": len(self.generations),
-                "restart_requests": len(self.restart_requests),
+                "restart_requests": len(self.restart_requests), "measure": self.measure, "note": self.note,
                 "incidents": [i.to_json(self.ended_at) for i in self.incidents]}
 
 
@@ -224,6 +257,7 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     generations: list[tuple[datetime, int]] = []
     requested: dict[int, datetime] = {}
     open_: Incident | None = None
+    sdk_seen = False
     for event in events:
         p, kind, at = event.payload, event.type, event.occurred_at
         last_at = at if last_at is None or at > last_at else last_at
@@ -235,6 +269,7 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             if open_ is not None and p.generation > open_.generation_at_fault:
                 open_.marks.setdefault("restarted", at)
                 open_.restarted_nodes.add(p.node_id)
+                _process_started(open_, p, at)
             if p.generation > generation:
                 generations.append((at, p.generation))
             generation = max(generation, p.generation)
@@ -251,7 +286,12 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             open_ = Incident(at, f"planned restart: {p.reason[:120]}", max_step, generation)
             incidents.append(open_)
             open_.marks.setdefault("detected", at)
-        elif _is_failure_signal(p):
+        elif _is_failure_signal(p) or isinstance(p, RankExited):
+            if open_ is not None and isinstance(p, RankExited) and open_.candidate is not None \
+                    and p.generation >= open_.candidate[0] and p.classification != "success":
+                open_.candidate = None  # the new generation ended before it was seen running: not recovered
+            if not _is_failure_signal(p):
+                continue
             if open_ is None:
                 open_ = Incident(at, _describe(p), max_step, generation)
                 incidents.append(open_)
@@ -262,6 +302,10 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             open_.restore_step = p.step
         elif isinstance(p, NodeHeartbeat) and not p.standby:
             step = p.last_step
+            sdk_seen = sdk_seen or p.ranks_reporting is None or p.ranks_reporting > 0 or step >= 0
+            if open_ is not None and not sdk_seen and _process_recovered(open_, p):
+                open_ = None
+                continue
             # Only a node that started the new generation speaks for it: another's heartbeat may still
             # carry the step its old ranks reached before they were stopped.
             if open_ is not None and "restarted" in open_.marks and p.node_id in open_.restarted_nodes:
@@ -275,8 +319,45 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     if started_at is None or last_at is None:
         return None
     end = max(until, last_at) if until is not None else last_at
+    if not sdk_seen:
+        for incident in incidents:
+            incident.measure = "process"
     return EttrReport(started_at, end, tuple(incidents), tuple(generations),
-                      tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])))
+                      tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])),
+                      measure="step" if sdk_seen else "process")
+
+
+def _process_started(incident: Incident, p: RankStarted, at: datetime) -> None:
+    """A rank of a generation newer than the fault's started: once every rank of that generation has
+    (the world size), it is the process-level recovery candidate, timed at the last start."""
+    ranks = incident.started_ranks.setdefault(p.generation, set())
+    ranks.add(p.rank)
+    incident.started_nodes.setdefault(p.generation, set()).add(p.node_id)
+    last = incident.last_start.get(p.generation)
+    incident.last_start[p.generation] = at if last is None or at > last else last
+    newest = incident.candidate[0] if incident.candidate is not None else -1
+    if len(ranks) >= p.world_size and p.generation >= newest:
+        if p.generation > newest:
+            incident.confirmed = set()
+        incident.candidate = (p.generation, incident.last_start[p.generation])
+
+
+def _process_recovered(incident: Incident, p: NodeHeartbeat) -> bool:
+    """A job without the SDK: a heartbeat of the candidate generation showing all of a node's ranks alive
+    confirms that node; once every node that started the generation is confirmed, the incident recovered
+    when its last rank started (process-level). True when it did."""
+    if incident.candidate is None:
+        return False
+    generation, at = incident.candidate
+    if p.generation != generation or not 0 < p.ranks_expected <= p.ranks_alive:
+        return False
+    incident.confirmed.add(p.node_id)
+    if not incident.started_nodes.get(generation, set()) <= incident.confirmed:
+        return False
+    incident.marks.setdefault("resumed", at)
+    incident.marks["recovered"] = max(at, incident.marks["resumed"])
+    incident.measure = "process"
+    return True
 
 
 def _is_failure_signal(p: EventPayload) -> TypeGuard[RankExited | NodeHealthChanged]:

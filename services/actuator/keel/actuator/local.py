@@ -2,11 +2,13 @@
 
 - Evict: stop the node's agent (SIGTERM to its process group: the agent stops its ranks), SIGKILL what
   is left after a grace period, and mark the node ``evicted`` in ``cluster.json`` (a human's
-  ``keel cluster`` commands see it). Its shared memory is left to ``cluster down``: a real evicted
+  ``keel cluster`` commands see it). A node frozen as unreachable (``freeze_node``: a host cut off) cannot
+  be drained: the eviction is reported failed, and the controller's fence keeps the node out. Its shared memory is left to ``cluster down``: a real evicted
   machine is drained, not wiped.
 - Provision: start a new standby agent (``s<NN>``, the next free number) with its own overlay root,
   agent folder and shared-memory folder, the same job, rendezvous and settings as the cluster's nodes.
-  It registers, runs its self-check and joins the pool by itself.
+  It registers, runs its self-check and joins the pool by itself. On a cluster of hosts (``keel cluster up
+  --hosts netns``) it gets a host of its own on the cluster's network, and its shard store that host's address.
 """
 
 from __future__ import annotations
@@ -19,17 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from keel.actuator.core import ActuatorError
+from keel.cluster import netns
 from keel.cluster.local import (
     ClusterError,
     alive,
     atomic_write,
+    host_argv,
+    host_network,
+    issue_agent_identities,
     load_cluster,
     ranks_of,
     seed_overlay_root,
     spawn_agent,
 )
 
-_FLAGS_WITH_NODE_VALUES = ("--keel-node-id", "--keel-agent-dir", "--keel-root", "--keel-ckpt-dir", "--keel-fault-domain")
+_FLAGS_WITH_NODE_VALUES = ("--keel-node-id", "--keel-agent-dir", "--keel-root", "--keel-ckpt-dir", "--keel-fault-domain",
+                           "--keel-store-address")
 
 
 class LocalActuator:
@@ -53,6 +60,10 @@ class LocalActuator:
         node = next((n for n in state["nodes"] if n["node_id"] == node_id), None)
         if node is None:
             raise ActuatorError(f"no node {node_id!r} in the local cluster at {self.directory}")
+        if node.get("unreachable"):
+            # A frozen or partitioned host (``keel.cluster.local.freeze_node``): nothing reaches it.
+            raise ActuatorError(f"{node_id} is unreachable (frozen or cut off): it cannot be drained now; "
+                                f"it is fenced out of the job by the controller's decision")
         pid = node["pid"]
         how = "not running"
         if alive(pid):
@@ -96,6 +107,10 @@ class LocalActuator:
         taken = {n["node_id"] for n in state["nodes"]}
         started = []
         number = 0
+        try:
+            network = host_network(state)
+        except ClusterError as exc:
+            raise ActuatorError(str(exc)) from exc
         for _ in range(count):
             while f"s{number:02d}" in taken:
                 number += 1
@@ -105,12 +120,25 @@ class LocalActuator:
             root = agent_dir / "root"
             seed_overlay_root(root, gpus=int(state.get("nproc_per_node", 1)))
             ckpt_dir = Path(state["shm_root"]) / node_id
+            address = "127.0.0.1"
+            if network is not None:  # a machine of its own: a new host on the cluster's network
+                try:
+                    network = netns.add_host(network, node_id)
+                except netns.NetnsError as exc:
+                    raise ActuatorError(f"cannot make a host for standby {node_id}: {exc}") from exc
+                address = network.host(node_id).address
+                try:
+                    issue_agent_identities(Path(state["credentials_dir"]), state["job_id"], [node_id])
+                except (ClusterError, KeyError) as exc:
+                    raise ActuatorError(f"standby {node_id}: {exc}") from exc
             argv = _standby_argv(template["argv"], node_id=node_id, agent_dir=agent_dir, root=root, ckpt_dir=ckpt_dir,
-                                 fault_domain=f"domain-{node_id}")
+                                 fault_domain=f"domain-{node_id}", store_address=f"{address}:0")
             env = dict(os.environ, **state.get("env", {}))
-            process = spawn_agent(argv, env, agent_dir)
-            state["nodes"].append({"node_id": node_id, "standby": True, "agent_dir": str(agent_dir), "root": str(root),
-                                   "pid": process.pid, "ckpt_dir": str(ckpt_dir), "argv": argv, "provisioned": True})
+            node = {"node_id": node_id, "standby": True, "agent_dir": str(agent_dir), "root": str(root),
+                    "ckpt_dir": str(ckpt_dir), "argv": argv, "provisioned": True, "address": address,
+                    **({"host": node_id} if network is not None else {})}
+            node["pid"] = spawn_agent(host_argv(network, node, argv), env, agent_dir).pid
+            state["nodes"].append(node)
             started.append(node_id)
         self._save(state)
         return started
@@ -120,11 +148,13 @@ _NODE_CREDENTIAL_FLAGS = frozenset({"--keel-tls-cert", "--keel-tls-key", "--keel
 
 
 def _standby_argv(template: list[str], *, node_id: str, agent_dir: Path, root: Path, ckpt_dir: Path,
-                  fault_domain: str) -> list[str]:
-    """A worker node's ``keel run`` command line turned into a new standby's: its own id and folders,
-    ``--keel-standby``, and the same training command (a standby starts it only when promoted)."""
+                  fault_domain: str, store_address: str = "127.0.0.1:0") -> list[str]:
+    """A worker node's ``keel run`` command line turned into a new standby's: its own id, folders and shard-store
+    address (its host's), ``--keel-standby``, and the same training command (a standby starts it only when
+    promoted)."""
     values = {"--keel-node-id": node_id, "--keel-agent-dir": str(agent_dir), "--keel-root": str(root),
-              "--keel-ckpt-dir": str(ckpt_dir), "--keel-fault-domain": fault_domain}
+              "--keel-ckpt-dir": str(ckpt_dir), "--keel-fault-domain": fault_domain,
+              "--keel-store-address": store_address}
     argv: list[str] = []
     index = 0
     while index < len(template):
@@ -138,9 +168,10 @@ def _standby_argv(template: list[str], *, node_id: str, agent_dir: Path, root: P
             # from the job's CA in the credentials folder (keel.infra.shard_ca).
             index += 2
             continue
+        launcher = arg == "run" and argv[-1:] == ["keel.cli.main"]  # `python -m keel.cli.main run ...`
         if arg != "--keel-standby":
             argv.append(arg)
-        if arg == "--keel-supervised":
-            argv.append("--keel-standby")
+        if launcher:
+            argv.append("--keel-standby")  # a launcher flag, before the training command
         index += 1
     return argv

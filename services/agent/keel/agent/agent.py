@@ -17,15 +17,16 @@ for it. The agent holds its folder's lock and records its state there (``keel.ag
 restarted after its predecessor died stops what that one left running and, under the same job and node,
 rejoins it with the node's memory tier intact.
 
-Failure handling without a controller (``supervised=False``, plain ``keel run``): like torchrun,
-a failed rank stops the node's other ranks, then the agent restarts them locally while
-``--max-restarts`` allows, else exits non-zero. Supervised (a local cluster, a real deployment),
-the agent reports and waits: the controller decides.
+Failure handling without a controller (``supervised=False``: ``keel run`` where no control plane is
+configured, or with ``--keel-local-restarts``): like torchrun, a failed rank stops the node's other ranks,
+then the agent restarts them locally while ``--max-restarts`` allows, else exits non-zero. Supervised
+(the default wherever a control plane is configured), the agent reports and waits: the controller decides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import os
@@ -34,6 +35,7 @@ import signal
 import socket
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -46,6 +48,7 @@ from keel.agent.checkpointing import NodeCheckpointing
 from keel.agent.commands import DiagnosticsRounds, SdcReplays, StackCaptures
 from keel.agent.consumer import CommandConsumer
 from keel.agent.diagnostics import DiagnosticsPolicy
+from keel.agent.fencing import FENCE_FILE, FENCED_EXIT, Fence, fence_refusal, fence_verdict, read_fence
 from keel.agent.isolation import Pieces
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.metric_watch import MetricWatch
@@ -61,6 +64,7 @@ from keel.agent.rejoin import (
     write_state,
 )
 from keel.agent.supervisor import RankExit, RankSupervisor, file_tail
+from keel.checkpoint.slots import write_file_atomic
 from keel.events.envelope import Event, EventPayload, now_utc
 from keel.events.types import (
     CheckpointTier,
@@ -156,6 +160,7 @@ class NodeAgent:
         diagnostics_policy: DiagnosticsPolicy | None = None,
         metric_settings: MetricSettings | None = None,
         code_store: Path | None = None,
+        lock: AgentLock | None = None,
     ) -> None:
         self.spec = spec
         self.outbox = outbox
@@ -167,7 +172,7 @@ class NodeAgent:
         # The folder is this user's own (``UntrustedPathError`` otherwise: the agent does not start) and one
         # agent per folder (``AgentDirBusy`` otherwise), before anything in it is touched: binding the
         # socket below would unbind a live agent's.
-        self.lock = AgentLock(spec.agent_dir)
+        self.lock = lock if lock is not None else AgentLock(spec.agent_dir)  # ``lock``: the launcher took it already
         self.previous = read_state(spec.agent_dir)
         """What the folder's previous agent recorded, if it died without ending (``keel.agent.rejoin``)."""
         self._recorded_state = ""
@@ -200,6 +205,13 @@ class NodeAgent:
         self.rounds = DiagnosticsRounds(self, diagnostics_policy or DiagnosticsPolicy())
         self.stacks = StackCaptures(self)
         self.replays = SdcReplays(self)
+        self.started_at = clock()
+        """When this agent started (its own clock): evictions decided before are about an earlier agent."""
+        self.fence: Fence | None = None
+        """Set once this node was fenced out of the job (``keel.agent.fencing``): the loop ends."""
+        self._emitted: collections.deque[uuid.UUID] = collections.deque(maxlen=4096)
+        self._emitted_ids: set[uuid.UUID] = set()
+        """Ids of this agent's recent events: a ``NodeFenced`` caused by one of them is about this agent."""
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -213,6 +225,13 @@ class NodeAgent:
             causation_id=causation.id if causation else None,
             correlation_id=(causation.correlation_id or causation.id) if causation else None,
         )
+        if self.fence is not None and not isinstance(payload, RankExited):
+            log.debug("fenced: %s not sent", event.type)  # a fenced node reports nothing but its ranks' ends
+            return
+        if len(self._emitted) == self._emitted.maxlen:
+            self._emitted_ids.discard(self._emitted[0])
+        self._emitted.append(event.id)
+        self._emitted_ids.add(event.id)
         if self.outbox is not None:
             self.outbox.put(event)
         log.debug("event %s %s", event.type, event.payload)
@@ -348,7 +367,39 @@ class NodeAgent:
 
     def handle_command(self, command: Event) -> None:
         """Carry out a command addressed to this node (others are ignored): ``commands.handle_command``."""
+        if self.fence is not None:
+            log.info("%s: fenced; %s not carried out", self.spec.node_id, command.type)
+            return
         commands.handle_command(self, command)
+
+    # -- fencing -----------------------------------------------------------------------------------
+
+    def check_fence(self, event: Event) -> bool:
+        """Act on what ``event`` says about this node's membership (``keel.agent.fencing``): fenced, stop the
+        ranks and leave; left behind, stop the stale ranks and wait. True when it fenced this node."""
+        if self.fence is not None:
+            return True
+        verdict = fence_verdict(event, node_id=self.spec.node_id, standby=self.spec.standby, generation=self.generation,
+                                ranks_running=bool(self.supervisor.alive()),
+                                started_at=self.started_at - self.clock_skew,
+                                ours=event.causation_id is not None and event.causation_id in self._emitted_ids)
+        if verdict is None:
+            return False
+        log.error("%s: %s", self.spec.node_id, verdict.reason)
+        self.rounds.cancel()
+        self.replays.finish(force=True)
+        self.stop_ranks()
+        if not verdict.fenced:
+            self.held = True  # the ranks wait for the controller's next command; the job is not finished
+            return False
+        self.fence = Fence(job_id=self.spec.job_id, node_id=self.spec.node_id, generation=self.generation,
+                           decision_id=str(event.id), reason=verdict.reason[:2000])
+        try:
+            write_file_atomic(self.spec.agent_dir / FENCE_FILE, self.fence.to_json().encode(), fsync=True, mode=0o600)
+        except OSError as exc:
+            log.error("%s: cannot record the fence in %s: %s", self.spec.node_id, self.spec.agent_dir, exc)
+        self.wake()
+        return True
 
     def wake(self) -> None:
         """Wake the loop (from any thread): background work ended."""
@@ -431,6 +482,10 @@ class NodeAgent:
                 step_time_p50_s=self.step_time_p50_s(),
                 rank_compute_time_p50_s=compute,
                 stored=self._holdings(),
+                generation=self.generation,
+                # Ranks of this generation that ever reported through the SDK: 0 with ranks alive is a
+                # program without it (so far), which the controller and ETTR judge on process liveness.
+                ranks_reporting=sum(1 for s in self.channel.ranks.values() if s.generation == self.generation),
             )
         )
         self.last_heartbeat_at = now
@@ -443,6 +498,8 @@ class NodeAgent:
         (rate-limited) and the others still run, the heartbeat included; the ranks are never touched
         because of it."""
         now = self.clock()
+        if self.fence is not None:
+            return AgentResult(FENCED_EXIT, f"fenced out of job {self.spec.job_id}: {self.fence.reason}")
         run = self.pieces.run
         zygote = self.supervisor.zygote
         if zygote is not None:
@@ -628,6 +685,17 @@ class NodeAgent:
             self.lock.release()
 
     async def _run(self, stop: asyncio.Event) -> AgentResult:
+        fence = read_fence(self.spec.agent_dir)
+        refused = fence_refusal(fence, job_id=self.spec.job_id, node_id=self.spec.node_id, standby=self.spec.standby)
+        if refused:
+            await self.stop_leftovers(self.find_leftovers())
+            self.pieces.run("shutdown", remove_state, self.spec.agent_dir)
+            log.error("%s: %s", self.spec.node_id, refused)
+            return AgentResult(FENCED_EXIT, refused)
+        if fence is not None and self.spec.standby:
+            log.warning("%s: offered back as a standby after it was fenced (%s); the controller decides",
+                        self.spec.node_id, fence.reason)
+            (self.spec.agent_dir / FENCE_FILE).unlink(missing_ok=True)
         decision = decide_rejoin(self.previous, job_id=self.spec.job_id, node_id=self.spec.node_id,
                                  standby=self.spec.standby)
         leftovers = self.find_leftovers()
@@ -729,7 +797,9 @@ class NodeAgent:
             last_exits: list[RankExit] = run("shutdown", self.supervisor.poll) or []
             for exit_ in last_exits:
                 self._report_exit_guarded(exit_)
-            run("shutdown", self.heartbeat, self.clock())
+            run("shutdown", self.supervisor.close_output)
+            if self.fence is None:
+                run("shutdown", self.heartbeat, self.clock())
             if consumer is not None:
                 consumer.cancel()
             run("shutdown", self.channel.close)

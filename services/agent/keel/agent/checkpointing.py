@@ -124,6 +124,10 @@ class PeerTransport(Protocol):
         two newer rounds arrive before the next commit (-1: nothing pinned, a restart's new history)."""
         ...
 
+    def refuse_generations_below(self, generation: int) -> None:
+        """This node runs ``generation``: its store refuses backups of older ones (a fenced host's)."""
+        ...
+
     def backups_received(self) -> int:
         """How many backups this node's store has committed since it started (moves on every new one)."""
         ...
@@ -212,6 +216,9 @@ class GrpcTransport:
 
     def pin_committed(self, step: int) -> None:
         self.server.pin(step)
+
+    def refuse_generations_below(self, generation: int) -> None:
+        self.server.refuse_generations_below(generation)
 
     def backups_received(self) -> int:
         return self.server.backups_received
@@ -430,6 +437,8 @@ class NodeCheckpointing:
         the restart that follows; its ranks are gone, so nothing is registered for this generation."""
         self.generation = generation
         self.registered_generation = generation
+        if self.transport is not None:
+            self.transport.refuse_generations_below(generation)
 
     def close(self, *, job_finished: bool) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -468,6 +477,7 @@ class NodeCheckpointing:
         self.peer_committed_step = -1  # commits of the history this restart leaves say nothing of the next
         if self.transport is not None:
             self.transport.pin_committed(-1)
+            self.transport.refuse_generations_below(generation)
         self.generation = generation
         self.registered_generation = None
         self.plan = None

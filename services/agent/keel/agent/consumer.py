@@ -14,6 +14,9 @@ What it subscribes to (``command_subjects``; subjects ``<prefix>.<job>.<kind>.<a
   whether it is named;
 - the controller's reports about this node's clock, ``node.<this node>.NodeClockSkewed``: the agent then
   judges commands' expiries on the controller's recorded clock (``NodeAgent.controller_time``);
+- the controller's eviction of this node and its ``NodeFenced`` (``node.<this node>.NodeEvictionDecided`` and
+  ``.NodeFenced``): the agent stops its ranks and leaves (``keel.agent.fencing``), as it does on a restore
+  plan for a generation newer than its ranks' (they are left behind);
 - with checkpointing on, the checkpoint broker's job-wide events (``BROKER_EVENT_TYPES``) and its parts
   addressed to this node (``BROKER_NODE_EVENT_TYPES``: the node's backup assignments and its part of a
   restore plan).
@@ -45,6 +48,8 @@ from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     DiagnosticsRequested,
     NodeClockSkewed,
+    NodeEvictionDecided,
+    NodeFenced,
     RanksRestarted,
     RanksRestartRequested,
     SdcReplayRequested,
@@ -65,8 +70,9 @@ JOB_COMMANDS = (DiagnosticsRequested, StacksRequested, SdcReplayRequested)
 """Requests to several nodes at once (their ``nodes`` list): one job-wide event each (the module docstring
 says why), taken by every agent."""
 COMMAND_TYPES = frozenset(c.event_name for c in (*NODE_COMMANDS, *JOB_COMMANDS))
-NODE_REPORTS = (NodeClockSkewed,)
-"""The controller's reports about one node that its agent acts on (not commands: nothing to answer)."""
+NODE_REPORTS = (NodeClockSkewed, NodeEvictionDecided, NodeFenced)
+"""The controller's reports about one node that its agent acts on (not commands: nothing to answer): its
+clock's skew, and its eviction and fence (``keel.agent.fencing``: the node leaves the job)."""
 
 
 def command_subjects(prefix: str, job_id: str, node_id: str, *, checkpointing: bool) -> list[str]:
@@ -101,6 +107,8 @@ class CommandTarget(Protocol):
     def handle_command(self, command: Event) -> None: ...
 
     def note_clock_skew(self, report: Event) -> None: ...
+
+    def check_fence(self, event: Event) -> bool: ...
 
     def emit(self, payload: EventPayload, subject: str | None = None, causation: Event | None = None) -> None: ...
 
@@ -190,6 +198,8 @@ class CommandConsumer:
 
     async def _handle(self, event: Event) -> None:
         agent = self.agent
+        if agent.check_fence(event):
+            return  # fenced (now or before): nothing more is carried out
         if event.type in COMMAND_TYPES:
             if (isinstance(event.payload, DiagnosticsRequested) and not agent.spec.standby
                     and agent.spec.node_id in event.payload.nodes):

@@ -6,7 +6,9 @@ certificate names. On top of that:
 
 - ``authorize_put``: a backup of rank ``r`` is accepted only from the node the broker assigned to back
   ``r`` up on this node (``senders``, from the broker's placement), only as that node's own shard (the
-  header's owner is the peer), and only for ``0 <= r < world_size``;
+  header's owner is the peer), only for ``0 <= r < world_size``, and only of this node's generation or a
+  newer one (``min_generation``): a backup of an older generation comes from a history the job left, from
+  a node that was fenced out of it (a host back after its eviction) or lags behind its restart;
 - ``authorize_read``: ``GetShard`` and ``ListShards`` from any node of the job (any certificate of the
   job's CA), ``GetShard`` only for ``0 <= r < world_size``;
 - ``admit_stream``: at most ``max_streams`` streams at once (``max_streams_per_peer`` per peer), and a
@@ -24,7 +26,7 @@ from typing import Literal
 
 __all__ = ["StoreLimits", "Refusal", "StreamLoad", "authorize_put", "authorize_read", "admit_stream"]
 
-RefusalCode = Literal["PERMISSION_DENIED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"]
+RefusalCode = Literal["PERMISSION_DENIED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"]
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,17 @@ def _rank_refusal(rank: int, world_size: int) -> Refusal | None:
 
 
 def authorize_put(peer: str, rank: int, owner_node_id: str, *, store_node: str, world_size: int,
-                  senders: Mapping[int, str]) -> Refusal | None:
-    """None when node ``peer`` may store its backup of ``rank`` (the header names ``owner_node_id``) on
-    ``store_node``; else why not. ``senders``: rank -> the node assigned to back it up here."""
+                  senders: Mapping[int, str], generation: int = 0, min_generation: int = 0) -> Refusal | None:
+    """None when node ``peer`` may store its backup of ``rank`` (the header names ``owner_node_id``) of
+    ``generation`` on ``store_node``; else why not. ``senders``: rank -> the node assigned to back it up
+    here; ``min_generation``: the generation ``store_node`` runs (older backups are of a history it left)."""
     refusal = _rank_refusal(rank, world_size)
     if refusal is not None:
         return refusal
+    if generation < min_generation:
+        return Refusal("FAILED_PRECONDITION", f"{peer!r} offered rank {rank}'s backup of generation {generation}, "
+                                              f"older than {store_node!r}'s generation {min_generation}: a stale "
+                                              f"history (a node fenced out of the job, or one not restarted yet)")
     if owner_node_id != peer:
         return Refusal("PERMISSION_DENIED", f"node {peer!r} sent a backup claiming to be node {owner_node_id!r}'s: "
                                             f"a node sends only its own ranks' backups")

@@ -25,7 +25,8 @@ stalls the agent's probes. Every call carries the job id and is refused for anot
 Security: mutual TLS only (``TlsMaterial``: a node certificate of the job's CA, ``keel.infra.shard_ca``);
 there is no plaintext port. The server reads the peer's node id from its verified certificate and
 decides with ``keel.agent.shard_access``: ``PutShard`` only from the node assigned to back that rank up
-here (``assign_senders``, from the broker's placement) and only as its own shard, ``GetShard`` and
+here (``assign_senders``, from the broker's placement), only as its own shard and only of this node's
+generation or newer (``refuse_generations_below``: a fenced host's stale backups are refused), ``GetShard`` and
 ``ListShards`` from nodes of the job, ranks below the world size, per-peer and total byte quotas and
 stream limits (``StoreLimits``). Clients verify the server's certificate against the same CA. Every
 file the store writes (backups, sidecars, fetched shards) is created 0600, without following links.
@@ -428,6 +429,13 @@ class ShardStoreServer:
         (``pin``, ``discard_backup``): one at a time, or a pin could delete the copy a backup just moved."""
         self.on_backup_received: Callable[[], None] | None = None
         """Called (on the server's loop) after each committed backup: wakes the agent's loop."""
+        self.min_generation = 0
+        """The generation this node runs (``refuse_generations_below``): backups of older ones are refused."""
+
+    def refuse_generations_below(self, generation: int) -> None:
+        """This node restarted (or rejoined) as ``generation``: from now on a backup of an older generation is
+        refused (``authorize_put``): it comes from a history the job left, such as a host fenced out of it."""
+        self.min_generation = max(self.min_generation, generation)
 
     # lifecycle
 
@@ -779,7 +787,8 @@ class ShardStoreServer:
         if header.rank < 0 or header.step < 0:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid rank {header.rank} / step {header.step}")
         self._check(authorize_put(peer, header.rank, header.owner_node_id, store_node=self.node_id,
-                                  world_size=self.world_size, senders=self.senders))
+                                  world_size=self.world_size, senders=self.senders, generation=header.generation,
+                                  min_generation=self.min_generation))
         if not _SHA256_HEX.match(header.sha256):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"sha256 must be 64 lower-case hex digits, got {header.sha256!r}")
         if header.total_bytes > self.max_shard_bytes:

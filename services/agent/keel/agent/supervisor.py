@@ -5,7 +5,10 @@ other children. With ``warm`` on, the supervisor keeps the node's zygote (``keel
 imported once) and forks ranks from it, so a restart skips the interpreter start and ``import torch``;
 a forked rank's stderr goes straight to its log file, whose end is the exit's tail. Without a ready
 zygote, ranks start as fresh interpreters. A rank's stderr is kept as a bounded tail (for exit
-classification) and written in full to ``<agent_dir>/logs/``. Restarts in place use a new *generation*: a new rendezvous port, so no
+classification) and written in full to a file: torchrun's ``stdout.log``/``stderr.log`` where
+``--redirects``/``--tee`` say so, else ``<agent_dir>/logs/rank<R>.g<G>.stdout|stderr``, whose lines
+reach the agent's console as torchrun's would (``keel.agent.rank_output``). The environment is
+torchrun's (``rank_env``). Restarts in place use a new *generation*: a new rendezvous port, so no
 stale store keys survive (see ``LaunchSpec.master_port_for``).
 """
 
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 from keel.agent.launch_spec import LaunchSpec
+from keel.agent.rank_output import ConsoleTail, RankOutputPlan, make_run_dir, plan_outputs, prepare_attempt
 from keel.agent.warm import CODE_DIR_ENV, ForkedProcess, Zygote, ZygoteError
 from keel.events.types import CodeRef
 
@@ -61,7 +65,8 @@ class RankProcess:
     """The uncaught exception the rank reported before the agent killed it (see ``kill_failed``)."""
     reader: threading.Thread | None = None
     stderr_path: Path | None = None
-    """Where a forked rank's stderr goes (no pipe): the tail is read from the end of that file."""
+    """Where the rank's stderr goes (a forked rank's tail is read from the end of that file)."""
+    stdout_path: Path | None = None
 
     @property
     def pid(self) -> int:
@@ -133,28 +138,62 @@ class RankSupervisor:
         """Whether the latest ``start_all`` forked every rank from the zygote."""
         self.logs_dir = spec.agent_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.run_log_dir: Path | None = None
+        """torchrun's run folder, ``<--log-dir or logs_dir>/<run id>_<random>/`` (made at the first start)."""
+        self.console = ConsoleTail(interval_s=min(0.1, spec.monitor_interval.total_seconds()))
+        self.console_out: IO[bytes] | None = getattr(sys.stdout, "buffer", None)
+        self.console_err: IO[bytes] | None = getattr(sys.stderr, "buffer", None)
+        """Where the ranks' console lines go: the agent's own stdout and stderr (None: nowhere)."""
+        self._filtered: dict[str, IO[bytes]] = {}
 
-    def rank_env(self, local_rank: int, generation: int) -> dict[str, str]:
+    def rank_env(self, local_rank: int, generation: int, error_file: str | None = None) -> dict[str, str]:
+        """torchrun's worker environment (``docs/torchrun.md``): the agent's own, less the control plane's
+        credentials, plus torchrun's variables and Keel's ``KEEL_*``. ``error_file``: the rank's
+        ``TORCHELASTIC_ERROR_FILE`` (None: the path it will have, without creating anything)."""
         spec = self.spec
         env = without_control_plane_credentials(os.environ)
+        rank = spec.global_rank(local_rank)
+        if error_file is None:
+            attempt = self.attempt_dir(generation)
+            error_file = "" if attempt is None else str(attempt / str(local_rank) / "error.json")
         env.update(
-            RANK=str(spec.global_rank(local_rank)),
-            LOCAL_RANK=str(local_rank),
-            WORLD_SIZE=str(spec.world_size),
-            LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
+            RANK=str(rank),
             GROUP_RANK=str(spec.node_rank),
-            NODE_RANK=str(spec.node_rank),
-            ROLE_RANK=str(spec.global_rank(local_rank)),
+            ROLE_RANK=str(rank),
+            ROLE_NAME=spec.role,
+            LOCAL_WORLD_SIZE=str(spec.nproc_per_node),
+            WORLD_SIZE=str(spec.world_size),
+            GROUP_WORLD_SIZE=str(spec.nnodes),
             ROLE_WORLD_SIZE=str(spec.world_size),
             MASTER_ADDR=spec.master_addr,
             MASTER_PORT=str(spec.master_port_for(generation)),
             TORCHELASTIC_RESTART_COUNT=str(generation),
+            TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
+            TORCHELASTIC_RUN_ID=spec.run_id,
+            # The ranks' TCPStore is hosted by rank 0, not by the agent: "False" makes init_process_group
+            # start it there (torchrun's agent hosts it and says "True").
+            TORCHELASTIC_USE_AGENT_STORE=str(False),
+            TORCH_NCCL_ASYNC_ERROR_HANDLING=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(spec.signals_to_handle),
+            TORCHELASTIC_ERROR_FILE=error_file,
             KEEL_JOB_ID=spec.job_id,
             KEEL_NODE_ID=spec.node_id,
             KEEL_AGENT_SOCKET=str(self.socket_path),
             KEEL_GENERATION=str(generation),
-            PYTHONUNBUFFERED="1",
         )
+        if spec.virtual_local_rank:
+            env["LOCAL_RANK"] = "0"
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            devices = [d.strip() for d in visible.split(",")] if visible is not None else None
+            if devices is not None and local_rank >= len(devices):
+                raise ValueError(f"local rank {local_rank} has no device in CUDA_VISIBLE_DEVICES={visible}")
+            env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if devices is not None else str(local_rank)
+        else:
+            env["LOCAL_RANK"] = str(local_rank)
+        # torchrun sets OMP_NUM_THREADS=1 (with a warning, ``keel.cli.agent_cmd``) for several ranks per
+        # node when the launcher's environment does not set it.
+        if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"
         # Files that make a rank fail on purpose are read only where fault injection is on for the node
         # (``--keel-fault-injection``): otherwise the variables are not passed, not even from the agent's
         # own environment.
@@ -167,7 +206,6 @@ class RankSupervisor:
                 # sdc``) is read by the ranks themselves (``keel.sdk.Session.corrupt``).
                 env["KEEL_SIMULATED_SDC_FILE"] = str(spec.root / "run/keel/sdc.json")
         env.update(self.extra_env)
-        env.setdefault("OMP_NUM_THREADS", "1")
         code = self.code
         if code is not None:
             env["KEEL_CODE_VERSION"] = code.version_id
@@ -217,22 +255,25 @@ class RankSupervisor:
             log.warning("code version %s ships %s, which the zygote imported: starting fresh interpreters",
                         self.code.version_id if self.code else "?", ", ".join(shadowed))
         self.last_start_warm = True
-        for local_rank in range(self.spec.nproc_per_node):
+        plans = self.output_plans(generation)
+        for local_rank, plan in enumerate(plans):
             rank = self.spec.global_rank(local_rank)
-            stdout_path = self.logs_dir / f"rank{rank}.g{generation}.stdout"
-            stderr_path = self.logs_dir / f"rank{rank}.g{generation}.stderr"
-            env = self.rank_env(local_rank, generation)
-            forked = None if shadowed else self._fork(f"rank{rank}.g{generation}", env, stdout_path, stderr_path,
-                                                      command, cwd)
+            stdout_path, stderr_path = plan.stdout.path, plan.stderr.path
+            env = self.rank_env(local_rank, generation, plan.error_file)
+            self._show(plan)
+            forked = None if shadowed or self.spec.no_python else self._fork(
+                f"rank{rank}.g{generation}", env, stdout_path, stderr_path, command, cwd)
             if forked is not None:
                 self.ranks[rank] = RankProcess(rank, local_rank, generation, forked, time.monotonic(),
-                                               self.clock(), stderr_path=stderr_path)
+                                               self.clock(), stderr_path=stderr_path, stdout_path=stdout_path)
                 continue
             self.cold_starts += 1
             self.last_start_warm = False
+            # ``-u`` as torchrun: unbuffered output, so the console and the files see lines as they come.
+            argv = list(command) if self.spec.no_python else [self.python, "-u", *command]
             with open(stdout_path, "ab") as stdout:
                 popen = subprocess.Popen(
-                    [self.python, *command],
+                    argv,
                     env=env,
                     cwd=cwd,
                     stdout=stdout,
@@ -240,7 +281,8 @@ class RankSupervisor:
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-            process = RankProcess(rank, local_rank, generation, popen, time.monotonic(), self.clock())
+            process = RankProcess(rank, local_rank, generation, popen, time.monotonic(), self.clock(),
+                                  stderr_path=stderr_path, stdout_path=stdout_path)
             assert popen.stderr is not None
             process.reader = threading.Thread(
                 target=_pump_stderr, args=(popen.stderr, process.stderr_tail, stderr_path),
@@ -249,6 +291,62 @@ class RankSupervisor:
             process.reader.start()
             self.ranks[rank] = process
         return list(self.ranks.values())
+
+    # -- the ranks' output --------------------------------------------------------------------------
+
+    def attempt_dir(self, generation: int) -> Path | None:
+        """torchrun's ``<run dir>/attempt_<generation>`` (None: ``--log-dir /dev/null``)."""
+        if self.spec.log_dir is not None and str(self.spec.log_dir) == os.devnull:
+            return None
+        if self.run_log_dir is None:
+            self.run_log_dir = make_run_dir(self.spec.log_dir or self.logs_dir, self.spec.run_id)
+            log.info("%s: rank log folder %s", self.spec.node_id, self.run_log_dir)
+        return self.run_log_dir / f"attempt_{generation}"
+
+    def output_plans(self, generation: int) -> list[RankOutputPlan]:
+        """Where each local rank's streams go this generation; the folders made, Keel's names linked."""
+        spec = self.spec
+        attempt = self.attempt_dir(generation)
+        if attempt is not None:
+            prepare_attempt(attempt, spec.nproc_per_node)
+        plans = plan_outputs(nproc=spec.nproc_per_node, global_ranks=[spec.global_rank(i) for i in range(spec.nproc_per_node)],
+                             generation=generation, role=spec.role, redirects=spec.redirects, tee=spec.tee,
+                             local_ranks_filter=spec.local_ranks_filter, attempt_dir=attempt, keel_logs=self.logs_dir,
+                             prefix_template=spec.log_line_prefix_template)
+        for local_rank, plan in enumerate(plans):
+            for stream, name in ((plan.stdout, "stdout"), (plan.stderr, "stderr")):
+                if stream.torchrun_file:
+                    # Keel's own name for the stream (what the inspector and a rejoining agent read).
+                    link = self.logs_dir / f"rank{spec.global_rank(local_rank)}.g{generation}.{name}"
+                    link.unlink(missing_ok=True)
+                    link.symlink_to(stream.path.absolute())
+        self._close_filtered()
+        if attempt is not None:
+            for needles, name in ((spec.duplicate_stdout_filters, "stdout"), (spec.duplicate_stderr_filters, "stderr")):
+                if needles:  # torchrun's --duplicate-*-filters: tee'd lines with a word go here too
+                    self._filtered[name] = open(attempt / f"filtered_{name}.log", "wb")  # noqa: SIM115
+        return plans
+
+    def _close_filtered(self) -> None:
+        for handle in self._filtered.values():
+            handle.close()
+        self._filtered = {}
+
+    def _show(self, plan: RankOutputPlan) -> None:
+        """Follow the rank's streams that torchrun would show on the console (from their current end:
+        Keel's own files are appended to)."""
+        spec = self.spec
+        for stream, console, name, needles in (
+                (plan.stdout, self.console_out, "stdout", spec.duplicate_stdout_filters),
+                (plan.stderr, self.console_err, "stderr", spec.duplicate_stderr_filters)):
+            if stream.console is not None and console is not None:
+                filtered = self._filtered.get(name) if stream.torchrun_file else None
+                self.console.follow(stream.path, console, stream.console, filtered, needles)
+
+    def close_output(self) -> None:
+        """Copy what is left of every rank's output to the console; close the filtered files."""
+        self.console.close()
+        self._close_filtered()
 
     # -- the zygote -------------------------------------------------------------------------------
 
@@ -298,6 +396,7 @@ class RankSupervisor:
                 continue
             if process.reader is not None:
                 process.reader.join(timeout=2)  # the tail is complete once the pipe is drained
+            self.console.finish([p for p in (process.stdout_path, process.stderr_path) if p is not None])
             del self.ranks[rank]
             exits.append(
                 RankExit(
@@ -332,8 +431,11 @@ class RankSupervisor:
     def alive(self) -> list[RankProcess]:
         return [p for p in self.ranks.values() if p.popen.poll() is None]
 
-    def stop_all(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every rank's process group, then SIGKILL what is left after ``grace_s``."""
+    def stop_all(self, grace_s: float | None = None) -> None:
+        """SIGTERM every rank's process group, then SIGKILL what is left after ``grace_s`` (default: the
+        launch's ``--shutdown-timeout``)."""
+        if grace_s is None:
+            grace_s = self.spec.shutdown_timeout.total_seconds()
         for process in self.ranks.values():
             process.stopping = True
             self._signal_group(process, signal.SIGTERM)

@@ -352,7 +352,8 @@ class Zygote:
         if preload is not None:
             environment[PRELOAD_ENV] = preload
         with open(stderr_log, "ab") as log_file:
-            popen = subprocess.Popen([python, "-m", "keel.agent.warm"], env=environment, stdin=subprocess.PIPE,
+            # ``-u``: the children's stdout and stderr are unbuffered, as torchrun's ``python -u`` ranks' are.
+            popen = subprocess.Popen([python, "-u", "-m", "keel.agent.warm"], env=environment, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log_file, start_new_session=True)
         return cls(popen, ready_file)
 

@@ -28,7 +28,15 @@ from datetime import datetime
 from keel.checkpoint_broker.placement import decide_placement
 from keel.checkpoint_broker.restore import decide_commit, decide_restore
 from keel.checkpoint_broker.schedule import decide_schedule
-from keel.checkpoint_broker.state import BrokerPolicy, BrokerState, JobState, fold, heartbeat_reports, received_at
+from keel.checkpoint_broker.state import (
+    BrokerPolicy,
+    BrokerState,
+    JobState,
+    fenced_report,
+    fold,
+    heartbeat_reports,
+    received_at,
+)
 from keel.events.envelope import Event
 from keel.events.types import (
     CheckpointBackupFailed,
@@ -85,6 +93,9 @@ class CheckpointBrokerDecider:
         p = event.payload
         parts: list[Decision] = []
         subject = f"job/{event.job_id}"
+        fenced = fenced_report(job, p)
+        if fenced:
+            return Decision(reason=fenced)
         if isinstance(p, (CheckpointRanksRegistered, CheckpointBackupFailed, NodeEvictionDecided, NodeEvicted)):
             parts.append(decide_placement(job, p, subject, self.policy.part_budget_bytes))
         if isinstance(p, CheckpointShardsStored):

@@ -153,6 +153,9 @@ class JobState:
     site_generation: Mapping[int, int] = field(default_factory=dict)
     addresses: Mapping[str, str] = field(default_factory=dict)  # node -> shard store address
     left: frozenset[str] = frozenset()  # evicted (or being evicted) nodes
+    left_at: Mapping[str, int] = field(default_factory=dict)
+    """Each node that left: the job's generation then. Until it registers ranks of a newer generation (a
+    standby taken back into the job) it is fenced: its reports count for nothing (``fenced_report``)."""
     backups: Mapping[int, BackupAssignment] = field(default_factory=dict)
     avoid: Mapping[int, frozenset[str]] = field(default_factory=dict)  # rank -> failed backup peers
     shards: Mapping[str, Mapping[int, Mapping[int, ShardRecord]]] = field(default_factory=dict)  # tier, step, rank
@@ -293,8 +296,27 @@ def fold(state: BrokerState, event: Event, policy: BrokerPolicy) -> BrokerState:
     return state.with_job(event.job_id, updated)
 
 
+def fenced_report(job: JobState, p: object) -> str:
+    """Why the broker ignores node report ``p`` ("" : it does not). A node evicted (``left``) may come back
+    with its old agent (a host back after a partition): what it holds is of a history the job left, so its
+    shard reports (heartbeats, disk reports) and inventories commit and plan nothing, and its ranks'
+    registrations of the generation it left (or older) do not make it a backup candidate again."""
+    node_id = getattr(p, "node_id", "")
+    if node_id not in job.left:
+        return ""
+    left_at = job.left_at.get(node_id, job.generation)
+    if isinstance(p, CheckpointRanksRegistered) and p.generation > left_at:
+        return ""  # a standby taken back into the job, running ranks of a newer generation
+    if isinstance(p, (NodeHeartbeat, CheckpointShardsStored, CheckpointInventoryReported, CheckpointRanksRegistered)):
+        return (f"{node_id} left the job at generation {left_at} (evicted): its {type(p).__name__} is ignored "
+                f"(a fenced node's shards commit and restore nothing)")
+    return ""
+
+
 def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
     p = event.payload
+    if fenced_report(job, p):
+        return job
     if isinstance(p, TimerTicked):
         clock_at = p.now if p.interval_s is not None else None
         return job if clock_at == job.clock_at else replace(job, clock_at=clock_at)
@@ -311,7 +333,7 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
         return replace(job, world_size=p.world_size if p.generation >= job.generation else job.world_size,
                        generation=max(job.generation, p.generation), sites=sites, site_generation=gens,
                        addresses={**job.addresses, p.node_id: p.store_address}, left=job.left - {p.node_id},
-                       avoid=avoid)
+                       left_at={n: g for n, g in job.left_at.items() if n != p.node_id}, avoid=avoid)
     if isinstance(p, (CheckpointBackupAssigned, CheckpointNodeBackupsAssigned)):
         return replace(job, backups={**job.backups, **{a.rank: a for a in p.assignments}})
     if isinstance(p, CheckpointBackupFailed):
@@ -486,4 +508,5 @@ def _evolve_persisted(job: JobState, p: CheckpointPersisted, policy: BrokerPolic
 def _without_node(job: JobState, node_id: str) -> JobState:
     """A node leaves: no more backups on it, and its step time no longer sets the job's pace."""
     times = {n: t for n, t in job.schedule.step_times.items() if n != node_id}
-    return replace(job, left=job.left | {node_id}, schedule=replace(job.schedule, step_times=times))
+    left_at = job.left_at if node_id in job.left else {**job.left_at, node_id: job.generation}
+    return replace(job, left=job.left | {node_id}, left_at=left_at, schedule=replace(job.schedule, step_times=times))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from datetime import datetime
+from typing import Literal
 
 from keel.controller.policy import Action, ControllerPolicy
 from keel.controller.standby import failure_probability, plan_standby_pool
@@ -156,8 +157,10 @@ class ActionPlan:
                            key=key, correlation_id=incident_id)
         assert opened.id == incident_id, "materialise no longer derives ids as decision_id(cause, name, type, key)"
 
-    def resolve(self, outcome: str, reason: str, *, stop: bool = False, rung: int | None = None) -> None:
-        """Close the open incident with ``outcome``; ``stop``: stop the job and page a human too."""
+    def resolve(self, outcome: str, reason: str, *, stop: bool = False, rung: int | None = None,
+                measure: Literal["step", "process"] = "step") -> None:
+        """Close the open incident with ``outcome``; ``stop``: stop the job and page a human too;
+        ``measure``: how recovery was judged (``process``: a job without the SDK, on process liveness)."""
         incident = self.job.incident
         assert incident is not None
         self.note(reason)
@@ -168,7 +171,8 @@ class ActionPlan:
             self.emit(JobStopDecided(incident_id=incident.id, rung=max(1, final_rung), reason=reason, page=True,
                                      evidence=list(incident.evidence)), key=f"stop/{incident.id}")
         self.emit(IncidentResolved(incident_id=incident.id, outcome=outcome, rung=final_rung,
-                                   generation=self.job.generation, reason=reason), key=f"resolved/{incident.id}")
+                                   generation=self.job.generation, reason=reason, measure=measure),
+                  key=f"resolved/{incident.id}")
 
     # guardrails
 

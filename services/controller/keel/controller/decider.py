@@ -13,7 +13,7 @@ from typing import Any
 from keel.controller import rules
 from keel.controller.actions import NAME, ActionPlan
 from keel.controller.policy import ControllerPolicy
-from keel.controller.state import ControllerState, evolve_job, new_job
+from keel.controller.state import ControllerState, evolve_job, fenced_report, new_job
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     ApprovalGiven,
@@ -91,6 +91,11 @@ class ControllerDecider:
     def decide(self, state: ControllerState, event: Event) -> Decision:
         plan = ActionPlan(self.policy, state.jobs.get(event.job_id) or new_job(self.policy), event)
         # The kernel only asks about ``_DECIDES_ON``; any other event re-checks the standby pool.
+        fenced = fenced_report(plan.job, event)
+        if fenced is not None:
+            # A fenced node's report (its registration as a standby lifts the fence in the fold: not here).
+            rules.on_fenced(plan, event, fenced)
+            return plan.decision(f"{event.type}: from a fenced node")
         rule = _RULES.get(type(event.payload), rules.on_pool_change)
         rule(plan, event.payload)
         return plan.decision(f"{event.type}: nothing to decide")

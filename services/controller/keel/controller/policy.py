@@ -50,6 +50,9 @@ class ControllerPolicy:
     recovery_timeout: timedelta = timedelta(minutes=10)
     """A restart that has not brought the job back to stepping this long after it was decided: the job
     stops and a human is paged (a recovery never waits for ever)."""
+    process_settle_interval: timedelta = timedelta(seconds=5)
+    """A job without the SDK (its heartbeats never show a rank reporting): the incident is resolved once
+    every rank of the restarted generation has been running this long, by the recorded clock."""
     eviction_window: timedelta = timedelta(hours=1)
     max_evictions: int = 8
     max_eviction_fraction: float = 0.1

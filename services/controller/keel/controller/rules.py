@@ -38,13 +38,15 @@ producer's timestamp; a producer's clock skew is reported (``report_skews``), ne
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
-from keel.events.envelope import EventPayload
+from keel.controller.state import NodeView, processes_up
+from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     ApprovalGiven,
     CodeRolloutRequested,
@@ -53,8 +55,10 @@ from keel.events.types import (
     MetricAnomalyDetected,
     NodeClockSkewed,
     NodeCordoned,
+    NodeFenced,
     NodeHealthChanged,
     NodeHeartbeat,
+    NodeRegistered,
     RankExited,
     RanksRestarted,
     SdcReplayAnalyzed,
@@ -325,6 +329,8 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
                                      f"{(policy.sdc_replay_timeout + SDC_VERDICT_GRACE).total_seconds():g} s after it "
                                      f"was asked for (is the analyzer running?): restart in place from before the anomaly")
         return
+    if incident is not None and resolve_by_processes(plan, now):
+        return
     if (incident is not None and incident.stage == "recovering" and incident.recovering_since is not None
             and not job.stopped and not job.finished and now - incident.recovering_since >= policy.recovery_timeout):
         plan.resolve("stopped", f"the restart to generation {incident.target_generation} did not bring the job back to "
@@ -387,7 +393,7 @@ def report_skews(plan: ActionPlan, now: datetime) -> None:
     unbroken = job.clock_since is not None and job.clock_since < now
     for node_id, skew in sorted(job.skews.items()):
         node = job.nodes.get(node_id)
-        if node is None or node.evicted:
+        if node is None or node.evicted or node.fenced:
             continue
         way = "ahead of" if skew > 0 else "behind"
         if abs(skew) > allowance and not node.clock_skewed:
@@ -437,10 +443,39 @@ def on_heartbeat(plan: ActionPlan, p: NodeHeartbeat) -> None:
             code = f"; the code {incident.code_change}"
         plan.resolve("recovered", f"generation {incident.target_generation} is stepping again{by} ({p.node_id} at "
                                   f"step {p.last_step}, restored after step {incident.restore_step}){code}")
-        job = plan.job
-        if job.rollout_due and job.code_pending and not job.stopped and not job.finished:
-            plan.roll_out(f"rollout of {job.code_pending} asked for during incident {incident.id[:8]}, which is "
-                          f"over: restart onto it now")
+        _rollout_after(plan, incident.id)
+
+
+def _rollout_after(plan: ActionPlan, incident_id: str) -> None:
+    """A rollout asked for during the incident just resolved: restart onto the pending version now."""
+    job = plan.job
+    if job.rollout_due and job.code_pending and not job.stopped and not job.finished:
+        plan.roll_out(f"rollout of {job.code_pending} asked for during incident {incident_id[:8]}, which is "
+                      f"over: restart onto it now")
+
+def resolve_by_processes(plan: ActionPlan, now: datetime) -> bool:
+    """A job without the SDK (no rank ever reported a step, so none can be seen): its incident is resolved
+    once every rank of the restarted generation has been running for ``process_settle_interval``, on
+    process liveness alone. Coarser than a step: a rank that runs but hangs counts as recovered. True
+    when it resolved the incident."""
+    job, settle = plan.job, plan.policy.process_settle_interval
+    incident = job.incident
+    if (incident is None or job.sdk_seen or incident.stage not in ("recovering", "observing")
+            or incident.processes_up_since is None or now - incident.processes_up_since < settle
+            or not processes_up(job, incident)):
+        return False
+    ranks = sorted({r for n in job.active for r in n.ranks})
+    by = "" if incident.stage == "recovering" else " without the controller acting"
+    code = f"; the code {incident.code_change}" if incident.code_change else ""
+    plan.resolve("recovered", f"generation {incident.target_generation} is running again{by}: all {len(ranks)} "
+                              f"rank(s) on {', '.join(n.node_id for n in job.active)} alive for "
+                              f"{(now - incident.processes_up_since).total_seconds():.1f} s (settle "
+                              f"{settle.total_seconds():g} s){code}. Process-level: no rank reports through the "
+                              f"SDK, so no step is seen; a rank that runs but hangs would count as recovered",
+                 measure="process")
+    _rollout_after(plan, incident.id)
+    return True
+
 
 def on_pool_change(plan: ActionPlan, p: EventPayload) -> None:
     """The standby pool changed: carry out a recovery that waits for a standby, else re-size the pool."""
@@ -479,6 +514,41 @@ def on_restart_report(plan: ActionPlan, p: RanksRestarted) -> None:
     plan.recover(3, frozenset({p.node_id}), f"rung 3: {p.node_id} could not restart to generation {p.generation} "
                                             f"({p.outcome}{': ' + p.detail if p.detail else ''}): evict it, a standby "
                                             f"takes its ranks")
+
+
+def acting_as_member(p: EventPayload) -> bool:
+    """Whether a fenced node's report shows it still acting as a member of the job (pure): ranks alive in
+    its heartbeat, a registration as a worker, a rank that ended on its own (it was running), answers to
+    commands, a standby's self-check. A drained agent's goodbye (its ranks stopped by it, a heartbeat with
+    none alive) and its health probes do not."""
+    if isinstance(p, NodeHeartbeat):
+        return p.ranks_alive > 0
+    if isinstance(p, NodeRegistered):
+        return not p.standby
+    if isinstance(p, RankExited):
+        return p.classification != "stopped_by_agent"
+    return not isinstance(p, NodeHealthChanged)
+
+
+def on_fenced(plan: ActionPlan, event: Event, node: NodeView) -> None:
+    """A report from a node the controller decided to evict (``state.fenced_report``): the fold ignored it;
+    the first one that shows the node still acting as a member is recorded (``NodeFenced``, once per fence
+    and again for a new agent registering there), which tells its agent to stop and leave."""
+    job, what = plan.job, event.type
+    fence = f"evicted by decision {node.fenced_by[:8]} at generation {node.fenced_generation}"
+    if node.fence_reported or not acting_as_member(event.payload):
+        plan.note(f"{node.node_id} is fenced ({fence}): its {what} is ignored"
+                  + ("" if node.fence_reported else " (not acting as a member: not reported)"))
+        return
+    why = (f"{node.node_id} was {fence} and is fenced: its {what} is ignored (it counts for no progress, "
+           f"liveness, membership or checkpoint), and its agent is told to stop its ranks and leave; the job "
+           f"is at generation {job.generation} without it")
+    plan.note(why)
+    plan.emit(NodeFenced(node_id=node.node_id, generation=max(0, job.generation),
+                         fenced_generation=max(0, node.fenced_generation), evicted_by=node.fenced_by,
+                         input_type=what, reason=why),
+              subject=f"node/{node.node_id}", key=f"fenced/{node.node_id}/{node.fenced_by}",
+              correlation_id=uuid.UUID(node.fenced_incident) if node.fenced_incident else None)
 
 
 def on_cordon(plan: ActionPlan, p: NodeCordoned) -> None:

@@ -8,7 +8,10 @@
 
 Incidents: the first signal opens one (``IncidentOpened``); its id - that event's id - is the correlation
 id of every decision about it and of the agents' answers. Signals that arrive while it is open join it.
-``IncidentResolved`` closes it once a node of the restarted generation steps past the restore point.
+``IncidentResolved`` closes it once a node of the restarted generation steps past the restore point; for
+a job whose ranks never report through the SDK (``JobView.sdk_seen`` false), once every rank of the
+restarted generation has been running for ``ControllerPolicy.process_settle_interval`` (the fold keeps
+since when: ``OpenIncident.processes_up_since``).
 
 Code versions (hot-update): the fold keeps the registered versions (``CodeVersionRegistered``), the newest
 one no restart has carried yet (``code_pending``), the ones hot-update found stable and the ones rolled
@@ -46,6 +49,7 @@ from keel.events.types import (
     NodeCordoned,
     NodeEvicted,
     NodeEvictionDecided,
+    NodeFenced,
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
@@ -98,6 +102,20 @@ class NodeView:
     clock_skewed: bool = False
     """The node's clock is off the recorded clock by more than the allowance (``NodeClockSkewed``)."""
     skew_s: float = 0.0
+    fenced_by: str = ""
+    """Id of the eviction decision that fenced the node out of the job ("" : not fenced). It holds whatever
+    the actuator reports (a partitioned host cannot be drained): until the node offers itself back as a
+    standby (a new agent registering with ``standby``), nothing it reports counts (``fenced``)."""
+    fenced_generation: int = -1
+    """The job's generation when the node was fenced: its ranks are of that generation or older."""
+    fenced_incident: str = ""
+    """The incident that evicted it (the correlation id of its ``NodeFenced``, so the timeline shows it)."""
+    fence_reported: bool = False
+    """A ``NodeFenced`` was recorded for this fence (once per fence, however often the node reports)."""
+
+    @property
+    def fenced(self) -> bool:
+        return bool(self.fenced_by)
 
 
 @dataclass(frozen=True)
@@ -149,6 +167,14 @@ class OpenIncident:
     """Replay phases run for this incident so far."""
     code_change: str = ""
     """What the incident's restart did to the code ("" : nothing), for its resolution's reason."""
+    processes_up: frozenset[str] = frozenset()
+    """Nodes of ``target_generation`` whose latest heartbeat showed every rank alive and none reporting
+    through the SDK (what resolves a job without the SDK)."""
+    processes_up_since: datetime | None = None
+    """Since when every rank of ``target_generation`` is known to run (``processes_up_at``): on the recorded
+    clock the tick after the heartbeat that completed the set, else that heartbeat's timestamp."""
+    processes_up_pending: bool = False
+    """The set is complete and the next tick dates it (the recorded clock)."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +222,10 @@ class JobView:
     code_rolled_back: frozenset[str] = frozenset()
     rollout_due: str = ""
     """Hot-update asked for a rollout that no restart has carried out yet."""
+    sdk_seen: bool = False
+    """A rank of the job reported through the SDK (a heartbeat with ``ranks_reporting`` above 0 or a step),
+    or an agent older than heartbeat v4 said nothing about it: recovery is judged on steps. False: every
+    heartbeat so far showed no rank reporting, and recovery is judged on process liveness (coarser)."""
     clock_at: datetime | None = None
     """The job clock's latest tick (v2, ``TimerTicked.interval_s``): the controller's recorded time. None:
     no such tick yet, or a log of v1 ticks (then producers' timestamps are the time, as they were)."""
@@ -262,13 +292,13 @@ class JobView:
     @property
     def active(self) -> list[NodeView]:
         """Nodes running ranks of the job (not evicted, not standbys), by id."""
-        return sorted((n for n in self.nodes.values() if n.ranks and not n.evicted and not n.standby),
-                      key=lambda n: n.node_id)
+        return sorted((n for n in self.nodes.values() if n.ranks and not n.evicted and not n.standby
+                       and not n.fenced), key=lambda n: n.node_id)
 
     @property
     def ready_standbys(self) -> list[NodeView]:
         """Standbys that passed their self-check and are free to take over a node's ranks."""
-        return sorted((n for n in self.nodes.values() if n.standby and n.checked and not n.evicted
+        return sorted((n for n in self.nodes.values() if n.standby and n.checked and not n.evicted and not n.fenced
                        and not n.eviction_pending and not n.cordoned and not n.promoting), key=lambda n: n.node_id)
 
 
@@ -311,6 +341,12 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         job = _acknowledged(job, event)
     if job.first_seen_at is None and isinstance(p, (RankStarted, NodeRegistered, JobRegistered)):
         job = replace(job, first_seen_at=at)
+    fenced = fenced_report(job, event)
+    if fenced is not None and not (isinstance(p, NodeRegistered) and p.standby):
+        # A fenced node's progress, rank starts and registration as a worker count for nothing (its
+        # heartbeat's step would reset the crash-loop breaker; its registration would un-evict it).
+        # ``rules.on_fenced`` records that it was ignored. A new agent registering there must be told.
+        return job.with_node(replace(fenced, fence_reported=False)) if isinstance(p, NodeRegistered) else job
     if isinstance(p, JobRegistered):
         return replace(job, world_size=job.world_size or p.world_size)
     if isinstance(p, NodeRegistered):
@@ -320,10 +356,14 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         # clock is judged afresh (the new agent learns its skew from a new ``NodeClockSkewed``).
         if p.standby and job.refills_pending:
             job = replace(job, refills_pending=job.refills_pending - 1)  # one of those asked for
+        # A fenced node comes back only this way, as a standby (reaching here): its fence is lifted and it
+        # counts for the pool once its self-check passes; its old ranks are gone.
         return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
                                      promoting=False, checked=None if p.standby else view.checked,
                                      ranks=frozenset() if p.standby else view.ranks,
-                                     heard_at=at if legacy else view.heard_at, clock_skewed=False))
+                                     heard_at=at if legacy else view.heard_at, clock_skewed=False,
+                                     fenced_by="", fenced_generation=-1, fenced_incident="",
+                                     fence_reported=False))
     if isinstance(p, RankStarted):
         view = job.node(p.node_id)
         if p.generation < view.generation:
@@ -346,8 +386,15 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, NodeHeartbeat):
         if legacy:
             job = job.with_node(replace(job.node(p.node_id), heard_at=at))
+        if not p.standby and not job.sdk_seen and (p.ranks_reporting is None or p.ranks_reporting > 0
+                                                   or p.last_step >= 0):
+            job = replace(job, sdk_seen=True)
+        if not p.standby and job.incident is not None:
+            job = _processes_heard(job, job.incident, p, at, legacy)
         if p.standby or job.incident is not None:
             return job
+        if p.generation is not None and p.generation < job.generation:
+            return job  # ranks of a generation the job left (a node left behind): their steps are no progress
         # Past where it failed: no loop. A failure before any reported step (failed_at_step -1) is
         # passed by the first step reported after it.
         if p.last_step > job.failed_at_step and job.crash_loop.fingerprints:
@@ -364,8 +411,13 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, NodeEvictionDecided):
         if p.observe_only:
             return job
-        return replace(job.with_node(replace(job.node(p.node_id), eviction_pending=str(event.id))),
+        view = job.node(p.node_id)
+        fence = {} if view.fenced else {"fenced_by": str(event.id), "fenced_generation": max(0, job.generation),
+                                        "fenced_incident": str(event.correlation_id or ""), "fence_reported": False}
+        return replace(job.with_node(replace(view, eviction_pending=str(event.id), **fence)),  # type: ignore[arg-type]
                        evictions=job.evictions.record(at), node_failures=job.node_failures + 1)
+    if isinstance(p, NodeFenced):
+        return job.with_node(replace(job.node(p.node_id), fence_reported=True))
     if isinstance(p, NodeEvicted):
         view = job.node(p.node_id)
         # ``ranks`` stays: what the node ran is what a standby must take over (``active`` skips it).
@@ -408,6 +460,54 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, CodeRolloutRequested):
         return replace(job, rollout_due=p.version_id)
     return _evolve_incident(job, event)
+
+def processes_up(job: JobView, incident: OpenIncident) -> bool:
+    """Whether every rank of the incident's restarted generation runs, as the heartbeats of a job without
+    the SDK tell it: every active node started that generation and its latest heartbeat showed all its
+    ranks alive, and the active nodes' ranks cover the job's world size (a promoted standby's too)."""
+    target = incident.target_generation
+    active = job.active
+    if target is None or not active:
+        return False
+    ranks = frozenset().union(*(n.ranks for n in active))
+    return (all(n.generation == target and n.node_id in incident.processes_up for n in active)
+            and len(ranks) >= max(1, job.world_size))
+
+
+def _processes_heard(job: JobView, incident: OpenIncident, p: NodeHeartbeat, at: datetime, legacy: bool) -> JobView:
+    """A heartbeat during an incident, for a job without the SDK: whether the node's ranks of the
+    restarted generation all run, and since when the whole generation does (``processes_up_since``)."""
+    if incident.target_generation is None or p.generation != incident.target_generation \
+            or p.node_id not in incident.started:
+        return job
+    alive = 0 < p.ranks_expected <= p.ranks_alive and p.ranks_reporting == 0
+    nodes = incident.processes_up | {p.node_id} if alive else incident.processes_up - {p.node_id}
+    incident = replace(incident, processes_up=nodes)
+    if not alive:
+        incident = replace(incident, processes_up_since=None, processes_up_pending=False)
+    elif incident.processes_up_since is None and not incident.processes_up_pending \
+            and processes_up(replace(job, incident=incident), incident):
+        # On the recorded clock the heartbeat is credited at the next tick, as every arrival is.
+        incident = replace(incident, processes_up_since=at) if legacy else replace(incident, processes_up_pending=True)
+    return replace(job, incident=incident)
+
+
+FENCED_INPUTS = frozenset({"NodeHeartbeat", "NodeRegistered", "RankStarted", "RankExited", "NodeHealthChanged",
+                           "MetricAnomalyDetected", "DiagnosticsCompleted", "RanksRestarted", "StandbyChecked",
+                           "StandbyPromoted", "StacksCaptured", "SdcReplayCompleted", "CheckpointRanksRegistered",
+                           "CheckpointShardsStored", "CheckpointInventoryReported", "CodeVersionApplied"})
+"""What a node's agent reports about its node or ranks: from a fenced node, each counts for nothing."""
+
+
+def fenced_report(job: JobView, event: Event) -> NodeView | None:
+    """The fenced node ``event`` is a report of, if it is one (pure): an agent's report (``FENCED_INPUTS``)
+    about a node the controller decided to evict. None: not such a report."""
+    if event.producer != AGENT_PRODUCER or event.type not in FENCED_INPUTS:
+        return None
+    node_id = _agent_node(event)
+    view = job.nodes.get(node_id) if node_id else None
+    return view if view is not None and view.fenced else None
+
 
 def _agent_node(event: Event) -> str:
     """The node whose agent produced ``event`` ("" when it names none)."""
@@ -463,7 +563,10 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
             skews[node_id] = 0.0
         if node_id in nodes:
             nodes[node_id] = replace(nodes[node_id], heard_at=now)
-    return replace(job, nodes=nodes, clock_at=now, clock_interval=interval,
+    incident = job.incident
+    if incident is not None and incident.processes_up_pending:
+        incident = replace(incident, processes_up_since=now, processes_up_pending=False)
+    return replace(job, nodes=nodes, clock_at=now, clock_interval=interval, incident=incident,
                    clock_since=job.clock_since if unbroken else now, heard={}, skews=skews)
 
 
@@ -527,7 +630,9 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
         return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
                        incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                         target_generation=p.generation, started=frozenset(), restore_step=-1,
-                                        held=None, code_change=code_change, recovering_since=at))
+                                        held=None, code_change=code_change, recovering_since=at,
+                                        processes_up=frozenset(), processes_up_since=None,
+                                        processes_up_pending=False))
     if isinstance(p, ActionHeld):
         held = HeldPlan(p.rung, frozenset(p.evict), p.reason, p.rollback)
         stage: Stage = {"approval": "awaiting_approval", "no_standby": "waiting_standby"}.get(  # type: ignore[assignment]
