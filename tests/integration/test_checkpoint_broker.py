@@ -183,9 +183,9 @@ def memory_entry(rank: int, step: int) -> InventoryEntry:
     return InventoryEntry(rank=rank, tier="memory", step=step, bytes=10, digest=f"{rank}{step}".ljust(64, "0"))
 
 
-async def run_job_clock(keel_env, interval: timedelta) -> JobClock:  # type: ignore[no-untyped-def]
-    """The one job clock, as the controller's process runs it, ticking this test's job."""
-    clock = JobClock(keel_env.bus, lambda: [JOB], interval)
+async def run_job_clock(keel_env, interval: timedelta, job_id: str = JOB) -> JobClock:  # type: ignore[no-untyped-def]
+    """The one job clock, as the controller's process runs it, ticking the job ``job_id``."""
+    clock = JobClock(keel_env.bus, lambda: [job_id], interval)
     stop = asyncio.Event()
     keel_env.stops.append(stop)
 

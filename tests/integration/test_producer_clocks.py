@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from keel.agent.clock import CLOCK_OFFSET_ENV
-from keel.cluster.local import rendezvous_base_port, seed_overlay_root, spawn_agent
+from keel.cluster.local import ranks_of, rendezvous_base_port, seed_overlay_root, spawn_agent
 from keel.controller.adapter import Controller, decider_from_settings
 from keel.events.envelope import Event, now_utc
 from keel.events.types import RanksRestartRequested
@@ -34,17 +34,26 @@ OFFSETS = {"n00": "+10m", "n01": "-10m", "n02": "0s"}
 SILENCE_S = 10.0
 
 
+def kill_agent_and_ranks(process: subprocess.Popen, agent_dir: Path) -> None:
+    """Lose the node: SIGKILL its agent's session and every rank and zygote of it (forked ranks lead process
+    groups of their own, so killing the agent's group alone would leave them running)."""
+    for pid in [process.pid, *ranks_of(agent_dir, zygotes=True)]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if process.poll() is None:
+        process.wait(timeout=10)
+
+
 @pytest.fixture
-def agents() -> Iterator[dict[str, subprocess.Popen]]:
+def agents(scratch_dir: Path) -> Iterator[dict[str, subprocess.Popen]]:
     started: dict[str, subprocess.Popen] = {}
     yield started
-    for process in started.values():
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session: the agent and its ranks
-            except ProcessLookupError:
-                pass
-            process.wait(timeout=10)
+    for node_id, process in started.items():
+        kill_agent_and_ranks(process, scratch_dir / node_id)
+    leftovers = [pid for node_id in started for pid in ranks_of(scratch_dir / node_id, zygotes=True)]
+    assert leftovers == [], f"processes of the agents still running: {leftovers}"
 
 
 def start_agents(settings, scratch: Path, started: dict[str, subprocess.Popen]) -> None:  # type: ignore[no-untyped-def]
@@ -114,7 +123,7 @@ async def test_agents_ten_minutes_off_are_not_evicted_and_a_silent_one_is(keel_e
 
     # The honest node really goes silent (its agent and ranks killed): it alone is evicted.
     killed_at = asyncio.get_running_loop().time()
-    os.killpg(agents["n02"].pid, signal.SIGKILL)
+    kill_agent_and_ranks(agents["n02"], scratch_dir / "n02")
 
     async def evicted() -> bool:
         return bool(of(await log(), "NodeEvictionDecided"))

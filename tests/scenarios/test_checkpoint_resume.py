@@ -4,8 +4,9 @@ broker. One run is interrupted three times - a rank SIGKILLed, a whole node lost
 memory), a whole pipeline group lost - and restored each time; its final parameters and per-step losses
 must be bitwise equal to an uninterrupted run's.
 
-The restarts are commanded by hand here (the controller's job, issue 5); everything else is Keel's:
-inventories, the broker's restore plan and tier fallbacks, peer fetches over gRPC, the ranks' restore.
+The restarts are commanded by hand here (the controller's job) and the job clock ticks from the test (the
+controller's process hosts it); everything else is Keel's: inventories, the broker's restore plan and tier
+fallbacks, peer fetches over gRPC, the ranks' restore.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from keel.cluster.local import cluster_down, cluster_status, cluster_up, kill_no
 from keel.events.envelope import Event, now_utc
 from keel.events.types import RanksRestartRequested
 from keel.sdk.shard import decode_shard
+from tests.integration.test_checkpoint_broker import run_job_clock
 from tests.integration.test_crashes import service_env, start_service_process
 from tests.scenarios.test_cluster_faults import stop_process
 
@@ -155,8 +157,11 @@ class Run:
         # Generous: a node started just before (a lost node, a lost pipeline) imports torch into its zygote
         # and reports its inventory first, on 2 cores shared with the reference run; this checks what the
         # plan holds, not how fast it comes (bench/recovery.py times that).
-        plan = await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 150,
-                                   f"the restore plan of generation {generation}")
+        try:
+            plan = await self.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == generation, 150,
+                                       f"the restore plan of generation {generation}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; inventories of generation {generation}: {await self.inventories()}") from None
         # Each rank's source is in its node's part of the plan (recorded before the plan itself).
         parts = [e.payload for e in await self.events(["CheckpointNodeRestorePlanned"])]
         return plan.model_copy(update={"payload": plan.payload.model_copy(
@@ -211,6 +216,10 @@ async def run(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
                 "KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "10", "KEEL_CHECKPOINT__PERSIST_EVERY_CEILING": "10",
                 "KEEL_CHECKPOINT__RESTORE_PLAN_TIMEOUT": "20s"}
     broker = start_service_process("checkpoint-broker", keel_env.settings, scratch_dir / "broker.log", env)
+    # The broker's restore plan stops waiting for a late node's inventory on the job clock: without the
+    # ticks the controller would send, a replacement node still importing torch past the wait left the
+    # plan waiting for an event that never came.
+    await run_job_clock(keel_env, timedelta(seconds=1), job_id="ckpt")
     running = Run(keel_env, scratch_dir)
     try:
         yield running

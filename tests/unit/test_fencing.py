@@ -220,6 +220,27 @@ def test_the_broker_ignores_a_left_nodes_reports_until_it_runs_a_newer_generatio
     assert "n3" not in job.left and "n3" not in job.left_at
 
 
+def test_a_node_evicted_then_started_again_under_its_id_is_planned_from_in_the_newer_generation() -> None:
+    """A lost node replaced by a fresh machine under the same id (``start_node``): the eviction may be decided
+    before the new agent reports. Its inventory of the generation after the eviction counts; one of the
+    generation it left does not."""
+    from tests.unit.test_checkpoint_broker import four_nodes, inventory, plan_events
+
+    session, backup = four_nodes()
+    session.observe(shards("n1", "memory", [(1, 40)]))  # rank 1's step 40, reported before the loss
+    session.observe(ev(NodeEvictionDecided(node_id="n1", rung=1, reason="lost", expires_at=T0 + timedelta(minutes=5)),
+                       "node/n1", producer="controller"))
+    assert "n1" in session.state.job(BROKER_JOB).left
+    survivors = [inventory(f"n{r}", 1, memory={r: [40, 41]}, peer={1: [40]} if backup[1] == f"n{r}" else None)
+                 for r in (0, 2, 3)]
+    stale = inventory("n1", 0, memory={1: [44]})  # the old agent, back from a partition: nothing
+    plan, _ = plan_events(session, [*survivors, stale])
+    assert plan is None and 44 not in session.state.job(BROKER_JOB).shards.get("memory", {})
+    plan, _ = plan_events(session, [inventory("n1", 1, ranks=[1])])  # the new machine: empty shared memory
+    assert plan is not None and plan.generation == 1 and plan.step == 40
+    assert {s.rank: s.tier for s in plan.sources} == {0: "memory", 1: "peer", 2: "memory", 3: "memory"}
+
+
 def test_keel_incidents_lists_the_fenced_nodes() -> None:
     from keel.cli.incidents import format_fences
 

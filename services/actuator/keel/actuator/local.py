@@ -78,7 +78,8 @@ class LocalActuator:
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL)
                 how = f"agent SIGKILLed after {self.grace_s:g} s"
-        for rank_pid in ranks_of(Path(node["agent_dir"])):
+        # Its ranks and warm zygote lead process groups of their own: an agent SIGKILLed cannot stop them.
+        for rank_pid in ranks_of(Path(node["agent_dir"]), zygotes=True):
             try:
                 os.killpg(rank_pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

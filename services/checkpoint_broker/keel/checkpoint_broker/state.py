@@ -300,13 +300,16 @@ def fenced_report(job: JobState, p: object) -> str:
     """Why the broker ignores node report ``p`` ("" : it does not). A node evicted (``left``) may come back
     with its old agent (a host back after a partition): what it holds is of a history the job left, so its
     shard reports (heartbeats, disk reports) and inventories commit and plan nothing, and its ranks'
-    registrations of the generation it left (or older) do not make it a backup candidate again."""
+    registrations of the generation it left (or older) do not make it a backup candidate again. Its
+    registrations and inventories of a newer generation count: it was taken back into the job."""
     node_id = getattr(p, "node_id", "")
     if node_id not in job.left:
         return ""
     left_at = job.left_at.get(node_id, job.generation)
-    if isinstance(p, CheckpointRanksRegistered) and p.generation > left_at:
-        return ""  # a standby taken back into the job, running ranks of a newer generation
+    if isinstance(p, (CheckpointRanksRegistered, CheckpointInventoryReported)) and p.generation > left_at:
+        # A node taken back into the job (a standby, or a replacement under the same id) restarting as a
+        # newer generation: what it holds now is of the history the job goes on with.
+        return ""
     if isinstance(p, (NodeHeartbeat, CheckpointShardsStored, CheckpointInventoryReported, CheckpointRanksRegistered)):
         return (f"{node_id} left the job at generation {left_at} (evicted): its {type(p).__name__} is ignored "
                 f"(a fenced node's shards commit and restore nothing)")
