@@ -254,6 +254,12 @@ def on_fail_slow(plan: ActionPlan, p: FailSlowConvicted) -> None:
     if not nodes:
         plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: no such live node of this job; recorded")
         return
+    spanned = conviction_spans_restart(plan.now, p.rounds, timedelta(seconds=p.interval_s),
+                                       job.restarted_at)
+    if spanned:
+        plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: {spanned}; recorded, not acted on (the "
+                  f"analyzer counts afresh)")
+        return
     group = f"{p.group_kind.upper()} group" if p.group_kind in ("tp", "pp", "dp") else p.group_kind
     why = (f"rung 3: fail-slow: the analyzer convicts the {group} of rank(s) {ranks_text(p.group_ranks)} on "
            f"{', '.join(nodes)} ({p.flags} of {p.rounds} rounds, every {p.interval_s:g} s: {p.reason}); "
@@ -261,6 +267,19 @@ def on_fail_slow(plan: ActionPlan, p: FailSlowConvicted) -> None:
     plan.open_incident("fail_slow", nodes[0], f"fail_slow/{','.join(nodes)}", why,
                        ranks=sorted({r for n in nodes for r in job.node(n).ranks}))
     plan.recover(3, frozenset(nodes), why)
+
+def conviction_spans_restart(convicted_at: datetime, rounds: int, interval: timedelta,
+                             restarted_at: datetime | None) -> str:
+    """Why a fail-slow conviction's window (``rounds`` rounds of ``interval``, each judging the interval
+    before it, up to ``convicted_at``) spans the job's latest restart, else "". Such a window compares
+    samples of two generations, or of the first steps after a restore: no evidence of a slow machine."""
+    if restarted_at is None:
+        return ""
+    window_start = convicted_at - rounds * interval
+    if restarted_at < window_start:
+        return ""
+    return (f"its {rounds} rounds of {interval.total_seconds():g} s since {window_start.isoformat()} span the "
+            f"restart decided at {restarted_at.isoformat()}")
 
 def on_metric_anomaly(plan: ActionPlan, p: MetricAnomalyDetected) -> None:
     """A NaN or a spike (a decline is only recorded) opens a ``metric_anomaly`` incident at rung 2;

@@ -203,6 +203,9 @@ class JobView:
     finished: bool = False
     """A rank exited successfully: the job is ending, silent nodes are done, not lost."""
     first_seen_at: datetime | None = None
+    restarted_at: datetime | None = None
+    """When the latest restart (``RestartDecided``) was decided: evidence gathered across it compares two
+    generations (a fail-slow conviction's window must not span it)."""
     node_failures: int = 0
     pool_target: int | None = None
     refills_pending: int = 0
@@ -640,7 +643,7 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
                           code_pending="" if job.code_pending == p.code_version else job.code_pending,
                           code_rolled_back=job.code_rolled_back | {job.code_running} if p.rollback
                           else job.code_rolled_back)
-        return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
+        return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop, restarted_at=at,
                        incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                         target_generation=p.generation, started=frozenset(), restore_step=-1,
                                         held=None, code_change=code_change, recovering_since=at,
