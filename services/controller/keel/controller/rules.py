@@ -8,9 +8,9 @@ The rungs (docs/architecture.md, "The escalation ladder"), cheapest first:
 
 1. A high-confidence fatal hardware signal (GPU lost, fatal XID, NIC down, disk fault, kernel error),
    a node whose agent went silent, or a minority of a stack capture round's nodes whose agents did not
-   acknowledge the request (a host cut off: its ranks hang rather than fail): evict the node now, promote a ready warm standby into its slice
-   of ranks, and restart every other node in place as the next generation (restore from memory and
-   the peers' copies).
+   acknowledge the request (a host cut off: its ranks hang rather than fail): evict the node now,
+   promote a ready warm standby into its slice of ranks, and restart every other node in place as the
+   next generation (restore from memory and the peers' copies).
 2. A crash or a hang with no culprit: stop the ranks and run stop-time diagnostics on every node; evict
    what fails or does not answer in time, else restart in place. A crash whose traceback the exit
    classifier pins on the user's code needs no diagnostics: it restarts in place at once.
