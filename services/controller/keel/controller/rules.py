@@ -345,12 +345,13 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
                       f"stop the ranks and run stop-time diagnostics on every node")
         return
     if incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None:
-        lost = capture_round_lost_nodes(incident.stacks_nodes, incident.stacks_acknowledged,
-                                        requested_at=incident.stacks_requested_at, now=now,
-                                        clock_since=job.clock_since, ack_timeout=policy.diagnostics_ack_timeout)
-        if lost.nodes:
-            plan.recover(1, frozenset(lost.nodes), f"rung 1: stack capture round {incident.stacks_round}: "
-                                                   f"{lost.reason}: evict")
+        unanswered = capture_round_lost_nodes(incident.stacks_nodes, incident.stacks_acknowledged,
+                                              requested_at=incident.stacks_requested_at, now=now,
+                                              clock_since=job.clock_since,
+                                              ack_timeout=policy.diagnostics_ack_timeout)
+        if unanswered.nodes:
+            plan.recover(1, frozenset(unanswered.nodes), f"rung 1: stack capture round {incident.stacks_round}: "
+                                                         f"{unanswered.reason}: evict")
             return
     if (incident is not None and incident.stage == "replaying" and incident.sdc_requested_at is not None
             and now - incident.sdc_requested_at >= policy.sdc_replay_timeout + SDC_VERDICT_GRACE):
