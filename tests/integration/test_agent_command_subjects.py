@@ -22,6 +22,7 @@ from keel.events.types import (
     NodeHeartbeat,
     RanksRestarted,
     RanksRestartRequested,
+    StacksRequested,
     StandbyPromotionRequested,
 )
 from keel.infra.outbox import Outbox
@@ -60,10 +61,12 @@ async def test_an_agent_consumes_only_its_own_nodes_commands(keel_env, scratch_d
     # Job-wide: one request for the nodes it names, delivered to every agent (only ``mine`` is named).
     diagnostics = command(DiagnosticsRequested(round=1, nodes=[mine], checks=["gpu_matmul"], timeout_s=30,
                                                reason="test", expires_at=expires), f"job/{JOB}")
+    stacks = command(StacksRequested(round=0, nodes=[mine], timeout_s=10, reason="test", expires_at=expires),
+                     f"job/{JOB}")
     # A node event that is no command: no agent consumes it.
     beat = Event.create(NodeHeartbeat(node_id=mine, standby=False, ranks_alive=1, ranks_expected=1, last_step=3),
                         job_id=JOB, subject=f"node/{mine}", producer="agent", occurred_at=now_utc())
-    published = [restart_mine, restart_other, promote_other, diagnostics, beat]
+    published = [restart_mine, restart_other, promote_other, diagnostics, stacks, beat]
     for event in published:
         await keel_env.bus.publish(event)
 
@@ -82,7 +85,7 @@ async def test_an_agent_consumes_only_its_own_nodes_commands(keel_env, scratch_d
             agent.handle_command = received[node].append  # type: ignore[method-assign]
             consumers[node] = CommandConsumer(agent)
             tasks += [asyncio.create_task(outbox.run(stop)), asyncio.create_task(consumers[node].run(stop))]
-        expected = {mine: [restart_mine, diagnostics], other: [restart_other, promote_other, diagnostics]}
+        expected = {mine: [restart_mine, diagnostics, stacks], other: [restart_other, promote_other, diagnostics, stacks]}
         deadline = asyncio.get_running_loop().time() + 20
         while any(len(received[n]) < len(expected[n]) for n in NODES):
             assert asyncio.get_running_loop().time() < deadline, received
@@ -101,11 +104,14 @@ async def test_an_agent_consumes_only_its_own_nodes_commands(keel_env, scratch_d
             assert any(f".node.{node.replace('.', '%2E')}.RanksRestartRequested" in s
                        for s in info.config.filter_subjects), info.config.filter_subjects
 
-        # The recorder took every event, dotted node ids included (plus the heartbeat ``mine`` sent at once
-        # to acknowledge the diagnostics request), and dead-lettered none.
-        assert await keel_env.wait_for_count(len(published) + 1) == len(published) + 1
+        # The recorder took every event, dotted node ids included (plus the heartbeats ``mine`` sent at once
+        # to acknowledge the diagnostics and the stack capture requests; ``other`` was not asked), and
+        # dead-lettered none.
+        assert await keel_env.wait_for_count(len(published) + 2) == len(published) + 2
         assert await keel_env.store.dead_letters() == []
         stored = {r.event.id: r.event async for r in keel_env.store.read(job_id=JOB)}
+        acks = [e for e in stored.values() if e.type == "NodeHeartbeat" and e.id != beat.id]
+        assert [e.payload.node_id for e in acks] == [mine, mine], acks
         assert stored[restart_mine.id].subject == f"node/{mine}"
     finally:
         stop.set()

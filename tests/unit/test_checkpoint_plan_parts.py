@@ -350,3 +350,22 @@ def test_a_part_over_the_limit_is_refused_with_its_reason_not_published() -> Non
     [refused] = [e.payload for e in emitted]
     assert isinstance(refused, DecisionRefused)
     assert "CheckpointNodeBackupsAssigned would be" in refused.error and "16384-byte event limit" in refused.error
+
+
+def test_a_restart_judges_the_backup_peers_afresh(tmp_path: Path) -> None:
+    """Right after an in-place restart, peers already at the new generation refuse this node's backups of
+    the old one (stale) until it restarts too: three quick failures. Carried into the new generation they
+    held its backups for the retry interval (10 s), so no report round completed and a lost node's ranks
+    restored a step from before the restart (bench/recovery.py --hosts netns)."""
+    import time
+
+    ckpt = NodeCheckpointing(job_id=JOB, node_id="n1", local_ranks=[2, 3], world_size=16, node_dir=tmp_path / "shm",
+                             agent_dir=tmp_path / "agent", emit=lambda *a, **k: None, transport=None,
+                             persist_root=None)
+    for progress in ckpt.progress.values():
+        progress.send_failures = 3
+        progress.retry_at_s = time.monotonic() + 10.0
+    ckpt.prepare_restart(1)
+    assert ckpt.inventory_future is not None
+    ckpt.inventory_future[1].result(timeout=10)
+    assert [(p.send_failures, p.retry_at_s) for p in ckpt.progress.values()] == [(0, 0.0), (0, 0.0)]

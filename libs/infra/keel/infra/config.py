@@ -280,8 +280,10 @@ class ControllerSettings(_Section):
     """Nodes answer a replay round within this (the analyzer judges without the rest); no verdict 30 s
     after that: restart in place, below the anomaly."""
     diagnostics_ack_timeout: Duration = parse_duration("2s")
-    """A node of a diagnostics round whose agent sent nothing since the request for this long is lost: the
-    round ends without waiting for it (agents answer a request with a heartbeat at once)."""
+    """A node of a diagnostics or stack capture round whose agent sent nothing since the request for this
+    long is lost (agents answer a request with a heartbeat at once): a diagnostics round ends without
+    waiting for it; a capture round evicts it, unless half the round or more is silent or the controller's
+    clock had a gap since the request."""
     recovery_timeout: Duration = parse_duration("10m")
     """A restart that has not brought the job back to stepping this long after it was decided stops the
     job and pages a human (the ``recovering`` stage never waits for ever)."""

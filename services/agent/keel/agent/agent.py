@@ -469,9 +469,12 @@ class NodeAgent:
             return {}
 
     def heartbeat(self, now: datetime) -> None:
-        # Per rank (one slow GPU among eight must not vanish in a node-wide median), ranks stepping now.
+        # Per rank (one slow GPU among eight must not vanish in a node-wide median), ranks of this
+        # generation stepping now: the heartbeat says which generation its samples are of (fail-slow
+        # compares ranks within one), so a rank's last state from before a restart is not one of them.
         compute = {rank: round(statistics.median(list(s.compute_times_s)[-20:]), 6)
-                   for rank, s in self.channel.ranks.items() if s.compute_times_s and s.phase == "step"}
+                   for rank, s in self.channel.ranks.items()
+                   if s.compute_times_s and s.phase == "step" and s.generation == self.generation}
         self.emit(
             NodeHeartbeat(
                 node_id=self.spec.node_id,

@@ -492,6 +492,11 @@ class NodeCheckpointing:
             progress.last_sent_step = -1
             progress.last_persisted_step = -1
             progress.persist_missed = -1
+            # Its peers are judged afresh too. Failures counted before the restart are mostly the old
+            # history's sends that peers already restarted refused as stale; carried over, they held this
+            # generation's backups (and so its report rounds, the restorable steps) for the retry interval.
+            progress.send_failures = 0
+            progress.retry_at_s = 0.0
         self.persisted.clear()
         self.inventory_future = (generation, self.pool.submit(self._inventory_then_wake))
 

@@ -201,10 +201,10 @@ class CommandConsumer:
         if agent.check_fence(event):
             return  # fenced (now or before): nothing more is carried out
         if event.type in COMMAND_TYPES:
-            if (isinstance(event.payload, DiagnosticsRequested) and not agent.spec.standby
+            if (isinstance(event.payload, (DiagnosticsRequested, StacksRequested)) and not agent.spec.standby
                     and agent.spec.node_id in event.payload.nodes):
-                # Acknowledge at once, before stopping the ranks (which may take their grace
-                # time): the controller takes a node that sends nothing after a request as lost.
+                # Acknowledge at once, before stopping the ranks (which may take their grace time) or
+                # capturing stacks: the controller takes a node that sends nothing after a request as lost.
                 agent.heartbeat(agent.clock())
                 assert agent.outbox is not None
                 await agent.outbox.flush(1.0)

@@ -198,7 +198,7 @@ class AnalyzerDecider:
                 return state
             # Dated on the recorded clock: a node whose clock lags is neither never fresh nor always fresh.
             at = job.clock_at if job.clock_at is not None else event.occurred_at
-            job = observe_heartbeat(job, p.node_id, p.rank_compute_time_p50_s, at)
+            job = observe_heartbeat(job, p.node_id, p.rank_compute_time_p50_s, at, self.failslow, p.generation)
         elif isinstance(p, CheckpointRanksRegistered):
             job = observe_groups(job, {g.rank: g.dp for g in p.ranks})
         elif isinstance(p, TimerTicked):
@@ -207,7 +207,8 @@ class AnalyzerDecider:
         elif isinstance(p, FailSlowConvicted):
             # Convicted: count afresh, without the convicted nodes' old samples.
             job = JobFailSlow(self.failslow.fresh_rounds(), pools=job.pools, clock_at=job.clock_at,
-                              samples={r: s for r, s in job.samples.items() if s.node_id not in p.group_nodes})
+                              samples={r: s for r, s in job.samples.items() if s.node_id not in p.group_nodes},
+                              generation=job.generation, warm_until=job.warm_until)
         return replace(state, failslow={**state.failslow, event.job_id: job})
 
     def needs_clock(self, state: AnalyzerState) -> list[str]:

@@ -13,6 +13,13 @@ Inputs, per job:
   round (``FailSlowRounds``); after ``rounds`` rounds ``conclusion`` convicts the group flagged most.
 
 ``FailSlowConvicted`` (this decider's own event, folded back) starts the count afresh.
+
+Samples are of one generation (``NodeHeartbeat.generation``): the first heartbeat of a newer generation
+(a restart) drops every older sample and round and starts a warm-up of one ``interval`` whose samples are
+not judged (the first steps after a restore run slower on some ranks than on others, and the medians the
+agents report need their steps). So no round compares ranks across a restart, and no conviction's window
+spans one. A heartbeat of an older generation than the newest seen (a node not restarted yet, a fenced
+one) is not judged. Heartbeats without a generation (agents before v4) are judged as they were.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Sample:
     at: datetime
     node_id: str
     compute_s: float
+    generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,14 +74,27 @@ class JobFailSlow:
     clock_at: datetime | None = None
     """The job clock's latest v2 tick: samples are dated by it (when they arrived), not by the node's own
     clock. None (no such tick yet; logs of v1 ticks): by the heartbeat's timestamp, as such logs were."""
+    generation: int | None = None
+    """The newest generation a heartbeat reported: only its samples are judged (None: none reported one)."""
+    warm_until: datetime | None = None
+    """Samples of ``generation`` dated before this are its warm-up, not judged."""
 
 
-def observe_heartbeat(job: JobFailSlow, node_id: str, compute: Mapping[int, float], at: datetime) -> JobFailSlow:
-    if not compute:
+def observe_heartbeat(job: JobFailSlow, node_id: str, compute: Mapping[int, float], at: datetime,
+                      policy: FailSlowPolicy, generation: int | None = None) -> JobFailSlow:
+    """``job`` with a heartbeat's compute times dated ``at``. A newer ``generation`` than any seen starts
+    afresh (no sample, round or evidence of an older one is kept) with a warm-up of one interval; an older
+    one is ignored (the module docstring says why)."""
+    if generation is not None and job.generation is not None and generation < job.generation:
+        return job
+    if generation is not None and (job.generation is None or generation > job.generation):
+        job = replace(job, rounds=policy.fresh_rounds(), samples={}, evidence=(), generation=generation,
+                      warm_until=at + policy.interval)
+    if not compute or (job.warm_until is not None and at < job.warm_until):
         return job
     samples = dict(job.samples)
     for rank, value in compute.items():
-        samples[rank] = Sample(at, node_id, value)
+        samples[rank] = Sample(at, node_id, value, generation)
     return replace(job, samples=samples)
 
 

@@ -38,7 +38,9 @@ class ControllerPolicy:
     """Nodes answer a replay round within this; no verdict 30 s after it: restart in place."""
     diagnostics_ack_timeout: timedelta = timedelta(seconds=2)
     """A round's node whose agent sent no heartbeat since the request for this long is lost (its agent
-    answers a request with a heartbeat at once): the round concludes without it."""
+    answers a request with a heartbeat at once): a diagnostics round concludes without it; a stack capture
+    round evicts it when fewer than half the round are silent and the recorded clock has no gap
+    (``rules.capture_round_lost_nodes``)."""
     diagnostics_checks: tuple[str, ...] = ALL_CHECKS
     node_silence_timeout: timedelta = timedelta(seconds=30)
     """A node of the job the controller has not heard from (any event of its agent, by arrival on the

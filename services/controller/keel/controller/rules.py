@@ -7,9 +7,10 @@ them. Every decision's reason names the rung and the evidence.
 The rungs (docs/architecture.md, "The escalation ladder"), cheapest first:
 
 1. A high-confidence fatal hardware signal (GPU lost, fatal XID, NIC down, disk fault, kernel error),
-   or a node whose agent went silent: evict the node now, promote a ready warm standby into its slice
-   of ranks, and restart every other node in place as the next generation (restore from memory and
-   the peers' copies).
+   a node whose agent went silent, or a minority of a stack capture round's nodes whose agents did not
+   acknowledge the request (a host cut off: its ranks hang rather than fail): evict the node now,
+   promote a ready warm standby into its slice of ranks, and restart every other node in place as the
+   next generation (restore from memory and the peers' copies).
 2. A crash or a hang with no culprit: stop the ranks and run stop-time diagnostics on every node; evict
    what fails or does not answer in time, else restart in place. A crash whose traceback the exit
    classifier pins on the user's code needs no diagnostics: it restarts in place at once.
@@ -253,6 +254,12 @@ def on_fail_slow(plan: ActionPlan, p: FailSlowConvicted) -> None:
     if not nodes:
         plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: no such live node of this job; recorded")
         return
+    spanned = conviction_spans_restart(plan.now, p.rounds, timedelta(seconds=p.interval_s),
+                                       job.restarted_at)
+    if spanned:
+        plan.note(f"fail-slow conviction of {', '.join(p.group_nodes)}: {spanned}; recorded, not acted on (the "
+                  f"analyzer counts afresh)")
+        return
     group = f"{p.group_kind.upper()} group" if p.group_kind in ("tp", "pp", "dp") else p.group_kind
     why = (f"rung 3: fail-slow: the analyzer convicts the {group} of rank(s) {ranks_text(p.group_ranks)} on "
            f"{', '.join(nodes)} ({p.flags} of {p.rounds} rounds, every {p.interval_s:g} s: {p.reason}); "
@@ -260,6 +267,19 @@ def on_fail_slow(plan: ActionPlan, p: FailSlowConvicted) -> None:
     plan.open_incident("fail_slow", nodes[0], f"fail_slow/{','.join(nodes)}", why,
                        ranks=sorted({r for n in nodes for r in job.node(n).ranks}))
     plan.recover(3, frozenset(nodes), why)
+
+def conviction_spans_restart(convicted_at: datetime, rounds: int, interval: timedelta,
+                             restarted_at: datetime | None) -> str:
+    """Why a fail-slow conviction's window (``rounds`` rounds of ``interval``, each judging the interval
+    before it, up to ``convicted_at``) spans the job's latest restart, else "". Such a window compares
+    samples of two generations, or of the first steps after a restore: no evidence of a slow machine."""
+    if restarted_at is None:
+        return ""
+    window_start = convicted_at - rounds * interval
+    if restarted_at < window_start:
+        return ""
+    return (f"its {rounds} rounds of {interval.total_seconds():g} s since {window_start.isoformat()} span the "
+            f"restart decided at {restarted_at.isoformat()}")
 
 def on_metric_anomaly(plan: ActionPlan, p: MetricAnomalyDetected) -> None:
     """A NaN or a spike (a decline is only recorded) opens a ``metric_anomaly`` incident at rung 2;
@@ -310,7 +330,8 @@ def on_sdc_verdict(plan: ActionPlan, p: SdcReplayAnalyzed) -> None:
 
 
 def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
-    """The job clock: a stack or replay verdict that never came, an approval nobody gave in time, a
+    """The job clock: a stack capture round's nodes that never acknowledged it (rung 1), a stack or
+    replay verdict that never came, an approval nobody gave in time, a
     diagnostics round past its deadline or waiting on nodes that are gone, and running nodes gone silent
     (rung 1)."""
     job, policy, now = plan.job, plan.policy, p.now
@@ -323,6 +344,15 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
                       f"after the capture of round {incident.stacks_round} was asked for (is it running?); rung 2: "
                       f"stop the ranks and run stop-time diagnostics on every node")
         return
+    if incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None:
+        unanswered = capture_round_lost_nodes(incident.stacks_nodes, incident.stacks_acknowledged,
+                                              requested_at=incident.stacks_requested_at, now=now,
+                                              clock_since=job.clock_since,
+                                              ack_timeout=policy.diagnostics_ack_timeout)
+        if unanswered.nodes:
+            plan.recover(1, frozenset(unanswered.nodes), f"rung 1: stack capture round {incident.stacks_round}: "
+                                                         f"{unanswered.reason}: evict")
+            return
     if (incident is not None and incident.stage == "replaying" and incident.sdc_requested_at is not None
             and now - incident.sdc_requested_at >= policy.sdc_replay_timeout + SDC_VERDICT_GRACE):
         plan.recover(5, frozenset(), f"rung 5: no verdict on replay round {incident.sdc_round} "
@@ -384,6 +414,52 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
            f"{policy.node_silence_timeout.total_seconds():g} s): the node's agent is gone; evict it")
     plan.open_incident("lost_node", lost[0].node_id, "", why)
     plan.recover(1, frozenset(n.node_id for n in lost), why)
+
+@dataclass(frozen=True)
+class LostInRound:
+    """Which nodes of a round the controller takes as lost for not acknowledging it, and why (or why none)."""
+
+    nodes: tuple[str, ...]
+    reason: str
+
+
+def capture_round_lost_nodes(nodes: Iterable[str], acknowledged: Iterable[str], *, requested_at: datetime,
+                             now: datetime, clock_since: datetime | None, ack_timeout: timedelta) -> LostInRound:
+    """The nodes of a stack capture round (rung 3) that are lost: their agents sent nothing in the
+    ``ack_timeout`` since the request, while the others acknowledged it (agents answer the request with a
+    heartbeat on receipt). Typically a host cut off the network: its ranks hang without failing, so the
+    capture of the rest would only wait out the round's timeout to learn what the silence already says.
+
+    Evicting on silence must not be done when the silence could be the controller's own, so nobody is
+    lost while:
+
+    - the ``ack_timeout`` has not passed since the request;
+    - the recorded clock has a gap since the request (``clock_since``, the start of the current unbroken
+      run of ticks, lies after it; or the job is not on the recorded clock, ``None``): the controller's
+      host stalled or was cut off itself, and the acknowledgements may be waiting in the stream;
+    - half the round or more is silent: that is likelier the controller's or NATS's side of the network
+      than that many hosts at once (the analyzer's verdict, or its absence, decides as before).
+    """
+    asked = sorted(set(nodes))
+    silent = [n for n in asked if n not in set(acknowledged)]
+    waited = now - requested_at
+    if not silent:
+        return LostInRound((), "every node acknowledged the request")
+    if waited < ack_timeout:
+        return LostInRound((), f"{waited.total_seconds():g} s of the {ack_timeout.total_seconds():g} s "
+                               f"acknowledgement timeout passed")
+    if clock_since is None or clock_since > requested_at:
+        return LostInRound((), "the recorded clock has a gap since the request (the controller itself was not "
+                               "listening): silence proves nothing")
+    if 2 * len(silent) >= len(asked):
+        return LostInRound((), f"{len(silent)} of {len(asked)} nodes sent nothing: not fewer than half the round, "
+                               f"likelier the controller's side of the network than that many hosts")
+    heard = [n for n in asked if n not in silent]
+    return LostInRound(tuple(silent), f"{', '.join(silent)} did not acknowledge the request within "
+                                      f"{ack_timeout.total_seconds():g} s (its agent sent nothing) while "
+                                      f"{', '.join(heard)} did: lost (a host cut off or gone; its ranks hang "
+                                      f"rather than fail)")
+
 
 def report_skews(plan: ActionPlan, now: datetime) -> None:
     """A node whose newest timestamp in the window the tick closed lies further outside it than the

@@ -146,6 +146,11 @@ class OpenIncident:
     diag_requested_at: datetime | None = None
     stacks_round: int | None = None
     stacks_requested_at: datetime | None = None
+    stacks_nodes: frozenset[str] = frozenset()
+    """The nodes the stack capture round asked (``StacksRequested.nodes``)."""
+    stacks_acknowledged: frozenset[str] = frozenset()
+    """Round nodes whose agent sent anything after the capture request, in log order (as
+    ``diag_acknowledged``): agents answer the request with a heartbeat on receipt."""
     diag_nodes: frozenset[str] = frozenset()
     diag_results: Mapping[str, DiagnosticsCompleted] = field(default_factory=dict)
     diag_acknowledged: frozenset[str] = frozenset()
@@ -198,6 +203,9 @@ class JobView:
     finished: bool = False
     """A rank exited successfully: the job is ending, silent nodes are done, not lost."""
     first_seen_at: datetime | None = None
+    restarted_at: datetime | None = None
+    """When the latest restart (``RestartDecided``) was decided: evidence gathered across it compares two
+    generations (a fail-slow conviction's window must not span it)."""
     node_failures: int = 0
     pool_target: int | None = None
     refills_pending: int = 0
@@ -518,14 +526,21 @@ def _agent_node(event: Event) -> str:
 
 
 def _acknowledged(job: JobView, event: Event) -> JobView:
-    """An agent's event during a diagnostics round: its node has answered the request (log order)."""
+    """An agent's event during a diagnostics or stack capture round: its node has answered the request
+    (log order)."""
     incident = job.incident
-    if incident is None or incident.diag_requested_at is None or incident.stage != "diagnosing":
+    if incident is None:
         return job
     node_id = _agent_node(event)
-    if node_id not in incident.diag_nodes or node_id in incident.diag_acknowledged:
-        return job
-    return replace(job, incident=replace(incident, diag_acknowledged=incident.diag_acknowledged | {node_id}))
+    if incident.stage == "diagnosing" and incident.diag_requested_at is not None:
+        if node_id not in incident.diag_nodes or node_id in incident.diag_acknowledged:
+            return job
+        return replace(job, incident=replace(incident, diag_acknowledged=incident.diag_acknowledged | {node_id}))
+    if incident.stage == "capturing" and incident.stacks_requested_at is not None:
+        if node_id not in incident.stacks_nodes or node_id in incident.stacks_acknowledged:
+            return job
+        return replace(job, incident=replace(incident, stacks_acknowledged=incident.stacks_acknowledged | {node_id}))
+    return job
 
 
 def _heard(job: JobView, event: Event) -> JobView:
@@ -593,7 +608,8 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
         if incident is None:
             return job
         return replace(job, incident=replace(incident, stage="capturing", rung=max(incident.rung, 3),
-                                             stacks_round=p.round, stacks_requested_at=at))
+                                             stacks_round=p.round, stacks_requested_at=at,
+                                             stacks_nodes=frozenset(p.nodes), stacks_acknowledged=frozenset()))
     if isinstance(p, SdcReplayRequested):
         job = replace(job, sdc_rounds=max(job.sdc_rounds, p.round + 1), generation=max(job.generation, p.generation))
         if incident is None:
@@ -627,7 +643,7 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
                           code_pending="" if job.code_pending == p.code_version else job.code_pending,
                           code_rolled_back=job.code_rolled_back | {job.code_running} if p.rollback
                           else job.code_rolled_back)
-        return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop,
+        return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop, restarted_at=at,
                        incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                         target_generation=p.generation, started=frozenset(), restore_step=-1,
                                         held=None, code_change=code_change, recovering_since=at,
