@@ -235,3 +235,57 @@ def test_hosts_reach_each_other_over_the_bridge_a_cut_partitions_and_a_crashed_o
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f"keel-{network.tag}-" not in listed and network.bridge not in links
     assert network.tag not in [plan.tag for plan in netns.recorded()]
+
+
+def test_keel_inject_cuts_a_hosts_link_restores_it_after_for_and_cuts_the_control_plane(scratch_dir: Path) -> None:
+    """`keel inject link-cut` on real namespaces: a node's host cut and restored by itself after `for`; the control
+    plane's link cut and mended with `link-restore`; a host that is not on the network and a bad `for` refused."""
+    import json
+    import subprocess
+    import sys
+
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    network = netns.create(["n00"], owner_pid=os.getpid())
+    try:
+        directory = scratch_dir / "cluster"
+        directory.mkdir()
+        (directory / "cluster.json").write_text(json.dumps({"job_id": "j", "network": network.tag, "nodes": [
+            {"node_id": "n00", "host": "n00", "address": network.host("n00").address, "standby": False,
+             "agent_dir": str(directory / "n00"), "root": str(directory / "n00"), "pid": 0}]}))
+        env = {**os.environ, "KEEL_HOME": str(scratch_dir / "home")}
+
+        def keel_inject(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "keel.cli.main", "inject", *args, "--dir", str(directory)],
+                                  env=env, capture_output=True, text=True, timeout=60)
+
+        def up(link: str) -> bool:
+            shown = subprocess.run(["ip", "-o", "link", "show", link], capture_output=True, text=True, timeout=30)
+            return "state DOWN" not in shown.stdout and ",UP" in shown.stdout.split(">")[0]
+
+        veth = network.host("n00").veth
+        cut = keel_inject("link-cut", "--node", "n00", "--param", "for=2s")
+        assert cut.returncode == 0, cut.stderr
+        assert "restored in 2 s" in cut.stdout and not up(veth)
+        deadline = time.monotonic() + 30
+        while not up(veth):
+            assert time.monotonic() < deadline, "the link was not restored after `for`"
+            time.sleep(0.2)
+
+        control = keel_inject("link-cut", "--node", netns.CONTROL_HOST)
+        assert control.returncode == 0, control.stderr
+        assert not up(network.control_port) and up(veth)
+        mended = keel_inject("link-restore", "--node", netns.CONTROL_HOST)
+        assert mended.returncode == 0 and up(network.control_port), mended.stderr
+
+        for args, message in ((("link-cut", "--node", "n09"), "no host 'n09' on the cluster's network"),
+                              (("link-cut", "--node", "n00", "--param", "for=soon"), "link-cut for='soon'"),
+                              (("link-cut", "--node", "n00", "--param", "mtu=9000"), "only the parameter 'for'")):
+            refused = keel_inject(*args)
+            assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+            assert "Traceback" not in refused.stderr
+        assert up(veth) and up(network.control_port)
+    finally:
+        netns.destroy(network)

@@ -564,10 +564,31 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
         if node_id in nodes:
             nodes[node_id] = replace(nodes[node_id], heard_at=now)
     incident = job.incident
+    if incident is not None and previous is not None and not unbroken and now - previous > interval:
+        incident = past_gap(incident, now - previous - interval)
     if incident is not None and incident.processes_up_pending:
         incident = replace(incident, processes_up_since=now, processes_up_pending=False)
     return replace(job, nodes=nodes, clock_at=now, clock_interval=interval, incident=incident,
                    clock_since=job.clock_since if unbroken else now, heard={}, skews=skews)
+
+
+def past_gap(incident: OpenIncident, gap: timedelta) -> OpenIncident:
+    """``incident`` with its deadlines moved ``gap`` later: the time the clock host was not listening (cut off
+    from NATS, down, catching up) counts against no deadline, as it counts toward no node's silence. Without
+    this, what the controller decides while it works off a backlog is stamped with its last tick before the
+    gap, and the first tick after it would find every round it just asked for long overdue (the agents'
+    answers not yet in) and conclude it on nodes that never had the time to answer. Commands keep their
+    expiry (``command_ttl`` is minutes; an agent checks it on its own clock)."""
+
+    def later(at: datetime | None) -> datetime | None:
+        return None if at is None else at + gap
+
+    return replace(incident, diag_deadline=later(incident.diag_deadline),
+                   diag_requested_at=later(incident.diag_requested_at),
+                   stacks_requested_at=later(incident.stacks_requested_at),
+                   sdc_requested_at=later(incident.sdc_requested_at),
+                   recovering_since=later(incident.recovering_since),
+                   processes_up_since=later(incident.processes_up_since))
 
 
 def _evolve_incident(job: JobView, event: Event) -> JobView:
