@@ -39,8 +39,10 @@ class JobClock:
     A tick is a reading of the clock: one that lands late in the stream says a time long past, after events
     that arrived since (a tick caught in a partition of the clock host, published when its link is back,
     would date the backlog it lands behind to before the partition, and make every node's clock look that far
-    ahead). So a round whose ticks are not acknowledged within ``stale_after`` is dropped (None: never): the
-    next round ticks afresh, and the deciders take the missing ticks for the gap that it was."""
+    ahead). So a round whose ticks are not acknowledged within ``stale_after`` is dropped (None: never), and
+    so is a round while the bus has no connection (the client would buffer the ticks and send them, stale, on
+    reconnecting): the next round ticks afresh, and the deciders take the missing ticks for the gap that it
+    was."""
 
     def __init__(self, bus: Bus, jobs: Callable[[], Iterable[str]], interval: timedelta, *,
                  clock: Callable[[], datetime] = now_utc,
@@ -63,6 +65,11 @@ class JobClock:
         ticks = [tick_event(job_id, now, self.interval_of(job_id) if self.interval_of else self.interval)
                  for job_id in self.jobs()]
         if ticks:
+            if self.stale_after is not None and not self.bus.nc.is_connected:
+                self.dropped += 1
+                log.warning("job clock: no NATS connection: %d tick(s) at %s dropped (sent on reconnecting, they "
+                            "would be late); the next round ticks afresh", len(ticks), now.isoformat())
+                return []
             publishing = self.bus.publish_many(ticks)
             if self.stale_after is None:
                 await publishing
