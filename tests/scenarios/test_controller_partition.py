@@ -10,8 +10,9 @@ nothing. Half-way, a rank crashes: the controller cannot see it until the link i
 Then: training went on during the partition (steps advanced while the control plane was cut off); the
 controller caught up (its consumer worked off what it missed) and decided on the crash once (one incident,
 one restart, resolved as recovered; no node evicted: it must not take the silence its own partition caused
-for lost nodes); no decision in the log twice; and ``keel replay --verify`` over the whole log finds every
-recorded decision again (the controller's state agrees with the log).
+for lost nodes, nor find the rounds it asked for while catching up overdue); no decision in the log twice;
+the recorder lost no event; and ``keel replay --verify`` over the whole log finds every recorded decision
+again (the controller's state agrees with the log).
 
 Skipped, with the reason printed, where network namespaces cannot be made (not root / no CAP_NET_ADMIN).
 """
@@ -157,8 +158,16 @@ async def test_the_control_planes_host_partitioned_for_60_s_training_goes_on_and
     decided = Counter((e.type, e.correlation_id, e.payload.model_dump_json()) for e in after
                       if e.producer == "controller" and e.type != "TimerTicked")
     assert not [key for key, count in decided.items() if count > 1], decided.most_common(3)
-    skewed = [e.payload for e in after if e.type == "NodeClockSkewed"]
-    assert not skewed, f"the partition taken for skewed clocks: {skewed}"
+    # A tick the clock host's client had buffered as its link went can still land after the partition (see
+    # docs/known-limits.md): the nodes' clocks then look ahead for that one tick. Reported, never acted on,
+    # and withdrawn at the next tick: no node may be left reported as skewed.
+    skew_reports = [e.payload for e in after if e.type == "NodeClockSkewed"]
+    still_skewed = {p.node_id for p in skew_reports if p.skewed} - {
+        p.node_id for i, p in enumerate(skew_reports) if not p.skewed
+        and any(q.skewed and q.node_id == p.node_id for q in skew_reports[:i])}
+    print(f"clock skew reports after the partition: {sum(p.skewed for p in skew_reports)} (all withdrawn: "
+          f"{not still_skewed})")
+    assert not still_skewed, skew_reports
 
     # Everything stopped, the recorder works off the stream's tail (it was cut off too): no event lost, and
     # `keel replay --verify` finds every recorded decision again (the controller's state agrees with the log).
