@@ -289,3 +289,55 @@ def test_keel_inject_cuts_a_hosts_link_restores_it_after_for_and_cuts_the_contro
         assert up(veth) and up(network.control_port)
     finally:
         netns.destroy(network)
+
+
+def test_keel_up_on_hosts_runs_nats_as_three_servers_on_three_hosts_with_r3_streams(scratch_dir: Path) -> None:
+    """`keel up --hosts netns`: a host network with the three NATS hosts, one server in each host's namespace
+    bound to its address, routes between them, the streams R3; `keel down` stops them and removes the network."""
+    import json
+    import subprocess
+    import sys
+
+    from keel.infra.embedded import NatsServer
+
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    home = scratch_dir / "home"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
+    env |= {"KEEL_HOME": str(home), "KEEL_POSTGRES__PORT": str(free_port())}
+
+    def keel(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "keel.cli.main", *args], env=env, capture_output=True, text=True,
+                              timeout=180)
+
+    tag = None
+    try:
+        up = keel("up", "--hosts", "netns", "--no-services")
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+        tag = json.loads((home / "network.json").read_text())["tag"]
+        network = netns.current(tag)
+        addresses = network.addresses(netns.NATS_HOSTS)
+        state = json.loads((home / "runtime.json").read_text())["nats"]
+        assert state["cluster_size"] == 3
+        servers = state["servers"]
+        assert [s["host"] for s in servers] == list(addresses)
+        own_netns = os.stat("/proc/self/ns/net").st_ino
+        namespaces = {os.stat(f"/proc/{s['pid']}/ns/net").st_ino for s in servers}
+        assert len(namespaces) == 3 and own_netns not in namespaces  # each server on a host of its own
+        for name, server in zip(netns.NATS_HOSTS, servers, strict=True):
+            monitor = NatsServer(Path(server["store_dir"]), server["port"], server["monitor_port"], host=server["host"],
+                                 launcher=tuple(netns.in_host(network, name, [])))
+            routes = monitor.monitor("routez") or {}
+            assert {r.get("ip") for r in routes.get("routes") or []} == set(addresses) - {server["host"]}, routes
+            jsz = monitor.monitor("jsz?streams=true&accounts=true") or {}
+            replicas = [len(stream.get("cluster", {}).get("replicas") or []) + 1
+                        for account in jsz.get("account_details") or [] for stream in account.get("stream_detail") or []]
+            assert replicas and set(replicas) == {3}, jsz
+    finally:
+        down = keel("down")
+        assert down.returncode == 0, down.stderr[-2000:]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag is None or f"keel-{tag}-" not in listed
+    assert not (home / "network.json").exists()
