@@ -77,13 +77,17 @@ def on_host_network(settings: Settings) -> tuple[Settings, tuple[tuple[str, ...]
     from keel.cluster.local import home_network
 
     network = home_network(settings.home)
-    if settings.nats.hosts or settings.nats_url or network is None:
+    if settings.nats_url or network is None:
         return settings, ()
     if not all(any(h.name == name for h in network.hosts) for name in netns.NATS_HOSTS):
+        if settings.nats.hosts:
+            return settings, ()
         nats = settings.nats.model_copy(update={"hosts": [network.gateway]})
         return settings.model_copy(update={"nats": nats}), ()
-    nats = settings.nats.model_copy(update={"hosts": list(network.addresses(netns.NATS_HOSTS)),
-                                            "embedded_cluster_size": len(netns.NATS_HOSTS)})
+    addresses = list(network.addresses(netns.NATS_HOSTS))
+    if settings.nats.hosts and list(settings.nats.hosts) != addresses:
+        return settings, ()  # the user's own addresses
+    nats = settings.nats.model_copy(update={"hosts": addresses, "embedded_cluster_size": len(netns.NATS_HOSTS)})
     bus = settings.bus if (settings.bus.replicas or 1) > 1 else settings.bus.model_copy(update={"replicas": 3})
     launchers = tuple(tuple(netns.in_host(network, name, [])) for name in netns.NATS_HOSTS)
     return settings.model_copy(update={"nats": nats, "bus": bus}), launchers
