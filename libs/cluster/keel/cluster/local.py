@@ -271,8 +271,8 @@ def _check_reachable_from_hosts(nats_url: str | None, network: NetworkPlan) -> N
         loopback = host == "localhost"
     if loopback:
         raise ClusterError(f"NATS at {nats_url} listens on loopback, which the node hosts cannot reach (each has its "
-                           f"own): start the control plane on the host network's bridge, `keel up --hosts netns` "
-                           f"(NATS then listens on {network.gateway}), or give a NATS URL on the bridge")
+                           f"own): start the control plane on the host network, `keel up --hosts netns` (NATS then "
+                           f"runs on three hosts of its own), or give a NATS URL on the bridge")
 
 
 def home_network(home: Path) -> NetworkPlan | None:
