@@ -158,16 +158,10 @@ async def test_the_control_planes_host_partitioned_for_60_s_training_goes_on_and
     decided = Counter((e.type, e.correlation_id, e.payload.model_dump_json()) for e in after
                       if e.producer == "controller" and e.type != "TimerTicked")
     assert not [key for key, count in decided.items() if count > 1], decided.most_common(3)
-    # A tick the clock host's client had buffered as its link went can still land after the partition (see
-    # docs/known-limits.md): the nodes' clocks then look ahead for that one tick. Reported, never acted on,
-    # and withdrawn at the next tick: no node may be left reported as skewed.
-    skew_reports = [e.payload for e in after if e.type == "NodeClockSkewed"]
-    still_skewed = {p.node_id for p in skew_reports if p.skewed} - {
-        p.node_id for i, p in enumerate(skew_reports) if not p.skewed
-        and any(q.skewed and q.node_id == p.node_id for q in skew_reports[:i])}
-    print(f"clock skew reports after the partition: {sum(p.skewed for p in skew_reports)} (all withdrawn: "
-          f"{not still_skewed})")
-    assert not still_skewed, skew_reports
+    # A tick the clock host sent just as its link went can land after the partition, behind the backlog: the
+    # window it closes is never reported on (the next tick comes after a gap), so no clock looks skewed.
+    skewed = [e.payload for e in after if e.type == "NodeClockSkewed"]
+    assert not skewed, f"the partition taken for skewed clocks: {skewed}"
 
     # Everything stopped, the recorder works off the stream's tail (it was cut off too): no event lost, and
     # `keel replay --verify` finds every recorded decision again (the controller's state agrees with the log).

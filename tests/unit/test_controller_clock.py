@@ -320,3 +320,21 @@ def test_a_round_asked_for_while_catching_up_after_a_gap_is_not_overdue_at_the_f
     concluded = job.run(45)
     assert [e.type for e in concluded if e.type == "IncidentResolved"] == ["IncidentResolved"]
     assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_a_tick_sent_late_after_a_partition_makes_no_clock_look_skewed() -> None:
+    """The clock host's link is cut just after it sent a tick; its kernel delivers that tick once the link is
+    back, 60 s later, behind the heartbeats that piled up meanwhile. That tick says a time long past: the
+    window it closes is not reported on (the next tick comes after a gap, so the late one is not confirmed);
+    a real skew is still reported, one tick later."""
+    job = Clocked(nodes=3, skews={"n2": timedelta(seconds=30)})
+    job.run(10)
+    cut = job.now
+    job.run(60, ticking=False)
+    late = job.feed(TimerTicked(now=cut + timedelta(seconds=1), interval_s=1.0), "clock/job1",
+                    producer=CLOCK_PRODUCER, at=cut + timedelta(seconds=1))
+    decided = late + job.tick() + job.run(10)
+    reports = [e.payload for e in decided if e.type == "NodeClockSkewed"]
+    assert [p.node_id for p in reports if p.skewed] in ([], ["n2"]), reports  # n2 once, if not already reported
+    assert not [p for p in reports if p.node_id != "n2"], reports
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean

@@ -239,8 +239,13 @@ class JobView:
     heard: Mapping[str, datetime] = field(default_factory=dict)
     """Nodes heard since the latest tick, with their newest timestamp: credited at the next tick."""
     skews: Mapping[str, float] = field(default_factory=dict)
-    """The window the latest tick closed: each node heard in it and how far its newest timestamp lies
-    outside the window (seconds; + ahead, - behind, 0 inside): what ``NodeClockSkewed`` reports."""
+    """The window before the one the latest tick closed, confirmed by it: each node heard in it and how far its
+    newest timestamp lies outside the window (seconds; + ahead, - behind, 0 inside): what ``NodeClockSkewed``
+    reports. Confirmed: the latest tick came in an unbroken run after the window's own, so that tick was not
+    late (a tick sent late, e.g. from a partitioned clock host's socket once the link is back, lands behind
+    events that arrived after its ``now`` and would make every node look that far ahead); else empty."""
+    window_skews: Mapping[str, float] = field(default_factory=dict)
+    """The same for the window the latest tick closed, not yet confirmed (``skews`` at the next tick)."""
 
     @property
     def recorded_clock(self) -> bool:
@@ -542,13 +547,14 @@ def _heard(job: JobView, event: Event) -> JobView:
 def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
     """A tick of the job clock. A v2 tick is the recorded clock: every node heard since the previous tick
     is credited at this tick's ``now`` (its events arrived between the two), and how far their newest
-    timestamps lie outside that window is kept for the skew report. A tick later than its interval plus
+    timestamps lie outside that window is kept for the skew report (made at the next tick, if that one comes in
+    an unbroken run: ``JobView.skews``). A tick later than its interval plus
     the allowance after the previous one (or the first) starts a new unbroken run: silence is judged
     from there. A v1 tick (an old log) leaves the job on producers' timestamps."""
     if p.interval_s is None:
         if job.clock_at is None:
             return job
-        return replace(job, clock_at=None, clock_since=None, heard={}, skews={})
+        return replace(job, clock_at=None, clock_since=None, heard={}, skews={}, window_skews={})
     now, interval = p.now, timedelta(seconds=p.interval_s)
     previous = job.clock_at
     unbroken = previous is not None and timedelta(0) <= now - previous <= interval + job.clock_allowance
@@ -569,7 +575,8 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
     if incident is not None and incident.processes_up_pending:
         incident = replace(incident, processes_up_since=now, processes_up_pending=False)
     return replace(job, nodes=nodes, clock_at=now, clock_interval=interval, incident=incident,
-                   clock_since=job.clock_since if unbroken else now, heard={}, skews=skews)
+                   clock_since=job.clock_since if unbroken else now, heard={},
+                   skews=job.window_skews if unbroken else {}, window_skews=skews)
 
 
 def past_gap(incident: OpenIncident, gap: timedelta) -> OpenIncident:
