@@ -11,8 +11,9 @@ Then: training went on during the partition (steps advanced while the control pl
 controller caught up (its consumer worked off what it missed) and decided on the crash once (one incident,
 one restart, resolved as recovered; no node evicted: it must not take the silence its own partition caused
 for lost nodes, nor find the rounds it asked for while catching up overdue); no decision in the log twice;
-the recorder lost no event; and ``keel replay --verify`` over the whole log finds every recorded decision
-again (the controller's state agrees with the log).
+the recorder lost no event; and the controller's decider run over the log in stream order (the order it
+consumed it) finds every recorded decision again and no other (its state agrees with the log), as does
+``keel replay --verify`` whenever the recorder stored the log in stream order.
 
 Skipped, with the reason printed, where network namespaces cannot be made (not root / no CAP_NET_ADMIN).
 """
@@ -25,13 +26,16 @@ import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from keel.cluster import netns
 from keel.cluster.local import FaultSpec, inject
+from keel.controller.adapter import decider_from_settings
 from keel.infra.embedded import NatsCluster, rendezvous_base_port
+from keel.kernel.replay import verify
 from tests.conftest import TEST_CREDENTIALS, Servers, keel_env_on
 from tests.scenarios.test_ladder import TRAIN, Stack
 
@@ -176,6 +180,20 @@ async def test_the_control_planes_host_partitioned_for_60_s_training_goes_on_and
     print(f"events: {stream.state.messages} in the stream, {recorded} recorded, "
           f"{stream.state.messages - recorded} lost")
     assert recorded == stream.state.messages
+    # The controller consumed the stream in its order: run its decider over the log in that order, with the
+    # services' settings, and every decision it recorded must come out again, and nothing more.
+    rows = sorted([r async for r in stack.env.store.read(job_id=JOB)], key=lambda r: r.js_seq)
+    settings = stack.settings.model_copy(update={"controller": stack.settings.controller.model_copy(update={
+        "node_silence_timeout": timedelta(seconds=10), "diagnostics_timeout": timedelta(seconds=60), "standby_min": 1})})
+    report = verify(decider_from_settings(settings), [r.event for r in rows])
+    assert report.clean, report.summary() + "".join(f"\n  {d}" for d in report.divergences[:8])
+    # `keel replay --verify` folds the store in position order; the recorder, cut off too, stores a batch that
+    # was redelivered to it after the partition behind newer ones (docs/known-limits.md), so the two orders
+    # can differ: then every decider's replay is only comparable in stream order (above).
+    misordered = await stack.log_order_is_stream_order()
     verified = await asyncio.to_thread(stack.replay_verify)
-    assert verified.returncode == 0, verified.stdout[-6000:] + verified.stderr[-2000:]
+    print(f"replay in stream order: {report.summary()}; store order = stream order: {not misordered}; "
+          f"keel replay --verify: {'clean' if verified.returncode == 0 else 'diverged'}")
+    if not misordered:
+        assert verified.returncode == 0, verified.stdout[-6000:] + verified.stderr[-2000:]
     print(f"scenario wall time {time.monotonic() - started:.0f} s")
