@@ -1,7 +1,7 @@
 """The control plane's host partitioned for 60 s while a DP 2 x PP 2 job trains on four other hosts.
 
 Hosts on a real network (``keel.cluster.netns``): the control plane (controller, checkpoint broker, analyzer,
-actuator, recorder, PostgreSQL) in the root namespace on the gateway address, NATS as a three-server
+actuator, hot-update, recorder, PostgreSQL) in the root namespace on the gateway address, NATS as a three-server
 JetStream cluster (R3 streams) on three hosts of its own, the job's nodes on four more and a standby on a
 fifth. The control plane's link to the bridge is cut for 60 s (``netns.cut(plan, CONTROL_HOST)``): NATS keeps
 its quorum (no server is on the cut host), so the nodes go on training and reporting; the controller hears
@@ -98,7 +98,9 @@ async def test_the_control_planes_host_partitioned_for_60_s_training_goes_on_and
         partitionable, scratch_dir: Path) -> None:
     stack, network, nats = partitionable
     started = time.monotonic()
-    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN,
+    # Every decider of the control plane runs (hot-update too: a job past 500 steps is a stable version, which
+    # `keel replay --verify` expects to find decided).
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN, more_services=("hot-update",),
                             extra={"KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "10s"})
     controller = stack.services[0]
     info = await stack.env.bus.js.stream_info(stack.settings.bus.stream)
