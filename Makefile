@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - a real stack (embedded NATS JetStream + PostgreSQL + services), faults injected, replay-verified
+#                 (HOSTS=netns: every node and NATS server a host of its own; needs root / CAP_NET_ADMIN)
 #   make test   - the whole test suite against real servers the tests start themselves
 # Each installs what it needs into .venv first (pip; torch is the CPU wheel pinned by the SDK, agent and workload).
 
@@ -48,8 +49,9 @@ unit: install
 integration: install
 	$(BIN)/python -m pytest -q tests/integration
 
+HOSTS ?= flat
 demo: install
-	$(BIN)/keel demo
+	$(BIN)/keel demo --hosts $(HOSTS)
 
 bench: install
 	$(BIN)/python bench/bus.py --json bench/results/bus.json

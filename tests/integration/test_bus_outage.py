@@ -80,3 +80,41 @@ async def test_publish_gives_up_after_the_outage_tolerance(own_nats: NatsServer)
         await asyncio.to_thread(own_nats.start)
         await bus.close()
 
+
+
+async def test_the_job_clock_sends_no_tick_late_across_a_nats_outage(own_nats: NatsServer) -> None:
+    """A tick is a reading of the clock: while NATS is unreachable the job clock drops its rounds instead of
+    leaving them to be sent, stale, when the connection is back; afterwards it ticks afresh. Every tick in the
+    stream is then no older than when it was acknowledged (within the allowance)."""
+    from datetime import timedelta
+
+    from keel.events.envelope import decode_event
+    from keel.infra.clock import JobClock
+
+    settings = SETTINGS.model_copy(update={"credentials": own_nats.identity_file("admin")})
+    bus = await Bus.connect(own_nats.url, settings, name="clock-host")
+    try:
+        clock = JobClock(bus, lambda: ["j"], timedelta(seconds=1), stale_after=timedelta(seconds=2))
+        assert len(await clock.tick()) == 1
+        await asyncio.to_thread(own_nats.stop)
+        deadline = time.monotonic() + 10
+        while bus.nc.is_connected:
+            assert time.monotonic() < deadline, "the client did not notice the server stopped"
+            await asyncio.sleep(0.05)
+        during = [await clock.tick() for _ in range(3)]
+        assert during == [[], [], []] and clock.dropped == 3
+        await asyncio.to_thread(own_nats.start)
+        deadline = time.monotonic() + 30
+        while not bus.nc.is_connected:
+            assert time.monotonic() < deadline, "the client did not reconnect"
+            await asyncio.sleep(0.05)
+        after = await clock.tick()
+        assert len(after) == 1
+        await asyncio.sleep(1.0)  # anything the client had buffered is flushed on reconnecting
+        puller = await bus.pull_consumer("clock-check", ack_all=True)
+        messages = await puller.fetch(10, 2)
+        ticks = [decode_event(m.data, max_bytes=settings.max_event_bytes) for m in messages]
+        assert len(ticks) == 2 and ticks[-1].id == after[0].id, [t.payload.now for t in ticks]
+        assert (await bus.js.stream_info(SETTINGS.stream)).state.messages == 2
+    finally:
+        await bus.close()

@@ -235,3 +235,109 @@ def test_hosts_reach_each_other_over_the_bridge_a_cut_partitions_and_a_crashed_o
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f"keel-{network.tag}-" not in listed and network.bridge not in links
     assert network.tag not in [plan.tag for plan in netns.recorded()]
+
+
+def test_keel_inject_cuts_a_hosts_link_restores_it_after_for_and_cuts_the_control_plane(scratch_dir: Path) -> None:
+    """`keel inject link-cut` on real namespaces: a node's host cut and restored by itself after `for`; the control
+    plane's link cut and mended with `link-restore`; a host that is not on the network and a bad `for` refused."""
+    import json
+    import subprocess
+    import sys
+
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    network = netns.create(["n00"], owner_pid=os.getpid())
+    try:
+        directory = scratch_dir / "cluster"
+        directory.mkdir()
+        (directory / "cluster.json").write_text(json.dumps({"job_id": "j", "network": network.tag, "nodes": [
+            {"node_id": "n00", "host": "n00", "address": network.host("n00").address, "standby": False,
+             "agent_dir": str(directory / "n00"), "root": str(directory / "n00"), "pid": 0}]}))
+        env = {**os.environ, "KEEL_HOME": str(scratch_dir / "home")}
+
+        def keel_inject(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "keel.cli.main", "inject", *args, "--dir", str(directory)],
+                                  env=env, capture_output=True, text=True, timeout=60)
+
+        def up(link: str) -> bool:
+            shown = subprocess.run(["ip", "-o", "link", "show", link], capture_output=True, text=True, timeout=30)
+            return "state DOWN" not in shown.stdout and ",UP" in shown.stdout.split(">")[0]
+
+        veth = network.host("n00").veth
+        cut = keel_inject("link-cut", "--node", "n00", "--param", "for=2s")
+        assert cut.returncode == 0, cut.stderr
+        assert "restored in 2 s" in cut.stdout and not up(veth)
+        deadline = time.monotonic() + 30
+        while not up(veth):
+            assert time.monotonic() < deadline, "the link was not restored after `for`"
+            time.sleep(0.2)
+
+        control = keel_inject("link-cut", "--node", netns.CONTROL_HOST)
+        assert control.returncode == 0, control.stderr
+        assert not up(network.control_port) and up(veth)
+        mended = keel_inject("link-restore", "--node", netns.CONTROL_HOST)
+        assert mended.returncode == 0 and up(network.control_port), mended.stderr
+
+        for args, message in ((("link-cut", "--node", "n09"), "no host 'n09' on the cluster's network"),
+                              (("link-cut", "--node", "n00", "--param", "for=soon"), "link-cut for='soon'"),
+                              (("link-cut", "--node", "n00", "--param", "mtu=9000"), "only the parameter 'for'")):
+            refused = keel_inject(*args)
+            assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+            assert "Traceback" not in refused.stderr
+        assert up(veth) and up(network.control_port)
+    finally:
+        netns.destroy(network)
+
+
+def test_keel_up_on_hosts_runs_nats_as_three_servers_on_three_hosts_with_r3_streams(scratch_dir: Path) -> None:
+    """`keel up --hosts netns`: a host network with the three NATS hosts, one server in each host's namespace
+    bound to its address, routes between them, the streams R3; `keel down` stops them and removes the network."""
+    import json
+    import subprocess
+    import sys
+
+    from keel.infra.embedded import NatsServer
+
+    reason = netns.unavailable_reason()
+    if reason:
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    home = scratch_dir / "home"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KEEL_")}
+    env |= {"KEEL_HOME": str(home), "KEEL_POSTGRES__PORT": str(free_port())}
+
+    def keel(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "keel.cli.main", *args], env=env, capture_output=True, text=True,
+                              timeout=180)
+
+    tag = None
+    try:
+        up = keel("up", "--hosts", "netns", "--no-services")
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+        tag = json.loads((home / "network.json").read_text())["tag"]
+        network = netns.current(tag)
+        addresses = network.addresses(netns.NATS_HOSTS)
+        state = json.loads((home / "runtime.json").read_text())["nats"]
+        assert state["cluster_size"] == 3
+        servers = state["servers"]
+        assert [s["host"] for s in servers] == list(addresses)
+        own_netns = os.stat("/proc/self/ns/net").st_ino
+        namespaces = {os.stat(f"/proc/{s['pid']}/ns/net").st_ino for s in servers}
+        assert len(namespaces) == 3 and own_netns not in namespaces  # each server on a host of its own
+        for name, server in zip(netns.NATS_HOSTS, servers, strict=True):
+            monitor = NatsServer(Path(server["store_dir"]), server["port"], server["monitor_port"], host=server["host"],
+                                 launcher=tuple(netns.in_host(network, name, [])))
+            routes = monitor.monitor("routez") or {}
+            assert {r.get("ip") for r in routes.get("routes") or []} == set(addresses) - {server["host"]}, routes
+            jsz = monitor.monitor("jsz?streams=true&accounts=true") or {}
+            replicas = [len(stream.get("cluster", {}).get("replicas") or []) + 1
+                        for account in jsz.get("account_details") or [] for stream in account.get("stream_detail") or []]
+            assert replicas and set(replicas) == {3}, jsz
+    finally:
+        down = keel("down")
+        assert down.returncode == 0, down.stderr[-2000:]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag is None or f"keel-{tag}-" not in listed
+    assert not (home / "network.json").exists()

@@ -293,3 +293,48 @@ def test_a_lost_nodes_last_heartbeat_just_before_a_diagnostics_request_is_no_ack
     assert "n3 did not acknowledge the request within 2 s" in eviction.payload.reason
     assert eviction.occurred_at - request.occurred_at <= timedelta(seconds=3)
     assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_a_round_asked_for_while_catching_up_after_a_gap_is_not_overdue_at_the_first_tick_after_it() -> None:
+    """The controller's host is cut off for 90 s (no ticks; the agents' heartbeats and a crash pile up in the
+    stream). Working off the backlog, it asks for diagnostics, stamped with its last tick before the gap. The
+    first tick after the gap must not find that round overdue (one agent has answered, the others had no time
+    to): the gap counts against no deadline, so nobody is evicted for it."""
+    job = Clocked(nodes=4)
+    job.run(10)
+    last_tick = job.now
+    job.run(90, ticking=False)
+    decided = job.feed(RankExited(node_id="n1", rank=1, pid=1, generation=0, exit_code=1,
+                                  classification="infrastructure", error_type="RuntimeError",
+                                  stderr_tail="RuntimeError: gloo"), "rank/1", node="n1")
+    [request] = [e for e in decided if e.type == "DiagnosticsRequested"]
+    assert request.occurred_at == last_tick
+    job.beat("n0")  # one agent answers at once; the others' answers are on their way
+    first = job.tick()
+    assert not [e for e in first if e.type in ("NodeEvictionDecided", "RestartDecided", "IncidentResolved")], \
+        [(e.type, getattr(e.payload, "reason", "")) for e in first]
+    for node in ("n1", "n2", "n3"):
+        job.beat(node)
+    assert evicted(job.run(20)) == []
+    # The round's deadline still comes, a diagnostics timeout after the first tick past the gap.
+    concluded = job.run(45)
+    assert [e.type for e in concluded if e.type == "IncidentResolved"] == ["IncidentResolved"]
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_a_tick_sent_late_after_a_partition_makes_no_clock_look_skewed() -> None:
+    """The clock host's link is cut just after it sent a tick; its kernel delivers that tick once the link is
+    back, 60 s later, behind the heartbeats that piled up meanwhile. That tick says a time long past: the
+    window it closes is not reported on (the next tick comes after a gap, so the late one is not confirmed);
+    a real skew is still reported, one tick later."""
+    job = Clocked(nodes=3, skews={"n2": timedelta(seconds=30)})
+    job.run(10)
+    cut = job.now
+    job.run(60, ticking=False)
+    late = job.feed(TimerTicked(now=cut + timedelta(seconds=1), interval_s=1.0), "clock/job1",
+                    producer=CLOCK_PRODUCER, at=cut + timedelta(seconds=1))
+    decided = late + job.tick() + job.run(10)
+    reports = [e.payload for e in decided if e.type == "NodeClockSkewed"]
+    assert [p.node_id for p in reports if p.skewed] in ([], ["n2"]), reports  # n2 once, if not already reported
+    assert not [p for p in reports if p.node_id != "n2"], reports
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean

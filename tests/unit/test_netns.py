@@ -27,9 +27,17 @@ def test_a_plan_gives_each_host_its_own_address_namespace_and_short_interface_na
 def test_the_commands_bring_up_a_bridge_and_a_veth_per_host_and_cut_only_the_hosts_end() -> None:
     plan = plan_network("fffff", 0, ["a"])
     commands = netns.up_commands(plan)
-    assert commands[:3] == [["ip", "link", "add", "knfffffbr", "type", "bridge"],
-                            ["ip", "addr", "add", "10.77.0.1/24", "dev", "knfffffbr"],
-                            ["ip", "link", "set", "knfffffbr", "up"]]
+    # The control plane (root namespace) holds the gateway on a veth pair of its own: its link can be cut too.
+    assert commands[:7] == [["ip", "link", "add", "knfffffbr", "type", "bridge"],
+                            ["ip", "link", "set", "knfffffbr", "up"],
+                            ["ip", "link", "add", "knfffffc0", "type", "veth", "peer", "name", "knfffffc1"],
+                            ["ip", "addr", "add", "10.77.0.1/24", "dev", "knfffffc0"],
+                            ["ip", "link", "set", "knfffffc1", "master", "knfffffbr"],
+                            ["ip", "link", "set", "knfffffc1", "up"],
+                            ["ip", "link", "set", "knfffffc0", "up"]]
+    assert netns.cut_commands(plan, netns.CONTROL_HOST) == [["ip", "link", "set", "knfffffc1", "down"]]
+    assert netns.restore_commands(plan, netns.CONTROL_HOST) == [["ip", "link", "set", "knfffffc1", "up"]]
+    assert ["ip", "link", "del", "knfffffc0"] in netns.down_commands(plan)
     host = plan.host("a")
     assert ["ip", "netns", "add", "keel-fffff-a"] in commands
     assert ["ip", "-n", "keel-fffff-a", "addr", "add", "10.77.0.10/24", "dev", "eth0"] in commands
@@ -51,6 +59,8 @@ def test_bad_input_gets_a_clear_error() -> None:
         plan.with_host("a")
     with pytest.raises(NetnsError, match="host name 'Bad Name'"):
         plan.with_host("Bad Name")
+    with pytest.raises(NetnsError, match="host name 'control'"):  # the control plane's, not a namespace
+        plan.with_host(netns.CONTROL_HOST)
     with pytest.raises(NetnsError, match="no host 'b'"):
         netns.cut_commands(plan, "b")
     full = plan_network("abcde", 1, [f"h{i}" for i in range(245)])

@@ -4,7 +4,7 @@ and faults injected into it.
     keel cluster up --nodes N [--standby S] [--nproc-per-node P] [--job-id J] [--dir D] [--fault-injection]
                     [--hosts flat|netns] -- [-m MOD | F] [args]
     keel cluster down | status [--dir D]
-    keel inject KIND --node NODE [--rank R] [--param k=v ...] [--dir D]   one fault
+    keel inject KIND --node NODE [--rank R] [--param k=v ...] [--dir D]   one fault (link-cut: a host's link)
     keel inject --scenario FILE [--dir D]                                 a timed list of faults
 
 The cluster lives in ``--dir`` (default ``<home>/cluster``). (Named ``cluster_cmd`` so that it does not
@@ -47,8 +47,10 @@ def register(sub: Subparsers) -> None:
         parser_.set_defaults(func=cmd_cluster)
 
     inject = sub.add_parser("inject", help="inject a fault into the local cluster")
-    inject.add_argument("kind", nargs="?", help="crash hang slow nan oom gpu-lost xid nic-down disk-full sdc")
-    inject.add_argument("--node")
+    inject.add_argument("kind", nargs="?", help="crash hang slow nan oom gpu-lost xid nic-down disk-full sdc, and on a "
+                        "cluster of hosts (--hosts netns) link-cut (--param for=60s: restored after) link-restore")
+    inject.add_argument("--node", help="the node; for link-cut/link-restore also a host without a node: control (the "
+                        "control plane's), nats-1, nats-2, nats-3")
     inject.add_argument("--rank", type=int)
     inject.add_argument("--param", action="append", default=[], help="key=value (JSON values allowed)")
     inject.add_argument("--scenario", help="YAML file: faults: [{at: 10s, kind: hang, node: n01, rank: 2}]")

@@ -213,7 +213,10 @@ def _reference_run(directory: Path) -> dict[int, str]:
 
 
 async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: Path) -> dict[str, Any]:
+    from keel.cluster.local import home_network
     from keel.infra.store import EventStore, create_engine
+
+    network = home_network(settings.home)  # `keel demo --hosts netns`: every node a host of its own
 
     engine = create_engine(database_url, settings.db_schema)
     store = EventStore(engine)
@@ -230,7 +233,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         cluster_up(settings, directory, nodes=4, standby=1, nproc_per_node=1, job_id=JOB,
                    command=TRAIN, nats_url=nats_url,
                    extra_env=env, heartbeat_interval="2s", persist_root=scratch / "checkpoints",
-                   fault_injection=True)  # the demo injects crashes and a hang: `keel cluster up --fault-injection`
+                   # the demo injects crashes and a hang: `keel cluster up --fault-injection`
+                   fault_injection=True, network=network)
         await demo.wait_for(JOB, ["StandbyChecked"], lambda e: payload_of(e, StandbyChecked).passed, 120,
                             "a standby's passing self-check")
         await demo.wait_step(15)
@@ -311,7 +315,7 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
                    command=["-m", "keel.workload.train", "--size", "tiny", "--steps", str(SDC_STEPS),
                             "--min-step-time", "100ms"],
                    nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "sdc-checkpoints",
-                   fault_injection=True)
+                   fault_injection=True, network=network)
         await demo.wait_for(SDC_JOB, ["StandbyChecked"], lambda e: payload_of(e, StandbyChecked).passed, 120,
                             "the standby's self-check")
         await demo.wait_for(SDC_JOB, ["NodeHeartbeat"], lambda e: payload_of(e, NodeHeartbeat).last_step >= 20, 180,
@@ -334,7 +338,8 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         cluster_up(settings, loop_dir, nodes=2, standby=0, nproc_per_node=1, job_id=LOOP_JOB,
                    command=["-m", "keel.workload.train", "--size", "tiny", "--steps", "60", "--min-step-time", "100ms",
                             "--bug-at-step", "8", "--bug-rank", "-1", "--bug-file", str(loop_bug)],
-                   nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "loop-checkpoints")
+                   nats_url=nats_url, extra_env=env, heartbeat_interval="2s", persist_root=scratch / "loop-checkpoints",
+                   network=network)
         stop = await demo.wait_for(LOOP_JOB, ["JobStopDecided"], lambda e: True, 300, "the crash-loop stop")
         stopped = payload_of(stop, JobStopDecided)
         _say(f"rung {stopped.rung}: {stopped.reason}")
@@ -349,17 +354,20 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
 def register(sub: Subparsers) -> None:
     demo = sub.add_parser("demo", help="run the end-to-end demonstration")
     demo.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    demo.add_argument("--hosts", choices=("flat", "netns"), default="flat",
+                      help="netns: every node a host of its own and NATS on three more (`keel up --hosts netns`; "
+                           "needs root / CAP_NET_ADMIN); flat: one loopback (default)")
     demo.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
-    return run_demo(settings, config=args.config, keep=args.keep)
+    return run_demo(settings, config=args.config, keep=args.keep, hosts=args.hosts)
 
 
-def run_demo(settings: Settings, config: str | None = None, keep: bool = False) -> int:
+def run_demo(settings: Settings, config: str | None = None, keep: bool = False, hosts: str = "flat") -> int:
     env = {**os.environ, **STACK_ENV, "KEEL_HOME": str(settings.home)}  # the children use this one's home
     _banner("keel up: embedded NATS JetStream + PostgreSQL; recorder, controller, checkpoint broker, analyzer, actuator")
-    up = _keel(config, "up", env=env, check=False)
+    up = _keel(config, "up", "--hosts", hosts, env=env, check=False)
     if up.returncode != 0:
         print(up.stderr, file=sys.stderr)
         return up.returncode

@@ -52,8 +52,9 @@ def register(sub: Subparsers) -> None:
     up = sub.add_parser("up", help="start the embedded NATS and PostgreSQL, migrate, start the services")
     up.add_argument("--no-services", action="store_true", help="start only the servers")
     up.add_argument("--hosts", choices=("flat", "netns"), default="flat",
-                    help="netns: make a host network (a bridge; needs root / CAP_NET_ADMIN) whose address NATS "
-                         "listens on, for `keel cluster up --hosts netns`; `keel down` removes it")
+                    help="netns: make a host network (a bridge; needs root / CAP_NET_ADMIN) with a NATS cluster "
+                         "of three servers on three hosts of their own, for `keel cluster up --hosts netns`; "
+                         "`keel down` removes it")
     up.set_defaults(func=cmd_up)
     sub.add_parser("down", help="stop the services and the embedded servers").set_defaults(func=cmd_down)
     sub.add_parser("status", help="what is running").set_defaults(func=cmd_status)
@@ -67,13 +68,36 @@ def register(sub: Subparsers) -> None:
     service.set_defaults(func=cmd_service)
 
 
-def runtime_for(settings: Settings) -> EmbeddedRuntime:
+def on_host_network(settings: Settings) -> tuple[Settings, tuple[tuple[str, ...], ...]]:
+    """``settings`` for the embedded NATS of ``keel up --hosts netns`` (unchanged without a host network, or
+    when ``nats.hosts`` names the addresses): three servers, each on a host of its own (``netns.NATS_HOSTS``),
+    with R3 streams, so that losing any one host loses no quorum; and each server's launcher (run in its host's
+    namespace). A host network made without those hosts: one server on the control plane's address."""
+    from keel.cluster import netns
     from keel.cluster.local import home_network
+
+    network = home_network(settings.home)
+    if settings.nats_url or network is None:
+        return settings, ()
+    if not all(any(h.name == name for h in network.hosts) for name in netns.NATS_HOSTS):
+        if settings.nats.hosts:
+            return settings, ()
+        nats = settings.nats.model_copy(update={"hosts": [network.gateway]})
+        return settings.model_copy(update={"nats": nats}), ()
+    addresses = list(network.addresses(netns.NATS_HOSTS))
+    if settings.nats.hosts and list(settings.nats.hosts) != addresses:
+        return settings, ()  # the user's own addresses
+    nats = settings.nats.model_copy(update={"hosts": addresses, "embedded_cluster_size": len(netns.NATS_HOSTS)})
+    bus = settings.bus if (settings.bus.replicas or 1) > 1 else settings.bus.model_copy(update={"replicas": 3})
+    launchers = tuple(tuple(netns.in_host(network, name, [])) for name in netns.NATS_HOSTS)
+    return settings.model_copy(update={"nats": nats, "bus": bus}), launchers
+
+
+def runtime_for(settings: Settings) -> EmbeddedRuntime:
     from keel.infra.embedded import EmbeddedRuntime
     from keel.infra.nats_auth import NatsScope
 
-    if not settings.nats.hosts and (network := home_network(settings.home)) is not None:
-        settings = settings.model_copy(update={"nats": settings.nats.model_copy(update={"hosts": [network.gateway]})})
+    settings, launchers = on_host_network(settings)
     return EmbeddedRuntime(
         home=settings.home,
         nats_port=settings.nats.port,
@@ -86,6 +110,7 @@ def runtime_for(settings: Settings) -> EmbeddedRuntime:
         nats_cluster_size=settings.nats.embedded_cluster_size,
         nats_cluster_port=settings.nats.cluster_port,
         nats_hosts=tuple(settings.nats.hosts),
+        nats_launchers=launchers,
     )
 
 
@@ -151,6 +176,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     state: dict[str, Any] = {}
     if args.hosts == "netns":
         _host_network_for_up(settings)
+    settings = on_host_network(settings)[0]  # R3 streams on the host network's three NATS servers
     if not (settings.nats_url and settings.database_url):
         state = runtime_for(settings).up()
     nats_url = migrate(settings)
@@ -182,8 +208,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _host_network_for_up(settings: Settings) -> None:
-    """``keel up --hosts netns``: the host network (made now if there is none) whose bridge address the embedded
-    NATS listens on; refused where namespaces cannot be made, or when NATS already runs on another address."""
+    """``keel up --hosts netns``: the host network (made now if there is none) with the hosts of the embedded NATS
+    cluster (``on_host_network``); refused where namespaces cannot be made, or when NATS already runs on
+    127.0.0.1."""
     from keel.cluster.local import ClusterError, ensure_home_network
     from keel.cluster.netns import unavailable_reason
     from keel.infra.embedded import LOCALHOST

@@ -55,6 +55,10 @@ from keel.infra.signing import keyring_path
 WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
 RANK_READ_FAULTS = WORKLOAD_FAULTS | {"sdc"}
+LINK_FAULTS = {"link-cut", "link-restore"}
+"""Faults of a host network (``keel cluster up --hosts netns``): a host's link to the bridge cut (optionally
+restored after ``params["for"]``, a duration) or restored. The target is a node (its host), or a host of the
+network that runs no node: ``control`` (the control plane's) or one of the NATS servers' (``nats-1``...)."""
 """Faults the ranks apply themselves from files: only in a cluster started with fault injection on."""
 FAULT_KINDS = WORKLOAD_FAULTS | HARDWARE_FAULTS
 SIMULATED_NIC = "eth0"
@@ -267,8 +271,8 @@ def _check_reachable_from_hosts(nats_url: str | None, network: NetworkPlan) -> N
         loopback = host == "localhost"
     if loopback:
         raise ClusterError(f"NATS at {nats_url} listens on loopback, which the node hosts cannot reach (each has its "
-                           f"own): start the control plane on the host network's bridge, `keel up --hosts netns` "
-                           f"(NATS then listens on {network.gateway}), or give a NATS URL on the bridge")
+                           f"own): start the control plane on the host network, `keel up --hosts netns` (NATS then "
+                           f"runs on three hosts of its own), or give a NATS URL on the bridge")
 
 
 def home_network(home: Path) -> NetworkPlan | None:
@@ -284,17 +288,18 @@ def home_network(home: Path) -> NetworkPlan | None:
 
 
 def ensure_home_network(home: Path) -> NetworkPlan:
-    """``home``'s host network, made now when there is none (a bridge whose address is the control plane's);
-    it stays until ``drop_home_network`` (``keel down``)."""
+    """``home``'s host network, made now when there is none (a bridge, the control plane on its gateway address,
+    and the three hosts of the embedded NATS cluster, ``netns.NATS_HOSTS``); it stays until ``drop_home_network``
+    (``keel down``)."""
     network = home_network(home)
-    if network is None:
-        try:
+    try:
+        if network is None:
             network = netns.create()
-        except NetnsError as exc:
-            raise ClusterError(f"--hosts netns: {exc}") from None
-        atomic_write(home / "network.json", json.dumps({"tag": network.tag, "bridge": network.bridge,
-                                                         "gateway": network.gateway}))
-    return network
+            atomic_write(home / "network.json", json.dumps({"tag": network.tag, "bridge": network.bridge,
+                                                             "gateway": network.gateway}))
+        return netns.with_nats_hosts(network)
+    except NetnsError as exc:
+        raise ClusterError(f"--hosts netns: {exc}") from None
 
 
 def drop_home_network(home: Path) -> None:
@@ -523,7 +528,8 @@ class FaultSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
+    kind: Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc", "link-cut",
+                  "link-restore"]
     node: str
     rank: int | None = Field(default=None, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)
@@ -636,11 +642,59 @@ async def publish_injection(nats_url: str, settings: Settings, job_id: str, node
         await bus.close()
 
 
+def link_fault_target(state: dict[str, Any], name: str) -> tuple[NetworkPlan, str]:
+    """The host network and host a link fault on ``name`` acts on: a node's host, ``control`` (the control plane),
+    or another host of the network (a NATS server's); ``ClusterError`` when the cluster has no host network or
+    no such host."""
+    network = host_network(state)
+    if network is None:
+        raise ClusterError("a link fault needs a cluster whose nodes are hosts: `keel cluster up --hosts netns`")
+    node = next((n for n in state["nodes"] if n["node_id"] == name), None)
+    host = node.get("host") if node is not None else name
+    if host != netns.CONTROL_HOST and not any(h.name == host for h in network.hosts):
+        raise ClusterError(f"no host {name!r} on the cluster's network (nodes: "
+                           f"{', '.join(sorted(n['node_id'] for n in state['nodes']))}; other hosts: "
+                           f"{', '.join([netns.CONTROL_HOST, *sorted(set(h.name for h in network.hosts) - {n.get('host') for n in state['nodes']})])})")
+    return network, host
+
+
+def apply_link_fault(state: dict[str, Any], fault: FaultSpec) -> str:
+    """Cut (or restore) a host's link; a cut with ``params["for"]`` (a duration) is restored that long after by a
+    detached process (``python -m keel.cluster.netns restore``), so the caller need not outlive the cut."""
+    network, host = link_fault_target(state, fault.node)
+    if fault.kind == "link-restore":
+        netns.restore(network, host)
+        return f"link of host {host} restored"
+    unknown = sorted(set(fault.params) - {"for"})
+    if unknown:
+        raise ClusterError(f"link-cut takes only the parameter 'for' (a duration), not {', '.join(unknown)}")
+    restore_after = None
+    if "for" in fault.params:
+        try:
+            restore_after = parse_duration(fault.params["for"])
+        except (TypeError, ValueError) as exc:
+            raise ClusterError(f"link-cut for={fault.params['for']!r}: {exc}") from None
+        if restore_after <= timedelta(0):
+            raise ClusterError(f"link-cut for={fault.params['for']!r}: must be longer than 0 s")
+    netns.cut(network, host)
+    if restore_after is None:
+        return f"link of host {host} cut from the bridge {network.bridge} (`keel inject link-restore --node {fault.node}`)"
+    subprocess.Popen([sys.executable, "-m", "keel.cluster.netns", "restore", network.tag, host, "--after",
+                      str(restore_after.total_seconds())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+    return (f"link of host {host} cut from the bridge {network.bridge}, restored in "
+            f"{restore_after.total_seconds():g} s")
+
+
 def inject(settings: Settings, directory: Path, faults: list[FaultSpec], nats_url: str | None) -> list[str]:
-    """Apply faults in order, each at its ``at`` offset from now; publish each as an event."""
+    """Apply faults in order, each at its ``at`` offset from now; publish each as an event (a link fault's
+    before it is applied: the cut may be this host's own, the control plane's)."""
     state = load_cluster(directory)
     nodes = cluster_nodes(state)
-    unknown = sorted({f.node for f in faults} - set(nodes))
+    for fault in faults:
+        if fault.kind in LINK_FAULTS:
+            link_fault_target(state, fault.node)
+    unknown = sorted({f.node for f in faults if f.kind not in LINK_FAULTS} - set(nodes))
     if unknown:
         raise ClusterError(f"no node {', '.join(unknown)} in the local cluster (nodes: {', '.join(sorted(nodes))})")
     refused = sorted({f.kind for f in faults} & RANK_READ_FAULTS)
@@ -656,9 +710,16 @@ def inject(settings: Settings, directory: Path, faults: list[FaultSpec], nats_ur
             time.sleep(delay_s)
         fault_id = str(uuid.uuid4())
         injected_at = now_utc()  # before the fault exists: detection is measured from here
-        detail = apply_fault(nodes[fault.node], fault, fault_id)
+        node = nodes.get(fault.node) or NodeInfo(fault.node, False, directory, directory, 0)
+        if fault.kind in LINK_FAULTS:
+            if nats_url:
+                asyncio.run(publish_injection(nats_url, settings, state["job_id"], node, fault, fault_id,
+                                              f"{fault.kind} of {fault.node}", injected_at))
+            done.append(apply_link_fault(state, fault))
+            continue
+        detail = apply_fault(node, fault, fault_id)
         if nats_url:
-            asyncio.run(publish_injection(nats_url, settings, state["job_id"], nodes[fault.node], fault, fault_id,
+            asyncio.run(publish_injection(nats_url, settings, state["job_id"], node, fault, fault_id,
                                           detail, injected_at))
         done.append(detail)
     return done

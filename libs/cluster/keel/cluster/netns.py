@@ -1,10 +1,13 @@
 """Hosts on a real network on this machine: one Linux network namespace per host, each joined by a veth
 pair to one bridge, each with its own IPv4 address (``10.77.<n>.0/24``).
 
-The bridge's own address (``<subnet>.1``, the *gateway*) is the control-plane host: the root namespace,
-where ``keel up --hosts netns`` makes NATS listen (PostgreSQL and the services stay on its loopback:
-only the control plane uses them). Every node host has its own loopback, so nothing between two hosts can
-use it: gloo, the gRPC shard stores and NATS cross the bridge.
+The *gateway* address (``<subnet>.1``) is the control-plane host: the root namespace, where PostgreSQL and the
+services run (PostgreSQL on its loopback: only the control plane uses it). It sits on a veth pair of its own
+whose other end is a port of the bridge, like every other host's, so the control plane's link can be cut
+too (``cut(plan, CONTROL_HOST)``). ``keel up --hosts netns`` runs the three servers of a NATS cluster on three
+hosts of their own (``NATS_HOSTS``), so losing any one host (the control plane's included) loses no NATS
+quorum. Every host has its own loopback, so nothing between two hosts can use it: gloo, the gRPC shard
+stores and NATS cross the bridge.
 
 Planning is pure (``plan_network``, ``NetworkPlan.with_host``, the ``*_commands`` functions return ``ip``
 argument lists); ``create``, ``add_host``, ``cut``, ``restore`` and ``destroy`` run them. Each network is
@@ -32,6 +35,10 @@ from typing import Any
 
 RECORDS = Path("/run/keel-netns")
 NETNS_DIR = Path("/run/netns")
+CONTROL_HOST = "control"
+"""The control-plane host's name for ``cut`` / ``restore``: the root namespace, on the gateway address."""
+NATS_HOSTS = ("nats-1", "nats-2", "nats-3")
+"""The hosts of an embedded three-server NATS cluster on a host network (``with_nats_hosts``)."""
 HOST_IFNAME = "eth0"
 """The host's link, inside its namespace (ranks get ``GLOO_SOCKET_IFNAME`` = this)."""
 FIRST_HOST_OCTET = 10
@@ -72,8 +79,25 @@ class NetworkPlan:
 
     @property
     def gateway(self) -> str:
-        """The bridge's address: the control-plane host (the root namespace)."""
+        """The control-plane host's address (the root namespace, on ``control_link``)."""
         return str(self.subnet.network_address + 1)
+
+    @property
+    def control_link(self) -> str:
+        """The root namespace's end of the control plane's veth pair (it holds ``gateway``)."""
+        return f"kn{self.tag}c0"
+
+    @property
+    def control_port(self) -> str:
+        """The control plane's veth end on the bridge: what ``cut(plan, CONTROL_HOST)`` sets down."""
+        return f"kn{self.tag}c1"
+
+    def link_of(self, name: str) -> str:
+        """The bridge port of host ``name`` (``CONTROL_HOST``: the control plane's)."""
+        return self.control_port if name == CONTROL_HOST else self.host(name).veth
+
+    def addresses(self, names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+        return tuple(self.host(name).address for name in names)
 
     def host(self, name: str) -> HostPlan:
         for host in self.hosts:
@@ -83,7 +107,7 @@ class NetworkPlan:
 
     def with_host(self, name: str) -> NetworkPlan:
         """This plan with one more host, on the next free address and interface number."""
-        if not _HOST_NAME.match(name):
+        if not _HOST_NAME.match(name) or name == CONTROL_HOST:
             raise NetnsError(f"host name {name!r}: lower-case letters, digits and '-', at most 16 characters")
         if any(h.name == name for h in self.hosts):
             raise NetnsError(f"network {self.tag} already has a host {name!r}")
@@ -134,10 +158,15 @@ def free_index(used: set[int]) -> int:
 
 
 def bridge_commands(plan: NetworkPlan) -> list[list[str]]:
+    # The gateway is not the bridge's own address but the root end of a veth pair on it: a link that can be cut.
     prefix = plan.subnet.prefixlen
     return [["ip", "link", "add", plan.bridge, "type", "bridge"],
-            ["ip", "addr", "add", f"{plan.gateway}/{prefix}", "dev", plan.bridge],
-            ["ip", "link", "set", plan.bridge, "up"]]
+            ["ip", "link", "set", plan.bridge, "up"],
+            ["ip", "link", "add", plan.control_link, "type", "veth", "peer", "name", plan.control_port],
+            ["ip", "addr", "add", f"{plan.gateway}/{prefix}", "dev", plan.control_link],
+            ["ip", "link", "set", plan.control_port, "master", plan.bridge],
+            ["ip", "link", "set", plan.control_port, "up"],
+            ["ip", "link", "set", plan.control_link, "up"]]
 
 
 def host_commands(plan: NetworkPlan, host: HostPlan) -> list[list[str]]:
@@ -163,15 +192,16 @@ def host_down_commands(host: HostPlan) -> list[list[str]]:
 
 
 def down_commands(plan: NetworkPlan) -> list[list[str]]:
-    return [*(c for host in plan.hosts for c in host_down_commands(host)), ["ip", "link", "del", plan.bridge]]
+    return [*(c for host in plan.hosts for c in host_down_commands(host)), ["ip", "link", "del", plan.control_link],
+            ["ip", "link", "del", plan.bridge]]
 
 
 def cut_commands(plan: NetworkPlan, name: str) -> list[list[str]]:
-    return [["ip", "link", "set", plan.host(name).veth, "down"]]
+    return [["ip", "link", "set", plan.link_of(name), "down"]]
 
 
 def restore_commands(plan: NetworkPlan, name: str) -> list[list[str]]:
-    return [["ip", "link", "set", plan.host(name).veth, "up"]]
+    return [["ip", "link", "set", plan.link_of(name), "up"]]
 
 
 def in_host(plan: NetworkPlan, name: str, argv: list[str]) -> list[str]:
@@ -275,8 +305,17 @@ def remove_host(plan: NetworkPlan, name: str) -> NetworkPlan:
     return smaller
 
 
+def with_nats_hosts(plan: NetworkPlan) -> NetworkPlan:
+    """``plan`` with the hosts of a three-server NATS cluster (``NATS_HOSTS``), added (and recorded) when missing."""
+    for name in NATS_HOSTS:
+        if not any(h.name == name for h in plan.hosts):
+            plan = add_host(plan, name)
+    return plan
+
+
 def cut(plan: NetworkPlan, name: str) -> None:
-    """Partition host ``name``: its link to the bridge goes down; its processes keep running."""
+    """Partition host ``name`` (``CONTROL_HOST``: the control plane): its link to the bridge goes down; its
+    processes keep running."""
     _run(cut_commands(plan, name))
 
 
@@ -307,3 +346,29 @@ def destroy_stale() -> list[str]:
     for plan in gone:
         destroy(plan)
     return [plan.tag for plan in gone]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m keel.cluster.netns restore TAG HOST [--after SECONDS]``: restore host ``HOST``'s link in
+    network ``TAG`` (after a wait): what ``keel inject link-cut --param for=60s`` leaves running. A network
+    destroyed meanwhile is nothing to restore."""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m keel.cluster.netns")
+    parser.add_argument("action", choices=("restore",))
+    parser.add_argument("tag")
+    parser.add_argument("host")
+    parser.add_argument("--after", type=float, default=0.0, help="seconds to wait first")
+    args = parser.parse_args(argv)
+    time.sleep(max(0.0, args.after))
+    try:
+        restore(current(args.tag), args.host)
+    except NetnsError as exc:
+        print(f"keel: link of {args.host} not restored: {exc}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

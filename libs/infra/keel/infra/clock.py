@@ -12,6 +12,7 @@ is its place between two ticks of its job in the stream, which a replay of the l
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
@@ -33,11 +34,20 @@ def tick_event(job_id: str, now: datetime, interval: timedelta | None = None) ->
 
 
 class JobClock:
-    """Publishes a tick for each job ``jobs()`` names; the host calls ``tick()`` once per ``interval``."""
+    """Publishes a tick for each job ``jobs()`` names; the host calls ``tick()`` once per ``interval``.
+
+    A tick is a reading of the clock: one that lands late in the stream says a time long past, after events
+    that arrived since (a tick caught in a partition of the clock host, published when its link is back,
+    would date the backlog it lands behind to before the partition, and make every node's clock look that far
+    ahead). So a round whose ticks are not acknowledged within ``stale_after`` is dropped (None: never), and
+    so is a round while the bus has no connection (the client would buffer the ticks and send them, stale, on
+    reconnecting): the next round ticks afresh, and the deciders take the missing ticks for the gap that it
+    was."""
 
     def __init__(self, bus: Bus, jobs: Callable[[], Iterable[str]], interval: timedelta, *,
                  clock: Callable[[], datetime] = now_utc,
-                 interval_of: Callable[[str], timedelta] | None = None) -> None:
+                 interval_of: Callable[[str], timedelta] | None = None,
+                 stale_after: timedelta | None = None) -> None:
         self.bus = bus
         self.jobs = jobs
         self.interval = interval
@@ -45,13 +55,32 @@ class JobClock:
         """The interval a job's ticks come at, when it is not ``interval`` for every job (a quiet job is
         ticked less often): each tick says its own, so a slower clock is not taken for a gap."""
         self.clock = clock
+        self.stale_after = stale_after
         self.ticks = 0
+        self.dropped = 0
+        """Rounds of ticks dropped as stale (not acknowledged within ``stale_after``)."""
 
     async def tick(self) -> list[Event]:
         now = self.clock()
         ticks = [tick_event(job_id, now, self.interval_of(job_id) if self.interval_of else self.interval)
                  for job_id in self.jobs()]
         if ticks:
-            await self.bus.publish_many(ticks)
+            if self.stale_after is not None and not self.bus.nc.is_connected:
+                self.dropped += 1
+                log.warning("job clock: no NATS connection: %d tick(s) at %s dropped (sent on reconnecting, they "
+                            "would be late); the next round ticks afresh", len(ticks), now.isoformat())
+                return []
+            publishing = self.bus.publish_many(ticks)
+            if self.stale_after is None:
+                await publishing
+            else:
+                try:
+                    await asyncio.wait_for(publishing, self.stale_after.total_seconds())
+                except TimeoutError:
+                    self.dropped += 1
+                    log.warning("job clock: %d tick(s) at %s not acknowledged within %g s (NATS unreachable?): "
+                                "dropped, a late tick would date what arrived since to before it; the next "
+                                "round ticks afresh", len(ticks), now.isoformat(), self.stale_after.total_seconds())
+                    return []
             self.ticks += len(ticks)
         return ticks

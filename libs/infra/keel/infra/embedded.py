@@ -1493,6 +1493,8 @@ class EmbeddedRuntime:
     """The first server's route port (server ``i``: ``+ i``); unused by a standalone server."""
     nats_hosts: tuple[str, ...] = ()
     """The address each NATS server binds to (one for all; default 127.0.0.1)."""
+    nats_launchers: tuple[tuple[str, ...], ...] = ()
+    """Each NATS server's :attr:`NatsServer.launcher` (none, or one per server: servers on hosts of their own)."""
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).expanduser().resolve()
@@ -1516,7 +1518,8 @@ class EmbeddedRuntime:
     def nats_cluster(self) -> NatsCluster:
         return NatsCluster(self.home, self.nats_port, self.nats_monitor_port, self.nats_cluster_port,
                            self.nats_cluster_size, self.nats_hosts, self.sync_always,
-                           credentials_dir=self.credentials_dir, scope=self.nats_scope, tls=self.nats_tls)
+                           credentials_dir=self.credentials_dir, scope=self.nats_scope, tls=self.nats_tls,
+                           launchers=self.nats_launchers)
 
     @property
     def nats(self) -> NatsServer:

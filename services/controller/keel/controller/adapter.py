@@ -87,8 +87,10 @@ class Controller:
         self._last_input: dict[str, datetime] = {}  # job -> when its latest input other than a tick came
         self._last_busy_input: dict[str, datetime] = {}  # job -> when its latest non-routine input came
         self._last_tick: dict[str, datetime] = {}  # job -> when the clock last ticked it
+        # A tick later than the skew allowance would be a wrong reading of the clock (JobClock): dropped instead.
         self.job_clock = JobClock(bus, self.jobs_to_tick, settings.controller.clock_interval, clock=clock,
-                                  interval_of=self.tick_interval)
+                                  interval_of=self.tick_interval,
+                                  stale_after=settings.controller.clock_skew_allowance)
         self._quiet: set[str] = set()  # jobs ticked once per clock_quiet_interval in this round
 
     @property

@@ -247,8 +247,13 @@ class JobView:
     heard: Mapping[str, datetime] = field(default_factory=dict)
     """Nodes heard since the latest tick, with their newest timestamp: credited at the next tick."""
     skews: Mapping[str, float] = field(default_factory=dict)
-    """The window the latest tick closed: each node heard in it and how far its newest timestamp lies
-    outside the window (seconds; + ahead, - behind, 0 inside): what ``NodeClockSkewed`` reports."""
+    """The window before the one the latest tick closed, confirmed by it: each node heard in it and how far its
+    newest timestamp lies outside the window (seconds; + ahead, - behind, 0 inside): what ``NodeClockSkewed``
+    reports. Confirmed: the latest tick came in an unbroken run after the window's own, so that tick was not
+    late (a tick sent late, e.g. from a partitioned clock host's socket once the link is back, lands behind
+    events that arrived after its ``now`` and would make every node look that far ahead); else empty."""
+    window_skews: Mapping[str, float] = field(default_factory=dict)
+    """The same for the window the latest tick closed, not yet confirmed (``skews`` at the next tick)."""
 
     @property
     def recorded_clock(self) -> bool:
@@ -557,13 +562,14 @@ def _heard(job: JobView, event: Event) -> JobView:
 def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
     """A tick of the job clock. A v2 tick is the recorded clock: every node heard since the previous tick
     is credited at this tick's ``now`` (its events arrived between the two), and how far their newest
-    timestamps lie outside that window is kept for the skew report. A tick later than its interval plus
+    timestamps lie outside that window is kept for the skew report (made at the next tick, if that one comes in
+    an unbroken run: ``JobView.skews``). A tick later than its interval plus
     the allowance after the previous one (or the first) starts a new unbroken run: silence is judged
     from there. A v1 tick (an old log) leaves the job on producers' timestamps."""
     if p.interval_s is None:
         if job.clock_at is None:
             return job
-        return replace(job, clock_at=None, clock_since=None, heard={}, skews={})
+        return replace(job, clock_at=None, clock_since=None, heard={}, skews={}, window_skews={})
     now, interval = p.now, timedelta(seconds=p.interval_s)
     previous = job.clock_at
     unbroken = previous is not None and timedelta(0) <= now - previous <= interval + job.clock_allowance
@@ -579,10 +585,32 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
         if node_id in nodes:
             nodes[node_id] = replace(nodes[node_id], heard_at=now)
     incident = job.incident
+    if incident is not None and previous is not None and not unbroken and now - previous > interval:
+        incident = past_gap(incident, now - previous - interval)
     if incident is not None and incident.processes_up_pending:
         incident = replace(incident, processes_up_since=now, processes_up_pending=False)
     return replace(job, nodes=nodes, clock_at=now, clock_interval=interval, incident=incident,
-                   clock_since=job.clock_since if unbroken else now, heard={}, skews=skews)
+                   clock_since=job.clock_since if unbroken else now, heard={},
+                   skews=job.window_skews if unbroken else {}, window_skews=skews)
+
+
+def past_gap(incident: OpenIncident, gap: timedelta) -> OpenIncident:
+    """``incident`` with its deadlines moved ``gap`` later: the time the clock host was not listening (cut off
+    from NATS, down, catching up) counts against no deadline, as it counts toward no node's silence. Without
+    this, what the controller decides while it works off a backlog is stamped with its last tick before the
+    gap, and the first tick after it would find every round it just asked for long overdue (the agents'
+    answers not yet in) and conclude it on nodes that never had the time to answer. Commands keep their
+    expiry (``command_ttl`` is minutes; an agent checks it on its own clock)."""
+
+    def later(at: datetime | None) -> datetime | None:
+        return None if at is None else at + gap
+
+    return replace(incident, diag_deadline=later(incident.diag_deadline),
+                   diag_requested_at=later(incident.diag_requested_at),
+                   stacks_requested_at=later(incident.stacks_requested_at),
+                   sdc_requested_at=later(incident.sdc_requested_at),
+                   recovering_since=later(incident.recovering_since),
+                   processes_up_since=later(incident.processes_up_since))
 
 
 def _evolve_incident(job: JobView, event: Event) -> JobView:
