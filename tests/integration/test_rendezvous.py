@@ -122,16 +122,24 @@ def test_two_standalone_keel_runs_on_one_host_at_once_both_succeed(scratch_dir: 
 
 def test_a_standby_watches_the_rendezvous_and_learns_the_world_without_a_rank(scratch_dir: Path) -> None:
     port = free_port()
-    agents, out = start_agents(scratch_dir, 2, "2", port, "withstandby", last_call_s=20)
+    out = scratch_dir / "out-withstandby"  # start_agents' folder for this rendezvous id
     argv = [sys.executable, "-m", "keel.cli.main", "run", "--nnodes", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "withstandby", "--rdzv-conf", fast(20),
             "--keel-node-id", "spare", "--keel-agent-dir", str(scratch_dir / "spare"), "--keel-standby",
             "--keel-no-checkpoint", "--keel-no-warm-ranks", str(PROBE), str(out)]
     log = scratch_dir / "spare.log"
+    # The standby comes first and is watching before the nodes join: one that comes after the round closed
+    # finds nobody listening (the host stops once every node read its rank) and waits for the next start.
     with open(log, "wb") as sink:
         standby = subprocess.Popen(argv, env=env_for(scratch_dir), stdout=sink, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
     try:
+        deadline = time.monotonic() + 60
+        while "hosting the rendezvous store" not in log.read_text():
+            assert time.monotonic() < deadline and standby.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        agents, agents_out = start_agents(scratch_dir, 2, "2", port, "withstandby", last_call_s=20)
+        assert agents_out == out
         wait_all(agents, scratch_dir, "withstandby")
         assert sorted(s["rank"] for s in read_ranks(out)) == [0, 1]  # the standby took no rank
         deadline = time.monotonic() + 60
