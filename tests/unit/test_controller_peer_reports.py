@@ -103,7 +103,8 @@ def running(node: str, heard_s: float, *, addresses: tuple[str, ...] | None = No
 
 def test_the_rule_waits_for_the_silence_refuses_half_the_nodes_and_a_missing_clock() -> None:
     nodes = {n: running(n, 10) for n in ("n0", "n1", "n2", "n3")}
-    named = [PeerReport("n0", address("n3"), T0 + timedelta(seconds=12), "retransmitting")]
+    named = [PeerReport("n0", address("n3"), T0 + timedelta(seconds=12), "retransmitting",
+                        reporter_heard_at=T0 + timedelta(seconds=11))]
 
     def verdict(now_s: float, reports: list[PeerReport] = named, clock_since: datetime | None = T0,
                 heard: tuple[str, ...] = (), of: dict[str, NodeView] = nodes):
@@ -118,7 +119,8 @@ def test_the_rule_waits_for_the_silence_refuses_half_the_nodes_and_a_missing_clo
     # The controller's own clock gap: silence counts from the end of the gap, not from the last heartbeat.
     assert verdict(13, clock_since=T0 + timedelta(seconds=11)).nodes == ()
     # Two of four nodes named and silent: likelier the controller's side of the network.
-    both = named + [PeerReport("n0", address("n2"), T0 + timedelta(seconds=12))]
+    both = named + [PeerReport("n0", address("n2"), T0 + timedelta(seconds=12),
+                               reporter_heard_at=T0 + timedelta(seconds=11))]
     assert verdict(13, both).nodes == () and "not fewer than half" in verdict(13, both).reason
     # A report by a node on its way out, or about one already evicted, counts for nothing.
     gone = {**nodes, "n0": NodeView("n0", ranks=frozenset({0}), evicted=True, heard_at=T0, addresses=(address("n0"),))}
@@ -126,4 +128,24 @@ def test_the_rule_waits_for_the_silence_refuses_half_the_nodes_and_a_missing_clo
     evicted_named = {**nodes, "n3": NodeView("n3", evicted=True, heard_at=T0, addresses=(address("n3"),))}
     assert verdict(13, of=evicted_named).nodes == ()
     # A node naming its own address names nobody.
-    assert verdict(13, [PeerReport("n3", address("n3"), T0 + timedelta(seconds=12))]).nodes == ()
+    assert verdict(13, [PeerReport("n3", address("n3"), T0 + timedelta(seconds=12),
+                                   reporter_heard_at=T0 + timedelta(seconds=11))]).nodes == ()
+
+
+def test_a_report_flushed_after_the_reporters_own_silence_waits_until_the_named_node_is_quieter() -> None:
+    """A reporter whose own link failed sends its queued report once it is back: it names a peer that was
+    never the problem, and that peer (heartbeats every 5 s) may well be silent for 3 s right then."""
+    nodes = {n: running(n, 10) for n in ("n0", "n1", "n2", "n3")}
+    late = [PeerReport("n0", address("n3"), T0 + timedelta(seconds=14), "retransmitting",
+                       reporter_heard_at=T0 + timedelta(seconds=5))]  # n0 itself silent 9 s before it
+    at_14 = peer_reported_lost_nodes(late, nodes, heard_since_tick=(), now=T0 + timedelta(seconds=14),
+                                     clock_since=T0, min_silence=PEER_SILENCE)
+    assert at_14.nodes == () and "had been silent for 9 s itself" in at_14.reason
+    # n3 keeps heartbeating (heard at 15 s): refuted for good.
+    heard = {**nodes, "n3": running("n3", 15)}
+    assert peer_reported_lost_nodes(late, heard, heard_since_tick=(), now=T0 + timedelta(seconds=30),
+                                    clock_since=T0, min_silence=PEER_SILENCE).nodes == ()
+    # n3 really is gone too: once it has been silent longer than the reporter was, it is lost.
+    at_20 = peer_reported_lost_nodes(late, nodes, heard_since_tick=(), now=T0 + timedelta(seconds=20),
+                                     clock_since=T0, min_silence=PEER_SILENCE)
+    assert at_20.nodes == ("n3",)

@@ -486,7 +486,10 @@ def peer_reported_lost_nodes(reports: Iterable[PeerReport], nodes: Mapping[str, 
     - has stood while the named node's agent sent nothing since it was recorded (any event, by arrival:
       a node that keeps heartbeating is reachable, whatever one peer's connection says), for at least
       ``min_silence`` by the recorded clock since its last event (``clock_since`` bounds it: time the
-      controller itself was not listening counts for nothing; no recorded clock: nobody is lost).
+      controller itself was not listening counts for nothing; no recorded clock: nobody is lost);
+    - comes from the better connected of the two: the named node has been silent longer than the reporter
+      had been when its report arrived (a reporter whose own link failed for a while flushes its queued
+      report once it is back, naming peers that were never the problem).
 
     And, as for a capture round, not when half the running nodes or more would be lost: likelier the
     controller's side of the network than that many hosts.
@@ -515,6 +518,14 @@ def peer_reported_lost_nodes(reports: Iterable[PeerReport], nodes: Mapping[str, 
         if silence < min_silence:
             waiting.append(f"{named.node_id} ({report.address}), named by {report.reporter}, silent for "
                            f"{silence.total_seconds():g} s of {min_silence.total_seconds():g} s")
+            continue
+        if report.reporter_heard_at is None:
+            continue  # a reporter never heard before its report: a new agent's first word proves little
+        reporter_quiet = report.at - max(report.reporter_heard_at, clock_since)
+        if silence <= reporter_quiet:
+            waiting.append(f"{report.reporter} had been silent for {reporter_quiet.total_seconds():g} s itself when "
+                           f"it named {named.node_id} ({report.address}), silent for {silence.total_seconds():g} s: "
+                           f"its own link is as much in doubt")
             continue
         lost.setdefault(named.node_id, f"{named.node_id} ({report.address}): {report.reporter}'s ranks cannot "
                                        f"reach it ({report.detail or 'retransmitting'}) and it sent nothing for "

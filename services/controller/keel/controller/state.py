@@ -136,6 +136,10 @@ class PeerReport:
     at: datetime
     """When it was recorded, on the recorded clock (the latest tick before it arrived)."""
     detail: str = ""
+    reporter_heard_at: datetime | None = None
+    """When the reporter had last been heard before its report arrived (None: never): a report that arrives
+    after a silence of its own comes from a node that was cut off itself (its queued events flushed once
+    its link came back), and names peers that were never the problem."""
 
 
 @dataclass(frozen=True)
@@ -582,7 +586,8 @@ def _peer_report(job: JobView, p: NodeHealthChanged, at: datetime) -> JobView:
         return job
     kept = tuple(r for r in job.peer_reports if not (r.reporter == p.node_id and r.address == address))
     if p.status == "failed":
-        kept += (PeerReport(p.node_id, address, job.clock_at or at, p.detail),)
+        kept += (PeerReport(p.node_id, address, job.clock_at or at, p.detail,
+                            reporter_heard_at=job.node(p.node_id).heard_at),)
     return replace(job, peer_reports=kept)
 
 
