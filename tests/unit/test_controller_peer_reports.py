@@ -111,7 +111,7 @@ def test_the_rule_waits_for_the_silence_refuses_half_the_nodes_and_a_missing_clo
         return peer_reported_lost_nodes(reports, of, heard_since_tick=heard, now=T0 + timedelta(seconds=now_s),
                                         clock_since=clock_since, min_silence=PEER_SILENCE)
 
-    assert verdict(12).nodes == () and "silent for 2 s of 3 s" in verdict(12).reason
+    assert verdict(12).nodes == () and "silent for 2.0 s of 3 s" in verdict(12).reason
     assert verdict(13).nodes == ("n3",)
     assert verdict(13, heard=("n3",)).nodes == ()  # heard since the latest tick
     assert "reachable" in verdict(13, heard=("n3",)).reason
@@ -140,7 +140,7 @@ def test_a_report_flushed_after_the_reporters_own_silence_waits_until_the_named_
                        reporter_heard_at=T0 + timedelta(seconds=5))]  # n0 itself silent 9 s before it
     at_14 = peer_reported_lost_nodes(late, nodes, heard_since_tick=(), now=T0 + timedelta(seconds=14),
                                      clock_since=T0, min_silence=PEER_SILENCE)
-    assert at_14.nodes == () and "had been silent for 9 s itself" in at_14.reason
+    assert at_14.nodes == () and "had been silent for 9.0 s itself" in at_14.reason
     # n3 keeps heartbeating (heard at 15 s): refuted for good.
     heard = {**nodes, "n3": running("n3", 15)}
     assert peer_reported_lost_nodes(late, heard, heard_since_tick=(), now=T0 + timedelta(seconds=30),

@@ -517,19 +517,19 @@ def peer_reported_lost_nodes(reports: Iterable[PeerReport], nodes: Mapping[str, 
         silence = now - max(named.heard_at, clock_since)
         if silence < min_silence:
             waiting.append(f"{named.node_id} ({report.address}), named by {report.reporter}, silent for "
-                           f"{silence.total_seconds():g} s of {min_silence.total_seconds():g} s")
+                           f"{silence.total_seconds():.1f} s of {min_silence.total_seconds():g} s")
             continue
         if report.reporter_heard_at is None:
             continue  # a reporter never heard before its report: a new agent's first word proves little
         reporter_quiet = report.at - max(report.reporter_heard_at, clock_since)
         if silence <= reporter_quiet:
-            waiting.append(f"{report.reporter} had been silent for {reporter_quiet.total_seconds():g} s itself when "
-                           f"it named {named.node_id} ({report.address}), silent for {silence.total_seconds():g} s: "
+            waiting.append(f"{report.reporter} had been silent for {reporter_quiet.total_seconds():.1f} s itself when "
+                           f"it named {named.node_id} ({report.address}), silent for {silence.total_seconds():.1f} s: "
                            f"its own link is as much in doubt")
             continue
         lost.setdefault(named.node_id, f"{named.node_id} ({report.address}): {report.reporter}'s ranks cannot "
                                        f"reach it ({report.detail or 'retransmitting'}) and it sent nothing for "
-                                       f"{silence.total_seconds():g} s (at least {min_silence.total_seconds():g} s, "
+                                       f"{silence.total_seconds():.1f} s (at least {min_silence.total_seconds():g} s, "
                                        f"nothing since the report)")
     if not lost:
         return LostInRound((), "; ".join(waiting) or "no standing report of an unreachable peer")
