@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -52,8 +53,10 @@ def agents(scratch_dir: Path) -> Iterator[dict[str, subprocess.Popen]]:
     yield started
     for node_id, process in started.items():
         kill_agent_and_ranks(process, scratch_dir / node_id)
-    leftovers = [pid for node_id in started for pid in ranks_of(scratch_dir / node_id, zygotes=True)]
-    assert leftovers == [], f"processes of the agents still running: {leftovers}"
+    deadline = time.monotonic() + 10  # a SIGKILLed process lingers until the kernel has torn it down
+    while (leftovers := [pid for node_id in started for pid in ranks_of(scratch_dir / node_id, zygotes=True)]):
+        assert time.monotonic() < deadline, f"processes of the agents still running: {leftovers}"
+        time.sleep(0.1)
 
 
 def start_agents(settings, scratch: Path, started: dict[str, subprocess.Popen]) -> None:  # type: ignore[no-untyped-def]
