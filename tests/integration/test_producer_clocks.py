@@ -166,4 +166,4 @@ async def test_agents_ten_minutes_off_are_not_evicted_and_a_silent_one_is(keel_e
     # keel replay --verify: the recorded log gives the same decisions.
     events = await log()
     report = verify(decider_from_settings(settings), events)
-    assert report.clean, report.summary()
+    assert report.clean, report.details()

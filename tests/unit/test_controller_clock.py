@@ -120,7 +120,7 @@ def test_nodes_ten_minutes_ahead_and_behind_are_not_evicted_a_silent_one_is_and_
     assert "recorded clock" in eviction.payload.reason
     # The whole log replays to the same decisions (keel replay --verify).
     report = verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log)
-    assert report.clean, report.summary()
+    assert report.clean, report.details()
 
 
 def test_the_same_inputs_with_v1_ticks_are_judged_on_timestamps_as_old_logs_were() -> None:

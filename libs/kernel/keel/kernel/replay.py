@@ -75,6 +75,13 @@ class ReplayReport(Generic[S]):
             f"{self.decisions_replayed} replayed: {verdict}"
         )
 
+    def details(self, limit: int = 8) -> str:
+        """The summary and the first ``limit`` divergences described, for a failing test or a log line."""
+        lines = [self.summary(), *(d.describe() for d in self.divergences[:limit])]
+        if len(self.divergences) > limit:
+            lines.append(f"... and {len(self.divergences) - limit} more")
+        return "\n".join(lines)
+
 
 def _comparable(event: Event) -> dict[str, Any]:
     wire = event.to_wire()
