@@ -128,7 +128,12 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     assert os.path.exists(f"/proc/{victim_agent}"), "a link cut must leave the host's processes running"
 
     opened = await stack.wait_for(["IncidentOpened"], lambda e: e.id not in seen, 60, "an incident for the cut host")
+    opened_s = time.monotonic() - cut_at
     assert opened.payload.node_id == victim, opened.payload
+    # Known directly, not by the 8 s silence: the peers' ranks retransmit to the cut host's address, their
+    # agents report it (peer_unreachable) and the controller maps it to the silent node that registered it.
+    assert "peers cannot reach a silent node" in opened.payload.reason, opened.payload.reason
+    assert f"{victim} ({address[victim]})" in opened.payload.reason, opened.payload.reason
     resolved = await stack.wait_for(["IncidentResolved"], lambda e: e.payload.incident_id == str(opened.id), 120,
                                     "the incident's resolution")
     assert resolved.payload.outcome == "recovered", resolved.payload
@@ -144,7 +149,8 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     assert standby.get("host") == promotion.standby_node_id and ipaddress.ip_address(standby["address"]) in subnet
     plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == restart.payload.generation,
                                 30, "the restore plan")
-    print(f"link cut of {victim}: incident resolved {recovered_s:.1f} s after the cut; resumed at step "
+    print(f"link cut of {victim}: incident opened {opened_s:.1f} s and resolved {recovered_s:.1f} s after the cut "
+          f"({opened.payload.reason}); resumed at step "
           f"{plan.payload.step}")
 
     # The job finishes; final state and every step's loss equal the uninterrupted run, bit for bit.

@@ -96,7 +96,7 @@ def test_create_sets_type_and_version_from_the_payload_and_normalises_time_to_ut
     event = Event.create(
         NodeRegistered(node_id="n1", host="h1"), job_id="j", subject="node/n1", producer="agent", occurred_at=at
     )
-    assert (event.type, event.schema_version) == ("NodeRegistered", 1)
+    assert (event.type, event.schema_version) == ("NodeRegistered", 2)
     assert event.occurred_at == at and event.occurred_at.tzinfo == UTC
     with pytest.raises(ValueError, match="belong to 'node/...' subjects"):
         Event.create(NodeRegistered(node_id="n1", host="h1"), job_id="j", subject="job/j", producer="a", occurred_at=at)

@@ -27,14 +27,25 @@ class JobRegistered(EventPayload):
     registered_by: str
 
 
-@event_type("NodeRegistered", version=1, aggregate="node")
+@event_type("NodeRegistered", version=2, aggregate="node")
 class NodeRegistered(EventPayload):
-    """A node agent announced itself (an active node of the job, or an idle warm standby)."""
+    """A node agent announced itself (an active node of the job, or an idle warm standby). Since v2 it
+    says which network addresses the node's host has (``addresses``): a peer that reports one of them as
+    unreachable (the inspector's ``peer_unreachable``) names this node."""
 
     node_id: str
     host: str
     standby: bool = False
     fault_domain: str = ""
+    addresses: list[str] = Field(default_factory=list)
+    """The IP addresses of the host's interfaces, loopback excluded (empty: unknown, or an agent older
+    than v2; such a node is never named by a peer's report)."""
+
+
+@upcaster("NodeRegistered", from_version=1)
+def _node_registered_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 did not say where the node's host is: no address, so no peer's report can name it.
+    return {**payload, "addresses": []}
 
 
 @event_type("NodeHealthChanged", version=2, aggregate="node")

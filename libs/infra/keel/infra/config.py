@@ -284,6 +284,10 @@ class ControllerSettings(_Section):
     long is lost (agents answer a request with a heartbeat at once): a diagnostics round ends without
     waiting for it; a capture round evicts it, unless half the round or more is silent or the controller's
     clock had a gap since the request."""
+    peer_loss_silence: Duration = parse_duration("3s")
+    """A node its peers' ranks cannot reach (their connections to its address keep retransmitting) is
+    evicted at rung 1 once its agent has sent nothing for this long, and nothing since the report; a node
+    that keeps heartbeating is never evicted on a peer's report."""
     recovery_timeout: Duration = parse_duration("10m")
     """A restart that has not brought the job back to stepping this long after it was decided stops the
     job and pages a human (the ``recovering`` stage never waits for ever)."""

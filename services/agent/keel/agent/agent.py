@@ -49,6 +49,7 @@ from keel.agent.commands import DiagnosticsRounds, SdcReplays, StackCaptures
 from keel.agent.consumer import CommandConsumer
 from keel.agent.diagnostics import DiagnosticsPolicy
 from keel.agent.fencing import FENCE_FILE, FENCED_EXIT, Fence, fence_refusal, fence_verdict, read_fence
+from keel.agent.host_addresses import host_addresses
 from keel.agent.isolation import Pieces
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.metric_watch import MetricWatch
@@ -707,7 +708,7 @@ class NodeAgent:
             previous = decision.previous
             self.take_over_from(previous)
             self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(), standby=False,
-                                     fault_domain=self.spec.fault_domain))
+                                     fault_domain=self.spec.fault_domain, addresses=host_addresses()))
             if self.outbox is not None:
                 # Reachable before the old ranks are stopped: their end fails the job's other ranks, and the
                 # controller's diagnostics round that follows wants this node's acknowledgement within seconds.
@@ -729,7 +730,8 @@ class NodeAgent:
             if self.previous is not None:
                 log.info("%s: %s", self.spec.node_id, decision.reason)
             self.emit(NodeRegistered(node_id=self.spec.node_id, host=socket.gethostname(),
-                                     standby=self.spec.standby, fault_domain=self.spec.fault_domain))
+                                     standby=self.spec.standby, fault_domain=self.spec.fault_domain,
+                                     addresses=host_addresses()))
             if self.spec.warm_ranks:
                 # One import for the node's ranks, rounds and promotions from now on (forks take ms).
                 self.supervisor.start_zygote()

@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from keel.agent.channel import RankChannel
-from keel.agent.inspector import InspectorCore, InspectorPolicy, RankProbe, RankView, classify_exit, default_probes
+from keel.agent.inspector import (
+    InspectorCore,
+    InspectorPolicy,
+    PeerReachProbe,
+    RankProbe,
+    RankView,
+    classify_exit,
+    default_probes,
+)
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.supervisor import RankSupervisor
 from keel.events.envelope import EventPayload
@@ -22,6 +30,7 @@ class InspectorWatcher:
         self.policy = policy or InspectorPolicy()
         self.probes = default_probes(spec.root, self.policy)
         self.rank_probe = RankProbe(self.policy)
+        self.peer_probe = PeerReachProbe(Path("/proc"), self.policy)
         self.core = InspectorCore(spec.node_id, self.policy)
         self.state = self.core.initial_state()
 
@@ -49,7 +58,10 @@ class InspectorWatcher:
 
     def sample(self, now: datetime, channel: RankChannel, supervisor: RankSupervisor) -> list[EventPayload]:
         observations = [o for probe in self.probes for o in probe.collect()]
-        observations += self.rank_probe.collect(self.rank_views(channel, supervisor), now)
+        views = self.rank_views(channel, supervisor)
+        observations += self.rank_probe.collect(views, now)
+        # The ranks' own connections (gloo's, the rendezvous store's): a peer host that stopped answering.
+        observations += self.peer_probe.collect([v.pid for v in views if v.alive])
         self.state, changes = self.core.step(self.state, observations, now)
         return list(changes)
 

@@ -41,6 +41,11 @@ class ControllerPolicy:
     answers a request with a heartbeat at once): a diagnostics round concludes without it; a stack capture
     round evicts it when fewer than half the round are silent and the recorded clock has no gap
     (``rules.capture_round_lost_nodes``)."""
+    peer_loss_silence: timedelta = timedelta(seconds=3)
+    """A node its peers report unreachable (their ranks' connections to its address keep retransmitting)
+    is lost once its agent has sent nothing for this long and nothing since the report
+    (``rules.peer_reported_lost_nodes``): longer than the retransmissions take (about 1.4 s) plus a probe
+    interval, so the silence began before the connections stuck."""
     diagnostics_checks: tuple[str, ...] = ALL_CHECKS
     node_silence_timeout: timedelta = timedelta(seconds=30)
     """A node of the job the controller has not heard from (any event of its agent, by arrival on the

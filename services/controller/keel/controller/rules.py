@@ -7,7 +7,8 @@ them. Every decision's reason names the rung and the evidence.
 The rungs (docs/architecture.md, "The escalation ladder"), cheapest first:
 
 1. A high-confidence fatal hardware signal (GPU lost, fatal XID, NIC down, disk fault, kernel error),
-   a node whose agent went silent, or a minority of a stack capture round's nodes whose agents did not
+   a node whose agent went silent, a silent node its peers' ranks cannot reach (their connections to its
+   address keep retransmitting: ``peer_reported_lost_nodes``), or a minority of a stack capture round's nodes whose agents did not
    acknowledge the request (a host cut off: its ranks hang rather than fail): evict the node now,
    promote a ready warm standby into its slice of ranks, and restart every other node in place as the
    next generation (restore from memory and the peers' copies).
@@ -46,7 +47,7 @@ from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
-from keel.controller.state import NodeView, processes_up
+from keel.controller.state import PEER_UNREACHABLE_CHECK, NodeView, PeerReport, processes_up
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     ApprovalGiven,
@@ -84,6 +85,11 @@ def on_health(plan: ActionPlan, p: NodeHealthChanged) -> None:
     """A node's health changed: rung 1 for a high-confidence fatal hardware fault, rung 3 (else 2) for a
     hung rank; anything milder is left to the higher rungs."""
     job = plan.job
+    if p.check == PEER_UNREACHABLE_CHECK:
+        if not evict_peer_reported(plan, plan.now):
+            plan.note(f"{p.node_id}: {p.check} {p.status} ({p.detail or 'no detail'}): evidence kept; a node is "
+                      f"evicted on it only while it is silent too")
+        return
     if p.status != "failed":
         plan.note(f"{p.node_id} is {p.status} ({p.component}/{p.check}): nothing to do")
         return
@@ -337,6 +343,8 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
     job, policy, now = plan.job, plan.policy, p.now
     if p.interval_s is not None:
         report_skews(plan, now)
+    if evict_peer_reported(plan, now):
+        return
     incident = job.incident
     if (incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None
             and now - incident.stacks_requested_at >= policy.stacks_verdict_timeout):
@@ -459,6 +467,96 @@ def capture_round_lost_nodes(nodes: Iterable[str], acknowledged: Iterable[str], 
                                       f"{ack_timeout.total_seconds():g} s (its agent sent nothing) while "
                                       f"{', '.join(heard)} did: lost (a host cut off or gone; its ranks hang "
                                       f"rather than fail)")
+
+
+def peer_reported_lost_nodes(reports: Iterable[PeerReport], nodes: Mapping[str, NodeView], *,
+                             heard_since_tick: Iterable[str], now: datetime, clock_since: datetime | None,
+                             min_silence: timedelta) -> LostInRound:
+    """The nodes that peers name as unreachable and that are themselves silent: lost (rung 1).
+
+    A host cut off the network gives nobody an error; its peers' ranks keep retransmitting to it
+    (``peer_unreachable``: their kernel heard no acknowledgement for several retransmission timeouts).
+    That names the address, and the node that registered it, but a lossy path between two hosts would
+    too. So a report counts only when the controller cannot hear the named node either. A node is lost
+    when a report:
+
+    - comes from a node of the job that runs ranks and is not itself on its way out;
+    - names an address that exactly one other such node registered (none: not a node of this job; more
+      than one: hosts sharing an address, such as loopback on one machine, name nobody);
+    - has stood while the named node's agent sent nothing since it was recorded (any event, by arrival:
+      a node that keeps heartbeating is reachable, whatever one peer's connection says), for at least
+      ``min_silence`` by the recorded clock since its last event (``clock_since`` bounds it: time the
+      controller itself was not listening counts for nothing; no recorded clock: nobody is lost);
+    - comes from the better connected of the two: the named node has been silent longer than the reporter
+      had been when its report arrived (a reporter whose own link failed for a while flushes its queued
+      report once it is back, naming peers that were never the problem).
+
+    And, as for a capture round, not when half the running nodes or more would be lost: likelier the
+    controller's side of the network than that many hosts.
+    """
+    heard_now = set(heard_since_tick)
+    running = {n.node_id: n for n in nodes.values()
+               if n.ranks and not n.standby and not n.evicted and not n.eviction_pending and not n.fenced}
+    if clock_since is None:
+        return LostInRound((), "no recorded clock: a node's silence proves nothing")
+    lost: dict[str, str] = {}
+    waiting: list[str] = []
+    for report in sorted(reports, key=lambda r: (r.address, r.reporter)):
+        if report.reporter not in running:
+            continue
+        owners = [n for n in running.values() if report.address in n.addresses]
+        if len(owners) != 1 or owners[0].node_id == report.reporter:
+            waiting.append(f"{report.reporter}'s report of {report.address} names "
+                           f"{'no other running node' if not owners or owners[0].node_id == report.reporter else 'several nodes: ' + ', '.join(sorted(o.node_id for o in owners))}")
+            continue
+        named = owners[0]
+        if named.node_id in heard_now or named.heard_at is None or named.heard_at > report.at:
+            waiting.append(f"{named.node_id} ({report.address}) was heard from since {report.reporter} named it: "
+                           f"reachable")
+            continue
+        silence = now - max(named.heard_at, clock_since)
+        if silence < min_silence:
+            waiting.append(f"{named.node_id} ({report.address}), named by {report.reporter}, silent for "
+                           f"{silence.total_seconds():.1f} s of {min_silence.total_seconds():g} s")
+            continue
+        if report.reporter_heard_at is None:
+            continue  # a reporter never heard before its report: a new agent's first word proves little
+        reporter_quiet = report.at - max(report.reporter_heard_at, clock_since)
+        if silence <= reporter_quiet:
+            waiting.append(f"{report.reporter} had been silent for {reporter_quiet.total_seconds():.1f} s itself when "
+                           f"it named {named.node_id} ({report.address}), silent for {silence.total_seconds():.1f} s: "
+                           f"its own link is as much in doubt")
+            continue
+        lost.setdefault(named.node_id, f"{named.node_id} ({report.address}): {report.reporter}'s ranks cannot "
+                                       f"reach it ({report.detail or 'retransmitting'}) and it sent nothing for "
+                                       f"{silence.total_seconds():.1f} s (at least {min_silence.total_seconds():g} s, "
+                                       f"nothing since the report)")
+    if not lost:
+        return LostInRound((), "; ".join(waiting) or "no standing report of an unreachable peer")
+    if 2 * len(lost) >= len(running):
+        return LostInRound((), f"{len(lost)} of {len(running)} running nodes named and silent: not fewer than "
+                               f"half, likelier the controller's side of the network than that many hosts")
+    return LostInRound(tuple(sorted(lost)), "; ".join(lost[n] for n in sorted(lost)))
+
+
+def evict_peer_reported(plan: ActionPlan, now: datetime) -> bool:
+    """Rung 1 for nodes their peers cannot reach and the controller cannot hear
+    (``peer_reported_lost_nodes``): evict them now rather than wait for the ranks' step timeout and a
+    capture round. Whether it acted."""
+    job = plan.job
+    if not job.peer_reports or job.stopped or job.finished:
+        return False
+    incident = job.incident
+    if incident is not None and incident.stage not in ("capturing", "recovering", "observing"):
+        return False  # diagnosing, replaying, awaiting approval: that round decides, with its own timeouts
+    verdict = peer_reported_lost_nodes(job.peer_reports, job.nodes, heard_since_tick=job.heard, now=now,
+                                       clock_since=job.clock_since, min_silence=plan.policy.peer_loss_silence)
+    if not verdict.nodes:
+        return False
+    why = f"rung 1: peers cannot reach a silent node: {verdict.reason}: the host is cut off or gone; evict it"
+    plan.open_incident("lost_node", verdict.nodes[0], "", why)
+    plan.recover(1, frozenset(verdict.nodes), why)
+    return True
 
 
 def report_skews(plan: ActionPlan, now: datetime) -> None:

@@ -50,6 +50,7 @@ from keel.events.types import (
     NodeEvicted,
     NodeEvictionDecided,
     NodeFenced,
+    NodeHealthChanged,
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
@@ -112,10 +113,33 @@ class NodeView:
     """The incident that evicted it (the correlation id of its ``NodeFenced``, so the timeline shows it)."""
     fence_reported: bool = False
     """A ``NodeFenced`` was recorded for this fence (once per fence, however often the node reports)."""
+    addresses: tuple[str, ...] = ()
+    """The IP addresses its host registered (``NodeRegistered.addresses``): how a peer's report of an
+    unreachable address (``PeerReport``) names this node."""
 
     @property
     def fenced(self) -> bool:
         return bool(self.fenced_by)
+
+
+PEER_UNREACHABLE_CHECK = "peer_unreachable"
+"""The inspector's check for a peer address a rank's connections keep retransmitting to (``NodeHealthChanged``)."""
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """A node's standing report that its ranks cannot reach ``address`` (a ``peer_unreachable`` health
+    event, failed and not withdrawn by a healthy one since)."""
+
+    reporter: str
+    address: str
+    at: datetime
+    """When it was recorded, on the recorded clock (the latest tick before it arrived)."""
+    detail: str = ""
+    reporter_heard_at: datetime | None = None
+    """When the reporter had last been heard before its report arrived (None: never): a report that arrives
+    after a silence of its own comes from a node that was cut off itself (its queued events flushed once
+    its link came back), and names peers that were never the problem."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +278,8 @@ class JobView:
     events that arrived after its ``now`` and would make every node look that far ahead); else empty."""
     window_skews: Mapping[str, float] = field(default_factory=dict)
     """The same for the window the latest tick closed, not yet confirmed (``skews`` at the next tick)."""
+    peer_reports: tuple[PeerReport, ...] = ()
+    """Standing reports of peers the nodes' ranks cannot reach (``rules.peer_reported_lost_nodes``)."""
 
     @property
     def recorded_clock(self) -> bool:
@@ -364,6 +390,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         return replace(job, world_size=job.world_size or p.world_size)
     if isinstance(p, NodeRegistered):
         view = job.node(p.node_id)
+        # A new agent: its predecessor's reports about peers are not its own.
+        job = replace(job, peer_reports=tuple(r for r in job.peer_reports if r.reporter != p.node_id))
         # A node registering (again) is a new agent: a repaired or replacement machine, or a restarted
         # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it. Its
         # clock is judged afresh (the new agent learns its skew from a new ``NodeClockSkewed``).
@@ -376,7 +404,7 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
                                      ranks=frozenset() if p.standby else view.ranks,
                                      heard_at=at if legacy else view.heard_at, clock_skewed=False,
                                      fenced_by="", fenced_generation=-1, fenced_incident="",
-                                     fence_reported=False))
+                                     fence_reported=False, addresses=tuple(p.addresses)))
     if isinstance(p, RankStarted):
         view = job.node(p.node_id)
         if p.generation < view.generation:
@@ -413,6 +441,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         if p.last_step > job.failed_at_step and job.crash_loop.fingerprints:
             job = replace(job, crash_loop=job.crash_loop.progressed())
         return replace(job, last_step=max(job.last_step, p.last_step))
+    if isinstance(p, NodeHealthChanged) and p.check == PEER_UNREACHABLE_CHECK:
+        return _peer_report(job, p, at)
     if isinstance(p, StandbyChecked):
         return job.with_node(replace(job.node(p.node_id), checked=p.passed))
     if isinstance(p, NodeClockSkewed):
@@ -546,6 +576,19 @@ def _acknowledged(job: JobView, event: Event) -> JobView:
             return job
         return replace(job, incident=replace(incident, stacks_acknowledged=incident.stacks_acknowledged | {node_id}))
     return job
+
+
+def _peer_report(job: JobView, p: NodeHealthChanged, at: datetime) -> JobView:
+    """A node reports a peer address unreachable (failed) or reachable again (anything else): its standing
+    report about that address is replaced or withdrawn."""
+    address = str(p.evidence.get("peer_address") or p.evidence.get("key") or "")
+    if not address:
+        return job
+    kept = tuple(r for r in job.peer_reports if not (r.reporter == p.node_id and r.address == address))
+    if p.status == "failed":
+        kept += (PeerReport(p.node_id, address, job.clock_at or at, p.detail,
+                            reporter_heard_at=job.node(p.node_id).heard_at),)
+    return replace(job, peer_reports=kept)
 
 
 def _heard(job: JobView, event: Event) -> JobView:

@@ -6,6 +6,7 @@ The agent wires it like this (one loop, every ``policy.probe_interval``)::
     core, state = InspectorCore(node_id, policy), InspectorCore(node_id, policy).initial_state()
     ...
     observations = [o for p in probes for o in p.collect()] + rank_probe.collect(views, now)
+    observations += peer_probe.collect([v.pid for v in views if v.alive])   # peers the ranks cannot reach
     state, changes = core.step(state, observations, now)   # publish each NodeHealthChanged in changes
 
 and on a rank exit: ``classification, error_type, reason = classify_exit(code, sig, stderr_tail, user_paths)``.
@@ -23,6 +24,7 @@ from .host import DiskSpaceProbe, LoadProbe, OomProbe, PressureProbe
 from .kmsg import DevKmsgReader, FileKmsgReader, KernelLogProbe, parse_kmsg_line
 from .nic import NicProbe
 from .observation import Observation
+from .peers import PeerReachProbe, StuckPeer, parse_proc_net_tcp, stuck_peers
 from .policy import InspectorPolicy
 from .ranks import RankProbe, RankView, phase_timeout, step_timeout
 
@@ -56,7 +58,7 @@ def default_probes(root: Path = Path("/"), policy: InspectorPolicy | None = None
 __all__ = [
     "DevKmsgReader", "DiskSpaceProbe", "FileKmsgReader", "GpuProbe", "InspectorCore", "InspectorPolicy",
     "InspectorState", "KernelLogProbe", "LoadProbe", "NicProbe", "NvmlSnapshot", "NvmlSource", "NvmlUnavailable",
-    "Observation", "OomProbe", "OverlayNvmlSource", "PressureProbe", "Probe", "PynvmlSource", "RankProbe",
-    "RankView", "SignalState", "Verdict", "classify_exit", "classify_xid", "default_probes", "parse_kmsg_line",
-    "parse_traceback", "phase_timeout", "step_timeout",
+    "Observation", "OomProbe", "OverlayNvmlSource", "PeerReachProbe", "PressureProbe", "Probe", "PynvmlSource", "RankProbe",
+    "RankView", "SignalState", "StuckPeer", "Verdict", "classify_exit", "classify_xid", "default_probes",
+    "parse_kmsg_line", "parse_proc_net_tcp", "parse_traceback", "phase_timeout", "step_timeout", "stuck_peers",
 ]

@@ -79,12 +79,17 @@ class InspectorPolicy:
 
     # NICs
     nic_ignore_pattern: str = DEFAULT_NIC_IGNORE
+    peer_retransmit_limit: int = 3
+    """A rank's connection to a peer this many retransmission timeouts in a row (about 1.4 s on a fast
+    link: 200 ms, doubling) names that peer as unreachable (``peers.py``)."""
 
     def __post_init__(self) -> None:
         if self.soft_repeat_count < 1:
             raise ValueError("soft_repeat_count must be at least 1")
         if self.warmup_steps < 1:
             raise ValueError("warmup_steps must be at least 1")
+        if self.peer_retransmit_limit < 1:
+            raise ValueError("peer_retransmit_limit must be at least 1")
         if not 0 < self.step_timeout_percentile <= 100:
             raise ValueError("step_timeout_percentile must be in (0, 100]")
 
