@@ -105,7 +105,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -332,6 +332,10 @@ class KeelStack:
         except Exception as exc:  # noqa: BLE001 - keep stopping the rest
             log(f"warning: cluster down: {exc!r}")
         await asyncio.to_thread(stop_services, self.services)
+        # The event log beside the service logs (kept with --keep or on a failure; the servers are gone then).
+        with open(self.work / "events.jsonl", "w") as out:
+            for record in self.log.events:
+                out.write(json.dumps(record.event.to_wire(), default=str) + "\n")
         await self.log.close(drop=True)
 
     # -- where training is --
@@ -1169,6 +1173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="1 trial per kind and system, baseline hangs derived, step-timeout floor 10 s (< 5 min)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="Keel's trials per fault kind (default: 1 with --quick, 3 without)")
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folders (logs, cluster) for inspection")
     parser.add_argument("--systems", default="keel,baselines", help="keel, baselines (torchrun and requeue) or both")
@@ -1181,6 +1187,10 @@ def main(argv: list[str] | None = None) -> int:
     if not hosts or sorted(set(hosts) - {"flat", "netns"}):
         parser.error(f"--hosts takes flat, netns or flat,netns, got {args.hosts!r}")
     mode = QUICK if args.quick else FULL
+    if args.trials is not None:
+        if args.trials < 1:
+            parser.error(f"--trials takes a positive count, got {args.trials}")
+        mode = replace(mode, keel_trials=args.trials)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - {"keel", "baselines"})
     if unknown:

@@ -89,7 +89,8 @@ class Node:
     """One node agent's checkpoint duties: NodeCheckpointing over a real GrpcTransport (optional)."""
 
     def __init__(self, cluster: Cluster, node_id: str, ranks: list[int], world_size: int, *,
-                 transport: bool = True, persist_root: Path | None = None, supervised: bool = True) -> None:
+                 transport: bool = True, persist_root: Path | None = None, supervised: bool = True,
+                 transfer_timeout: timedelta = TRANSFER_TIMEOUT) -> None:
         self.cluster = cluster
         self.node_id = node_id
         self.ranks = ranks
@@ -97,7 +98,7 @@ class Node:
         self.agent_dir = cluster.base / "agents" / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         # Each node's certificate of the job's CA, as the launcher issues it (keel.cluster.local).
-        self.transport = (GrpcTransport(JOB, node_id, self.dir, bind="127.0.0.1:0", timeout=TRANSFER_TIMEOUT,
+        self.transport = (GrpcTransport(JOB, node_id, self.dir, bind="127.0.0.1:0", timeout=transfer_timeout,
                                         tls=TlsMaterial.issue(cluster.base / "credentials", JOB, node_id, ("127.0.0.1",)),
                                         world_size=world_size)
                           if transport else None)
@@ -611,6 +612,52 @@ def test_restarted_peer_with_a_new_address_gets_backups_again(cluster: Cluster) 
         if x.rank == 0 and x.backup_address == b2.transport.address])
     [record] = cluster.wait_for("B's new store holding rank 0 step 3", lambda: cluster.held(b2, 0, 3, "A"))
     assert record.digest == sha(payload)
+
+
+def test_a_send_to_a_peer_that_never_answers_does_not_hold_the_rank_when_its_backup_moves(cluster: Cluster) -> None:
+    """A backup peer cut off the network answers nothing (no reset, no refusal): a send to it hangs for
+    the transfer timeout. When the broker moves the rank's backup elsewhere (the peer was evicted), the
+    hung send is cancelled and the rank is backed up to its new peer at once, not a timeout later; the
+    cancelled send counts as no failure against anyone."""
+    import socket
+
+    a = cluster.add("A", [0], 2, transfer_timeout=timedelta(seconds=60))
+    c = cluster.add("C", [1], 2)
+    for node in (a, c):
+        for step in (1, 2):
+            node.snapshot(node.ranks[0], step)
+    assert backed_up(cluster, 2) == {0: "C", 1: "A"}
+    live = a.ckpt.assignments[0]
+
+    # A host that takes the connection into its backlog and then says nothing: the TLS handshake waits.
+    black_hole = socket.socket()
+    black_hole.bind(("127.0.0.1", 0))
+    black_hole.listen(8)
+    try:
+        silent_address = f"127.0.0.1:{black_hole.getsockname()[1]}"
+
+        def assign(backup_node_id: str, address: str) -> None:
+            a.ckpt.handle_event(Event.create(CheckpointNodeBackupsAssigned(
+                node_id="A", reason="test", assignments=[live.model_copy(update={
+                    "backup_node_id": backup_node_id, "backup_address": address})]),
+                job_id=JOB, subject="node/A", producer="checkpoint-broker", occurred_at=datetime.now(UTC)))
+
+        assign("X", silent_address)
+        a.snapshot(0, 3)
+        cluster.wait_for("a send of rank 0 to the silent peer", lambda: a.ckpt.sending.get(0, (0, ""))[1] == silent_address)
+        cluster.settle(1.0)
+        assert a.ckpt.sending[0][1] == silent_address and not a.ckpt.sending[0][2].done(), "still hanging"
+
+        assign("C", live.backup_address)  # the broker moved rank 0's backup back to C
+        started = time.monotonic()
+        [record] = cluster.wait_for("C holding rank 0 step 3", lambda: cluster.held(c, 0, 3, "A"), timeout_s=15)
+        assert time.monotonic() - started < 15
+        assert record.digest == sha(a.payloads[(0, 3)])
+        cluster.wait_for("A's send collected", lambda: a.ckpt.progress[0].last_sent_step == 3)
+        assert a.ckpt.progress[0].send_failures == 0
+        assert not cluster.payloads(CheckpointBackupFailed)
+    finally:
+        black_hole.close()
 
 
 # -- report rounds: what the agent's heartbeat carries, and when it goes early --------------------------

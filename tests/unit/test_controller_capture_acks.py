@@ -15,7 +15,7 @@ from datetime import UTC, datetime, timedelta
 
 from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
-from keel.controller.rules import capture_round_lost_nodes
+from keel.controller.rules import round_lost_nodes
 from keel.events.envelope import Event
 from keel.events.types import NodeHealthChanged
 from keel.kernel.replay import verify
@@ -118,7 +118,7 @@ def test_the_decision_names_why_nobody_is_lost() -> None:
     at = T0
 
     def lost(acked: list[str], *, waited_s: float = 3.0, since: datetime | None = T0) -> tuple[tuple[str, ...], str]:
-        verdict = capture_round_lost_nodes(asked, acked, requested_at=at, now=at + timedelta(seconds=waited_s),
+        verdict = round_lost_nodes(asked, acked, requested_at=at, now=at + timedelta(seconds=waited_s),
                                            clock_since=since, ack_timeout=ACK)
         return verdict.nodes, verdict.reason
 
@@ -137,6 +137,6 @@ def test_the_decision_names_why_nobody_is_lost() -> None:
     nodes, why = lost([])
     assert nodes == () and "4 of 4" in why
     # One node of two is half the round: no eviction on silence alone.
-    verdict = capture_round_lost_nodes(["n0", "n1"], ["n0"], requested_at=at, now=at + timedelta(seconds=3),
+    verdict = round_lost_nodes(["n0", "n1"], ["n0"], requested_at=at, now=at + timedelta(seconds=3),
                                        clock_since=T0, ack_timeout=ACK)
     assert verdict.nodes == ()

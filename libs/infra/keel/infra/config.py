@@ -282,8 +282,8 @@ class ControllerSettings(_Section):
     diagnostics_ack_timeout: Duration = parse_duration("2s")
     """A node of a diagnostics or stack capture round whose agent sent nothing since the request for this
     long is lost (agents answer a request with a heartbeat at once): a diagnostics round ends without
-    waiting for it; a capture round evicts it, unless half the round or more is silent or the controller's
-    clock had a gap since the request."""
+    waiting for it, a capture round evicts it; neither when half the round or more is silent or the
+    controller's clock had a gap since the request."""
     peer_loss_silence: Duration = parse_duration("3s")
     """A node its peers' ranks cannot reach (their connections to its address keep retransmitting) is
     evicted at rung 1 once its agent has sent nothing for this long, and nothing since the report; a node

@@ -21,12 +21,13 @@ into events on the agent's loop (``tick``), so ``emit`` is only ever called from
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -102,7 +103,13 @@ class PeerTransport(Protocol):
     """Where this node's own shard store listens (peers send it backups)."""
 
     def send(self, address: str, *, rank: int, step: int) -> None:
-        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``."""
+        """Send this node's verified slot of ``rank`` at ``step`` to the store at ``address``. Raises
+        ``concurrent.futures.CancelledError`` when ``cancel_send`` ends it."""
+        ...
+
+    def cancel_send(self, address: str, rank: int) -> bool:
+        """End a ``send`` of ``rank`` to ``address`` in flight (from any thread): its caller gets
+        ``CancelledError`` at once instead of waiting out the transfer timeout. False when none runs."""
         ...
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
@@ -186,6 +193,8 @@ class GrpcTransport:
             bound_host = socket.gethostname()
         self.address = f"{bound_host}:{bound_port}"
         self._sender = self._call(self._make_sender())
+        self._in_flight: dict[tuple[str, int], Future[None]] = {}  # (address, rank) -> the send on the loop
+        self._in_flight_lock = threading.Lock()
 
     async def _make_sender(self):
         # Backups are sent from the sent ring (``keep_sent_copy``), never straight from the rank's slots.
@@ -198,7 +207,23 @@ class GrpcTransport:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def send(self, address: str, *, rank: int, step: int) -> None:
-        self._call(self._sender.send(address, rank, step))
+        future = asyncio.run_coroutine_threadsafe(self._sender.send(address, rank, step), self._loop)
+        key = (address, rank)
+        with self._in_flight_lock:
+            self._in_flight[key] = future
+        try:
+            future.result()
+        finally:
+            with self._in_flight_lock:
+                if self._in_flight.get(key) is future:
+                    del self._in_flight[key]
+
+    def cancel_send(self, address: str, rank: int) -> bool:
+        # A peer cut off the network never resets the connection: the call would wait out ``timeout``
+        # (60 s) while holding the rank's backups (one send per rank at a time) and a pool thread.
+        with self._in_flight_lock:
+            future = self._in_flight.get((address, rank))
+        return future is not None and future.cancel()
 
     def fetch(self, address: str, *, owner_node_id: str, rank: int, step: int, dest: Path, sha256: str) -> None:
         self._call(self._shard_store.fetch_shard(address, self.job_id, owner_node_id, rank, step, dest, sha256,
@@ -395,8 +420,9 @@ class NodeCheckpointing:
         self.peer_committed_step = -1
         """The newest step committed on the peer tier (this generation): its sent copies are kept."""
         self.progress: dict[int, _RankProgress] = {r: _RankProgress() for r in self.local_ranks}
-        self.sending: dict[int, tuple[int, Future[int]]] = {}
-        """rank -> (the generation its backup send started in, the send: the step it backed up)."""
+        self.sending: dict[int, tuple[int, str, Future[int]]] = {}
+        """rank -> (the generation its backup send started in, the peer's address, the send: the step it
+        backed up). One per rank: no second writer touches a rank's sent ring."""
         self.persisting: dict[int, tuple[int, Future]] = {}
         self.persisted: dict[int, dict[int, ShardRecord]] = {}  # step -> rank -> record
         self.reported_round = -1
@@ -456,6 +482,8 @@ class NodeCheckpointing:
         self.progress = {r: _RankProgress() for r in self.local_ranks}
         self.assignments = {}
         # Work in flight for ranks no longer here is dropped (its result would be folded for the wrong rank).
+        for rank in [r for r in self.sending if r not in self.progress]:
+            self._cancel_send(rank)
         self.sending = {r: f for r, f in self.sending.items() if r in self.progress}
         self.persisting = {r: f for r, f in self.persisting.items() if r in self.progress}
         self.persisted.clear()
@@ -471,8 +499,9 @@ class NodeCheckpointing:
         locally (unsupervised, one node: the newest step every local rank holds) and write the plan.
 
         The inventory hashes every slot: it runs on the pool (the new ranks start meanwhile and wait for
-        the plan) and ``tick`` publishes it. Sends still running keep their futures (tagged with the old
-        generation): no second writer touches a rank's sent ring, and their results are ignored.
+        the plan) and ``tick`` publishes it. Sends still running are cancelled (their results would be
+        ignored: tagged with the old generation) and keep their futures until they end, so no second writer
+        touches a rank's sent ring.
         """
         self.peer_committed_step = -1  # commits of the history this restart leaves say nothing of the next
         if self.transport is not None:
@@ -497,6 +526,8 @@ class NodeCheckpointing:
             # generation's backups (and so its report rounds, the restorable steps) for the retry interval.
             progress.send_failures = 0
             progress.retry_at_s = 0.0
+        for rank in list(self.sending):
+            self._cancel_send(rank)
         self.persisted.clear()
         self.inventory_future = (generation, self.pool.submit(self._inventory_then_wake))
 
@@ -606,6 +637,10 @@ class NodeCheckpointing:
                             assignment.backup_node_id, assignment.backup_address):
                         self.progress[assignment.rank].last_sent_step = -1
                         self.progress[assignment.rank].send_failures = 0
+                        # A send to the old peer still running (a host cut off answers nothing) would hold
+                        # this rank's backups to the new one until its timeout.
+                        if assignment.rank in self.sending and self.sending[assignment.rank][1] != assignment.backup_address:
+                            self._cancel_send(assignment.rank)
         elif isinstance(payload, CheckpointNodeBackupsHeld):
             if payload.node_id == self.node_id and self.transport is not None:
                 # This node's store accepts each rank's backups from the node assigned to send them only.
@@ -845,7 +880,17 @@ class NodeCheckpointing:
                 continue
             if progress.send_failures >= _SEND_FAILURES_REPORTED and time.monotonic() < progress.retry_at_s:
                 continue
-            self.sending[rank] = (self.generation, self.pool.submit(self._send, assignment, step))
+            self.sending[rank] = (self.generation, assignment.backup_address,
+                                  self.pool.submit(self._send, assignment, step))
+
+    def _cancel_send(self, rank: int) -> None:
+        """Ask the transport to end ``rank``'s send in flight; its future stays in ``sending`` until it
+        has ended (``_collect_sends``), so the next send of the rank starts after it."""
+        if self.transport is not None and rank in self.sending:
+            _, address, _ = self.sending[rank]
+            if self.transport.cancel_send(address, rank):
+                log.info("%s: cancelled rank %d's backup send to %s (its peer or its generation changed)",
+                         self.node_id, rank, address)
 
     def _backup_step(self, rank: int, newest: int) -> int:
         """The step to back up: the newest multiple of the broker's backup interval the rank's slots
@@ -872,7 +917,7 @@ class NodeCheckpointing:
             self.wake()
 
     def _collect_sends(self) -> None:
-        for rank, (generation, future) in list(self.sending.items()):
+        for rank, (generation, address, future) in list(self.sending.items()):
             if not future.done():
                 continue
             del self.sending[rank]
@@ -880,6 +925,9 @@ class NodeCheckpointing:
             if future.cancelled() or generation != self.generation:
                 continue  # a send of a generation since restarted: its outcome says nothing now
             exc = future.exception()
+            current = self.assignments.get(rank)
+            if isinstance(exc, CancelledError | asyncio.CancelledError) or current is None or current.backup_address != address:
+                continue  # cancelled, or to a peer no longer assigned: it counts neither as sent nor as failed
             if exc is None:
                 progress.last_sent_step = future.result()
                 progress.send_failures = 0

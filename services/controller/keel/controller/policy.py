@@ -38,9 +38,9 @@ class ControllerPolicy:
     """Nodes answer a replay round within this; no verdict 30 s after it: restart in place."""
     diagnostics_ack_timeout: timedelta = timedelta(seconds=2)
     """A round's node whose agent sent no heartbeat since the request for this long is lost (its agent
-    answers a request with a heartbeat at once): a diagnostics round concludes without it; a stack capture
-    round evicts it when fewer than half the round are silent and the recorded clock has no gap
-    (``rules.capture_round_lost_nodes``)."""
+    answers a request with a heartbeat at once): a diagnostics round concludes without it, a stack capture
+    round evicts it; either only when fewer than half the round are silent and the recorded clock has no
+    gap since the request (``rules.round_lost_nodes``)."""
     peer_loss_silence: timedelta = timedelta(seconds=3)
     """A node its peers report unreachable (their ranks' connections to its address keep retransmitting)
     is lost once its agent has sent nothing for this long and nothing since the report

@@ -353,10 +353,9 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
                       f"stop the ranks and run stop-time diagnostics on every node")
         return
     if incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None:
-        unanswered = capture_round_lost_nodes(incident.stacks_nodes, incident.stacks_acknowledged,
-                                              requested_at=incident.stacks_requested_at, now=now,
-                                              clock_since=job.clock_since,
-                                              ack_timeout=policy.diagnostics_ack_timeout)
+        unanswered = round_lost_nodes(incident.stacks_nodes, incident.stacks_acknowledged,
+                                      requested_at=incident.stacks_requested_at, now=now,
+                                      clock_since=job.clock_since, ack_timeout=policy.diagnostics_ack_timeout)
         if unanswered.nodes:
             plan.recover(1, frozenset(unanswered.nodes), f"rung 1: stack capture round {incident.stacks_round}: "
                                                          f"{unanswered.reason}: evict")
@@ -398,15 +397,17 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
             conclude_diagnostics(plan, timed_out=tuple(missing))
             return
         # A node whose agent has not answered the request at all (agents send a heartbeat on receipt)
-        # is gone: its peers would only wait for it in the all-gather until the deadline.
-        requested_at = incident.diag_requested_at
-        if requested_at is not None and now - requested_at >= policy.diagnostics_ack_timeout:
-            unacked = [n for n in missing if n not in incident.diag_acknowledged]
-            if unacked and len(unacked) < len(incident.diag_nodes):
-                plan.note(f"diagnostics round {incident.diag_round}: {', '.join(unacked)} sent nothing in the "
-                          f"{policy.diagnostics_ack_timeout.total_seconds():g} s since the request: not waiting "
-                          f"for the deadline")
-                conclude_diagnostics(plan, timed_out=(), unacknowledged=tuple(unacked))
+        # is gone: its peers would only wait for it in the all-gather until the deadline. Judged as a
+        # capture round's silence is (``round_lost_nodes``): never over a gap in the recorded clock, never
+        # half the round or more (a loaded or cut-off control plane, not that many hosts).
+        if incident.diag_requested_at is not None:
+            unanswered = round_lost_nodes(incident.diag_nodes, incident.diag_acknowledged | set(incident.diag_results),
+                                          requested_at=incident.diag_requested_at, now=now,
+                                          clock_since=job.clock_since, ack_timeout=policy.diagnostics_ack_timeout)
+            if unanswered.nodes:
+                plan.note(f"diagnostics round {incident.diag_round}: {unanswered.reason}: not waiting for the "
+                          f"deadline")
+                conclude_diagnostics(plan, timed_out=(), unacknowledged=unanswered.nodes)
         return
     if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
         return
@@ -431,12 +432,13 @@ class LostInRound:
     reason: str
 
 
-def capture_round_lost_nodes(nodes: Iterable[str], acknowledged: Iterable[str], *, requested_at: datetime,
-                             now: datetime, clock_since: datetime | None, ack_timeout: timedelta) -> LostInRound:
-    """The nodes of a stack capture round (rung 3) that are lost: their agents sent nothing in the
-    ``ack_timeout`` since the request, while the others acknowledged it (agents answer the request with a
-    heartbeat on receipt). Typically a host cut off the network: its ranks hang without failing, so the
-    capture of the rest would only wait out the round's timeout to learn what the silence already says.
+def round_lost_nodes(nodes: Iterable[str], acknowledged: Iterable[str], *, requested_at: datetime,
+                     now: datetime, clock_since: datetime | None, ack_timeout: timedelta) -> LostInRound:
+    """The nodes of a stack capture round (rung 3) or a diagnostics round (rung 2) that are lost: their
+    agents sent nothing in the ``ack_timeout`` since the request, while the others acknowledged it (agents
+    answer the request with a heartbeat on receipt). Typically a host cut off the network or an agent
+    killed: its ranks hang without failing (or its peers wait for it in the all-gather), so the rest of
+    the round would only wait out its timeout to learn what the silence already says.
 
     Evicting on silence must not be done when the silence could be the controller's own, so nobody is
     lost while:
