@@ -894,15 +894,18 @@ class NodeCheckpointing:
 
     def _backup_step(self, rank: int, newest: int) -> int:
         """The step to back up: the newest multiple of the broker's backup interval the rank's slots
-        still hold (-1: none). Every node backs up the same steps, so the peer tier holds one step of
-        every rank."""
-        if newest < 0 or self.backup_every <= 1:
+        still hold in this generation (-1: none). Every node backs up the same steps, so the peer tier
+        holds one step of every rank.
+
+        A slot written by an older generation is never sent: right after a restart the restored step's
+        slot is still the failed history's (its header says so), and peers already on this generation
+        refuse it as stale. Three such refusals read as a dead peer and moved the rank's backup away from
+        a healthy node (``tests/scenarios/test_checkpoint_resume.py``)."""
+        if newest < 0:
             return newest
-        if newest % self.backup_every == 0:
-            return newest
-        wanted = newest - newest % self.backup_every
-        held = {header.step for _, header in complete_slots(self.node_dir, rank, sent=False)}
-        return wanted if wanted in held else -1
+        wanted = newest if self.backup_every <= 1 else newest - newest % self.backup_every
+        generation = {header.step: header.generation for _, header in complete_slots(self.node_dir, rank, sent=False)}
+        return wanted if generation.get(wanted, -1) >= self.generation else -1
 
     def _send(self, assignment: BackupAssignment, step: int) -> int:
         started = time.monotonic()
