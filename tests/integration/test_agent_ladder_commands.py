@@ -169,6 +169,32 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
     assert promote(1, [2, 3], generation=4).payload.outcome == "not_standby"
 
 
+def rank_environ(agent: NodeAgent, rank: int) -> list[bytes]:
+    return (Path("/proc") / str(agent.supervisor.ranks[rank].pid) / "environ").read_bytes().split(b"\0")
+
+
+def test_the_ranks_rendezvous_follows_node_rank_0_to_another_host(agents, scratch_dir: Path) -> None:
+    """A promotion into node rank 0 on another host moves ``MASTER_ADDR`` to it (the command's
+    ``master_addr``), and so does a restart in place of any other node; the node keeps the moved address
+    for its later generations, whose commands may say nothing of it ("")."""
+    standby = make_agent(scratch_dir, node_id="s00", standby=True, nnodes=2, node_rank=1)
+    worker = make_agent(scratch_dir, node_id="n01", nnodes=2, node_rank=1)
+    agents.extend([standby, worker])
+    expires = now_utc() + timedelta(seconds=60)
+    standby.handle_command(command(StandbyPromotionRequested(
+        node_id="s00", replaces_node_id="n00", node_rank=0, ranks=[0], generation=1, reason="test",
+        expires_at=expires, master_addr="127.0.0.2"), "node/s00"))
+    assert emitted(standby, "StandbyPromoted")[-1].payload.outcome == "promoted"
+    assert standby.spec.master_addr == "127.0.0.2" and b"MASTER_ADDR=127.0.0.2" in rank_environ(standby, 0)
+
+    for generation, master_addr in ((1, "127.0.0.2"), (2, "")):
+        worker.handle_command(command(RanksRestartRequested(node_id="n01", generation=generation, reason="test",
+                                                            expires_at=expires, master_addr=master_addr), "node/n01"))
+        assert emitted(worker, "RanksRestarted")[-1].payload.outcome == "restarted"
+        assert b"MASTER_ADDR=127.0.0.2" in rank_environ(worker, 1), generation
+        assert f"KEEL_GENERATION={generation}".encode() in rank_environ(worker, 1)
+
+
 def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agents, scratch_dir: Path) -> None:
     import dataclasses
 

@@ -3,11 +3,11 @@ there), the example GPT's DP 2 x PP 2 job on four node hosts and a warm standby 
 namespace with its own address and its own loopback (``keel.cluster.netns``). Gloo, the gRPC shard stores and
 NATS cross the bridge.
 
-A non-master node's link is cut during training (a partition: its agent and rank keep running, unreachable).
-The controller hears nothing from it, evicts it and promotes the standby, which restores the lost rank from its
-peer copy over the bridge; the job finishes with every step's loss and the final state bitwise equal to an
-uninterrupted run's. (The rendezvous master, node rank 0's host, is fixed at launch: losing it is not
-recoverable today, docs/known-limits.md.)
+A node's link is cut during training (a partition: its agent and rank keep running, unreachable): a
+non-master node's, and node rank 0's, whose host serves the ranks' rendezvous (``MASTER_ADDR``). Its peers'
+ranks cannot reach it, the controller evicts it and promotes the standby, which restores the lost rank from
+its peer copy over the bridge; when the standby takes over rank 0 the rendezvous moves to its host with it.
+The job finishes with every step's loss and the final state bitwise equal to an uninterrupted run's.
 
 Skipped, with the reason printed, where network namespaces cannot be made (not root / no CAP_NET_ADMIN).
 """
@@ -81,7 +81,9 @@ async def hosts(servers: Servers, scratch_dir: Path) -> AsyncIterator[tuple[Stac
         netns.destroy(network)
 
 
-async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resumes_bitwise(hosts, scratch_dir) -> None:
+@pytest.mark.parametrize("cut", ["a worker's host", "the rendezvous master's host"])
+async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resumes_bitwise(hosts, scratch_dir,
+                                                                                          cut: str) -> None:
     stack, network, nats = hosts
     rng = random.Random(int(os.environ.get("KEEL_TEST_SEED", "16")))
     reference = asyncio.create_task(asyncio.to_thread(reference_run, scratch_dir / "reference"))
@@ -117,8 +119,8 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     registered = {e.payload.node_id: e.payload.store_address for e in await stack.events(["CheckpointRanksRegistered"])}
     assert {n: a.rpartition(":")[0] for n, a in registered.items()} == {n: address[n] for n in NODES}, registered
 
-    # Cut a non-master host's link: a partition, its processes keep running.
-    victim = rng.choice(NODES[1:])
+    # Cut a host's link: a partition, its processes keep running.
+    victim = rng.choice(NODES[1:]) if cut == "a worker's host" else "n00"
     victim_rank = NODES.index(victim)
     victim_agent = next(n["pid"] for n in status["nodes"] if n["node_id"] == victim)
     seen = {e.id for e in await stack.events(["IncidentOpened"])}
@@ -149,6 +151,14 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     assert standby.get("host") == promotion.standby_node_id and ipaddress.ip_address(standby["address"]) in subnet
     plan = await stack.wait_for(["CheckpointRestorePlanned"], lambda e: e.payload.generation == restart.payload.generation,
                                 30, "the restore plan")
+    commands = [e for e in await stack.events(["RanksRestartRequested", "StandbyPromotionRequested"])
+                if e.correlation_id == opened.id]
+    if victim == "n00":
+        # Rank 0 moved host: every node of the new generation rendezvouses at the standby's address.
+        assert f"rendezvous (MASTER_ADDR) moves to {standby['address']}" in restart.payload.reason, restart.payload
+        assert commands and {e.payload.master_addr for e in commands} == {standby["address"]}, commands
+    else:
+        assert commands and {e.payload.master_addr for e in commands} == {""}, commands
     print(f"link cut of {victim}: incident opened {opened_s:.1f} s and resolved {recovered_s:.1f} s after the cut "
           f"({opened.payload.reason}); resumed at step "
           f"{plan.payload.step}")
@@ -157,7 +167,7 @@ async def test_a_host_cut_off_the_network_is_evicted_replaced_and_the_job_resume
     await stack.wait_for(["RankExited"], lambda e: e.payload.generation == restart.payload.generation
                          and e.payload.rank == 0 and e.payload.classification == "success", 180, "the end of training")
     await reference
-    await assert_equal_to_reference(scratch_dir, list((stack.directory / "nodes" / "n00" / "logs").glob("rank0.g*.stdout")))
+    await assert_equal_to_reference(scratch_dir, list(stack.directory.glob("nodes/*/logs/rank0.g*.stdout")))
 
 
 def test_a_cluster_of_hosts_refuses_nats_on_loopback(scratch_dir: Path) -> None:

@@ -276,12 +276,11 @@ async def _drive(settings: Settings, nats_url: str, database_url: str, scratch: 
         _say(deployed.stdout.strip().splitlines()[-1] if deployed.stdout.strip() else "deployed")
         _say("lazy: nothing restarts for it; the next restart of any cause applies it")
 
-        # Rank 3, not rank 1: its pipeline group (ranks 2, 3) leaves node rank 0 in place. On separate hosts
-        # (--hosts netns) node rank 0's host serves the ranks' rendezvous (MASTER_ADDR) for the life of the
-        # job, and a job that loses it cannot restart (docs/known-limits.md).
-        _banner("rung 3: rank 3 hangs in its pipeline stage: stacks name its pipeline group")
-        results["incidents"].append(await demo.fault(JOB, "rung 3", [FaultSpec(kind="hang", node=demo.node_of_rank(3),
-                                                                               rank=3)]))
+        # Rank 1's pipeline group holds rank 0: on separate hosts (--hosts netns) the ranks' rendezvous
+        # (MASTER_ADDR) moves with it to the standby's host.
+        _banner("rung 3: rank 1 hangs in its pipeline stage: stacks name its pipeline group")
+        results["incidents"].append(await demo.fault(JOB, "rung 3", [FaultSpec(kind="hang", node=demo.node_of_rank(1),
+                                                                               rank=1)]))
         verdict = payload_of((await demo.events(JOB, ["StacksAnalyzed"]))[-1], StacksAnalyzed)
         _say(f"the analyzer: outliers rank(s) {verdict.outlier_ranks}, evict the {verdict.group_kind} group "
              f"{verdict.group_ranks} on {', '.join(verdict.group_nodes)}")

@@ -284,22 +284,30 @@ LAUNCH_VERSION = "launch"
 """The version id of the code a job was launched with (before any deploy)."""
 
 
-@event_type("RanksRestartRequested", version=2, aggregate="node")
+@event_type("RanksRestartRequested", version=3, aggregate="node")
 class RanksRestartRequested(EventPayload):
     """A command: restart this node's ranks in place as ``generation``. Ignored after ``expires_at``.
 
-    v2: ``code``, the version the restarted ranks run (None: whatever the node runs now)."""
+    v2: ``code``, the version the restarted ranks run (None: whatever the node runs now).
+    v3: ``master_addr``, the host that serves the ranks' rendezvous (``MASTER_ADDR``) from this generation
+    on ("": the one the node launched with): it moves with node rank 0 to another host."""
 
     node_id: str
     generation: int = Field(ge=1)
     reason: str
     expires_at: EventTime
     code: CodeRef | None = None
+    master_addr: str = Field(default="", max_length=255)
 
 
 @upcaster("RanksRestartRequested", from_version=1)
 def _ranks_restart_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "code": None}  # v1 never changed the code
+
+
+@upcaster("RanksRestartRequested", from_version=2)
+def _ranks_restart_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "master_addr": ""}  # v2 never moved the rendezvous
 
 
 @event_type("RanksRestarted", version=1, aggregate="node")
@@ -694,7 +702,7 @@ class StandbyChecked(EventPayload):
     detail: str = ""
 
 
-@event_type("StandbyPromotionRequested", version=2, aggregate="node")
+@event_type("StandbyPromotionRequested", version=3, aggregate="node")
 class StandbyPromotionRequested(EventPayload):
     """A command: the standby ``node_id`` takes over ``replaces_node_id``'s slice of ranks (``node_rank``)
     and starts them as ``generation``, restoring from the peer copies. Ignored after ``expires_at``."""
@@ -708,11 +716,20 @@ class StandbyPromotionRequested(EventPayload):
     expires_at: EventTime
     code: CodeRef | None = None
     """v2: the code version the promoted ranks run (None: the standby's launch command)."""
+    master_addr: str = Field(default="", max_length=255)
+    """v3: the host that serves the ranks' rendezvous (``MASTER_ADDR``) from this generation on ("": the one
+    the standby launched with). Set when node rank 0 moved to another host, this promotion's or an earlier
+    one's."""
 
 
 @upcaster("StandbyPromotionRequested", from_version=1)
 def _promotion_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "code": None}
+
+
+@upcaster("StandbyPromotionRequested", from_version=2)
+def _promotion_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "master_addr": ""}  # v2 never moved the rendezvous
 
 
 @event_type("StandbyPromoted", version=1, aggregate="node")

@@ -147,6 +147,7 @@ def handle_restart(node: Node, command: Event) -> None:
             node.rounds.cancel()
         node.replays.finish(force=True)
         node.stop_ranks()
+        follow_rendezvous(node, payload.master_addr)
         if node.spec.standby:
             # A standby told to run its slice (a replacement started with `keel cluster`'s start_node)
             # is a worker from now on: it takes part in diagnostics and exits when its ranks finish.
@@ -165,6 +166,16 @@ def handle_restart(node: Node, command: Event) -> None:
                        outcome=outcome, detail=detail),
         causation=command,
     )
+
+
+def follow_rendezvous(node: Node, master_addr: str) -> None:
+    """The ranks' rendezvous moved with node rank 0 to ``master_addr`` (a restart command's; "": it did
+    not): this node's ranks use it from the generation about to start on, and so do its later ones."""
+    if master_addr and master_addr != node.spec.master_addr:
+        log.info("%s: the ranks' rendezvous moves from %s to %s (node rank 0 moved)", node.spec.node_id,
+                 node.spec.master_addr, master_addr)
+        node.spec = dataclasses.replace(node.spec, master_addr=master_addr)
+        node.supervisor.spec = node.spec
 
 
 class PromotionError(ValueError):
@@ -208,6 +219,8 @@ def handle_promotion(node: Node, command: Event) -> None:
                 node.rounds.cancel()
             node.spec = spec
             node.supervisor.spec = spec
+            follow_rendezvous(node, payload.master_addr)
+            spec = node.spec
             if node.checkpointing is not None:
                 node.checkpointing.take_over([spec.global_rank(i) for i in range(spec.nproc_per_node)])
             node.start_ranks(payload.generation)

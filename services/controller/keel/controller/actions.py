@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Literal
 
+from keel.controller.master import moved_rendezvous
 from keel.controller.policy import Action, ControllerPolicy
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.controller.state import HeldPlan, JobView, evolve_job
@@ -321,10 +322,13 @@ class ActionPlan:
         promotions = [Promotion(standby_node_id=s.node_id, replaces_node_id=n.node_id, ranks=sorted(n.ranks))
                       for n, s in zip(leaving, standbys, strict=False)]
         staying = [n.node_id for n in self.job.active if n.node_id not in evict]
+        moved = moved_rendezvous(promotions, self.job.nodes)
+        master_addr = moved.address or self.job.master_addr  # once moved, every command carries it
         self.note(reason)
         text = (f"restart as generation {generation} on {len(staying) + len(promotions)} node(s)"
                 + "".join(f"; {p.standby_node_id} takes over ranks {ranks_text(p.ranks)} of {p.replaces_node_id}"
                           for p in promotions)
+                + (f"; {moved.reason}" if moved.address else "")
                 + (f"; {code_text}" if code_text else "") + "; restore from memory and peers")
         self.note(text)
         self.emit(RestartDecided(incident_id=incident.id, rung=rung, generation=generation, evict=to_evict,
@@ -340,10 +344,12 @@ class ActionPlan:
             self.emit(StandbyPromotionRequested(
                 node_id=promotion.standby_node_id, replaces_node_id=promotion.replaces_node_id, node_rank=node_rank,
                 ranks=promotion.ranks, generation=generation, expires_at=self.expires_at, code=code,
+                master_addr=master_addr,
                 reason=f"incident {incident.id[:8]}: take over ranks {ranks_text(promotion.ranks)} of "
                        f"{promotion.replaces_node_id}"), subject=f"node/{promotion.standby_node_id}")
         for node_id in staying:
             self.emit(RanksRestartRequested(node_id=node_id, generation=generation, expires_at=self.expires_at, code=code,
+                                            master_addr=master_addr,
                                             reason=f"incident {incident.id[:8]}, rung {rung}: restart in place as "
                                                    f"generation {generation}"), subject=f"node/{node_id}")
         if promotions:

@@ -258,6 +258,9 @@ class JobView:
     """A rank of the job reported through the SDK (a heartbeat with ``ranks_reporting`` above 0 or a step),
     or an agent older than heartbeat v4 said nothing about it: recovery is judged on steps. False: every
     heartbeat so far showed no rank reporting, and recovery is judged on process liveness (coarser)."""
+    master_addr: str = ""
+    """Where the ranks' rendezvous (``MASTER_ADDR``) moved to with node rank 0 (``rules.moved_rendezvous``):
+    every restart command carries it from then on. "": never moved (each node uses the one it launched with)."""
     clock_at: datetime | None = None
     """The job clock's latest tick (v2, ``TimerTicked.interval_s``): the controller's recorded time. None:
     no such tick yet, or a log of v1 ticks (then producers' timestamps are the time, as they were)."""
@@ -466,13 +469,14 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         # ``ranks`` stays: what the node ran is what a standby must take over (``active`` skips it).
         return job.with_node(replace(view, eviction_pending=None, evicted=view.evicted or p.outcome == "evicted"))
     if isinstance(p, StandbyPromotionRequested):
-        return job.with_node(replace(job.node(p.node_id), promoting=True))
+        return replace(job.with_node(replace(job.node(p.node_id), promoting=True)),
+                       master_addr=p.master_addr or job.master_addr)
     if isinstance(p, StandbyPromoted):
         if p.outcome == "promoted":
             return job
         return job.with_node(replace(job.node(p.node_id), promoting=False, checked=False))
     if isinstance(p, RanksRestartRequested):
-        return replace(job, generation=max(job.generation, p.generation))
+        return replace(job, generation=max(job.generation, p.generation), master_addr=p.master_addr or job.master_addr)
     if isinstance(p, RankExited):
         if p.classification == "success" and p.generation >= job.generation:
             return replace(job, finished=True)
