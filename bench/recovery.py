@@ -58,7 +58,7 @@ Systems, one after the other on the same machine (Keel first, then the baselines
   median over the persists after the first), and MTBF = 3 h. A lost node needs a replacement machine to
   re-form the 4-node rendezvous: the bench starts a fresh launcher for it the moment a surviving
   launcher reports the failure (a spare ready at once: generous to torchrun). A hang is only ended by
-  the collective timeout (gloo ``--pg-timeout``: 10 min in the workload; NCCL's default is 30 min),
+  the collective timeout (gloo ``--pg-timeout``: 10 min in the workload; NCCL's default is 10 min),
   which the bench does not wait for: once the hang has fired and the job stopped stepping it SIGKILLs
   the hung rank (standing in for the timeout), measures the restart, restore and recomputation from
   there and adds the timeout: lost = pg_timeout + (back - kill).
@@ -1106,7 +1106,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{c}: interval {v['interval_s']:.0f}s, ratios {v['ratio_vs_torchrun']}x / {v['ratio_vs_requeue']}x"
             for c, v in result["what_if_save_cost"].items()) + " (vs torchrun / vs requeue; Keel's figures unchanged)")
     print(f"hangs under torchrun/requeue: the {PG_TIMEOUT_S:.0f}s collective timeout (gloo --pg-timeout of the workload; "
-          f"NCCL's default is 1800s) is not waited for: it is added to the measured restart, restore and recompute")
+          f"NCCL's default is 600s) is not waited for: it is added to the measured restart, restore and recompute")
     if result["failures"]:
         print("FAILED trials:")
         for failure in result["failures"]:
@@ -1172,7 +1172,7 @@ def compare_hosts(flat: dict[str, Any], hosted: dict[str, Any]) -> dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 trial per kind and system, baseline hangs derived, step-timeout floor 10 s (< 5 min)")
+                        help="1 trial per kind and system, baseline hangs derived, step-timeout floor 5 s (< 5 min)")
     parser.add_argument("--trials", type=int, default=None,
                         help="Keel's trials per fault kind (default: 1 with --quick, 3 without)")
     parser.add_argument("--json", help="write the results as JSON to this path")
