@@ -259,7 +259,7 @@ class JobView:
     or an agent older than heartbeat v4 said nothing about it: recovery is judged on steps. False: every
     heartbeat so far showed no rank reporting, and recovery is judged on process liveness (coarser)."""
     master_addr: str = ""
-    """Where the ranks' rendezvous (``MASTER_ADDR``) moved to with node rank 0 (``rules.moved_rendezvous``):
+    """Where the ranks' rendezvous (``MASTER_ADDR``) moved to with node rank 0 (``master.moved_rendezvous``):
     every restart command carries it from then on. "": never moved (each node uses the one it launched with)."""
     clock_at: datetime | None = None
     """The job clock's latest tick (v2, ``TimerTicked.interval_s``): the controller's recorded time. None:
