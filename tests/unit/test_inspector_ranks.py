@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from keel.agent.inspector import InspectorCore, InspectorPolicy, RankProbe, RankView, phase_timeout, step_timeout
-from keel.agent.inspector.ranks import normalise_phase, percentile
+from keel.agent.inspector.ranks import LIVENESS_CHECKS, collective_timeout, normalise_phase, percentile
 
 T0 = datetime(2026, 11, 29, 7, 0, tzinfo=UTC)
 POLICY = InspectorPolicy()
@@ -105,3 +105,63 @@ def test_stall_in_checkpoint_beyond_its_timeout_is_a_hang_and_recovers() -> None
     assert events == []
     state, events = core.step(state, probe.collect([view("step", report=632, progress=632, step_times=[2.0] * 5)], at(632)), at(632))
     assert [(e.check, e.status) for e in events] == [("heartbeat_lost", "healthy"), ("no_progress", "healthy")]
+
+
+# -- inside a collective (Session.waiting) and stopped processes ---------------------------------------
+
+WAITS = [0.05] * 40 + [0.4] * 2  # the per-step longest waits of a steady job: p99 0.4 s
+
+
+def in_collective(phase: str, *, entered: float, waits=WAITS, step: int = 10, stopped: float | None = None) -> RankView:
+    return RankView(rank=3, pid=4242, alive=True, phase=phase, step=step, last_report_at=at(entered + 100),
+                    last_progress_at=at(entered), step_times=(0.5,) * 40, started_at=T0, collective="dp_all_reduce",
+                    collective_entered_at=at(entered), collective_waits=tuple(waits),
+                    stopped_since=None if stopped is None else at(stopped))
+
+
+def checks(view_: RankView, now: float) -> dict[str, object]:
+    return {o.check: o for o in RankProbe(POLICY).collect([view_], at(now))}
+
+
+def test_collective_timeout_is_five_times_the_p99_wait_with_a_five_second_floor() -> None:
+    assert collective_timeout([], POLICY)[0] == POLICY.setup_timeout          # warm-up: the first steps compile
+    assert collective_timeout([0.1, 0.2], POLICY)[0] == POLICY.setup_timeout
+    assert collective_timeout(WAITS, POLICY) == (timedelta(seconds=5), "floor (p99 collective wait 0.4s)")
+    timeout, how = collective_timeout([2.0] * 50, POLICY)
+    assert timeout == timedelta(seconds=10) and how == "5 x p99 collective wait 2s"
+
+
+def test_a_rank_stuck_inside_a_collective_hangs_after_the_collective_timeout_not_the_step_timeout() -> None:
+    assert checks(in_collective("step", entered=0), 4.9)["collective_stuck"].status == "healthy"
+    stuck = checks(in_collective("step", entered=0), 5.1)["collective_stuck"]
+    assert (stuck.status, stuck.confidence, stuck.is_fatal, stuck.immediate) == ("failed", "medium", False, True)
+    assert {k: stuck.evidence[k] for k in ("collective", "waited_s", "timeout_s", "rank")} == {
+        "collective": "dp_all_reduce", "waited_s": 5.1, "timeout_s": 5.0, "rank": 3}
+    assert "dp_all_reduce" in stuck.detail and "5.0s" in stuck.detail
+    # the step timeout's floor (25 s) has not run out: no_progress is still healthy
+    assert checks(in_collective("step", entered=0), 5.1)["no_progress"].status == "healthy"
+
+
+def test_no_false_collective_hang_in_evals_checkpoints_first_steps_or_loader_stalls() -> None:
+    # a 60 s eval and a 60 s checkpoint save that a rank waits for inside the phase
+    assert checks(in_collective("eval", entered=0), 60)["collective_stuck"].status == "healthy"
+    assert checks(in_collective("checkpoint", entered=0), 60)["collective_stuck"].status == "healthy"
+    # a 90 s first step (compilation): no waits known yet, so the setup timeout applies
+    assert checks(in_collective("step", entered=0, waits=[], step=-1), 90)["collective_stuck"].status == "healthy"
+    # a 3 s data-loader stall on a peer: this rank waits 3 s in the all-reduce
+    assert checks(in_collective("step", entered=0), 3.0)["collective_stuck"].status == "healthy"
+
+
+def test_a_stopped_process_hangs_after_the_stopped_timeout() -> None:
+    assert checks(in_collective("step", entered=0, stopped=1.0), 3.9)["process_stopped"].status == "healthy"
+    stopped = checks(in_collective("step", entered=0, stopped=1.0), 4.0)["process_stopped"]
+    assert stopped.status == "failed" and stopped.evidence["stopped_s"] == 3.0 and "SIGSTOP" in stopped.detail
+    assert checks(in_collective("step", entered=0), 4.0)["process_stopped"].status == "healthy"
+
+
+def test_an_exited_rank_clears_every_liveness_check() -> None:
+    gone = RankView(rank=3, pid=4242, alive=False, phase="step", step=10, last_report_at=at(0), last_progress_at=at(0),
+                    collective="dp_all_reduce", collective_entered_at=at(0), collective_waits=tuple(WAITS),
+                    stopped_since=at(0))
+    observed = RankProbe(POLICY).collect([gone], at(1000))
+    assert {o.check for o in observed} == set(LIVENESS_CHECKS) and all(o.status == "healthy" for o in observed)

@@ -44,6 +44,7 @@ def send(channel: RankChannel, data: bytes) -> None:
 @pytest.mark.parametrize("bad", [
     {"rank": -1}, {"local_rank": -5}, {"rank": 1 << 30}, {"pid": 0}, {"step": -7}, {"checkpoint_step": -3},
     {"step_time_s": float("nan")}, {"sent_at_unix_s": float("inf")}, {"compute_time_s": -1.0},
+    {"collective_wait_s": float("nan")}, {"collective_wait_max_s": -0.5},
     {"rank": -1, "pid": 0},
 ])
 def test_a_report_out_of_range_is_dropped_and_counted(channel: RankChannel, bad: dict) -> None:  # type: ignore[type-arg]
@@ -106,3 +107,20 @@ def test_the_socket_is_out_of_reach_of_other_users(tmp_path: Path) -> None:
             assert channel.drain(NOW, 1, ME) == 0
     finally:
         channel.close()
+
+
+def test_a_rank_inside_a_collective_is_dated_from_its_first_report_there(channel: RankChannel) -> None:
+    from datetime import timedelta
+
+    send(channel, report(seq=1, collective_seq=7, collective="dp_all_reduce", collective_wait_s=0.5))
+    channel.drain(NOW, 1, ME)
+    send(channel, report(seq=2, collective_seq=7, collective="dp_all_reduce", collective_wait_s=1.7))
+    channel.drain(NOW + timedelta(seconds=1), 1, ME)
+    state = channel.ranks[3]
+    assert (state.collective, state.collective_entered_at) == ("dp_all_reduce", NOW - timedelta(seconds=0.5))
+    send(channel, report(seq=3, collective_seq=9, collective="world_all_reduce", collective_wait_s=0.25))
+    channel.drain(NOW + timedelta(seconds=2), 1, ME)
+    assert (state.collective, state.collective_entered_at) == ("world_all_reduce", NOW + timedelta(seconds=1.75))
+    send(channel, report(seq=4, step=6, collective_seq=9, collective_wait_max_s=0.3))
+    channel.drain(NOW + timedelta(seconds=3), 1, ME)
+    assert (state.collective, state.collective_entered_at) == ("", None) and list(state.collective_waits_s) == [0.3]

@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -107,23 +106,73 @@ def test_heartbeat_repeats_state_and_does_not_keep_the_process_alive(agent: tupl
     assert len(beats) >= 4 and all(r.phase == pb.PHASE_SETUP for r in beats)
 
 
-def test_blocked_step_keeps_reporting_the_same_step(agent: tuple[str, socket.socket], short_dir: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """An injected hang blocks in step_done; the heartbeat shows "alive, no progress"."""
+def test_an_injected_hang_stops_the_rank_inside_its_next_collective(agent: tuple[str, socket.socket], short_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``hang`` fault due at step 2 arms at the step boundary and takes effect when the rank enters its
+    next collective: reports from then on say it is inside that collective, for longer and longer, while
+    the heartbeat goes on (the process is alive, its training thread stopped)."""
     path, sock = agent
-    released = threading.Event()
-    monkeypatch.setattr(session_mod, "_injected_hang", lambda: released.wait(0.25))
+    stopped: list[str] = []
+    inside: list[pb.RankReport] = []
+
+    def block_and_listen(kind: str) -> None:  # the agent's side while the rank is blocked (0.3 s here)
+        stopped.append(kind)
+        deadline = time.monotonic() + 0.3
+        sock.settimeout(0.05)
+        while time.monotonic() < deadline:  # read as they come: the socket queues only a few datagrams
+            try:
+                r = pb.RankReport.FromString(sock.recv(65536))
+            except TimeoutError:
+                continue
+            if r.collective_wait_s > 0:
+                inside.append(r)
+
+    monkeypatch.setattr(session_mod, "_stop_or_block", block_and_listen)
     fault_file = short_dir / "fault.json"
     fault_file.write_text(json.dumps({"id": "h1", "kind": "hang", "rank": None, "params": {"at_step": 2}}))
     session = Session(_config(agent_socket=path, fault_file=str(fault_file), heartbeat_interval=timedelta(milliseconds=20)))
     with session.phase("step"):
+        with session.waiting("dp_all_reduce"):
+            pass
         session.step_done(0)
-        t0 = time.monotonic()
-        session.step_done(1)  # step 2 is the first that does not complete: blocks here
-        assert time.monotonic() - t0 >= 0.2
+        session.step_done(1)  # step 2 is the first that does not complete: armed here, nothing blocks yet
+        assert stopped == []
+        with session.waiting("dp_all_reduce"):  # blocks (0.3 s here) at the collective's entrance
+            assert stopped == ["hang"]
     session.close()
-    during = [r for r in _drain(sock) if r.phase == pb.PHASE_STEP and r.step == 1]
-    assert len(during) >= 5
+    assert len(inside) >= 5 and {r.collective for r in inside} == {"dp_all_reduce"} and {r.collective_seq for r in inside} == {2}
+    assert max(r.collective_wait_s for r in inside) >= 0.2
+
+
+def test_a_hang_in_a_loop_that_marks_no_collectives_stops_at_the_step_boundary(
+        agent: tuple[str, socket.socket], short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = agent
+    stopped: list[str] = []
+    monkeypatch.setattr(session_mod, "_stop_or_block", stopped.append)
+    fault_file = short_dir / "fault.json"
+    fault_file.write_text(json.dumps({"id": "h2", "kind": "hang_stopped", "rank": None}))
+    session = Session(_config(agent_socket=path, fault_file=str(fault_file)))
+    session.step_done(0)
+    session.close()
+    assert stopped == ["hang_stopped"]
+
+
+def test_reports_say_how_long_the_rank_has_been_inside_a_collective(agent: tuple[str, socket.socket]) -> None:
+    path, sock = agent
+    session = Session(_config(agent_socket=path, heartbeat_interval=timedelta(milliseconds=20)))
+    with session.phase("step"):
+        with session.waiting("pp_recv_activations"):
+            time.sleep(0.01)
+        with session.waiting("dp_all_reduce"):
+            time.sleep(0.15)
+        session.step_done(0)
+        time.sleep(0.05)
+    session.close()
+    reports = _drain(sock)
+    inside = [r for r in reports if r.collective_wait_s > 0]
+    assert inside and all(r.collective == "dp_all_reduce" and r.collective_seq == 2 for r in inside)
+    stepped = next(r for r in reports if r.step == 0)
+    assert stepped.collective_wait_s == 0.0 and 0.15 <= stepped.collective_wait_max_s < 0.5
 
 
 def test_env_is_read_and_a_bare_interval_is_rejected() -> None:

@@ -47,7 +47,7 @@ def register(sub: Subparsers) -> None:
         parser_.set_defaults(func=cmd_cluster)
 
     inject = sub.add_parser("inject", help="inject a fault into the local cluster")
-    inject.add_argument("kind", nargs="?", help="crash hang slow nan oom gpu-lost xid nic-down disk-full sdc, and on a "
+    inject.add_argument("kind", nargs="?", help="crash hang hang_stopped slow nan oom oom_kernel gpu-lost xid nic-down disk-full sdc, and on a "
                         "cluster of hosts (--hosts netns) link-cut (--param for=60s: restored after) link-restore")
     inject.add_argument("--node", help="the node; for link-cut/link-restore also a host without a node: control (the "
                         "control plane's), nats-1, nats-2, nats-3")

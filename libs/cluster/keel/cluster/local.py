@@ -52,7 +52,7 @@ from keel.infra.secrets import ensure_private_dir
 from keel.infra.shard_ca import issue_node_certificate
 from keel.infra.signing import keyring_path
 
-WORKLOAD_FAULTS = {"crash", "hang", "slow", "nan", "oom"}
+WORKLOAD_FAULTS = {"crash", "hang", "hang_stopped", "slow", "nan", "oom", "oom_kernel"}
 HARDWARE_FAULTS = {"gpu-lost", "xid", "nic-down", "disk-full", "sdc"}
 RANK_READ_FAULTS = WORKLOAD_FAULTS | {"sdc"}
 LINK_FAULTS = {"link-cut", "link-restore"}
@@ -528,8 +528,8 @@ class FaultSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc", "link-cut",
-                  "link-restore"]
+    kind: Literal["crash", "hang", "hang_stopped", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "oom_kernel",
+                  "disk-full", "sdc", "link-cut", "link-restore"]
     node: str
     rank: int | None = Field(default=None, ge=0)
     params: dict[str, Any] = Field(default_factory=dict)

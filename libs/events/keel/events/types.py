@@ -184,7 +184,8 @@ class NodeEvicted(EventPayload):
 # -- node agent, ranks and fault injection (node agent issue) ---------------------------------------
 
 ExitClass = Literal["user_code", "infrastructure", "unknown", "stopped_by_agent", "success"]
-FaultKind = Literal["crash", "hang", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "disk-full", "sdc"]
+FaultKind = Literal["crash", "hang", "hang_stopped", "slow", "nan", "gpu-lost", "xid", "nic-down", "oom", "oom_kernel",
+                    "disk-full", "sdc"]
 
 
 @event_type("NodeHeartbeat", version=4, aggregate="node")

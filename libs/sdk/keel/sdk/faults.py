@@ -2,7 +2,7 @@
 
 The agent writes ``$KEEL_FAULT_FILE`` (replacing it whole, e.g. write-then-rename) as JSON::
 
-    {"id": "f-12", "kind": "crash" | "hang" | "slow" | "nan" | "oom",
+    {"id": "f-12", "kind": "crash" | "hang" | "hang_stopped" | "slow" | "nan" | "oom" | "oom_kernel",
      "rank": 3 | null,              # global rank; null = every rank of this node
      "params": {...},               # optional, per kind (below)
      "generation": 2}               # optional: only processes of this restart generation apply it
@@ -10,6 +10,14 @@ The agent writes ``$KEEL_FAULT_FILE`` (replacing it whole, e.g. write-then-renam
 Common params: ``at_step`` (int, optional) is the first step that does not complete normally; without
 it the fault takes effect at the next ``Session.step_done``. Per kind: ``slow`` takes ``fraction``
 (float > 0, default 0.3: each step becomes 30 % slower). The others take no params.
+
+What each does (``keel.sdk.session``): ``crash`` raises; ``oom`` allocates up to 256 MiB and raises a
+Python ``MemoryError`` (an exception, not a kill); ``oom_kernel`` moves the rank into its own memory
+cgroup with a 64 MiB limit and allocates until the kernel OOM killer SIGKILLs it (root and a memory
+controller needed, else it crashes saying so); ``hang`` makes the rank stop inside its next collective
+(``Session.waiting``) while its peers block in the real one, alive (the heartbeat goes on);
+``hang_stopped`` does the same with SIGSTOP, so the process is frozen whole; ``nan`` and ``slow`` are
+numeric and timing faults.
 
 The file is read only where fault injection is on: the agent sets ``KEEL_FAULT_FILE`` for its ranks
 only when it was started with ``--keel-fault-injection`` (``keel cluster up --fault-injection``); a
@@ -34,7 +42,7 @@ from keel.checkpoint.owned import UntrustedPathError, read_owned_text
 
 __all__ = ["FAULT_KINDS", "FaultFileError", "InjectedFault", "FaultFileWatcher", "parse_fault"]
 
-FAULT_KINDS = frozenset({"crash", "hang", "slow", "nan", "oom"})
+FAULT_KINDS = frozenset({"crash", "hang", "hang_stopped", "slow", "nan", "oom", "oom_kernel"})
 
 _log = logging.getLogger("keel.sdk")
 

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.events.units import parse_duration
 from keel.protocol import node_local_pb2 as pb
+from keel.protocol.processes import MEMORY_CGROUP_ROOT, injected_oom_cgroup_name, memory_cgroup_path
 from keel.sdk.faults import SDC_FILE_ENV, FaultFileWatcher, InjectedFault, SimulatedCorruption
 from keel.sdk.transport import DatagramSender
 
@@ -64,6 +66,9 @@ OOM_CAP_BYTES = 256 * 1024**2
 """An injected ``oom`` allocates at most this much before raising ``MemoryError``."""
 _OOM_CHUNK_BYTES = 16 * 1024**2
 _HANG_POLL_S = 1.0
+KERNEL_OOM_LIMIT_BYTES = 64 * 1024**2
+"""An injected ``oom_kernel``'s cgroup limit on the rank's new allocations."""
+KERNEL_OOM_CAP_BYTES = 4 * 1024**3
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,13 @@ class Session:
         self._step_time_s = 0.0
         self._compute_time_s = 0.0
         self._wait_s = 0.0
+        # Collectives (``waiting``): read by the heartbeat thread, written by the training thread; each
+        # is one attribute assignment (atomic under the GIL), so no lock is needed.
+        self._collective_seq = 0
+        self._collective_name = ""
+        self._collective_entered_s: float | None = None  # monotonic; None: not inside a collective
+        self._collective_wait_max_s = 0.0  # longest single wait of the step in progress
+        self._last_step_collective_wait_max_s = 0.0
         self._loss = 0.0
         self._grad_norm = 0.0
         self._tokens_per_s = 0.0
@@ -130,6 +142,8 @@ class Session:
         self._injected_sleep_s = 0.0
         self._slow_fraction = 0.0
         self._nan_at_step: int | None = None
+        self._armed_hang: InjectedFault | None = None
+        """A ``hang`` / ``hang_stopped`` fault that takes effect at the next collective's entrance."""
         self._pending: list[InjectedFault] = []
         self._closed = False
         self._sender = DatagramSender(config.agent_socket) if config.agent_socket else None
@@ -208,6 +222,10 @@ class Session:
                 step=self._step,
                 step_time_s=self._step_time_s,
                 compute_time_s=self._compute_time_s,
+                collective_seq=self._collective_seq,
+                collective_wait_s=self._current_collective_wait_s(),
+                collective=self._collective_name,
+                collective_wait_max_s=self._last_step_collective_wait_max_s,
                 loss=self._loss,
                 grad_norm=self._grad_norm,
                 tokens_per_s=self._tokens_per_s,
@@ -238,16 +256,32 @@ class Session:
             self._set_phase(previous)
 
     @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Mark a collective (all-reduce, a pipeline send or receive, a barrier): the time inside is
-        waiting for peers, not this rank's own work. Reports then carry ``compute_time_s``, the step's
-        time outside such waits: every rank of a synchronous job takes as long per step as the slowest,
-        but only the slow one computes longer, which is how the analyzer finds a fail-slow node."""
+    def waiting(self, name: str = "collective") -> Iterator[None]:
+        """Mark a collective (all-reduce, a pipeline send or receive, a barrier) named ``name``: the time
+        inside is waiting for peers, not this rank's own work.
+
+        Two uses. Reports carry ``compute_time_s``, the step's time outside such waits: every rank of a
+        synchronous job takes as long per step as the slowest, but only the slow one computes longer,
+        which is how the analyzer finds a fail-slow node. And reports carry how long the rank has been
+        inside the current collective (``collective_wait_s``): the agent calls a rank that waits in one
+        collective far longer than its usual waits hung (seconds, not the step timeout). Do not nest."""
         started = time.monotonic()
+        self._collective_seq += 1
+        self._collective_name = name
+        self._collective_entered_s = started
         try:
+            if self._armed_hang is not None:
+                self._hang_in_collective(self._armed_hang, name)
             yield
         finally:
-            self._wait_s += time.monotonic() - started
+            self._collective_entered_s = None
+            waited_s = time.monotonic() - started
+            self._wait_s += waited_s
+            self._collective_wait_max_s = max(self._collective_wait_max_s, waited_s)
+
+    def _current_collective_wait_s(self) -> float:
+        entered = self._collective_entered_s
+        return max(time.monotonic() - entered, 0.0) if entered is not None else 0.0
 
     def _set_phase(self, phase: pb.Phase) -> None:
         with self._lock:
@@ -255,6 +289,7 @@ class Session:
         self._mark_s = time.monotonic()
         self._injected_sleep_s = 0.0
         self._wait_s = 0.0
+        self._collective_wait_max_s = 0.0
         self._send_report()
 
     def attach_checkpointer(self, checkpointer: Checkpointer) -> None:
@@ -293,6 +328,8 @@ class Session:
         self._mark_s = now
         self._injected_sleep_s = 0.0
         self._wait_s = 0.0
+        self._last_step_collective_wait_max_s = self._collective_wait_max_s
+        self._collective_wait_max_s = 0.0
         with self._lock:
             self._step = step
             self._step_time_s = step_time_s
@@ -380,9 +417,19 @@ class Session:
         if fault.kind == "oom":
             print(f"keel injected oom: {where}", file=sys.stderr, flush=True)
             _injected_oom(OOM_CAP_BYTES)
-        if fault.kind == "hang":
-            print(f"keel injected hang: {where}", file=sys.stderr, flush=True)
-            _injected_hang()
+        if fault.kind in ("hang", "hang_stopped"):
+            if self._collective_seq == 0:
+                # The loop marks no collectives (no ``waiting``): stop here, at the step boundary.
+                print(f"keel injected {fault.kind} (at the step boundary: the loop marks no collectives): {where}",
+                      file=sys.stderr, flush=True)
+                _stop_or_block(fault.kind)
+            print(f"keel injected {fault.kind}: {where}; the rank stops inside its next collective",
+                  file=sys.stderr, flush=True)
+            self._armed_hang = fault
+        if fault.kind == "oom_kernel":
+            print(f"keel injected oom_kernel: {where}; allocating under a memory cgroup limit until the kernel "
+                  f"OOM killer ends this process", file=sys.stderr, flush=True)
+            _injected_kernel_oom(injected_oom_cgroup_name(rank, os.getpid()))
         if fault.kind == "slow":
             self._slow_fraction = float(fault.params.get("fraction", 0.3))
             print(f"keel injected slow x{1 + self._slow_fraction:.2f}: {where}", file=sys.stderr, flush=True)
@@ -391,14 +438,63 @@ class Session:
             print(f"keel injected nan into step {step + 1}: {where}", file=sys.stderr, flush=True)
 
 
-def _injected_hang() -> None:
-    """Block forever: this rank stops participating, its peers wait in their recv / all-reduce.
+    def _hang_in_collective(self, fault: InjectedFault, collective: str) -> None:
+        """The armed hang takes effect: this rank has entered ``collective`` (its reports say so) and stops
+        there before its contribution reaches the wire, so its peers block in the real collective waiting
+        for it - what a rank whose GPU kernel, NIC or host thread stalls mid-collective looks like. ``hang``
+        blocks the training thread forever (the process stays alive: the heartbeat thread keeps reporting);
+        ``hang_stopped`` stops the whole process with SIGSTOP, as a frozen host or a debugger would."""
+        self._armed_hang = None
+        print(f"keel injected {fault.kind} inside collective {collective!r} "
+              f"(#{self._collective_seq}) on rank {self.config.rank}", file=sys.stderr, flush=True)
+        self._send_report()  # the agent sees the rank inside the collective from now on, not a second later
+        _stop_or_block(fault.kind)
 
-    A sleep loop rather than one long wait so that py-spy shows this frame; the heartbeat thread keeps
-    reporting the last step, which is what a rank stuck in a collective looks like to the agent.
-    """
+
+def _stop_or_block(kind: str) -> None:
+    """``hang_stopped``: SIGSTOP this process (it stays stopped until SIGCONT or SIGKILL). ``hang``:
+    block this thread forever in a wait that releases the GIL (the heartbeat thread goes on), in a loop
+    so that py-spy shows this frame and a spurious wake-up changes nothing."""
+    if kind == "hang_stopped":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    never = threading.Event()
     while True:
-        time.sleep(_HANG_POLL_S)
+        never.wait(_HANG_POLL_S)
+
+
+def _injected_kernel_oom(cgroup_name: str, root: str = MEMORY_CGROUP_ROOT, limit_bytes: int = KERNEL_OOM_LIMIT_BYTES,
+                        cap_bytes: int = KERNEL_OOM_CAP_BYTES) -> None:
+    """Move this process into a new memory cgroup (v1 ``memory`` controller or cgroup v2) under its
+    current one, limited to ``limit_bytes`` of *new* allocations (what is already charged stays with the
+    parent), then allocate and touch memory until the kernel OOM killer sends SIGKILL - the kill a rank
+    gets when it outgrows its container's or Slurm job step's memory limit. Raises ``RuntimeError`` with the
+    reason when the cgroup cannot be made (not root, no memory controller), and ``MemoryError`` if the
+    kernel has not killed the process after ``cap_bytes`` (the limit did not apply)."""
+    try:
+        path = _make_memory_cgroup(cgroup_name, root, limit_bytes)
+    except OSError as exc:
+        raise RuntimeError(f"keel injected oom_kernel cannot run here: no memory cgroup for this rank ({exc}); "
+                           f"use the 'oom' fault (a Python MemoryError) instead") from None
+    print(f"keel injected oom_kernel: this rank now runs in {path} (limit {limit_bytes // 1024**2} MiB)",
+          file=sys.stderr, flush=True)
+    hoard: list[bytearray] = []
+    while len(hoard) * _OOM_CHUNK_BYTES < cap_bytes:
+        hoard.append(bytearray(_OOM_CHUNK_BYTES))  # bytearray zero-fills: every page is touched
+    hoard.clear()
+    raise MemoryError(f"keel injected oom_kernel: allocated {cap_bytes // 1024**2} MiB under {path} and the kernel "
+                      f"did not kill the process (the limit did not apply)")
+
+
+def _make_memory_cgroup(name: str, root: str, limit_bytes: int) -> str:
+    """Create ``name`` under this process's memory cgroup, limit it, move this process in; its path."""
+    target = memory_cgroup_path(name, root)  # under this process's own memory cgroup
+    os.makedirs(target, exist_ok=True)
+    limit_file = "memory.max" if os.path.exists(os.path.join(target, "memory.max")) else "memory.limit_in_bytes"
+    with open(os.path.join(target, limit_file), "w", encoding="utf-8") as f:
+        f.write(str(limit_bytes))
+    with open(os.path.join(target, "cgroup.procs"), "w", encoding="utf-8") as f:
+        f.write(str(os.getpid()))
+    return target
 
 
 def _injected_oom(cap_bytes: int) -> None:

@@ -149,9 +149,10 @@ class _Ctx:
     dp_rank: int
     dp_group: Any  # a ProcessGroup, or None for the default group
     distributed: bool
-    waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-    """Wraps every collective of a training step (``Session.waiting``): the step's time outside them
-    is what this rank computed, what the analyzer compares to find a fail-slow node."""
+    waiting: Callable[[str], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    """Wraps every collective of a training step, by name (``Session.waiting``): the step's time outside
+    them is what this rank computed, what the analyzer compares to find a fail-slow node, and a rank stuck
+    inside one far longer than usual is what the agent calls a hang."""
 
     @property
     def prev_rank(self) -> int:
@@ -209,7 +210,7 @@ def _pipeline_forward(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, mb_
         received = None
     else:
         received = torch.empty(mb_shape)
-        with ctx.waiting():
+        with ctx.waiting("pp_recv_activations"):
             dist.recv(received, src=ctx.prev_rank)
         received.requires_grad_(grad)
         x = received
@@ -217,7 +218,7 @@ def _pipeline_forward(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, mb_
     if not stage.is_last:
         if scale != 1.0:
             out = out * scale
-        with ctx.waiting():
+        with ctx.waiting("pp_send_activations"):
             dist.send(out.detach().contiguous(), dst=ctx.next_rank)
     return received, out
 
@@ -244,12 +245,12 @@ def _train_step(stage: PipelineStage, ctx: _Ctx, inputs: torch.Tensor, targets: 
             out.backward()
         else:
             grad_out = torch.empty_like(out)
-            with ctx.waiting():
+            with ctx.waiting("pp_recv_gradients"):
                 dist.recv(grad_out, src=ctx.next_rank)
             out.backward(grad_out)
         if not stage.is_first:
             assert received is not None and received.grad is not None
-            with ctx.waiting():
+            with ctx.waiting("pp_send_gradients"):
                 dist.send(received.grad.contiguous(), dst=ctx.prev_rank)
     return total
 
@@ -272,7 +273,7 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor,
     if ctx.distributed and ctx.dp > 1:
         flat = _flat_gradients(stage)
         corrupt(flat)
-        with ctx.waiting():
+        with ctx.waiting("dp_all_reduce"):
             dist.all_reduce(flat, group=ctx.dp_group)
         flat /= ctx.dp
         offset = 0
@@ -288,7 +289,7 @@ def _sync_gradients(stage: PipelineStage, ctx: _Ctx, local_loss: torch.Tensor,
     # DP replicas now hold identical gradients: each contributes 1/DP of its stage's squared norm.
     stats = torch.stack([local_loss, sq / ctx.dp])
     if ctx.distributed:
-        with ctx.waiting():
+        with ctx.waiting("world_all_reduce"):
             dist.all_reduce(stats)
     return float(stats[0]) / ctx.dp, math.sqrt(float(stats[1]))
 

@@ -154,7 +154,7 @@ class NodeAgent:
         *,
         outbox: Outbox | None,
         watcher: HealthWatcher | None,
-        classify: Callable[[int | None, str | None, str], tuple[str, str, str]],
+        classify: Callable[..., tuple[str, str, str]],
         supervised: bool,
         checkpointing: NodeCheckpointing | None = None,
         clock: Callable[[], datetime] = now_utc,
@@ -326,7 +326,8 @@ class NodeAgent:
             named = (exit_.reported_failure.strip().splitlines() or ["?"])[-1][:300]
             reason = f"{reason} (the rank reported {named!r}; the agent ended its shutdown)"
         else:
-            classification, error_type, reason = self.classify(exit_.exit_code, exit_.signal, exit_.stderr_tail)
+            classification, error_type, reason = self.classify(exit_.exit_code, exit_.signal, exit_.stderr_tail,
+                                                               oom_killed=exit_.oom_killed)
         tail = exit_.stderr_tail
         if "Traceback (most recent call last)" in exit_.reported_failure:
             # The rank's own traceback goes last: whoever reads the tail (the controller's failure

@@ -28,7 +28,7 @@ import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -61,9 +61,17 @@ class RankState:
     last_progress_at: datetime | None = None
     step_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
     compute_times_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    """Per step: the time outside collectives (only when the loop marks its collective waits)."""
     metric_samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=300))
     """Per step: loss, gradient norm and tokens/s as reported (``keel.rules.metrics.MetricSample``)."""
-    """Per step: the time outside collectives (only when the loop marks its collective waits)."""
+    collective_waits_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+    """Per step: the longest single collective wait (only when the loop marks its collectives)."""
+    collective: str = ""
+    """The collective the rank is inside now ('' when in none)."""
+    collective_seq: int = 0
+    collective_entered_at: datetime | None = None
+    """When (agent clock) the rank entered the collective it is inside now: the first report from inside
+    it, less the wait it reported then. None when it is in none."""
     loss: float | None = None
     grad_norm: float | None = None
     tokens_per_s: float | None = None
@@ -76,6 +84,17 @@ class RankState:
     """The newest step whose shared-memory snapshot the rank completed (-1: none)."""
     groups: dict[str, list[int]] | None = None
     """The rank's parallel groups (``dp``, ``pp``, ``tp``: global ranks), once its Checkpointer exists."""
+
+
+def _fold_collective(state: RankState, report: node_local_pb2.RankReport, now: datetime) -> None:
+    """Where the rank is in its collectives. A report from inside one says how long it has waited; the
+    entry time is taken from the first such report of that collective (later ones only confirm it)."""
+    if report.collective_wait_s <= 0:
+        state.collective, state.collective_entered_at = "", None
+    elif report.collective_seq != state.collective_seq or state.collective_entered_at is None:
+        state.collective = report.collective
+        state.collective_entered_at = now - timedelta(seconds=report.collective_wait_s)
+    state.collective_seq = report.collective_seq
 
 
 MAX_RANK = 1 << 20
@@ -91,7 +110,7 @@ def report_problem(report: node_local_pb2.RankReport) -> str:
         return f"pid {report.pid} is not a process id"
     if report.step < -1 or (report.HasField("checkpoint_step") and report.checkpoint_step < -1):
         return f"step {report.step} / checkpoint step {report.checkpoint_step} out of range"
-    for name in ("sent_at_unix_s", "step_time_s", "compute_time_s"):
+    for name in ("sent_at_unix_s", "step_time_s", "compute_time_s", "collective_wait_s", "collective_wait_max_s"):
         value = getattr(report, name)
         if not math.isfinite(value) or value < 0:
             return f"{name} {value} is not a finite, non-negative number"
@@ -219,12 +238,15 @@ class RankChannel:
                 state.step_times_s.append(report.step_time_s)
                 if report.compute_time_s > 0:
                     state.compute_times_s.append(report.compute_time_s)
+                if report.collective_seq > 0:
+                    state.collective_waits_s.append(report.collective_wait_max_s)
             state.metric_samples.append(MetricSample(step=report.step, loss=report.loss, grad_norm=report.grad_norm,
                                                      tokens_per_s=report.tokens_per_s or None, rank=report.rank))
             state.step = report.step
             state.last_progress_at = now
         elif state.last_progress_at is None:
             state.last_progress_at = now
+        _fold_collective(state, report, now)
         state.loss = report.loss
         state.grad_norm = report.grad_norm
         state.tokens_per_s = report.tokens_per_s

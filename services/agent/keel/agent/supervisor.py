@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import IO
 
 from keel.agent.launch_spec import LaunchSpec
+from keel.agent.oom_kills import KernelOomLog
 from keel.agent.rank_output import ConsoleTail, RankOutputPlan, make_run_dir, plan_outputs, prepare_attempt
 from keel.agent.warm import CODE_DIR_ENV, ForkedProcess, Zygote, ZygoteError
 from keel.events.types import CodeRef
+from keel.protocol.processes import injected_oom_cgroup_name, memory_cgroup_path
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,17 @@ def file_tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> str:
     return "".join(data.decode(errors="replace").splitlines(keepends=True)[-lines:])
 
 
+def remove_injected_oom_cgroup(rank: int, pid: int) -> None:
+    """Remove the memory cgroup an injected ``oom_kernel`` fault made for a rank that is gone (a cgroup
+    directory outlives its processes; an empty one is removed with rmdir). Nothing there: nothing done."""
+    try:
+        os.rmdir(memory_cgroup_path(injected_oom_cgroup_name(rank, pid), pid=str(os.getpid())))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove rank %d's injected-OOM memory cgroup: %s", rank, exc)
+
+
 @dataclass(frozen=True)
 class RankExit:
     rank: int
@@ -102,6 +115,8 @@ class RankExit:
     stderr_tail: str
     stopped_by_agent: bool
     reported_failure: str = ""
+    oom_killed: bool = False
+    """The kernel's OOM killer sent the SIGKILL (its log names the pid: ``keel.agent.oom_kills``)."""
 
 
 def _pump_stderr(stream: IO[bytes], tail: collections.deque[str], log_path: Path) -> None:
@@ -129,6 +144,8 @@ class RankSupervisor:
         self.fault_file = fault_file
         self.python = python
         self.ranks: dict[int, RankProcess] = {}
+        self.oom_log = KernelOomLog()
+        """Opened now, from its end: an OOM kill of one of this agent's ranks is logged after this."""
         self.generation = 0
         self.extra_env: dict[str, str] = {}
         """Added to every rank's environment (the checkpoint folder and restore plan of a generation)."""
@@ -398,6 +415,10 @@ class RankSupervisor:
                 process.reader.join(timeout=2)  # the tail is complete once the pipe is drained
             self.console.finish([p for p in (process.stdout_path, process.stderr_path) if p is not None])
             del self.ranks[rank]
+            oom_killed = (code == -signal.SIGKILL and not process.stopping and not process.reported_failure
+                          and bool(self.oom_log.was_oom_killed(process.pid)))
+            if code == -signal.SIGKILL:
+                remove_injected_oom_cgroup(rank, process.pid)
             exits.append(
                 RankExit(
                     rank=rank,
@@ -409,6 +430,7 @@ class RankSupervisor:
                     stderr_tail=process.tail_text(),
                     stopped_by_agent=process.stopping and not process.reported_failure,
                     reported_failure=process.reported_failure,
+                    oom_killed=oom_killed,
                 )
             )
         return exits
@@ -439,6 +461,8 @@ class RankSupervisor:
         for process in self.ranks.values():
             process.stopping = True
             self._signal_group(process, signal.SIGTERM)
+            # A stopped rank (SIGSTOP: a frozen process, a debugger) handles SIGTERM only once continued.
+            self._signal_group(process, signal.SIGCONT)
         deadline = time.monotonic() + grace_s
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.02)

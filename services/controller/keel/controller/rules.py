@@ -72,7 +72,7 @@ HARDWARE_COMPONENTS = frozenset({"gpu", "nic", "disk", "kernel", "host"})
 """Components whose high-confidence fatal fault is a rung-1 signal: evict without diagnosing."""
 FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
 """Exit classifications that are failures (``success`` and ``stopped_by_agent`` are not)."""
-HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost"})
+HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost", "collective_stuck", "process_stopped"})
 """A rank's health checks that mean it hangs (rung 3, else rung 2)."""
 SDC_VERDICT_GRACE = timedelta(seconds=30)
 """How long past a replay round's timeout the controller waits for the analyzer's verdict."""

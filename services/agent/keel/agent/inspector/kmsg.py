@@ -132,7 +132,7 @@ _MCE_RE = re.compile(r"mce: \[Hardware Error\]|Machine check|Fatal machine check
 _MCE_CORRECTED_RE = re.compile(r"events logged|corrected", re.IGNORECASE)
 _IO_RE = re.compile(r"(?:Buffer I/O error on dev|I/O error,? dev) ([\w\-]+)")
 _IO_IGNORED_DEVICES = re.compile(r"^(sr\d+|fd\d+)$")  # optical and floppy drives on VMs: noise
-_OOM_RE = re.compile(r"Out of memory: Killed process (\d+) \(([^)]*)\)")
+_OOM_RE = re.compile(r"[Oo]ut of memory: Killed process (\d+) \(([^)]*)\)")  # system-wide or "Memory cgroup out of memory"
 
 
 def classify_message(message: str, policy: InspectorPolicy) -> Observation | None:

@@ -9,6 +9,11 @@ eval):
   calibration_window step times)`` = max(25 s, 3 × p99) by default.
 - ``checkpoint``: ``checkpoint_timeout`` (600 s); ``eval``: ``eval_timeout`` (600 s).
 - ``done``: never a hang.
+- inside a collective (``Session.waiting``), in the ``step`` phase once ``warmup_steps`` steps are known:
+  ``max(collective_timeout_floor, collective_timeout_factor × p99 of the recent per-step longest waits)``
+  = max(5 s, 5 × p99) by default. Evals, checkpoints and setup wait in their own phases (their own
+  timeouts), so a rank that waits for a peer's 60 s save is no hang, provided the wait is inside the phase.
+- a stopped process (SIGSTOP, state ``T``) for ``stopped_timeout`` (3 s).
 - heartbeat lost (no report at all): ``max(heartbeat_timeout, phase timeout)`` so a rank that holds
   the GIL while it saves does not look dead.
 
@@ -54,6 +59,12 @@ class InspectorPolicy:
     """Below 30 s so that, with a 1 s probe interval and publishing, a hang is reported within 30 s."""
     step_timeout_factor: float = 3.0
     step_timeout_percentile: float = 99.0
+    collective_timeout_floor: timedelta = timedelta(seconds=5)
+    """A rank inside one collective longer than max(this, ``collective_timeout_factor`` × p99 of its
+    recent per-step longest collective waits), in the ``step`` phase after warm-up, hangs."""
+    collective_timeout_factor: float = 5.0
+    stopped_timeout: timedelta = timedelta(seconds=3)
+    """A rank whose process has been stopped (SIGSTOP: state ``T``) this long hangs."""
     warmup_steps: int = 3
     calibration_window: int = 100
     setup_timeout: timedelta = timedelta(seconds=300)
@@ -90,6 +101,8 @@ class InspectorPolicy:
             raise ValueError("warmup_steps must be at least 1")
         if self.peer_retransmit_limit < 1:
             raise ValueError("peer_retransmit_limit must be at least 1")
+        if not self.collective_timeout_factor > 0:
+            raise ValueError("collective_timeout_factor must be positive")
         if not 0 < self.step_timeout_percentile <= 100:
             raise ValueError("step_timeout_percentile must be in (0, 100]")
 
