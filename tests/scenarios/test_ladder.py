@@ -237,16 +237,24 @@ async def test_rung2_evicts_the_node_whose_diagnostics_fail(stack: Stack) -> Non
     assert any(p.node_id == flaky for p in failed), failed
 
 
-async def test_rung3_a_rank_hung_in_a_pipeline_stage_evicts_its_pipeline_group(stack: Stack) -> None:
+@pytest.mark.parametrize("kind", ["hang", "hang_stopped"])
+async def test_rung3_a_rank_hung_in_a_pipeline_stage_evicts_its_pipeline_group(stack: Stack, kind: str) -> None:
+    """Rank 5 stops inside its next collective (``hang``: its training thread blocks there, alive;
+    ``hang_stopped``: the whole process is SIGSTOPped there) and its peers block in the real gloo
+    collectives waiting for it. At the default settings the agents call it a hang within seconds (a rank
+    inside one collective for max(5 s, 5 x p99 wait), or a stopped process), not at the 25 s step timeout."""
     # 4 nodes x 2 ranks, DP 4 x PP 2: each node holds one pipeline (ranks 2n, 2n+1).
-    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN, nproc_per_node=2,
-                            extra={"KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "5s"})
+    await asyncio.to_thread(stack.start, nodes=4, standby=1, command=TRAIN, nproc_per_node=2)
     await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
     await stack.stepping(10)
     victim = stack.node_of_rank(5)
     hung_at = time.monotonic()
-    opened, resolved, timeline = await stack.incident([FaultSpec(kind="hang", node=victim, rank=5)])
+    opened, resolved, timeline = await stack.incident([FaultSpec(kind=kind, node=victim, rank=5)])
     assert opened.payload.kind == "hang" and resolved.payload.rung == 3 and resolved.payload.outcome == "recovered"
+    [injected] = [e for e in await stack.events(["FaultInjected"]) if e.payload.kind == kind]
+    detect_s = (opened.occurred_at - injected.occurred_at).total_seconds()
+    assert "collective_stuck" in opened.payload.reason or "process_stopped" in opened.payload.reason, opened.payload
+    assert detect_s <= 10.0, f"detected {detect_s:.1f}s after the injection: {opened.payload.reason}"
     [request] = [e for e in timeline if e.type == "StacksRequested"]
     captured = [e for e in timeline if e.type == "StacksCaptured"]
     assert sorted({e.payload.node_id for e in captured}) == sorted(request.payload.nodes)
@@ -254,7 +262,10 @@ async def test_rung3_a_rank_hung_in_a_pipeline_stage_evicts_its_pipeline_group(s
     assert verdict.payload.conclusive and 5 in verdict.payload.outlier_ranks, verdict.payload
     assert verdict.payload.group_kind == "pp" and verdict.payload.group_ranks == [4, 5], verdict.payload
     assert verdict.payload.group_nodes == [victim]
-    assert any("sleep" in frame or "_hang" in frame for frame in verdict.payload.outlier_stacks["5"]), verdict.payload
+    # The culprit's frames: inside the training step's collective (the SDK's waiting() around the gloo call)
+    culprit = verdict.payload.outlier_stacks["5"]
+    assert any(frame.startswith("Session._hang_in_collective (") for frame in culprit), "\n".join(culprit)
+    assert any(frame.startswith(("_pipeline_forward (", "_sync_gradients (")) for frame in culprit), "\n".join(culprit)
     [restart] = [e for e in timeline if e.type == "RestartDecided"]
     assert restart.payload.rung == 3 and restart.payload.evict == [victim]
     assert "DiagnosticsRequested" not in types_of(timeline)  # the stacks named the culprit: no stop-time checks
