@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ft_client is not None:
                     ft_client.send_heartbeat()
                     if args.ft_calc_timeouts and evals_done:
-                        ft_client.calculate_and_set_hb_timeouts()
+                        ft_client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
                         if rank == 0:
                             print(f"ft timeouts calculated: {getattr(ft_client, 'hb_timeouts', '?')}", flush=True)
                 if rank == 0:
