@@ -161,15 +161,16 @@ def write_fault(path: Path, kind: str, rank: int | None, params: dict[str, Any] 
 
 def measure_crash(name: str, argv: list[str], env: dict[str, str], work: Path, kind: str, rank: int,
                   eval_every: int, ckpt_every: int, at_step_ahead: int = 2, start_timeout_s: float = 150.0,
-                  detect_timeout_s: float = 60.0) -> dict[str, Any]:
-    """Start the launcher, wait for steady training, inject ``kind`` into ``rank``, time the launcher."""
+                  detect_timeout_s: float = 60.0, min_step: int = 5) -> dict[str, Any]:
+    """Start the launcher, wait for steady training (rank 0 past ``min_step``), inject ``kind`` into
+    ``rank``, time the launcher."""
     fault_file = work / f"{name}-fault.json"
     fault_file.unlink(missing_ok=True)
     launcher = Launcher(argv, {**env, "KEEL_FAULT_FILE": str(fault_file)}, work / f"{name}.log")
     t_start = time.monotonic()
     launcher.start()
     try:
-        step = steady_point(launcher, eval_every, ckpt_every, min_step=5, timeout_s=start_timeout_s)
+        step = steady_point(launcher, eval_every, ckpt_every, min_step=min_step, timeout_s=start_timeout_s)
         startup_s = time.monotonic() - t_start
         fault_id, injected_at = write_fault(fault_file, kind, rank, {"at_step": step + at_step_ahead})
         deadline = time.monotonic() + detect_timeout_s

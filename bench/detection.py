@@ -804,11 +804,14 @@ def peer_run(mode: Mode, work: Path) -> dict[str, Any]:
                 rank = (2 * i + 1) % 8
                 log(f"{name}: {kind} trial {i + 1} (rank {rank})")
                 detect_timeout_s = pg_timeout + 180 if kind == "hang" else 60.0
+                # ft_launcher calculates its timeouts at the first checkpoint after an eval: inject after it.
+                first_calc = (mode.eval_every // mode.ckpt_every + 1) * mode.ckpt_every if mode.ckpt_every else 0
+                min_step = first_calc + 5 if name == "ft_launcher" and kind == "hang" else 5
                 try:
                     measured = _peers.measure_crash(name, argv, env, work, FAULT_KIND.get(kind, kind), rank,
                                                      mode.eval_every, mode.ckpt_every, AT_STEP_AHEAD,
-                                                     start_timeout_s=150.0 + 2 * mode.first_step_s,
-                                                     detect_timeout_s=detect_timeout_s)
+                                                     start_timeout_s=150.0 + 2 * mode.first_step_s + 0.5 * min_step,
+                                                     detect_timeout_s=detect_timeout_s, min_step=min_step)
                 except Exception as exc:  # noqa: BLE001 - a peer failing to run is a result, not a crash
                     measured = {"detect_s": None, "error": f"{type(exc).__name__}: {exc}"}
                 log(f"  {measured}")

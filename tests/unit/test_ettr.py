@@ -228,3 +228,36 @@ def test_a_planned_restart_onto_a_new_code_version_is_lost_time_too() -> None:
     assert incident.cause.startswith("planned restart: code rollout") and incident.step_at_fault == 49
     assert incident.lost(report.ended_at) == timedelta(seconds=6)
     assert report.ettr == pytest.approx(1 - 6 / 200)
+
+
+def test_a_real_hang_is_charged_from_when_the_rank_got_stuck_not_from_its_detection() -> None:
+    """No FaultInjected: the agent's collective_stuck says rank 0 had waited 5.2 s inside its all-reduce when it
+    fired at 105.2 s, so the incident starts at 100 s and its detection phase is those 5.2 s; back at step 49
+    at 110 s: 10 s lost."""
+    from keel.events.types import NodeHealthChanged
+
+    restart = RanksRestartRequested(node_id="n0", generation=1, reason="test", expires_at=at(400))
+    log = [
+        started(0, 0), beat(50, 24), beat(100, 49),
+        ev(NodeHealthChanged(node_id="n0", component="rank", check="collective_stuck", status="failed",
+                             confidence="medium", is_fatal=False, detail="stuck",
+                             evidence={"key": "rank0", "waited_s": 5.2, "collective": "dp_all_reduce"}), 105.2),
+        ev(restart, 106, producer="controller"),
+        started(107, 1), beat(110, 49), beat(115, 50), beat(200, 90),
+    ]
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.started_at == at(100) and "collective_stuck" in incident.cause
+    phases = incident.phases(report.ended_at)
+    assert phases["detection"] == timedelta(seconds=5.2) and incident.lost(report.ended_at) == timedelta(seconds=10)
+
+
+def test_a_hang_signal_never_reaches_back_before_the_job_started() -> None:
+    from keel.events.types import NodeHealthChanged
+
+    log = [started(10, 0), ev(NodeHealthChanged(node_id="n0", component="rank", check="no_progress", status="failed",
+                                                confidence="medium", is_fatal=False, detail="silent",
+                                                evidence={"silent_for_s": 300.0}), 40)]
+    report = compute_ettr(log)
+    assert report is not None and report.incidents[0].started_at == at(10)

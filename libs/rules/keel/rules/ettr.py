@@ -5,8 +5,12 @@ An *incident* starts at the fault (``FaultInjected`` when the fault was injected
 first failure signal) and ends when the job is back at the step it had reached when the fault hit.
 Its lost time is split into phases, each from one event to the next:
 
-- detection:    fault -> first failure signal (``RankExited`` with a failure classification, or a failed
-                fatal ``NodeHealthChanged``);
+- detection:    fault -> first failure signal (``RankExited`` with a failure classification, a failed
+                fatal ``NodeHealthChanged``, or a rank's failed hang check: ``collective_stuck``,
+                ``process_stopped``, ``no_progress``, ``heartbeat_lost``). A fault nobody injected starts
+                where its first signal says it began: a hang check's evidence says how long the rank had
+                been stuck (``waited_s``, ``stopped_s``, ``silent_for_s``), and that time is lost too
+                (detection), never before the job started or the previous incident ended;
 - localisation: signal -> the controller's first decision or command (``DiagnosticsRequested``,
                 ``RestartDecided``, ``StandbyPromotionRequested``, ``RanksRestartRequested``,
                 ``NodeEvictionDecided``; an observe-only eviction does not count);
@@ -293,7 +297,8 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             if not _is_failure_signal(p):
                 continue
             if open_ is None:
-                open_ = Incident(at, _describe(p), max_step, generation)
+                not_before = max([started_at, *(i.recovered_at for i in incidents if i.recovered_at is not None)])
+                open_ = Incident(max(at - symptom_age(p), not_before), _describe(p), max_step, generation)
                 incidents.append(open_)
             open_.marks.setdefault("detected", at)
         elif kind in _COMMANDS and open_ is not None and not getattr(p, "observe_only", False):
@@ -360,12 +365,26 @@ def _process_recovered(incident: Incident, p: NodeHeartbeat) -> bool:
     return True
 
 
+RANK_HANG_CHECKS = {"collective_stuck": "waited_s", "process_stopped": "stopped_s", "no_progress": "silent_for_s",
+                    "heartbeat_lost": "silent_for_s"}
+"""A rank's hang checks, each with the evidence key that says how long the rank had been stuck when it fired."""
+
+
 def _is_failure_signal(p: EventPayload) -> TypeGuard[RankExited | NodeHealthChanged]:
     if isinstance(p, RankExited):
         return p.classification in _FAILURE_CLASSES
     if isinstance(p, NodeHealthChanged):
-        return p.status == "failed" and p.is_fatal
+        return p.status == "failed" and (p.is_fatal or (p.component == "rank" and p.check in RANK_HANG_CHECKS))
     return False
+
+
+def symptom_age(p: RankExited | NodeHealthChanged) -> timedelta:
+    """How long before its signal the fault began, by the signal's own evidence (0 when it does not say)."""
+    if isinstance(p, NodeHealthChanged) and p.component == "rank" and p.check in RANK_HANG_CHECKS:
+        value = p.evidence.get(RANK_HANG_CHECKS[p.check])
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 86_400:
+            return timedelta(seconds=float(value))
+    return timedelta(0)
 
 
 def _describe(p: RankExited | NodeHealthChanged) -> str:
