@@ -11,7 +11,7 @@ Timeline (seconds from ``T0``), job ``job1``, nodes n1 (rank 0) and n2 (rank 1):
     64.0   DiagnosticsCompleted n1 (passed, detail), 64.2 n2 (passed, no detail)
     64.3   RestartDecided rung 2 generation 1 + RanksRestartRequested n1, n2
     65.5   RankStarted n1, n2 (generation 1; the agent does not correlate them)
-    68     NodeHeartbeat step 57 (stepping again), 72 step 60 (past the fault's step 59)
+    68     NodeHeartbeat step 57 (stepping again), 72 step 59 (back at the fault's step 59)
     72.5   IncidentResolved recovered, rung 2
     120    NodeHeartbeat step 108
 
@@ -111,7 +111,7 @@ def incident_log(job: str = JOB, start_s: float = 0.0, incident_id: uuid.UUID | 
     events = [
         started(0, "n1", 0, 0), started(0, "n2", 1, 0), *beats(30, 29), *beats(60, 59),
         fault, exited, opened, diagnose, done_n1, done_n2, restart, *restarts,
-        started(65.5, "n1", 0, 1), started(65.5, "n2", 1, 1), *beats(68, 57), *beats(72, 60), resolved,
+        started(65.5, "n1", 0, 1), started(65.5, "n2", 1, 1), *beats(68, 57), *beats(72, 59), resolved,
         *beats(120, 108),
     ]
     return IncidentLog(events, incident_id, fault, exited)

@@ -261,3 +261,26 @@ def test_a_hang_signal_never_reaches_back_before_the_job_started() -> None:
                                                 evidence={"silent_for_s": 300.0}), 40)]
     report = compute_ettr(log)
     assert report is not None and report.incidents[0].started_at == at(10)
+
+
+def test_an_injected_fault_that_waits_for_its_step_is_charged_from_when_it_fired() -> None:
+    """FaultInjected at 90 s with at_step: the crash fires at 100 s (its exit at 100.5 s); the 10 s the
+    ranks trained meanwhile are not lost."""
+    log = crash_log()
+    log.insert(3, ev(FaultInjected(kind="crash", node_id="n0", rank=0, params={"at_step": 49}), 90, producer="keel inject"))
+    del log[4]  # the immediate injection at 100 s
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.started_at == at(100.5) and incident.cause.startswith("rank 0 on n0 exited")
+
+
+def test_the_job_is_back_when_it_passed_the_step_not_at_the_next_heartbeat() -> None:
+    """Heartbeats at 110 s (step 46) and 115 s (step 56): step 49 was passed 1.5 s after the first, at a
+    steady 2 steps/s, not 5 s after it."""
+    log = [e for e in crash_log() if not (e.type == "NodeHeartbeat" and e.occurred_at > at(105))]
+    log += [beat(110, 46), beat(115, 56), beat(200, 90)]
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.recovered_at == at(111.5) and incident.lost(report.ended_at) == timedelta(seconds=11.5)

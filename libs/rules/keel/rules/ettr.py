@@ -1,8 +1,9 @@
 """ETTR and incidents from the event log (pure): how much of a job's wall time was productive, and where
 every lost minute went.
 
-An *incident* starts at the fault (``FaultInjected`` when the fault was injected on purpose, else the
-first failure signal) and ends when the job is back at the step it had reached when the fault hit.
+An *incident* starts at the fault (``FaultInjected`` when the fault was injected on purpose and takes
+effect at once, else the first failure signal: an injected fault with ``params.at_step`` waits for that
+step, and the wait is no lost time) and ends when the job is back at the step it had reached when the fault hit.
 Its lost time is split into phases, each from one event to the next:
 
 - detection:    fault -> first failure signal (``RankExited`` with a failure classification, a failed
@@ -17,7 +18,8 @@ Its lost time is split into phases, each from one event to the next:
 - failover:     command -> the first rank of the new generation started (``RankStarted``);
 - restore:      started -> the new generation stepping past its restore point (``NodeHeartbeat.last_step``
                 above the ``CheckpointRestorePlanned`` step, or above -1 with no plan);
-- recompute:    stepping -> back at the step reached when the fault hit.
+- recompute:    stepping -> back at the step reached when the fault hit (between two heartbeats, the
+                moment is interpolated at the steps' rate: heartbeats come every 5 s, steps far faster).
 
 A job whose ranks never report through the SDK (no heartbeat ever shows a rank reporting or a step:
 ``NodeHeartbeat.ranks_reporting`` 0) has no step to resume at. Its incidents are measured on process
@@ -89,6 +91,8 @@ class Incident:
     """Nodes that started ranks of a generation newer than the fault's."""
     measure: Measure = "step"
     """How its recovery was measured: ``step`` (a reported step), ``process`` (a job without the SDK)."""
+    last_beat: tuple[datetime, int] | None = None
+    """The newest heartbeat of a restarted node since the job resumed, below the step at the fault."""
     candidate: tuple[int, datetime] | None = None
     """A job without the SDK: the newest generation all of whose ranks started, and when the last one did."""
     started_ranks: dict[int, set[int]] = field(default_factory=dict)
@@ -283,6 +287,10 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
         if started_at is None:
             continue
         if isinstance(p, FaultInjected) and open_ is None:
+            if p.params.get("at_step") is not None:
+                # It fires only when the rank reaches that step: the wait until then is not lost time, and
+                # its first failure signal (a hang's dated back by its own evidence) starts the incident.
+                continue
             open_ = Incident(at, f"injected {p.kind} on {p.node_id}", max_step, generation)
             incidents.append(open_)
         elif isinstance(p, IncidentOpened) and p.kind == "code_update" and open_ is None:
@@ -318,8 +326,11 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
                 if step > floor:
                     open_.marks.setdefault("resumed", at)
                 if step >= open_.step_at_fault and "resumed" in open_.marks:
-                    open_.marks["recovered"] = at
+                    open_.marks["recovered"] = back_at_step(open_.last_beat, (at, step), open_.step_at_fault,
+                                                            open_.marks["resumed"])
                     open_ = None
+                elif "resumed" in open_.marks:
+                    open_.last_beat = (at, step)
             max_step = max(max_step, step)
     if started_at is None or last_at is None:
         return None
@@ -330,6 +341,18 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     return EttrReport(started_at, end, tuple(incidents), tuple(generations),
                       tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])),
                       measure="step" if sdk_seen else "process")
+
+
+def back_at_step(before: tuple[datetime, int] | None, after: tuple[datetime, int], target: int,
+                 not_before: datetime) -> datetime:
+    """When the job was back at step ``target``: heartbeats come every few seconds, so between the last one
+    below it (``before``) and the first at or past it (``after``) the time is interpolated at the steps' rate
+    in between (training steps at a steady pace there: it is recomputing). Without ``before``, ``after``'s."""
+    at, step = after
+    if before is None or step <= before[1] or before[0] >= at:
+        return at
+    estimate = before[0] + (at - before[0]) * ((target - before[1]) / (step - before[1]))
+    return max(min(estimate, at), not_before)
 
 
 def _process_started(incident: Incident, p: RankStarted, at: datetime) -> None:

@@ -195,6 +195,8 @@ class NodeAgent:
         """How far this node's clock runs ahead of the controller's recorded clock, as the controller
         reported it (``NodeClockSkewed``): commands' expiries are judged on ``controller_time``."""
         self.last_round_heartbeat_s: float | None = None
+        self.stepping_announced_generation = -1
+        """The generation whose first step a heartbeat has already announced (the moment the job resumed)."""
         """When a heartbeat last carried a completed report round (monotonic s)."""
         self.held = False
         """The ranks were stopped on command (diagnostics, a replay) and wait for the next one: not "finished"."""
@@ -457,6 +459,12 @@ class NodeAgent:
                                 rounds_flowing=rounds_flowing)
         if due and round_done:
             self.last_round_heartbeat_s = monotonic_s
+        if self.stepping_announced_generation != self.generation and any(
+                s.generation == self.generation and s.step >= 0 for s in self.channel.ranks.values()):
+            # The first step of a generation goes out at once: it is when the job resumed after a restart,
+            # which ETTR and the incident timeline date by the heartbeat that shows it.
+            self.stepping_announced_generation = self.generation
+            due = True
         return due
 
     def _holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
