@@ -164,17 +164,6 @@ class Group:
             if launcher.process is not None and launcher.process.poll() is None:
                 launcher.process.send_signal(signal.SIGTERM)
 
-    def wait_gone(self, timeout_s: float) -> float | None:
-        """Until no process of this group is left (launchers and workers); when that was, or None if some
-        still ran after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(launcher.process is None or launcher.process.poll() is not None for _, launcher in self.launchers) \
-                    and not self.pids():
-                return time.time()
-            time.sleep(0.02)
-        return None
-
     def lines(self, since: float = 0.0) -> list[Line]:
         merged = [Line(at, node, text) for node, launcher in self.launchers for at, text in launcher.snapshot()
                   if at >= since]

@@ -24,14 +24,14 @@ from bench.recovery import (
 def test_a_checkpointed_requeue_splits_into_phases_that_add_up_to_the_time_to_new_code() -> None:
     phases = checkpointed_requeue_phases(order_at=100.0, saved_at=100.2, gone_at=101.5, main_at=110.0,
                                          resumed_at=113.0, back_at=113.0)
-    assert phases == {"save": 0.2, "exit": 1.3, "restart": 8.5, "setup_and_restore": 3.0, "recompute": 0.0}
+    assert phases == {"save": 0.2, "stop": 1.3, "restart": 8.5, "setup_and_restore": 3.0, "recompute": 0.0}
     assert sum(phases.values()) == pytest.approx(13.0)
 
 
 def test_a_missing_mark_moves_its_time_into_the_next_phase_and_the_total_is_kept() -> None:
     phases = checkpointed_requeue_phases(order_at=100.0, saved_at=None, gone_at=101.0, main_at=None,
                                          resumed_at=108.0, back_at=109.5)
-    assert phases == {"save": 0.0, "exit": 1.0, "restart": 0.0, "setup_and_restore": 7.0, "recompute": 1.5}
+    assert phases == {"save": 0.0, "stop": 1.0, "restart": 0.0, "setup_and_restore": 7.0, "recompute": 1.5}
     assert sum(v or 0.0 for v in phases.values()) == pytest.approx(9.5)
 
 
