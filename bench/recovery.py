@@ -95,7 +95,7 @@ costs at most 1.5x the flat cluster's (``NETNS_TARGET_RATIO``).
 **Corrected for packing** (derived, beside the raw figures): the 4 nodes share this host's cores, so a
 baseline's restart of 8 fresh interpreters (``import torch`` each) runs 4 nodes' work on the same CPUs,
 where real nodes restart in parallel on their own; Keel's forks from warm zygotes are cheap either way.
-``single_node_restarts``: each system's restart of a 1-node job (2 ranks, DP 1 x PP 2) alone on the host,
+``keel_single_node`` and ``baseline_single_node``: each system's restart of a 1-node job (2 ranks, DP 1 x PP 2) alone on the host,
 one rank crash (Keel: the same stack, restart in place; torchrun: its own worker restart; requeue: every
 process killed, a fresh launcher), its restart cost = restart + setup_and_restore phases. Then per
 system and kind (``packing_correction``): corrected = raw - (packed restart - single-node restart), the
@@ -109,8 +109,8 @@ of 8 ranks against 2 in the packed figure's favour or against (a 1-node job conn
 baselines' cost (``summarise`` says why).
 
 Targets: Keel loses >= 5x less time per incident than both baselines, for every kind (the ratios are
-the minimum over the measured kinds: crash and lost node; the hang's are derived). A trial that does not recover within its timeout is reported and makes the
-run exit 1 (the other systems still run; the JSON lists the failures and the scratch folder is kept).
+the minimum over the measured kinds: crash and lost node; the hang's are derived). A trial that does not
+recover within its timeout is reported and makes the run exit 1 (the other systems still run; the JSON lists the failures and the scratch folder is kept).
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def log(message: str) -> None:
 
 def rank_for(i: int, world: int = WORLD) -> int:
     """The rank trial ``i`` faults: 3, 5, 7, 1, ... (never rank 0, whose node hosts torchrun's rendezvous);
-    in a one-node job (``single_node_restarts``) rank 1."""
+    in a one-node job (``keel_single_node``, ``baseline_single_node``) rank 1."""
     return (2 * i + 3) % world
 
 
@@ -307,7 +307,7 @@ class KeelStack:
 
         self.servers, self.work, self.mode = servers, work, mode
         self.nodes = nodes
-        """Training nodes (``single_node_restarts`` runs one: its restart alone on the host's cores)."""
+        """Training nodes (``keel_single_node`` runs one: its restart alone on the host's cores)."""
         self.network = network
         """A host network (``keel.cluster.netns.NetworkPlan``): each node a host of its own; None: a flat cluster."""
         self.log = EventLog(servers)
@@ -681,7 +681,7 @@ class Chain:
     max_restarts: int
     persist_dir: Path = field(default=Path())
     nodes: int = NODES
-    """Simulated nodes, a launcher each (``single_node_restarts`` runs one)."""
+    """Simulated nodes, a launcher each (``baseline_single_node`` runs one)."""
     extra_args: tuple[str, ...] = ()
     """More workload arguments (``bench.hot_update``'s deploy by checkpoint: ``--save-on-sigterm``)."""
     fault_file: Path = field(init=False)
@@ -1128,7 +1128,8 @@ def summarise(mode: Mode, calibration: dict[str, Any] | None, young_n: tuple[int
 
 def packing_correction(result: dict[str, Any], single: dict[str, Any]) -> dict[str, Any]:
     """The figures corrected for packing (derived, beside the raw ones): each system's raw lost time less
-    what its restart cost over the same restart of one node alone (``single_node_restarts``)."""
+    what its restart cost over the same restart of one node alone (``keel_single_node``,
+    ``baseline_single_node``)."""
     alone = {system: single.get(system, {}).get("restart_s") for system in SYSTEMS}
     packed = {system: {kind: restart_cost_s(result["phases_s"][system].get(kind)) for kind in KINDS} for system in SYSTEMS}
     corrected: dict[str, dict[str, float | None]] = {}
