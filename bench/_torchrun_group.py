@@ -34,6 +34,8 @@ STEP = re.compile(r"^step (\d+) .*step_time_s ([0-9.]+) .*t_unix ([0-9.]+)")
 SETUP = re.compile(r"^keel\.workload: size .* setup_s ([0-9.]+) restore_s ([0-9.]+) t_unix ([0-9.]+)")
 RESTORED = re.compile(r"^keel\.workload: restored step (\d+) from (.*)")
 PERSIST = re.compile(r"^persist step (\d+) save_s ([0-9.]+)")
+SAVED = re.compile(r"^keel\.workload: saved step (\d+) on SIGTERM t_unix ([0-9.]+)")
+"""``--save-on-sigterm``: rank 0's line once every rank persisted the step the job stopped at."""
 
 
 @dataclass
@@ -154,6 +156,13 @@ class Group:
                     launcher.process.wait(timeout=5)
                 except Exception:  # noqa: BLE001 - already gone or unkillable: nothing more to do
                     pass
+
+    def terminate(self) -> None:
+        """Ask the job to stop as a scheduler's cancel or preemption does: SIGTERM to every launcher, which
+        forwards it to its workers and waits for them (torchrun's own 30 s grace, then SIGKILL)."""
+        for _, launcher in self.launchers:
+            if launcher.process is not None and launcher.process.poll() is None:
+                launcher.process.send_signal(signal.SIGTERM)
 
     def lines(self, since: float = 0.0) -> list[Line]:
         merged = [Line(at, node, text) for node, launcher in self.launchers for at, text in launcher.snapshot()

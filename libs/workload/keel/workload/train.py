@@ -35,6 +35,12 @@ then the ranks meet in one all-reduce of their save times (the step is saved onc
 rank 0 prints ``persist step S save_s C`` with the slowest rank's time). A run started with ``--persist-dir``
 that restored nothing from memory resumes from the newest step every rank has there (agreed by an
 all-reduce) and continues bitwise as the uninterrupted run would. Each rank keeps its two newest files.
+``--save-on-sigterm`` (with ``--persist-dir``) is a careful operator's deploy with that tooling (Megatron's
+``--exit-signal-handler``): SIGTERM (what ``scancel``, a preemption or ``kill`` of ``torchrun``, which
+forwards it to its workers, sends) only sets a flag; after every step the ranks agree on it in one
+one-element all-reduce, and at the first step where any rank saw it, every rank persists that step,
+rank 0 prints ``keel.workload: saved step S on SIGTERM t_unix T`` and the run ends cleanly (exit 0): the
+next launch, on new code, resumes from that step with nothing to recompute.
 Every step line ends with ``t_unix`` (wall clock when the step was done), for measuring recovery; rank 0's
 setup line gives ``setup_s`` (since ``main`` began), ``restore_s`` (of which restoring) and ``t_unix``.
 """
@@ -47,6 +53,7 @@ import hashlib
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -126,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--persist-dir", default=None, metavar="DIR",
                    help="folder of --persist-every's checkpoints (DIR/step-<s>/rank-<r>.shard); a run that restored "
                         "nothing from memory resumes from the newest step every rank saved there")
+    p.add_argument("--save-on-sigterm", action="store_true",
+                   help="on SIGTERM, every rank persists the step it is at to --persist-dir and exits cleanly "
+                        "(the ranks agree on the step with one all-reduce per step)")
     args = p.parse_args(argv)
     if args.batch % args.micro_batches:
         p.error(f"--batch {args.batch} is not divisible by --micro-batches {args.micro_batches}")
@@ -136,6 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--persist-every must be >= 0")
     if args.persist_every and not args.persist_dir:
         p.error("--persist-every needs --persist-dir")
+    if args.save_on_sigterm and not args.persist_dir:
+        p.error("--save-on-sigterm needs --persist-dir")
     return args
 
 
@@ -355,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.batch * cfg.seq_len
     loss = float("nan")
     last_step = restored
+    terminate = _TermFlag.install() if args.save_on_sigterm else None
     with session.phase("step"):
         for step in range(restored + 1, args.steps):
             t0 = time.monotonic()
@@ -382,9 +395,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"t_unix {time.time():.3f}", flush=True)
             if paced > 0:
                 time.sleep(paced)
-            if args.persist_every and (step + 1) % args.persist_every == 0:
+            persisted = bool(args.persist_every and (step + 1) % args.persist_every == 0)
+            if persisted:
                 _persist(ckpt, ctx, args.persist_dir, step)
             session.step_done(step, loss=loss, grad_norm=grad_norm, tokens=tokens)
+            if terminate is not None and terminate.agreed(ctx):
+                if not persisted:
+                    _persist(ckpt, ctx, args.persist_dir, step)
+                if ctx.rank == 0:
+                    print(f"keel.workload: saved step {step} on SIGTERM t_unix {time.time():.3f}", flush=True)
+                break
             if args.eval_every and (step + 1) % args.eval_every == 0:
                 with session.phase("eval"):
                     eval_loss = _evaluate(stage, ctx, dataset, args.batch, args.eval_steps, cfg.d_model)
@@ -399,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
               f"copy_mean_ms {st['copy_mean_s'] * 1e3:.3f} hash_mean_ms {st['hash_mean_s'] * 1e3:.3f}", flush=True)
     if args.save_final:
         ckpt.save_file(f"{args.save_final}.rank{ctx.rank}", step=last_step)
-    if ctx.rank == 0:
+    if ctx.rank == 0 and not (terminate is not None and terminate.seen_by_all):
         print(f"done steps {args.steps} final_loss {loss:.6f} wall_s {time.monotonic() - start_s:.2f}", flush=True)
     session.done()
     if ctx.distributed:
@@ -466,6 +486,33 @@ def _sdc_replay(spec: keel.protocol.replay.ReplaySpec, session: keel.sdk.Session
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+class _TermFlag:
+    """``--save-on-sigterm``: the handler only records the signal; ``agreed`` turns it into a decision every
+    rank takes at the same step (signals reach the ranks at different moments, a save must be of one step)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.seen_by_all = False
+        """The ranks agreed to stop: the run ends early (no ``done steps`` line)."""
+
+    @classmethod
+    def install(cls) -> _TermFlag:
+        flag = cls()
+
+        def on_term(signum: int, frame: Any) -> None:
+            flag.seen = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        return flag
+
+    def agreed(self, ctx: _Ctx) -> bool:
+        seen = torch.tensor([1 if self.seen else 0], dtype=torch.int64)
+        if ctx.distributed:
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        self.seen_by_all = bool(seen[0])
+        return self.seen_by_all
 
 
 def _persist_path(root: str, step: int, rank: int) -> str:
