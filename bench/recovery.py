@@ -34,11 +34,11 @@ Systems, one after the other on the same machine (Keel first, then the baselines
   promotion; a hang: the inspector's step timeout, then rung 3: the analyzer aggregates every process's
   py-spy stack and names the hung rank's pipeline group, which is evicted for the standby); the ranks
   restore from memory (the promoted node from its peer copies). Production settings (``ControllerSettings`` defaults: 60 s
-  diagnostics timeout, 30 s heartbeat silence; heartbeats every 5 s; the inspector's 25 s step-timeout
-  floor), the same in every trial, except ``KEEL_CONTROLLER__STANDBY_MIN=1`` (the binomial model sizes
+  diagnostics timeout, 30 s heartbeat silence; heartbeats every 5 s; the inspector's defaults: a rank
+  stuck in a collective for max(5 s, 5 x p99 wait), the 25 s step-timeout floor), the same in every trial, except ``KEEL_CONTROLLER__STANDBY_MIN=1`` (the binomial model sizes
   the pool of a 4-node job to 0: keep one warm standby), ``KEEL_CONTROLLER__MAX_EVICTION_FRACTION=1.0``
   (the default 10 % allows a 4-node job one eviction an hour: the second lost node of the run would trip
-  the breaker) and, in ``--quick`` only, a 5 s step-timeout floor. Before each fault the bench waits
+  the breaker). Before each fault the bench waits
   until the previous incident is resolved and a heartbeat shows the job past it (else the controller
   would see the same failure twice in a row: rung 4), every node's zygote is ready, and, for a lost node
   or a hang, until a standby is ready.
@@ -170,7 +170,7 @@ class Mode:
     possible, with the recomputation corrected to the mean of a uniform fault time (``--quick``)."""
 
 
-QUICK = Mode("quick", keel_trials=1, baseline_trials=1, floor="5s", diagnostics_timeout=None, calibration_persists=5,
+QUICK = Mode("quick", keel_trials=1, baseline_trials=1, floor=None, diagnostics_timeout=None, calibration_persists=5,
              measured={"torchrun": ("crash", "node-lost"), "requeue": ()}, stratified=False)
 FULL = Mode("full", keel_trials=3, baseline_trials=3, floor=None, diagnostics_timeout=None, calibration_persists=12,
             measured={"torchrun": KINDS, "requeue": KINDS}, stratified=True)
