@@ -43,7 +43,6 @@ import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -57,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench._provenance import provenance as _provenance  # noqa: E402
 from bench._servers import Servers, scratch_dir  # noqa: E402
 
 TARGETS = {
@@ -365,11 +365,8 @@ async def measure_recorder_lag(servers: Servers, home: Path, duration_s: float, 
 
 
 def provenance(argv: list[str], module: str = "bench.control_plane") -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
-    return {"commit": commit + ("-dirty" if dirty else ""), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "cores": os.cpu_count(), "command": " ".join([f"python -m {module}", *argv])}
+    """Kept here for ``bench.recovery``'s import; the fields are ``bench._provenance``'s."""
+    return _provenance(argv, module)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
