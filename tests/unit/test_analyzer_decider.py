@@ -121,3 +121,12 @@ def test_shipped_frames_parse_once_per_text_and_keep_their_parts() -> None:
     assert frame_of(text).short_filename == "torch/distributed/distributed_c10d.py"
     assert frame_of("odd frame (no line)").line == 0
     assert frame_of("f (/tmp/tmpab12/g.py:7)").short_filename == "/tmp/tmpab12/g.py"
+
+
+def test_a_big_round_names_the_first_nodes_it_waits_for_and_counts_the_rest() -> None:
+    from keel.analyzer.core import _listed
+
+    assert _listed(["n2", "n0", "n1"]) == "n0, n1, n2"
+    many = [f"n{i:04d}" for i in range(8192)]
+    text = _listed(set(many))
+    assert text.startswith("n0000, n0001") and text.endswith("n0007 and 8184 more")
