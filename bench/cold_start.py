@@ -366,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100000,1000000")
+    parser.add_argument("--smoke", action="store_true",
+                        help="seconds: histories of 11,000 and 12,000 events (a check that it works)")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes = "11000,12000"  # just over the live job's 10,000 events: 1,000 and 2,000 of history
     servers = Servers(log=log, prefix="keel-cold-")
     servers.start()
     try:
@@ -375,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         results = asyncio.run(measure_cold_start(servers, servers.root, tuple(int(s) for s in args.sizes.split(","))))
     finally:
         servers.stop()
+    from bench._provenance import provenance
+
+    results = {**provenance(list(sys.argv[1:] if argv is None else argv), "bench.cold_start"), "smoke": args.smoke,
+               **results}
     print(json.dumps({k: v for k, v in results.items() if k != "cold_start_detail"}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")

@@ -43,7 +43,6 @@ import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -57,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench._provenance import provenance as _provenance  # noqa: E402
 from bench._servers import Servers, scratch_dir  # noqa: E402
 
 TARGETS = {
@@ -82,6 +82,12 @@ class Sizes:
 # registrations and placements are inputs that keep a job's clock at its busy rate for that long.
 QUICK = Sizes(steady_settle_s=70.0, steady_measure_s=60.0, lag_measure_s=30.0)
 FULL = Sizes(steady_settle_s=90.0, steady_measure_s=300.0, lag_measure_s=300.0)
+# --smoke (seconds, for the tests): the lag at a 3 s period only. The steady part needs a local training
+# cluster that takes minutes to start on two cores; the cold start has its own smoke run
+# (``python -m bench.cold_start --smoke``), the same code at tiny histories, so it is not run twice.
+SMOKE = Sizes(steady_settle_s=0.0, steady_measure_s=0.0, lag_measure_s=3.0)
+SMOKE_PARTS = "lag"
+COLD_START_SIZES_SMOKE = (11_000, 12_000)  # 1,000 and 2,000 events of history before the 10,000 of the live job
 
 
 def log(message: str) -> None:
@@ -365,17 +371,14 @@ async def measure_recorder_lag(servers: Servers, home: Path, duration_s: float, 
 
 
 def provenance(argv: list[str], module: str = "bench.control_plane") -> dict[str, Any]:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
-    return {"commit": commit + ("-dirty" if dirty else ""), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "cores": os.cpu_count(), "command": " ".join([f"python -m {module}", *argv])}
+    """Kept here for ``bench.recovery``'s import; the fields are ``bench._provenance``'s."""
+    return _provenance(argv, module)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    sizes = QUICK if args.quick else FULL
+    sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
     only = set(args.only.split(","))
-    results: dict[str, Any] = {"quick": args.quick}
+    results: dict[str, Any] = {"quick": args.quick, "smoke": args.smoke}
     servers = Servers(modes=("sync_always",), log=log, prefix="keel-bench-cp-")
     work = scratch_dir("keel-bench-cp-work-")
     began = time.perf_counter()
@@ -403,7 +406,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if "cold" in only:
             from bench.cold_start import measure_cold_start
 
-            cold = await measure_cold_start(servers, work, COLD_START_SIZES)
+            cold = await measure_cold_start(servers, work, COLD_START_SIZES_SMOKE if args.smoke else COLD_START_SIZES)
             results.update(cold)
             log(f"cold start: {', '.join(f'{int(k):,} events {v:.2f} s' for k, v in cold['cold_start_s'].items())}; "
                 f"growth {cold['cold_start_growth']:.2f}")
@@ -426,10 +429,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter measured periods; under five minutes")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="shorter measured periods; under five minutes")
+    size.add_argument("--smoke", action="store_true", help=f"seconds: only {SMOKE_PARTS}, tiny sizes (a check that it works)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    parser.add_argument("--only", default="steady,lag,cold", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--only", default=None, help="comma-separated parts to run (default: all; --smoke: lag)")
     args = parser.parse_args(argv)
+    if args.only is None:
+        args.only = SMOKE_PARTS if args.smoke else "steady,lag,cold"
     results = {**provenance(argv), **asyncio.run(run(args))}
     if args.json:
         path = Path(args.json)

@@ -105,3 +105,28 @@ def test_a_silent_node_is_missing_evidence_at_the_deadline_never_healthy() -> No
     assert any(m.startswith("rank 1 (pid 99): n0: py-spy failed") for m in v.missing), v.missing
     assert not v.conclusive, v  # three of four ranks unseen: nothing to evict on this evidence
     assert verdict.correlation_id == job.incident
+
+
+def test_shipped_frames_parse_once_per_text_and_keep_their_parts() -> None:
+    # The analyzer parses every frame of every process of a round; equal texts (most of a big job's)
+    # must give one shared, immutable Frame, and each text its own parts.
+    from keel.analyzer.rung3 import frame_of, process_of
+    from keel.events.types import CapturedProcess, CapturedThread
+
+    text = "all_reduce (torch/distributed/distributed_c10d.py:2806)"
+    a, b = (process_of(CapturedProcess(pid=pid, rank=rank, threads=[CapturedThread(os_thread_id=pid, frames=[text])]))
+            for pid, rank in ((10, 0), (11, 1)))
+    assert a.threads[0].frames[0] is b.threads[0].frames[0]
+    assert frame_of(text).name == "all_reduce" and frame_of(text).line == 2806
+    assert frame_of(text).short_filename == "torch/distributed/distributed_c10d.py"
+    assert frame_of("odd frame (no line)").line == 0
+    assert frame_of("f (/tmp/tmpab12/g.py:7)").short_filename == "/tmp/tmpab12/g.py"
+
+
+def test_a_big_round_names_the_first_nodes_it_waits_for_and_counts_the_rest() -> None:
+    from keel.analyzer.core import _listed
+
+    assert _listed(["n2", "n0", "n1"]) == "n0, n1, n2"
+    many = [f"n{i:04d}" for i in range(8192)]
+    text = _listed(set(many))
+    assert text.startswith("n0000, n0001") and text.endswith("n0007 and 8184 more")

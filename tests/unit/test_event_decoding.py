@@ -137,3 +137,47 @@ def test_any_json_in_any_payload_field_of_any_version_decodes_or_raises_invalid_
             decode_event(raw, max_bytes=MAX)
         except InvalidEvent as exc:
             assert exc.reason
+
+
+def _stacks_like(processes: int) -> bytes:
+    """An envelope as wide as a node's stacks: thousands of objects, a few levels deep."""
+    doc = envelope()
+    doc["payload"]["evidence"] = {"processes": [{"pid": i, "threads": [{"frames": [f"f{j} (x.py:{j})" for j in range(30)]}
+                                                                        for _ in range(4)]} for i in range(processes)]}
+    return wire(doc)
+
+
+def test_a_wide_shallow_message_skips_the_strict_parse() -> None:
+    from keel.events.envelope import _suspect
+
+    raw = _stacks_like(100)
+    assert raw.count(b"{") + raw.count(b"[") > 10 * MAX_JSON_DEPTH  # what once sent it down the strict path
+    assert not _suspect(raw)
+    assert decode_event(raw, max_bytes=MAX).payload.evidence["processes"][99]["pid"] == 99  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH // 2 - 1, MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 5_000])
+def test_the_depth_test_never_passes_what_is_too_deep(depth: int) -> None:
+    from keel.events.envelope import _shallow
+
+    # Alternating kinds, the worst case for the pass count ({[]} goes in one pass), beside many siblings.
+    opening = b"".join(b"[" if i % 2 else b'{"a":' for i in range(depth))
+    closing = b"".join(b"]" if i % 2 else b"}" for i in reversed(range(depth)))
+    raw = b"[" + b"[1]," * 200 + opening + b"1" + closing + b"]"
+    # Shallow enough passes; near the limit it may answer "not shallow" (the strict parse then decides);
+    # deeper than the limit it never passes.
+    if depth + 1 <= MAX_JSON_DEPTH // 2:
+        assert _shallow(raw)
+    if depth + 1 > MAX_JSON_DEPTH:
+        assert not _shallow(raw)
+        assert "nested deeper" in reason(raw)
+
+
+def test_brackets_in_strings_that_do_not_pair_take_the_strict_path() -> None:
+    from keel.events.envelope import _suspect
+
+    doc = envelope()
+    doc["payload"]["evidence"] = {"lines": [["a ] b"]] * 100}  # more openers than the limit, and lone closers
+    raw = wire(doc)
+    assert _suspect(raw)  # cautious, not wrong: it still decodes
+    assert decode_event(raw, max_bytes=MAX).payload.evidence["lines"][0] == ["a ] b"]  # type: ignore[attr-defined]

@@ -20,8 +20,9 @@
 
 from __future__ import annotations
 
+import heapq
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
@@ -117,6 +118,13 @@ class AnalyzerState:
     replays: Mapping[tuple[str, int], ReplayRound] = field(default_factory=dict)
     """(job, round) -> an open replay round (judged rounds are dropped)."""
     localising: Mapping[str, Localising] = field(default_factory=dict)
+
+
+def _listed(names: Collection[str], limit: int = 8) -> str:
+    """The first ``limit`` names (in order) and how many more. A round of 8,192 nodes once sorted and listed
+    every node still missing in the reason of every part's decision: 15 s of a 65,536-rank round."""
+    head = ", ".join(heapq.nsmallest(limit, names))
+    return head if len(names) <= limit else f"{head} and {len(names) - limit} more"
 
 
 class AnalyzerDecider:
@@ -221,8 +229,8 @@ class AnalyzerDecider:
             if current is None or p.request_id != current.request_id:
                 return Decision.nothing(f"stacks of {p.node_id} for round {p.round}, which is not open: recorded")
             if not current.complete():
-                waiting = sorted(n for n in current.nodes if n not in current.parts)
-                return Decision.nothing(f"round {p.round}: stacks of {p.node_id} in; waiting for {', '.join(waiting) or 'parts'}")
+                return Decision.nothing(f"round {p.round}: stacks of {p.node_id} in; waiting for "
+                                        f"{_listed(current.nodes - current.parts.keys()) or 'parts'}")
             return self._judge(state, event.job_id, current, late=())
         if isinstance(p, SdcReplayCompleted):
             replay = state.replays.get((event.job_id, p.round))

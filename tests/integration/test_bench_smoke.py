@@ -1,0 +1,83 @@
+"""Every benchmark's ``--smoke`` run, in a subprocess as a user runs it, so none rots between full runs.
+
+Each starts its own real servers (NATS, PostgreSQL, from the embedded wheels) and real processes, at
+tiny sizes; the assertions are on the keys the docs and results files rely on and on their sanity (a
+rate is a positive number, a verdict is right, the provenance is there), not on targets, which tiny
+sizes on a shared machine cannot meet. A case is (module, the keys it must write, a check of the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PROVENANCE = ("commit", "date", "cores", "cpu_model", "python", "torch", "command")
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def analyzer_sane(r: dict[str, Any]) -> None:
+    assert [row["ranks"] for row in r["whole_path_by_ranks"]] == [128, 512]
+    for row in r["whole_path_by_ranks"]:
+        assert row["correct"], row["verdict"]  # the culprits found, through the whole path
+        assert all(positive(row[k]) for k in ("decode_s", "judge_s", "total_s", "parse_s", "wire_mb"))
+        assert row["total_s"] >= row["decode_s"] + row["judge_s"]
+    assert r["replays_by_machines"] == {"24": 2} and r["sdc_all_correct"] == {"24": True}
+    assert positive(r["capture_s_node"]) and r["capture_processes"] == 4
+
+
+def bus_sane(r: dict[str, Any]) -> None:
+    for mode in ("sync_always", "sync_default"):
+        assert positive(r["raw_jetstream_eps"][mode]) and positive(r["persisted_eps"][mode])
+        assert r["raw_jetstream_window"][mode] in (256, 300, 1000)  # the best of the windows tried, each <= the count
+    assert positive(r["raw_copy_rps"]) and positive(r["sa_insert_rps"])
+    assert positive(r["p99_ms"]) and r["latency_lost"] == 0
+    assert r["replay_events"] >= 4000 and positive(r["replay_eps"]) and positive(r["replay_verify_eps"])
+    # The realistic log: the deciders decided, and the replay found every decision again (else it raises).
+    assert r["replay_decisions_verified"]["controller"] >= 10
+    assert r["replay_decisions_verified"]["checkpoint-broker"] >= 10
+    assert r["replay_log_by_kind"]["controller:IncidentOpened"] == 2
+
+
+def control_plane_sane(r: dict[str, Any]) -> None:
+    assert positive(r["recorder_lag_p99_s"]) and r["recorder_lag_p99_s"] < 60
+    assert r["recorder_lag"]["lost"] == 0 and r["recorder_lag"]["events"] > 100
+
+
+def cold_start_sane(r: dict[str, Any]) -> None:
+    assert set(r["cold_start_s"]) == {"11000", "12000"}
+    assert all(positive(v) and v < 120 for v in r["cold_start_s"].values())
+    assert positive(r["cold_start_growth"])
+
+
+CASES: list[tuple[list[str], tuple[str, ...], Callable[[dict[str, Any]], None]]] = [
+    (["-m", "bench.analyzer"], ("whole_path_by_ranks", "whole_path_s_16k", "targets"), analyzer_sane),
+    (["bench/bus.py"], ("raw_jetstream_eps", "persisted_eps", "replay_eps", "targets"), bus_sane),
+    (["-m", "bench.control_plane"], ("recorder_lag_p99_s", "targets"), control_plane_sane),
+    (["-m", "bench.cold_start"], ("cold_start_s", "cold_start_growth"), cold_start_sane),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("command", "keys", "sane"), CASES, ids=[c[0][-1] for c in CASES])
+def test_a_benchmark_smoke_run_writes_sane_figures(tmp_path: Path, command: list[str], keys: tuple[str, ...],
+                                                    sane: Callable[[dict[str, Any]], None]) -> None:
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, *command, "--smoke", "--json", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=230, check=False)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    result = json.loads(out.read_text())
+    missing = [k for k in (*PROVENANCE, *keys) if k not in result]
+    assert not missing, f"missing keys {missing}"
+    assert "--smoke" in result["command"] and result["cores"] >= 1
+    sane(result)
