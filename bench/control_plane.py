@@ -369,7 +369,19 @@ def provenance(argv: list[str], module: str = "bench.control_plane") -> dict[str
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                 capture_output=True, text=True).stdout.strip())
     return {"commit": commit + ("-dirty" if dirty else ""), "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "cores": os.cpu_count(), "command": " ".join([f"python -m {module}", *argv])}
+            "cores": os.cpu_count(), "cpu_model": cpu_model(), "command": " ".join([f"python -m {module}", *argv])}
+
+
+def cpu_model() -> str | None:
+    """The CPU's ``model name`` from ``/proc/cpuinfo`` (None where there is none): timings mean little without it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
