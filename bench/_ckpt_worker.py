@@ -241,8 +241,13 @@ class Job:
         self.optimizer.load_state_dict(sd["optimizer"])
 
     def same_weights(self, other: Job) -> bool:
+        """Bitwise the same model and optimizer state (every AdamW moment and step count)."""
         a, b = self.module.state_dict(), other.module.state_dict()
-        return all(self.torch.equal(a[k], b[k]) for k in a)
+        if a.keys() != b.keys() or not all(self.torch.equal(a[k], b[k]) for k in a):
+            return False
+        sa, sb = self.optimizer.state_dict()["state"], other.optimizer.state_dict()["state"]
+        return sa.keys() == sb.keys() and all(
+            sa[i].keys() == sb[i].keys() and all(self.torch.equal(sa[i][k], sb[i][k]) for k in sa[i]) for i in sa)
 
 
 # -- variants --------------------------------------------------------------------------------------
@@ -441,6 +446,18 @@ def make_variant(name: str, job: Job, args: argparse.Namespace) -> Variant:
     return variant
 
 
+def checkpointed_steps(job: Job, variant: Variant, step: int, count: int) -> int:
+    """``count`` unmeasured steps, each checkpointed, then drained: returns the last step's number."""
+    for _ in range(count):
+        step += 1
+        job.step()
+        variant.save(step)
+        variant.extra_blocking()
+    variant.drain()
+    variant.sync_agent()
+    return step
+
+
 # -- main ------------------------------------------------------------------------------------------
 
 
@@ -465,14 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         variant.setup()
         result["setup_s"] = time.perf_counter() - t0
-        step = 0
-        for _ in range(args.warmup):
-            step += 1
-            job.step()
-            variant.save(step)
-            variant.extra_blocking()
-        variant.drain()
-        variant.sync_agent()
+        step = checkpointed_steps(job, variant, 0, args.warmup)
 
         # Measured: rounds of one checkpointed block and one plain block of --block steps each, in
         # ABBA order (ckpt, plain, plain, ckpt, ...), so that the machine's drift and noisy neighbours
@@ -528,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt_block_s += time.perf_counter() - b0
                 ckpt_block_steps += args.block + 1
                 round_ckpt.append(time.perf_counter() - b0)
+        # One more checkpointed step, drained: the job's state is then exactly the newest checkpoint's, so
+        # each restore below can be checked bitwise against it (the measured loop ends with plain steps).
+        step = checkpointed_steps(job, variant, step, 1)
         result["last_step"] = step
         shm = allocated_bytes(variant.shm_paths())
         anon = anon_bytes_tree() - anon0
