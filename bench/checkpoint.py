@@ -31,9 +31,9 @@ round of one checkpointed and one plain block; the median over the rounds, robus
 outside load in one block). A
 checkpointed block ends with one plain step (the last save's background work overlaps it as every
 save's overlaps the next step) and then waits, timed, for what is still running (DCP's future,
-Keel's copy), so no checkpoint work escapes it (for Keel as shipped the agent's last transfer of a
-block finishes untimed before the next block: about one transfer in ``--block`` is not charged; the
-agent's CPU time is printed). The ``none`` variant's two kinds of blocks are both plain: its "retention" is the noise
+Keel's copy, and for Keel as shipped the agent's transfer or persist still running: that wait is
+charged in full although in steady state it would overlap the next steps, so it over-charges, never
+under; the agent's CPU time is printed), so no checkpoint work escapes it. The ``none`` variant's two kinds of blocks are both plain: its "retention" is the noise
 floor. Retention against the separate ``none`` run is printed too ("vs none").
 
 Figures per variant: steps/s and throughput retention, per-step overhead (ms), blocking time of the
@@ -41,7 +41,9 @@ training thread in checkpointing (mean, p99), host memory per rank (growth of an
 the rank and its children, plus the shared-memory files it keeps; for Keel as shipped plus the peer
 backup its node holds for another rank). Restore per tier: Keel from its memory slot, from the peer
 (gRPC fetch of the backup + load), from the persistent tier (its shard file, evicted from the page
-cache first); the baselines' restores for comparison (``torch.load`` of the ``torch.save`` file, also
+cache first); every restore is the median of ``--restore-repeats`` (5) into a fresh model, checked
+bitwise against the newest checkpoint, its verification included (Keel's memory figure: the rank
+hashing the slot, not trusting the agent's inventory hash); the baselines' restores for comparison (``torch.load`` of the ``torch.save`` file, also
 evicted first; DCP's ``load``; DLRover's load from its shared memory).
 
 DLRover runs under ``torchrun`` (as its documentation has it: the engine forks its saver process from
@@ -50,10 +52,13 @@ second torch import per variant, and their process layout is otherwise the same)
 
 Targets (this CPU machine): Keel throughput retention ≥ 95%; blocking ≥ 20× lower than torch.save and
 ≥ 3× lower than async_save; per-step overhead (wall time) of Keel without peer backup no higher than
-DLRover's; restore from local memory ≥ 3× faster than from disk. Printed as MET / NOT MET; the exit
+DLRover's; restore from local memory ≥ 3× faster than from disk, and (verification included) no slower than
+DLRover's from its shared memory. Printed as MET / NOT MET; the exit
 status is 0 either way (1 only when a variant failed to run).
 
-``--quick`` (under two minutes on an idle machine): 10 + 10 steps in blocks of 5, which is indicative
+``--smoke`` (about 15 s): the tiny model, 2 + 2 steps, variants torch_save, dlrover (skipped, and said so,
+when not installed) and keel, 2 restores per tier; it checks the bench runs and its figures are sane
+(``tests/integration/test_bench_smoke.py``), targets are not judged. ``--quick`` (under two minutes on an idle machine): 10 + 10 steps in blocks of 5, which is indicative
 only (its noise is several percent); the full run measures 60 + 60 in blocks of 10. ``--json PATH`` writes every figure (the keys listed in
 ``JSON_KEYS`` first, then the per-variant details).
 """
@@ -84,9 +89,12 @@ ORDER = ("none", "torch_save", "dcp_async", "dlrover", "keel_nobackup", "keel")
 JSON_KEYS = (
     "retention", "blocking_ms_keel", "blocking_ms_torch_save", "blocking_ms_dcp_async", "blocking_ratio_vs_torch_save",
     "blocking_ratio_vs_dcp_async", "blocking_ms_dlrover", "overhead_ms_keel_nobackup", "overhead_ms_keel",
-    "overhead_ms_dlrover", "restore_s_memory", "restore_s_peer", "restore_s_disk", "host_bytes_per_rank",
+    "overhead_ms_dlrover", "restore_s_memory", "restore_s_dlrover_memory", "restore_s_peer", "restore_s_disk",
+    "restore_verified", "host_bytes_per_rank",
 )
 TARGETS = {"retention": 0.95, "vs_torch_save": 20.0, "vs_dcp_async": 3.0, "restore_memory_vs_disk": 3.0}
+# --smoke: seconds, not minutes; it checks that the bench runs end to end and its figures are sane, not the figures.
+SMOKE_VARIANTS = ("torch_save", "dlrover", "keel")
 VARIANT_TIMEOUT_S = 600
 
 
@@ -97,6 +105,9 @@ def log(message: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (under two minutes)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds: the tiny model, a few steps, variants torch_save,dlrover,keel (DLRover skipped when "
+                        "not installed); for the test that keeps the bench from rotting, not for figures")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     p.add_argument("--size", default="bench", help="model size: bench (default, ~64 MB of state), tiny, small, medium")
     p.add_argument("--batch", type=int, default=4)
@@ -111,11 +122,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backup-rate", type=float, default=None,
                    help="keel: cap the peer backup stream at this many MB/s (default: uncapped, as the agent ships)")
     p.add_argument("--variants", default=",".join(ORDER), help="comma-separated subset of " + ",".join(ORDER))
+    p.add_argument("--restore-repeats", type=int, default=None,
+                   help="restores timed per tier and variant, each into a fresh model (median reported; default 5, "
+                        "--smoke 2)")
     p.add_argument("--keep", action="store_true", help="keep the scratch folders")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        if args.size == "bench":
+            args.size = "tiny"
+        if args.variants == ",".join(ORDER):
+            args.variants = ",".join(SMOKE_VARIANTS)
+        args.steps = args.steps or 2
+        args.warmup = args.warmup or 1
+        args.block = args.block or 1
+        args.restore_repeats = args.restore_repeats or 2
+        args.persist_every = min(args.persist_every, 2)  # so that the disk tier is written, and restored
     args.steps = args.steps or (10 if args.quick else 60)
     args.warmup = args.warmup or (2 if args.quick else 5)
     args.block = args.block or (5 if args.quick else 10)
+    args.restore_repeats = args.restore_repeats or 5
+    if args.restore_repeats < 1:
+        p.error(f"--restore-repeats must be at least 1, got {args.restore_repeats}")
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(args.variant_list) - set(ORDER))
     if unknown:
@@ -165,7 +193,7 @@ def run_variant(variant: str, tag: str, args: argparse.Namespace, scratch: Path,
     worker_args = ["-m", "bench._ckpt_worker", "--variant", variant, "--out", str(out), "--size", args.size,
                    "--batch", str(args.batch), "--threads", str(args.threads), "--warmup", str(args.warmup),
                    "--steps", str(args.steps), "--block", str(args.block), "--scratch", str(work),
-                   "--shm-dir", str(node_dir)]
+                   "--shm-dir", str(node_dir), "--restore-repeats", str(args.restore_repeats)]
     env = _env(args)
     if variant == "dlrover":
         # DLRover as documented: under torchrun (its engine then forks its saver process from local rank 0).
@@ -307,8 +335,17 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
         "overhead_ms_keel": _get(per, "keel", "overhead_ms"),
         "overhead_ms_dlrover": _get(per, "dlrover", "overhead_ms"),
         "restore_s_memory": keel.get("restore_s_memory", nob.get("restore_s_memory")),
+        "restore_s_dlrover_memory": _get(ok, "dlrover", "restore_s_dlrover_memory"),
         "restore_s_peer": keel.get("restore_s_peer"),
         "restore_s_disk": keel.get("restore_s_disk"),
+        # Per restore measured: whether every timed restore came back bitwise equal (weights, step), its
+        # verification included in the time. None: not measured (variant skipped or failed).
+        "restore_verified": {name: value for name, value in (
+            ("keel_memory", keel.get("restore_memory_ok", nob.get("restore_memory_ok"))),
+            ("keel_peer", keel.get("restore_peer_ok")), ("keel_disk", keel.get("restore_disk_ok")),
+            ("torch_load", _get(ok, "torch_save", "restore_torch_load_ok")),
+            ("dcp", _get(ok, "dcp_async", "restore_dcp_ok")),
+            ("dlrover_memory", _get(ok, "dlrover", "restore_dlrover_ok"))) if value is not None},
         # Keel as shipped, per rank: its process's growth + its slots + the backup its node holds for a peer
         # rank (every node holds one backup per peer rank, so per rank it is one shard) + the growth of
         # the node agent's process (one rank per node here, so all of it is this rank's).
@@ -328,7 +365,14 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
         "restore_s_memory_nobackup": nob.get("restore_s_memory"),
         "restore_s_torch_load": _get(ok, "torch_save", "restore_s_torch_load"),
         "restore_s_dcp": _get(ok, "dcp_async", "restore_s_dcp"),
-        "restore_s_dlrover_memory": _get(ok, "dlrover", "restore_s_dlrover_memory"),
+        "restore_s_memory_agent_verified": keel.get("restore_s_memory_agent_verified",
+                                                    nob.get("restore_s_memory_agent_verified")),
+        "restore_verify_s_memory_agent": keel.get("restore_verify_s_memory", nob.get("restore_verify_s_memory")),
+        "restore_s_runs": {k.removeprefix("restore_s_").removesuffix("_runs"): v for r in ok.values()
+                           for k, v in r.items() if k.startswith("restore_s_") and k.endswith("_runs")},
+        "restore_memory_vs_dlrover": _ratio(keel.get("restore_s_memory", nob.get("restore_s_memory")),
+                                            _get(ok, "dlrover", "restore_s_dlrover_memory")),
+        "agent_sync_ms_keel": _get(ok, "keel", "agent_sync_ms", "mean"),
         "restore_peer_fetch_s": keel.get("restore_peer_fetch_s"),
         "restore_disk_evicted": keel.get("restore_disk_evicted"),
         "restore_memory_vs_disk": _ratio(keel.get("restore_s_disk"), keel.get("restore_s_memory", nob.get("restore_s_memory"))),
@@ -345,7 +389,7 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
         "variants": per,
         "skipped": skipped,
         "failed": {tag: r.get("error") for tag, r in results.items() if not r.get("ok")},
-        "config": {"mode": "quick" if args.quick else "full", "size": args.size, "batch": args.batch,
+        "config": {"mode": "smoke" if args.smoke else "quick" if args.quick else "full", "restore_repeats": args.restore_repeats, "size": args.size, "batch": args.batch,
                    "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
                    "persist_every": args.persist_every, "backup_rate_mb_s": args.backup_rate, "cpus": os.cpu_count(), "world_size": 1},
         "versions": _versions(),
@@ -402,7 +446,8 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
               f"{_fmt(p['retention_vs_none_run'], '.1%'):>9}{_fmt(p['overhead_ms'], '+.1f'):>13}"
               f"{p['blocking_ms_mean']:>13.2f}{p['blocking_ms_p99']:>8.2f}{_fmt(mb(host), '.1f'):>14}")
     print()
-    print("restore (load into a fresh model + optimizer):")
+    print(f"restore (median of {fig['config']['restore_repeats']} into a fresh model + optimizer each; "
+          "Keel's figures include their SHA-256 check):")
     rows = [("keel, local memory slot", fig["restore_s_memory"]), ("keel, peer (gRPC fetch + load)", fig["restore_s_peer"]),
             ("keel, persistent tier (disk)", fig["restore_s_disk"]), ("torch.load of the torch.save file", fig["restore_s_torch_load"]),
             ("DCP load", fig["restore_s_dcp"]), ("DLRover, shared memory", fig["restore_s_dlrover_memory"])]
@@ -454,7 +499,16 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
           f"{_fmt(v, '.1f', '×')} (memory {_fmt(ms(fig['restore_s_memory']), '.1f', ' ms')}, "
           f"disk {_fmt(ms(fig['restore_s_disk']), '.1f', ' ms')}"
           f"{'' if fig.get('restore_disk_evicted') in (None, True) else ', page cache NOT evicted'})")
+    a, b = fig["restore_s_memory"], fig["restore_s_dlrover_memory"]
+    check("restore from local memory (verified) no slower than DLRover's", None if a is None or b is None else a,
+          a is not None and b is not None and a <= b,
+          f"keel {_fmt(ms(a), '.1f', ' ms')} (SHA-256 included) vs DLRover {_fmt(ms(b), '.1f', ' ms')} (no check); "
+          f"keel trusting the agent's hash {_fmt(ms(fig['restore_s_memory_agent_verified']), '.1f', ' ms')}, "
+          f"that hash alone {_fmt(ms(fig['restore_verify_s_memory_agent']), '.1f', ' ms')}")
     print()
+    if fig["config"]["mode"] == "smoke":
+        print("targets: not judged in a smoke run (tiny model, a few steps: it proves the bench runs, not the figures)")
+        return checks
     print("targets:")
     for name, ok, detail in checks:
         verdict = "n/a (not measured)" if ok is None else ("MET" if ok else "NOT MET")
@@ -476,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     skipped: dict[str, str] = {}
     if "dlrover" in args.variant_list and importlib.util.find_spec("dlrover") is None:
         skipped["dlrover"] = "not installed: pip install 'dlrover[torch]' (benchmark-only; `make bench-checkpoint` does)"
+        log("DLRover is not installed: its variant is skipped, and with it the restore comparison against it "
+            "(benchmark-only dependency; `make bench-checkpoint` installs it)")
     if any(v.startswith("keel") for v in args.variant_list) and importlib.util.find_spec("keel.sdk.checkpoint") is None:
         for v in ("keel_nobackup", "keel"):
             skipped[v] = "keel.sdk.checkpoint is not available"
@@ -483,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     shm_root = Path(tempfile.mkdtemp(prefix="keel-bench-ckpt-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     plan = [v for v in ORDER if v in args.variant_list and v not in skipped]
     tags = [(v, v) for v in plan]
-    log(f"checkpoint benchmark ({'quick' if args.quick else 'full'}): size {args.size}, batch {args.batch}, "
+    log(f"checkpoint benchmark ({'smoke' if args.smoke else 'quick' if args.quick else 'full'}): size {args.size}, batch {args.batch}, "
         f"{args.threads} thread(s), {args.warmup} warmup and {args.steps} + {args.steps} measured steps per variant "
         f"(checkpointed + plain, blocks of {args.block}); "
         f"variants: {', '.join(t for _, t in tags)}; scratch {scratch}, {shm_root}")
@@ -506,12 +562,16 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(shm_root, ignore_errors=True)
     fig = figures(results, args, skipped)
+    from bench.control_plane import provenance
+
+    fig["provenance"] = provenance(args.argv, "bench.checkpoint")
     fig["bench_wall_s"] = time.monotonic() - started
     checks = report(fig, results)
     fig["targets"] = {name: ok for name, ok, _ in checks}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        ordered = {k: fig[k] for k in JSON_KEYS} | {k: v for k, v in fig.items() if k not in JSON_KEYS}
+        ordered = {"provenance": fig["provenance"]} | {k: fig[k] for k in JSON_KEYS} | {
+            k: v for k, v in fig.items() if k not in JSON_KEYS}
         args.json.write_text(json.dumps(ordered, indent=1) + "\n")
         log(f"wrote {args.json}")
     log(f"done in {fig['bench_wall_s']:.0f} s")

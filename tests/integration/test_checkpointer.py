@@ -485,3 +485,85 @@ def test_stats_report_blocking_and_copy_times(shm: Path) -> None:
     for name in ("capture", "wait", "blocking", "copy", "hash"):
         assert 0 <= summary[f"{name}_mean_s"] <= summary[f"{name}_p99_s"] < 5, name
     assert all(math.isclose(b, c + w) for b, c, w in zip(stats.blocking_s, stats.capture_s, stats.wait_s))
+
+
+# -- (d) the fast restore path: straight into the live tensors, verified in the same pass ----------------------
+
+
+def _plan_for_slot(shm: Path, monkeypatch: pytest.MonkeyPatch, slot: Path, **extra: object) -> None:
+    header = ckpt_slots.read_header(slot)
+    plan = shm / "plan.json"
+    ckpt_slots.write_file_atomic(plan, json.dumps({"generation": 1, "step": header.step, "shards": {"0": {
+        "path": str(slot), "format": "slot", "digest": header.digest, "tier": "memory", **extra}}}).encode())
+    monkeypatch.setenv("KEEL_RESTORE_PLAN", str(plan))
+
+
+def test_fast_restore_loads_in_place_bitwise_and_owns_its_optimizer_state(shm: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_with_slots(shm / "slots", 4)  # slot1 holds step 3
+    slot = ckpt_slots.slot_path(shm / "slots", 0, 1)
+    reference = build(0)
+    train(reference, 0, 4)
+    reference.checkpointer().save_file(shm / "step3.shard", step=3)
+    expected = train(reference, 4, 8)
+
+    _plan_for_slot(shm, monkeypatch, slot)  # no verified_by: the rank hashes the slot while it loads
+    scramble_rngs()
+    parts = build(7)
+    params_before = {name: (p, p.data_ptr()) for name, p in parts.model.named_parameters()}
+    ckpt = parts.checkpointer()
+    assert ckpt.restore() == 3
+    # In place: the same parameter tensors, same storage (no intermediate tensors swapped in).
+    for name, p in parts.model.named_parameters():
+        assert p is params_before[name][0] and p.data_ptr() == params_before[name][1]
+    ckpt.save_file(shm / "restored.shard", step=3)
+    assert (shm / "restored.shard").read_bytes() == (shm / "step3.shard").read_bytes()
+    # The optimizer's state is its own memory, not the mapped slot: rewriting the slot changes nothing.
+    moments = [s["exp_avg"].clone() for s in parts.optimizer.state.values()]
+    with open(slot, "r+b") as f:
+        f.seek(ckpt_slots.HEADER_BYTES)
+        f.write(b"\0" * (slot.stat().st_size - ckpt_slots.HEADER_BYTES))
+    assert all(torch.equal(m, s["exp_avg"]) for m, s in zip(moments, parts.optimizer.state.values()))
+    assert train(parts, 4, 8) == expected
+    ckpt.close()
+
+
+def test_fast_restore_refuses_a_flipped_byte_clearly_and_blocks_snapshots(shm: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from keel.sdk.checkpoint import CheckpointCorruptError
+
+    _run_with_slots(shm / "slots", 4)
+    slot = ckpt_slots.slot_path(shm / "slots", 0, 1)
+    header = ckpt_slots.read_header(slot)
+    pristine = slot.read_bytes()
+    # A byte deep in the tensor region (the header stays valid and COMPLETE: only the hash can tell).
+    _flip_byte(slot, ckpt_slots.HEADER_BYTES + header.payload_len - 7)
+    _plan_for_slot(shm, monkeypatch, slot)
+    parts = build(1)
+    ckpt = parts.checkpointer(ckpt_dir=shm / "new-slots")
+    with pytest.raises(CheckpointCorruptError, match=r"digest mismatch for step 3 .*corrupt.*must not be used"):
+        ckpt.restore()
+    assert ckpt.restored_from is None
+    # Whatever reached the model cannot be mistaken for a checkpoint: snapshots are refused ...
+    with pytest.raises(CheckpointError, match="refused: the last restore failed verification"):
+        ckpt.snapshot(4)
+    assert ckpt_slots.list_slots(shm / "new-slots") == {}
+    # ... until a restore verifies (here the same slot, repaired).
+    slot.write_bytes(pristine)
+    assert ckpt.restore() == 3
+    ckpt.snapshot(4)
+    ckpt.close()
+
+
+def test_slot_restore_without_a_plan_raises_when_a_corrupt_slot_was_loaded_and_none_verifies(shm: Path) -> None:
+    from keel.sdk.checkpoint import CheckpointCorruptError
+
+    _run_with_slots(shm, 4)
+    for index in (0, 1):
+        path = ckpt_slots.slot_path(shm, 0, index)
+        _flip_byte(path, ckpt_slots.HEADER_BYTES + ckpt_slots.read_header(path).payload_len - 3)
+    ckpt = build(1).checkpointer(ckpt_dir=shm)
+    # Not "start fresh": the model already holds bytes of a corrupt slot.
+    with pytest.raises(CheckpointCorruptError, match="no slot .* verified"):
+        ckpt.restore()
+    ckpt.close()

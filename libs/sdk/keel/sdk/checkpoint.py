@@ -63,6 +63,7 @@ __all__ = [
     "Stateful",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointCorruptError",
     "CheckpointStats",
     "Checkpointer",
     "DEFAULT_RESTORE_TIMEOUT",
@@ -83,6 +84,11 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint of another rank, topology, model or optimizer: refused, nothing was loaded."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose bytes do not match their digest. Its tensors may already be in the model: the
+    state is undefined until another restore succeeds (``snapshot`` refuses to write it meanwhile)."""
 
 
 @runtime_checkable
@@ -315,6 +321,8 @@ class Checkpointer:
         """Test hook: called in the copy thread with the step, after WRITING and before the copy."""
         self.restored_from: str | None = None
         self._restore_called = False
+        self._refused: str | None = None
+        """Why the last restore failed verification (``snapshot`` refuses until a restore succeeds)."""
         self.last_complete_step = -1
 
         self._slots: dict[int, _Slot] = {}
@@ -417,6 +425,9 @@ class Checkpointer:
         """
         if not self.enabled or self._closed or step == self._last_snapshot_step:
             return
+        if self._refused is not None:
+            raise CheckpointError(f"rank {self.rank}: snapshot({step}) refused: the last restore failed "
+                                  f"verification, the state is not a checkpoint's ({self._refused})")
         if not self._restore_called and os.environ.get("KEEL_RESTORE_PLAN"):
             # Under an agent the slots may still hold what the restore plan points at: writing one
             # before restoring could overwrite the very snapshot this rank is to resume from.
@@ -560,22 +571,32 @@ class Checkpointer:
         return self._load_verified(Path(path), digest, trusted=False)
 
     def _load_verified(self, path: Path, digest: str | None, *, trusted: bool, owned: bool = False) -> int:
-        """Load ``path`` (a slot or a shard file), memory-mapped, checking its SHA-256 while it decodes.
+        """Load ``path`` (a slot or a shard file), memory-mapped, checking its SHA-256 while it loads.
 
         A slot's payload is checked against its header's digest (and ``digest``, if given); a shard file
         against ``digest`` when given. ``trusted``: a slot the node agent verified at its inventory and
         that nobody has written since (the plan's ``verified_by: agent``): only the header is compared.
-        The hash runs in a thread beside decoding and loading (both release the GIL); a mismatch raises
-        ``CheckpointError`` after loading, so the caller must not train on: the state is then undefined.
         ``owned``: opened only if it is this user's own file, not through a symbolic link
         (``keel.checkpoint.owned``): a trusted slot is loaded on the plan's word, unhashed.
+
+        The fast path (one pass over the bytes, verification included): the file is mapped private
+        (copy-on-write, so nothing here can write to it), decoded into views of the mapping, and each
+        model parameter is copied once, straight from the mapping into the live parameter; optimizer
+        state and the small parts are copied once into tensors of their own (the optimizer keeps them).
+        The SHA-256 runs on a second thread over the same mapped bytes meanwhile (``hashlib`` releases
+        the GIL). Its result gates success: on a mismatch ``CheckpointCorruptError`` is raised and this
+        Checkpointer refuses to ``snapshot`` until a later restore succeeds, so state loaded from bad
+        bytes can never be mistaken for a restore nor written as a checkpoint.
         """
         import mmap
 
         try:
             with (os.fdopen(open_owned(path), "rb") if owned else open(path, "rb")) as f:
                 size = os.fstat(f.fileno()).st_size
-                mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) if size else None
+                # MAP_PRIVATE + PROT_WRITE: writable views (torch refuses read-only buffers without a
+                # warning) whose writes, if any, stay in this process; the file is never modified.
+                mapped = (mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                          if size else None)
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
         if mapped is None:
@@ -593,13 +614,16 @@ class Checkpointer:
                     raise CheckpointError(f"slot {path} is not complete (state {header.state}, step {header.step})")
                 end = ckpt_slots.HEADER_BYTES + header.payload_len
                 if end > size:
-                    raise CheckpointError(f"slot {path}: truncated payload ({size - ckpt_slots.HEADER_BYTES} of "
+                    raise CheckpointCorruptError(f"slot {path}: truncated payload ({size - ckpt_slots.HEADER_BYTES} of "
                                           f"{header.payload_len} bytes)")
                 if digest is not None and header.digest != digest:
-                    raise CheckpointError(f"{path}: slot digest {header.digest[:12]} is not the expected {digest[:12]}")
+                    raise CheckpointCorruptError(f"{path}: slot digest {header.digest[:12]} is not the expected "
+                                                 f"{digest[:12]}")
                 payload, expected, source = view[ckpt_slots.HEADER_BYTES:end], header.digest, f"slot {path} (step {header.step})"
+                corrupt_what = f"slot {path}: digest mismatch for step {header.step}"
             else:
                 payload, expected, source = view, digest, f"shard {path}"
+                corrupt_what = f"shard {path}: digest mismatch"
                 trusted = False
             hashed: dict[str, str] = {}
             hasher = None
@@ -609,27 +633,39 @@ class Checkpointer:
 
                 hasher = threading.Thread(target=hash_payload, name="keel-restore-hash")
                 hasher.start()
+
             def mismatch() -> CheckpointError | None:
                 if hasher is None:
                     return None
                 hasher.join()
                 if hashed.get("digest") == expected:
                     return None
-                return CheckpointError(f"{source}: digest mismatch (expected {str(expected)[:12]}, actual "
-                                       f"{hashed.get('digest', '?')[:12]}); the loaded state must not be used")
+                return CheckpointCorruptError(
+                    f"{corrupt_what} (expected SHA-256 {str(expected)[:12]}, the bytes give "
+                    f"{hashed.get('digest', '?')[:12]}): the checkpoint is corrupt; the state loaded from it "
+                    "must not be used (restore from another copy)")
 
             try:
                 step = self._load_payload(payload, source)
             except CheckpointError as exc:
                 corrupt = mismatch()  # a corrupt payload fails to decode first: name the root cause
-                raise (corrupt or exc) from (exc if corrupt else None)
+                if corrupt is not None:
+                    self._refused = str(corrupt)
+                    raise corrupt from exc
+                raise
+            except BaseException:
+                mismatch()  # no hash thread left reading a mapping that is about to go
+                raise
             corrupt = mismatch()
             if corrupt is not None:
+                self._refused = str(corrupt)
+                self.restored_from = None
                 raise corrupt
+            self._refused = None  # a verified load replaced every part: the state is a checkpoint's again
             return step
         finally:
-            # Decoding copies every tensor, but a transient numpy view may still be alive: then the map
-            # is unmapped when the last reference goes, not here.
+            # The views the model was loaded from are gone by now; a transient numpy view may still be
+            # alive: then the map is unmapped when the last reference goes, not here.
             try:
                 if payload is not None:
                     payload.release()
@@ -707,7 +743,25 @@ class Checkpointer:
                              self.rank, slot_file, header.state, header.step)
                 continue
             complete[header.step] = slot_file
-        # Verify only what would be loaded, newest first (hashing every slot costs as much as loading).
+        together = torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1
+        if not together:
+            # Alone, the newest slot that loads and verifies is the answer: verify it while loading (one
+            # pass over its bytes); a corrupt one is skipped, and the next older one loaded over it.
+            if self.world_size > 1:
+                _log.warning("keel restore: rank %d restores its own newest slot without agreeing with the other "
+                             "ranks (torch.distributed is not initialised)", self.rank)
+            for step_ in sorted(complete, reverse=True):
+                try:
+                    loaded = self._load_verified(complete[step_], None, trusted=False)
+                except CheckpointCorruptError as exc:
+                    _log.warning("keel restore: rank %d: slot skipped: %s", self.rank, exc)
+                    continue
+                return self._restored(loaded)
+            if self._refused is not None:  # a corrupt slot's bytes reached the model: it cannot start fresh either
+                raise CheckpointCorruptError(f"rank {self.rank}: no slot in {self.ckpt_dir} verified (steps "
+                                             f"{sorted(complete)}) and the state is partly loaded: {self._refused}")
+            return -1
+        # With other ranks: verify what could be loaded, newest first, then agree on a step every rank holds.
         verified: dict[int, Path] = {}
         for step_ in sorted(complete, reverse=True):
             try:
@@ -716,14 +770,7 @@ class Checkpointer:
                 _log.warning("keel restore: rank %d: slot skipped: %s", self.rank, exc)
                 continue
             verified[step_] = complete[step_]
-            if not (torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1):
-                break  # alone: the newest verified slot is the answer
-        steps = set(verified)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
-            steps = self._common_steps(steps)
-        elif self.world_size > 1:
-            _log.warning("keel restore: rank %d restores its own newest slot without agreeing with the other "
-                         "ranks (torch.distributed is not initialised)", self.rank)
+        steps = self._common_steps(set(verified))
         if not steps:
             if verified:
                 _log.warning("keel restore: rank %d: no step held by every rank (own: %s); starting fresh",
@@ -733,7 +780,9 @@ class Checkpointer:
         if step != max(verified):
             _log.warning("keel restore: rank %d: newest own step %d is not held by every rank; using %d",
                          self.rank, max(verified), step)
-        loaded = self._load_verified(verified[step], None, trusted=True)  # verified just above
+        return self._restored(self._load_verified(verified[step], None, trusted=True))  # verified just above
+
+    def _restored(self, loaded: int) -> int:
         self.last_complete_step = loaded
         if self.session is not None:
             self.session.checkpoint_completed(loaded)
@@ -757,7 +806,8 @@ class Checkpointer:
 
     def _load_payload(self, payload: bytes | memoryview, source: str) -> int:
         try:
-            meta, tree = shard.decode_shard(payload)
+            # Views of the payload, not copies: _apply copies each tensor once, to where it stays.
+            meta, tree = shard.decode_shard(payload, copy=False)
         except shard.ShardFormatError as exc:
             raise CheckpointError(f"{source}: {exc}") from None
         self._check_compatible(meta, tree, source)
@@ -796,24 +846,30 @@ class Checkpointer:
                        f"(shapes {now_opt['params_fingerprint'][:12]})")
 
     def _apply(self, tree: dict[str, Any], source: str) -> None:
+        """Load ``tree`` (its tensors may be views of the mapped checkpoint) into the registered objects.
+
+        ``Module.load_state_dict`` copies into the live parameters and buffers, so the model gets the
+        views themselves (one copy, no intermediate). Everything else may keep what it is given (the
+        optimizer adopts its state tensors), so it gets its own copy (``_own_copy``), made here once.
+        """
         parts: list[tuple[str, Any, Any]] = []
         if self.model is not None:
             parts.append(("model", self.model, tree["model"]))
         if self.optimizer is not None:  # before the scheduler, which reads and sets the groups' lr
-            parts.append(("optimizer", self.optimizer, tree["optimizer"]))
+            parts.append(("optimizer", self.optimizer, _own_copy(tree["optimizer"])))
         for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler)):
             if obj is not None:
-                parts.append((name, obj, tree[name]))
+                parts.append((name, obj, _own_copy(tree[name])))
         for name, obj in self.extra.items():
             if name not in tree["extra"]:
                 raise CheckpointMismatchError(f"{source} has no state for extra object {name!r}")
-            parts.append((f"extra[{name!r}]", obj, tree["extra"][name]))
+            parts.append((f"extra[{name!r}]", obj, _own_copy(tree["extra"][name])))
         for name, obj, state in parts:
             try:
                 obj.load_state_dict(state)
             except (ValueError, RuntimeError, KeyError, TypeError) as exc:
                 raise CheckpointMismatchError(f"{source}: loading {name} failed: {exc}") from exc
-        rng = tree.get("rng") or {}
+        rng = _own_copy(tree.get("rng") or {})
         if "python" in rng:
             random.setstate(rng["python"])
         if "numpy" in rng:

@@ -424,27 +424,35 @@ def _tensor_spec_from_meta(i: int, entry: Any, data_start: int, total: int) -> t
     return TensorSpec(kind, dtype, tuple(shape), nbytes), offset
 
 
-def _load_leaf(view: memoryview, spec: TensorSpec, offset: int) -> Leaf:
+def _load_leaf(view: memoryview, spec: TensorSpec, offset: int, copy: bool) -> Leaf:
     if spec.kind == "numpy":
         dt = np.dtype(spec.dtype)
         if spec.nbytes == 0:
             return np.empty(spec.shape, dtype=dt)
-        return np.frombuffer(view, dtype=dt, count=spec.nbytes // dt.itemsize, offset=offset).reshape(spec.shape).copy()
+        array = np.frombuffer(view, dtype=dt, count=spec.nbytes // dt.itemsize, offset=offset).reshape(spec.shape)
+        return array.copy() if copy else array
     dtype = _TORCH_DTYPES[spec.dtype]
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=dtype)
-    raw = np.frombuffer(view, dtype=np.uint8, count=spec.nbytes, offset=offset).copy()  # owned, writable
-    return torch.from_numpy(raw).view(dtype).reshape(spec.shape)
+    raw = np.frombuffer(view, dtype=np.uint8, count=spec.nbytes, offset=offset)
+    return torch.from_numpy(raw.copy() if copy else raw).view(dtype).reshape(spec.shape)
 
 
-def decode_shard(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], Any]:
+def decode_shard(buf: bytes | bytearray | memoryview, *, copy: bool = True) -> tuple[dict[str, Any], Any]:
     """``(meta, tree)`` from a payload; the tree's tensors and arrays own their memory (copies).
+
+    ``copy=False``: they are views of ``buf`` instead (no copy at all), for a reader that copies them
+    straight into their final place (``Checkpointer`` restores the model's parameters this way, so the
+    bytes are copied once, from the mapped file into the live parameters). ``buf`` must then be
+    writable (a read-only buffer is copied as with ``copy=True``: torch cannot view it safely), and the
+    views are only valid while ``buf`` is.
 
     ``meta`` is the meta without ``tree`` (``tensors`` kept). Raises ``ShardFormatError`` when the bytes
     are not a shard, are truncated, or are inconsistent (bad references, a fingerprint that does not
     match the tree).
     """
     view = _byte_view(buf)
+    copy = copy or view.readonly
     meta, data_start = _read_meta(view)
     entries = [_tensor_spec_from_meta(i, e, data_start, len(view)) for i, e in enumerate(meta["tensors"])]
     paths: list[Path] = []
@@ -488,7 +496,7 @@ def decode_shard(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], A
                                            f"is {spec.kind}")
                 paths.append(path)
                 specs.append(spec)
-                return _load_leaf(view, spec, offset)
+                return _load_leaf(view, spec, offset, copy)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             if isinstance(exc, ShardFormatError):
                 raise
