@@ -85,8 +85,12 @@ class Stack:
                 if predicate(event):
                     return event
             await asyncio.sleep(0.3)
-        tail = [(e.type, getattr(e.payload, "reason", "")[:160]) for e in await self.events()][-12:]
-        raise AssertionError(f"no {what} within {timeout_s}s; the log ends with {tail}; see {self.scratch}/*.log")
+        # Ticks and heartbeats drown everything else: the tail names only the events that tell a story.
+        routine = {"TimerTicked", "NodeHeartbeat", "CheckpointStepCommitted", "CheckpointShardStored"}
+        tail = [(e.type, getattr(e.payload, "node_id", ""), getattr(e.payload, "reason", "")[:160])
+                for e in await self.events() if e.type not in routine][-16:]
+        raise AssertionError(f"no {what} within {timeout_s}s; the log ends (routine events left out) with {tail}; "
+                             f"see {self.scratch}/*.log")
 
     async def newest_peer_commit_before(self, plan: Event) -> int:
         """The newest step committed on the peer tier before ``plan`` (-1: none)."""
