@@ -507,6 +507,46 @@ def test_an_inconclusive_or_missing_stack_verdict_goes_on_to_diagnostics() -> No
     assert verdict(job, request, round=7, group_nodes=["n1"]) == []
 
 
+def test_a_stall_that_clears_itself_during_the_capture_is_resolved_without_stopping_the_job() -> None:
+    # Every node steps past step 20 (where the job stood) before an inconclusive verdict: a long save or
+    # eval outside its phase, not a hang. Nothing is stopped, evicted or restarted.
+    job = Job()
+    [opened] = of(hang(job), "IncidentOpened")
+    [request] = of(job.log, "StacksRequested")
+    job.heartbeats(step=21)
+    out = verdict(job, request, conclusive=False, reason="all 8 ranks show the same stack")
+    assert types(out) == ["IncidentResolved"], types(out)
+    [resolved] = out
+    assert resolved.payload.incident_id == str(opened.id)
+    assert (resolved.payload.outcome, resolved.payload.rung) == ("recovered", 0)
+    assert "cleared itself" in resolved.payload.reason and "all 8 ranks show the same stack" in resolved.payload.reason
+    # The next hang is a new incident, captured again.
+    assert types(hang(job)) == ["IncidentOpened", "StacksRequested"]
+
+
+def test_a_stall_some_nodes_stepped_past_or_a_conclusive_verdict_still_escalates() -> None:
+    # Only three of four nodes stepped on: the fourth may still hang; rung 2 as before.
+    job = Job()
+    [request] = of(hang(job), "StacksRequested")
+    job.heartbeats(step=21, nodes=["n0", "n1", "n3"])
+    job.heartbeats(step=20, nodes=["n2"])
+    assert of(verdict(job, request, conclusive=False, reason="same stacks"), "DiagnosticsRequested")
+    # Every node stepped on, but the analyzer names an outlier: it stalled everyone and may again.
+    job = Job()
+    [request] = of(hang(job), "StacksRequested")
+    job.heartbeats(step=21)
+    out = verdict(job, request, outlier_ranks=[5], outlier_nodes=["n2"], group_kind="node", group_ranks=[4, 5],
+                  group_nodes=["n2"])
+    assert [e.payload.node_id for e in of(out, "NodeEvictionDecided")] == ["n2"]
+    # No verdict at all, and every node stepped on: resolved when the verdict's wait runs out.
+    job = Job(policy=ControllerPolicy(stacks_verdict_timeout=timedelta(seconds=20)))
+    hang(job)
+    job.heartbeats(step=22)
+    out = job.tick(21)
+    assert types(out) == ["IncidentResolved"] and "no verdict came from the analyzer within 20 s" in \
+        out[0].payload.reason
+
+
 def test_without_stack_analysis_a_hang_runs_diagnostics() -> None:
     job = Job(policy=ControllerPolicy(stack_analysis=False))
     out = hang(job)

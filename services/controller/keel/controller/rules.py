@@ -236,6 +236,9 @@ def on_stacks(plan: ActionPlan, p: StacksAnalyzed) -> None:
         plan.note(f"stack verdict of round {p.round} outside a capturing incident: recorded")
         return
     seen = f" (could not see: {'; '.join(p.missing)})" if p.missing else ""
+    if (not p.conclusive or not p.group_nodes) and resolve_cleared_stall(plan, f"the analyzer was inconclusive "
+                                                                             f"({p.reason}){seen}"):
+        return
     if not p.conclusive or not p.group_nodes:
         plan.diagnose(f"rung 3 inconclusive: {p.reason}{seen}; rung 2: stop the ranks and run stop-time "
                       f"diagnostics on every node")
@@ -245,6 +248,23 @@ def on_stacks(plan: ActionPlan, p: StacksAnalyzed) -> None:
                  f"rung 3: the analyzer names rank(s) {ranks_text(p.outlier_ranks)} as outliers ({p.reason}); "
                  f"evict the smallest group covering them, the {group} of rank(s) {ranks_text(p.group_ranks)} on "
                  f"{', '.join(p.group_nodes)} (over-evicting on purpose){seen}")
+
+def resolve_cleared_stall(plan: ActionPlan, verdict: str) -> bool:
+    """A hang whose capture named no culprit, while every node running the hung generation has since
+    stepped past where the job stood when it opened: the stall cleared itself (a long save or eval
+    outside its phase, a slow filesystem). Stopping the job for diagnostics would only lose time, so the
+    incident is resolved (rung 0) and the verdict kept in its reason. A conclusive verdict still evicts:
+    the outlier it names stalled everyone, and may again. True when it resolved the incident."""
+    job, incident = plan.job, plan.job.incident
+    assert incident is not None
+    running = {n.node_id for n in job.active if n.ranks and n.generation == incident.generation}
+    if incident.kind != "hang" or not running or not running <= incident.stepped_on:
+        return False
+    plan.resolve("recovered", f"the hang cleared itself: every node of generation {incident.generation} "
+                              f"({', '.join(sorted(running))}) stepped past step {incident.last_step} during the "
+                              f"capture, and {verdict}: nothing to evict or restart", rung=0)
+    return True
+
 
 def on_fail_slow(plan: ActionPlan, p: FailSlowConvicted) -> None:
     """The analyzer convicts a slow group (rung 3, fail-slow): evict it, unless an incident is open."""
@@ -348,6 +368,9 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
     incident = job.incident
     if (incident is not None and incident.stage == "capturing" and incident.stacks_requested_at is not None
             and now - incident.stacks_requested_at >= policy.stacks_verdict_timeout):
+        if resolve_cleared_stall(plan, f"no verdict came from the analyzer within "
+                                       f"{policy.stacks_verdict_timeout.total_seconds():g} s"):
+            return
         plan.diagnose(f"rung 3: no verdict from the analyzer {policy.stacks_verdict_timeout.total_seconds():g} s "
                       f"after the capture of round {incident.stacks_round} was asked for (is it running?); rung 2: "
                       f"stop the ranks and run stop-time diagnostics on every node")

@@ -175,6 +175,9 @@ class OpenIncident:
     stacks_acknowledged: frozenset[str] = frozenset()
     """Round nodes whose agent sent anything after the capture request, in log order (as
     ``diag_acknowledged``): agents answer the request with a heartbeat on receipt."""
+    stepped_on: frozenset[str] = frozenset()
+    """Nodes of the hung generation whose heartbeat, during the capture round, reported a step past
+    ``last_step``: their collectives completed again (a stall that cleared itself)."""
     diag_nodes: frozenset[str] = frozenset()
     diag_results: Mapping[str, DiagnosticsCompleted] = field(default_factory=dict)
     diag_acknowledged: frozenset[str] = frozenset()
@@ -435,6 +438,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
             job = replace(job, sdk_seen=True)
         if not p.standby and job.incident is not None:
             job = _processes_heard(job, job.incident, p, at, legacy)
+        if not p.standby and job.incident is not None:
+            job = _stepped_on(job, job.incident, p)
         if p.standby or job.incident is not None:
             return job
         if p.generation is not None and p.generation < job.generation:
@@ -562,6 +567,15 @@ def _agent_node(event: Event) -> str:
     if not isinstance(node_id, str) or not node_id:
         node_id = event.aggregate_id if event.aggregate_kind == "node" else ""
     return node_id
+
+
+def _stepped_on(job: JobView, incident: OpenIncident, p: NodeHeartbeat) -> JobView:
+    """A heartbeat during a hang's stack capture showing its node's ranks past the step the job had
+    reached when the incident opened (same generation): that node stepped on."""
+    if (incident.stage != "capturing" or p.node_id in incident.stepped_on or p.last_step <= incident.last_step
+            or (p.generation is not None and p.generation != incident.generation)):
+        return job
+    return replace(job, incident=replace(incident, stepped_on=incident.stepped_on | {p.node_id}))
 
 
 def _acknowledged(job: JobView, event: Event) -> JobView:
