@@ -284,3 +284,27 @@ def test_the_job_is_back_when_it_passed_the_step_not_at_the_next_heartbeat() -> 
     assert report is not None
     [incident] = report.incidents
     assert incident.recovered_at == at(111.5) and incident.lost(report.ended_at) == timedelta(seconds=11.5)
+
+
+def test_a_stall_that_cleared_itself_ends_when_the_job_stepped_past_it() -> None:
+    """A save outside its phase stalls rank 0 for 7 s from 100 s; collective_stuck fires at 105.2 s; the job
+    steps past step 49 at 108 s (a heartbeat at step 52); the controller resolves the incident at rung 0 at
+    110 s. Lost: 100 s -> 108 s, and nothing after it (no restart ever came)."""
+    from keel.events.types import IncidentResolved, NodeHealthChanged
+
+    stuck = NodeHealthChanged(node_id="n0", component="rank", check="collective_stuck", status="failed",
+                              confidence="medium", is_fatal=False, detail="stuck",
+                              evidence={"key": "rank0", "waited_s": 5.2, "collective": "dp_all_reduce"})
+    resolved = IncidentResolved(incident_id="i", outcome="recovered", rung=0, generation=0, reason="cleared itself")
+    log = [started(0, 0), beat(50, 24), beat(100, 49), ev(stuck, 105.2), beat(106, 49), beat(108, 52),
+           ev(resolved, 110, "job/j", "controller"), beat(200, 90)]
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.recovered_at == at(108) and incident.lost(report.ended_at) == timedelta(seconds=8)
+    assert incident.phases(report.ended_at)["detection"] == timedelta(seconds=5.2)
+    assert report.ettr == pytest.approx(1 - 8 / 200)
+    # Without the controller's rung-0 resolution the job stepping on proves nothing (a crash incident's
+    # survivors may report a step completed before the fault): the incident stays open to the end.
+    unresolved = compute_ettr([e for e in log if e.type != "IncidentResolved"])
+    assert unresolved is not None and unresolved.incidents[0].recovered_at is None

@@ -21,6 +21,10 @@ Its lost time is split into phases, each from one event to the next:
 - recompute:    stepping -> back at the step reached when the fault hit (between two heartbeats, the
                 moment is interpolated at the steps' rate: heartbeats come every 5 s, steps far faster).
 
+A hang the controller resolves at rung 0 (``IncidentResolved``: the stall cleared itself, nothing was
+restarted) ends at the first heartbeat of the fault's generation past the step reached at the fault (else
+at the resolution); the time after its detection is charged as localisation.
+
 A job whose ranks never report through the SDK (no heartbeat ever shows a rank reporting or a step:
 ``NodeHeartbeat.ranks_reporting`` 0) has no step to resume at. Its incidents are measured on process
 liveness instead (``measure`` "process", coarser): restore ends, and the incident with it, when every
@@ -50,6 +54,7 @@ from keel.events.types import (
     CheckpointRestorePlanned,
     FaultInjected,
     IncidentOpened,
+    IncidentResolved,
     NodeHealthChanged,
     NodeHeartbeat,
     RankExited,
@@ -73,7 +78,7 @@ _FAILURE_CLASSES = {"user_code", "infrastructure", "unknown"}
 _COMMANDS = {"RanksRestartRequested", "NodeEvictionDecided", "RestartDecided", "DiagnosticsRequested",
              "StandbyPromotionRequested"}
 INPUT_TYPES = frozenset({"RankStarted", "FaultInjected", "RankExited", "NodeHealthChanged",
-                         "CheckpointRestorePlanned", "NodeHeartbeat", *_COMMANDS})
+                         "CheckpointRestorePlanned", "NodeHeartbeat", "IncidentResolved", *_COMMANDS})
 """The event types ``compute_ettr`` reads; every other event only moves the end of the log (a reader
 may fetch only these and pass the time of the job's last event as ``until``: the same report)."""
 
@@ -102,6 +107,9 @@ class Incident:
     confirmed: set[str] = field(default_factory=set)
     last_start: dict[int, datetime] = field(default_factory=dict)
     """Per such generation, the latest ``occurred_at`` of its rank starts (the log need not be in time order)."""
+    stepped_on_at: datetime | None = None
+    """No restart yet: the first heartbeat of the fault's generation past ``step_at_fault`` (a stall that
+    cleared itself, if the controller then resolves the incident at rung 0)."""
 
     @property
     def recovered_at(self) -> datetime | None:
@@ -311,6 +319,14 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             open_.marks.setdefault("detected", at)
         elif kind in _COMMANDS and open_ is not None and not getattr(p, "observe_only", False):
             open_.marks.setdefault("decided", at)
+        elif isinstance(p, IncidentResolved) and open_ is not None and p.rung == 0 and p.outcome == "recovered" \
+                and "restarted" not in open_.marks:
+            # The controller found the stall cleared itself (every node stepped on; nothing restarted): the
+            # incident ended when the job first stepped past where it stood, or at the resolution.
+            back = open_.stepped_on_at or at
+            open_.marks.setdefault("resumed", back)
+            open_.marks["recovered"] = max(back, open_.marks["resumed"])
+            open_ = None
         elif isinstance(p, CheckpointRestorePlanned) and open_ is not None and p.generation > open_.generation_at_fault:
             open_.restore_step = p.step
         elif isinstance(p, NodeHeartbeat) and not p.standby:
@@ -319,6 +335,9 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             if open_ is not None and not sdk_seen and _process_recovered(open_, p):
                 open_ = None
                 continue
+            if open_ is not None and "restarted" not in open_.marks and open_.stepped_on_at is None \
+                    and step > open_.step_at_fault and p.generation in (None, open_.generation_at_fault):
+                open_.stepped_on_at = at
             # Only a node that started the new generation speaks for it: another's heartbeat may still
             # carry the step its old ranks reached before they were stopped.
             if open_ is not None and "restarted" in open_.marks and p.node_id in open_.restarted_nodes:
