@@ -7,8 +7,8 @@ it does not rely on Keel's self-reported ``stats()``; those are reported beside 
 
 Restore timings, each into a fresh model and optimizer through a fresh Checkpointer:
 
-- memory: ``restore()`` from a plan naming the newest slot, the rank verifying it (SHA-256 beside the
-  load into the live tensors); the trusted variant (``verified_by: agent``) and the agent's hash alone
+- memory: ``restore()`` from a plan naming the newest slot, the rank verifying it (the slot's XXH3-128
+  beside the load into the live tensors); the trusted variant (``verified_by: agent``) and the agent's hash alone
   beside it, for comparison;
 - peer (``keel`` only): ``fetch_shard`` of the backup from the peer's ``ShardStore`` over gRPC (CRC32 per
   chunk, SHA-256 of the whole) into the node's restore folder, then ``restore(path)``;
@@ -119,7 +119,7 @@ class RankSide:
         repeats = self.args.restore_repeats
 
         # Memory tier, verification included: the plan points at the newest slot, as the agent writes it,
-        # but without ``verified_by: agent``, so the rank hashes the slot (SHA-256 on a second thread)
+        # but without ``verified_by: agent``, so the rank hashes the slot (XXH3-128 on a second thread)
         # while it copies it into the live tensors, and only a match makes the restore succeed.
         from keel.agent.checkpointing import complete_slots
         from keel.checkpoint import slots as ckpt_slots
@@ -144,7 +144,7 @@ class RankSide:
 
         out["restore_s_memory"], out["restore_memory_ok"], out["restore_s_memory_runs"] = timed_restores(
             repeats, lambda: memory_once(False))
-        out["restore_memory_verified"] = "rank: SHA-256 of the slot, beside the load"
+        out["restore_memory_verified"] = "rank: XXH3-128 of the slot, beside the load"
         # For comparison only (not a headline figure): the rank trusting the agent's inventory hash, and
         # that hash alone (the agent's, run while the new processes start).
         out["restore_s_memory_agent_verified"], _, _ = timed_restores(repeats, lambda: memory_once(True))

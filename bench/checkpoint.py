@@ -447,7 +447,7 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
               f"{p['blocking_ms_mean']:>13.2f}{p['blocking_ms_p99']:>8.2f}{_fmt(mb(host), '.1f'):>14}")
     print()
     print(f"restore (median of {fig['config']['restore_repeats']} into a fresh model + optimizer each; "
-          "Keel's figures include their SHA-256 check):")
+          "Keel's figures include their digest check):")
     rows = [("keel, local memory slot", fig["restore_s_memory"]), ("keel, peer (gRPC fetch + load)", fig["restore_s_peer"]),
             ("keel, persistent tier (disk)", fig["restore_s_disk"]), ("torch.load of the torch.save file", fig["restore_s_torch_load"]),
             ("DCP load", fig["restore_s_dcp"]), ("DLRover, shared memory", fig["restore_s_dlrover_memory"])]
@@ -502,7 +502,7 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
     a, b = fig["restore_s_memory"], fig["restore_s_dlrover_memory"]
     check("restore from local memory (verified) no slower than DLRover's", None if a is None or b is None else a,
           a is not None and b is not None and a <= b,
-          f"keel {_fmt(ms(a), '.1f', ' ms')} (SHA-256 included) vs DLRover {_fmt(ms(b), '.1f', ' ms')} (no check); "
+          f"keel {_fmt(ms(a), '.1f', ' ms')} (XXH3-128 included) vs DLRover {_fmt(ms(b), '.1f', ' ms')} (no check); "
           f"keel trusting the agent's hash {_fmt(ms(fig['restore_s_memory_agent_verified']), '.1f', ' ms')}, "
           f"that hash alone {_fmt(ms(fig['restore_verify_s_memory_agent']), '.1f', ' ms')}")
     print()

@@ -541,7 +541,9 @@ def test_fast_restore_refuses_a_flipped_byte_clearly_and_blocks_snapshots(shm: P
     _plan_for_slot(shm, monkeypatch, slot)
     parts = build(1)
     ckpt = parts.checkpointer(ckpt_dir=shm / "new-slots")
-    with pytest.raises(CheckpointCorruptError, match=r"digest mismatch for step 3 .*corrupt.*must not be used"):
+    # The local restore checks the slot's XXH3-128 (the fast digest), not its SHA-256.
+    with pytest.raises(CheckpointCorruptError, match=r"digest mismatch for step 3 \(expected XXH3-128 .*corrupt.*"
+                                                     r"must not be used"):
         ckpt.restore()
     assert ckpt.restored_from is None
     # Whatever reached the model cannot be mistaken for a checkpoint: snapshots are refused ...

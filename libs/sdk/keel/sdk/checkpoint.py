@@ -14,7 +14,7 @@
 keeps *references* to the model's parameters and the optimizer's state tensors, which nothing changes
 until the next ``optimizer.step`` (other tensors, e.g. BatchNorm statistics that the forward pass
 updates, are cloned). A daemon thread then copies the tensors into ring slot ``step % slots`` of
-``$KEEL_CKPT_DIR`` (``keel.checkpoint.slots``: WRITING, payload, SHA-256, COMPLETE) and reports the step
+``$KEEL_CKPT_DIR`` (``keel.checkpoint.slots``: WRITING, payload, SHA-256 and XXH3-128, COMPLETE) and reports the step
 to the node agent. A pre-hook on ``optimizer.step`` waits for that copy, so the copy overlaps the next
 forward and backward (``Tensor.copy_`` and ``hashlib`` release the GIL) and the state it reads is never
 modified under it. CUDA tensors are first copied on a side stream into a pinned host buffer.
@@ -105,7 +105,7 @@ class CheckpointStats:
     ``capture_s``: the synchronous part of ``snapshot``; ``wait_s``: time the training thread waited for
     the copy (in the ``optimizer.step`` pre-hook, or in the next ``snapshot`` / ``close``);
     ``blocking_s = capture_s + wait_s``; ``copy_s``: the background copy into the slot (staging wait
-    included); ``hash_s``: its SHA-256; ``nbytes``: payload size.
+    included); ``hash_s``: its digests (SHA-256 and XXH3-128); ``nbytes``: payload size.
     """
 
     snapshots: int
@@ -508,8 +508,11 @@ class Checkpointer:
             self.copy_hook(job.step)
         n = shard.write_payload(slot.payload, job.layout, job.head, job.sources, slot.views_for(job.layout))
         t1 = time.perf_counter()
-        digest = ckpt_slots.sha256_hex(slot.payload[:n])
-        slot.writer.complete(job.step, n, digest, self.generation)
+        payload = slot.payload[:n]
+        # Both digests of the same bytes: the SHA-256 travels (inventory, peer backup, persistent tier),
+        # the XXH3-128 is what a local restore checks (a few ms, against tens for the SHA-256).
+        digest, fast_digest = ckpt_slots.sha256_hex(payload), ckpt_slots.xxh3_128_hex(payload)
+        slot.writer.complete(job.step, n, digest, self.generation, fast_digest)
         job.copy_s, job.hash_s = t1 - t0, time.perf_counter() - t1
         self.last_complete_step = job.step
         if self.session is not None:
@@ -571,11 +574,13 @@ class Checkpointer:
         return self._load_verified(Path(path), digest, trusted=False)
 
     def _load_verified(self, path: Path, digest: str | None, *, trusted: bool, owned: bool = False) -> int:
-        """Load ``path`` (a slot or a shard file), memory-mapped, checking its SHA-256 while it loads.
+        """Load ``path`` (a slot or a shard file), memory-mapped, checking its digest while it loads.
 
-        A slot's payload is checked against its header's digest (and ``digest``, if given); a shard file
-        against ``digest`` when given. ``trusted``: a slot the node agent verified at its inventory and
-        that nobody has written since (the plan's ``verified_by: agent``): only the header is compared.
+        A slot's payload is checked against its header's XXH3-128 (``SlotHeader.fast_digest``; its SHA-256
+        when the slot has none), and the header's SHA-256 against ``digest`` if given: the two digests
+        were taken of the same bytes by the writer, so the payload is the one ``digest`` names. A shard
+        file (peer or disk copy) is checked against ``digest`` (SHA-256) when given. ``trusted``: a slot the
+        node agent verified at its inventory and that nobody has written since (the plan's ``verified_by: agent``): only the header is compared.
         ``owned``: opened only if it is this user's own file, not through a symbolic link
         (``keel.checkpoint.owned``): a trusted slot is loaded on the plan's word, unhashed.
 
@@ -583,8 +588,8 @@ class Checkpointer:
         (copy-on-write, so nothing here can write to it), decoded into views of the mapping, and each
         model parameter is copied once, straight from the mapping into the live parameter; optimizer
         state and the small parts are copied once into tensors of their own (the optimizer keeps them).
-        The SHA-256 runs on a second thread over the same mapped bytes meanwhile (``hashlib`` releases
-        the GIL). Its result gates success: on a mismatch ``CheckpointCorruptError`` is raised and this
+        The hash runs on a second thread over the same mapped bytes meanwhile (``hashlib`` and ``xxhash``
+        release the GIL). Its result gates success: on a mismatch ``CheckpointCorruptError`` is raised and this
         Checkpointer refuses to ``snapshot`` until a later restore succeeds, so state loaded from bad
         bytes can never be mistaken for a restore nor written as a checkpoint.
         """
@@ -619,17 +624,22 @@ class Checkpointer:
                 if digest is not None and header.digest != digest:
                     raise CheckpointCorruptError(f"{path}: slot digest {header.digest[:12]} is not the expected "
                                                  f"{digest[:12]}")
-                payload, expected, source = view[ckpt_slots.HEADER_BYTES:end], header.digest, f"slot {path} (step {header.step})"
+                payload, source = view[ckpt_slots.HEADER_BYTES:end], f"slot {path} (step {header.step})"
+                if header.fast_digest:
+                    expected, algorithm, hash_fn = header.fast_digest, "XXH3-128", ckpt_slots.xxh3_128_hex
+                else:
+                    expected, algorithm, hash_fn = header.digest, "SHA-256", ckpt_slots.sha256_hex
                 corrupt_what = f"slot {path}: digest mismatch for step {header.step}"
             else:
                 payload, expected, source = view, digest, f"shard {path}"
+                algorithm, hash_fn = "SHA-256", ckpt_slots.sha256_hex
                 corrupt_what = f"shard {path}: digest mismatch"
                 trusted = False
             hashed: dict[str, str] = {}
             hasher = None
             if expected is not None and not trusted:
                 def hash_payload(data: memoryview = payload) -> None:
-                    hashed["digest"] = ckpt_slots.sha256_hex(data)
+                    hashed["digest"] = hash_fn(data)
 
                 hasher = threading.Thread(target=hash_payload, name="keel-restore-hash")
                 hasher.start()
@@ -641,7 +651,7 @@ class Checkpointer:
                 if hashed.get("digest") == expected:
                     return None
                 return CheckpointCorruptError(
-                    f"{corrupt_what} (expected SHA-256 {str(expected)[:12]}, the bytes give "
+                    f"{corrupt_what} (expected {algorithm} {str(expected)[:12]}, the bytes give "
                     f"{hashed.get('digest', '?')[:12]}): the checkpoint is corrupt; the state loaded from it "
                     "must not be used (restore from another copy)")
 

@@ -590,7 +590,8 @@ class NodeCheckpointing:
                     self.transport.discard_backup(held["rank"], newer_than=step)
 
     def inventory(self) -> tuple[list[InventoryEntry], list[RejectedShard]]:
-        """Every slot and held backup, each verified against its SHA-256."""
+        """Every slot and held backup, each verified against its digest (a slot: its XXH3-128, which the
+        writer took with the SHA-256 reported here; a held backup: its SHA-256)."""
         entries: list[InventoryEntry] = []
         rejected: list[RejectedShard] = []
         self.verified = {}
