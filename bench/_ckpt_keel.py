@@ -156,6 +156,22 @@ class RankSide:
 
         out["restore_verify_s_memory"], _, _ = timed_restores(repeats, agent_hash_once)
 
+        # The safety side of the copy (DLRover's variant measures the same): after a restore and one
+        # training step, the slot still holds the restored step's bytes (its digest still verifies).
+        fresh, ck = self._fresh_checkpointer()
+        os.environ["KEEL_RESTORE_PLAN"] = str(plan)
+        try:
+            ck.restore()
+            fresh.step()
+        finally:
+            del os.environ["KEEL_RESTORE_PLAN"]
+            ck.close()
+        try:
+            after, _ = ckpt_slots.read_payload(slot, verify=True)
+            out["restore_slot_changed_by_next_step"] = after.digest != header.digest
+        except ckpt_slots.SlotError:
+            out["restore_slot_changed_by_next_step"] = True
+
         if self.agent.get("address"):
             from keel.agent.shard_store import TlsMaterial, fetch_shard
             from keel.checkpoint.slots import restore_path

@@ -392,7 +392,50 @@ class DLRover(Variant):
             return time.perf_counter() - t0, fresh.same_weights(self.job)
 
         median_s, ok, runs = timed_restores(self.args.restore_repeats, once)
-        return {"restore_s_dlrover_memory": median_s, "restore_s_dlrover_memory_runs": runs, "restore_dlrover_ok": ok}
+        return {"restore_s_dlrover_memory": median_s, "restore_s_dlrover_memory_runs": runs, "restore_dlrover_ok": ok,
+                **self.aliasing()}
+
+    def aliasing(self) -> dict[str, Any]:
+        """What DLRover's fast restore costs in safety, measured: the share of the restored optimizer's state
+        tensors that live inside its checkpoint segment (``torch.frombuffer`` views the optimizer adopts),
+        and whether one training step after the restore changed the checkpoint's bytes while the checkpoint
+        still claims its step (a crash in that step would then restore a mix of two steps)."""
+        import hashlib
+
+        torch = self.job.torch
+
+        def digest(state: Any) -> str:
+            h = hashlib.sha256()
+
+            def walk(v: Any) -> None:
+                if torch.is_tensor(v):
+                    h.update(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                elif isinstance(v, dict):
+                    for key in sorted(v, key=str):
+                        walk(v[key])
+                elif isinstance(v, list | tuple):
+                    for x in v:
+                        walk(x)
+
+            walk(state)
+            return h.hexdigest()
+
+        try:
+            segment = self.ck._engine._shm_handler.shared_memory.buf  # noqa: SLF001 - where its tensors live
+            base = torch.frombuffer(segment, dtype=torch.uint8).data_ptr()
+            end = base + len(segment)
+        except Exception as exc:  # noqa: BLE001 - an internal of another project: report, do not fail the run
+            return {"dlrover_aliasing_error": repr(exc)}
+        fresh = self.job.fresh()
+        fresh.load(self.ck.load_checkpoint())
+        states = [t for per_param in fresh.optimizer.state.values() for t in per_param.values()
+                  if torch.is_tensor(t) and t.numel() > 1]
+        inside = sum(1 for t in states if base <= t.data_ptr() < end)
+        before = digest(self.ck.load_checkpoint())
+        fresh.step()
+        after = digest(self.ck.load_checkpoint())
+        return {"dlrover_restored_state_in_checkpoint": inside / len(states) if states else None,
+                "dlrover_checkpoint_changed_by_next_step": before != after}
 
     def close(self) -> None:
         try:

@@ -375,6 +375,13 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
         "agent_sync_ms_keel": _get(ok, "keel", "agent_sync_ms", "mean"),
         "restore_peer_fetch_s": keel.get("restore_peer_fetch_s"),
         "restore_disk_evicted": keel.get("restore_disk_evicted"),
+        # Why DLRover's memory restore is faster, measured: its optimizer adopts views of the checkpoint
+        # segment, which the next step then rewrites; Keel's restore copies, and its slot stays intact.
+        "restore_dlrover_state_in_checkpoint": _get(ok, "dlrover", "dlrover_restored_state_in_checkpoint"),
+        "restore_dlrover_checkpoint_changed_by_next_step": _get(ok, "dlrover",
+                                                                "dlrover_checkpoint_changed_by_next_step"),
+        "restore_keel_slot_changed_by_next_step": keel.get("restore_slot_changed_by_next_step",
+                                                           nob.get("restore_slot_changed_by_next_step")),
         "restore_memory_vs_disk": _ratio(keel.get("restore_s_disk"), keel.get("restore_s_memory", nob.get("restore_s_memory"))),
         "host_bytes_per_rank_by_variant": {tag: p["host_bytes_per_rank"] for tag, p in per.items()},
         "keel_agent": agent or None,
@@ -499,6 +506,10 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
           f"{_fmt(v, '.1f', '×')} (memory {_fmt(ms(fig['restore_s_memory']), '.1f', ' ms')}, "
           f"disk {_fmt(ms(fig['restore_s_disk']), '.1f', ' ms')}"
           f"{'' if fig.get('restore_disk_evicted') in (None, True) else ', page cache NOT evicted'})")
+    print("after a memory restore and one training step: DLRover's optimizer state inside its checkpoint "
+          f"segment {_fmt(fig['restore_dlrover_state_in_checkpoint'], '.0%')}, its checkpoint changed "
+          f"{fig['restore_dlrover_checkpoint_changed_by_next_step']}; Keel's slot changed "
+          f"{fig['restore_keel_slot_changed_by_next_step']}")
     a, b = fig["restore_s_memory"], fig["restore_s_dlrover_memory"]
     check("restore from local memory (verified) no slower than DLRover's", None if a is None or b is None else a,
           a is not None and b is not None and a <= b,

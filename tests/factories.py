@@ -1,8 +1,9 @@
-"""Event factories shared by tests and benchmarks."""
+"""Factories shared by tests and benchmarks: events, and damage done to files."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 from keel.events.envelope import Event
 from keel.events.types import NodeHealthChanged, NodeRegistered
@@ -32,3 +33,12 @@ def fleet_events(count: int, *, job: str = "job1", nodes: int = 1200) -> list[Ev
             status = "degraded" if index % 2 else "healthy"
             events.append(health_event(node, job=job, status=status, at=at, detail=f"sample {index}"))
     return events
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Invert every bit of the byte at ``offset`` of ``path`` in place (a corrupted checkpoint byte)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -35,6 +35,7 @@ from keel.sdk import Checkpointer, CheckpointMismatchError, Session, SessionConf
 from keel.sdk.checkpoint import CheckpointError
 from keel.sdk.shard import decode_shard
 from keel.workload.data import ShardedSampler
+from tests.factories import flip_byte
 
 pytestmark = pytest.mark.integration
 
@@ -263,14 +264,6 @@ def _run_with_slots(directory: Path, steps: int, **kwargs: object) -> Parts:
     return parts
 
 
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_corrupt_newest_slot_falls_back_to_the_older_one(shm: Path, caplog: pytest.LogCaptureFixture) -> None:
     _run_with_slots(shm, 4)  # slot0 holds step 2, slot1 step 3
     assert ckpt_slots.read_header(ckpt_slots.slot_path(shm, 0, 1)).step == 3
@@ -278,7 +271,7 @@ def test_corrupt_newest_slot_falls_back_to_the_older_one(shm: Path, caplog: pyte
     train(reference, 0, 3)
     reference.checkpointer().save_file(shm / "step2.shard", step=2)
 
-    _flip_byte(ckpt_slots.slot_path(shm, 0, 1), ckpt_slots.HEADER_BYTES + 5000)
+    flip_byte(ckpt_slots.slot_path(shm, 0, 1), ckpt_slots.HEADER_BYTES + 5000)
     parts = build(1)
     ckpt = parts.checkpointer(ckpt_dir=shm)
     with caplog.at_level(logging.WARNING, logger="keel.sdk"):
@@ -537,7 +530,7 @@ def test_fast_restore_refuses_a_flipped_byte_clearly_and_blocks_snapshots(shm: P
     header = ckpt_slots.read_header(slot)
     pristine = slot.read_bytes()
     # A byte deep in the tensor region (the header stays valid and COMPLETE: only the hash can tell).
-    _flip_byte(slot, ckpt_slots.HEADER_BYTES + header.payload_len - 7)
+    flip_byte(slot, ckpt_slots.HEADER_BYTES + header.payload_len - 7)
     _plan_for_slot(shm, monkeypatch, slot)
     parts = build(1)
     ckpt = parts.checkpointer(ckpt_dir=shm / "new-slots")
@@ -563,7 +556,7 @@ def test_slot_restore_without_a_plan_raises_when_a_corrupt_slot_was_loaded_and_n
     _run_with_slots(shm, 4)
     for index in (0, 1):
         path = ckpt_slots.slot_path(shm, 0, index)
-        _flip_byte(path, ckpt_slots.HEADER_BYTES + ckpt_slots.read_header(path).payload_len - 3)
+        flip_byte(path, ckpt_slots.HEADER_BYTES + ckpt_slots.read_header(path).payload_len - 3)
     ckpt = build(1).checkpointer(ckpt_dir=shm)
     # Not "start fresh": the model already holds bytes of a corrupt slot.
     with pytest.raises(CheckpointCorruptError, match="no slot .* verified"):

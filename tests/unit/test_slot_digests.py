@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from keel.checkpoint import slots as ckpt_slots
+from tests.factories import flip_byte as flip
 
 PAYLOAD = bytes(range(256)) * 1000
 
@@ -30,14 +31,6 @@ def write_v1_slot(path: Path, payload: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(header.ljust(ckpt_slots.HEADER_BYTES, b"\0") + payload)
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_a_slot_carries_both_digests_of_its_payload(tmp_path: Path) -> None:
