@@ -200,12 +200,17 @@ def test_a_key_readable_by_others_is_refused(tmp_path: Path) -> None:
         ensure_signing_identity(tmp_path, "controller", "controller")
 
 
-def test_a_keyring_file_learns_an_identity_added_after_it_was_read(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr("keel.infra.signing.KEYRING_RELOAD_MIN_S", 0.0)
+def test_a_keyring_file_learns_an_identity_added_after_it_was_read(tmp_path: Path) -> None:
+    # At once, with no pause: a new operator's first event comes right after the recorder started.
     ensure_signing_identity(tmp_path, "controller", "controller")
     ring = KeyringFile(tmp_path / "signing" / "keyring.json")
     assert "alice" not in ring
     alice = ensure_signing_identity(tmp_path, "alice", "operator")
     assert ring["alice"].public_text() == alice.public.public_text()
+    (tmp_path / "signing" / "alice.key").unlink()  # a rotation: same name, a new key, a keyring of the same size
+    rotated = ensure_signing_identity(tmp_path, "alice", "operator")
+    assert rotated.public.public_text() != alice.public.public_text()
+    assert ring["alice"].public_text() == alice.public.public_text()  # a known name does not re-read the file
+    assert "mallory" not in ring and ring["alice"].public_text() == rotated.public.public_text()  # a miss does
     missing = KeyringFile(tmp_path / "nowhere.json")
     assert len(missing) == 0 and not verify_event(sign_event(eviction(), CONTROLLER), missing).ok

@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,8 +50,6 @@ log = logging.getLogger(__name__)
 SIGNING_SUBDIR = "signing"
 KEYRING_FILE = "keyring.json"
 IDENTITY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
-KEYRING_RELOAD_MIN_S = 1.0
-"""A keyring that lacks a signer is read again when its file changed, at most this often (a key added since)."""
 
 
 def signing_dir(credentials_dir: Path) -> Path:
@@ -160,31 +157,28 @@ def load_signing_key(credentials_dir: Path, name: str) -> SigningKey:
 
 
 class KeyringFile(Mapping[str, PublicIdentity]):
-    """The keyring in ``path``, read at once and read again (at most every ``KEYRING_RELOAD_MIN_S``, when the
-    file changed) when asked for an identity it lacks: a key added after this process started (a new operator,
-    a rotated service key) is known without a restart. A missing file is an empty keyring (every signed event
+    """The keyring in ``path``, read at once and read again, when the file changed (its inode, mtime and size: every write is a rename, so a new inode; one
+    ``stat`` per lookup of an identity it lacks), when asked for an identity it lacks: a key added after this
+    process started (a new operator, a rotated service key) is known at its first event, without a restart.
+    (No time-based rate limit: one once skipped the re-read for a second after the last one, and an operator's
+    first signed event in that second was refused and dead-lettered.) A missing file is an empty keyring (every signed event
     is refused, with the path in the reason); an invalid one raises ``KeyringError`` at first."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._entries: dict[str, PublicIdentity] = {}
-        self._stamp: tuple[int, int] | None = None
-        self._checked = 0.0
+        self._stamp: tuple[int, int, int] | None = None
         self._reload(force=True)
 
-    def _file_stamp(self) -> tuple[int, int] | None:
+    def _file_stamp(self) -> tuple[int, int, int] | None:
         try:
             st = self.path.stat()
         except FileNotFoundError:
             return None
-        return st.st_mtime_ns, st.st_size
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     def _reload(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._checked < KEYRING_RELOAD_MIN_S:
-            return
-        self._checked = now
         stamp = self._file_stamp()
         if not force and stamp == self._stamp:
             return
