@@ -478,6 +478,8 @@ def test_stats_report_blocking_and_copy_times(shm: Path) -> None:
     for name in ("capture", "wait", "blocking", "copy", "hash"):
         assert 0 <= summary[f"{name}_mean_s"] <= summary[f"{name}_p99_s"] < 5, name
     assert all(math.isclose(b, c + w) for b, c, w in zip(stats.blocking_s, stats.capture_s, stats.wait_s))
+    # The running total the agent reports for ETTR: every snapshot's blocking, not only the stats' window.
+    assert math.isclose(ckpt.blocking_total_s, sum(stats.blocking_s)) and ckpt.blocking_total_s > 0
 
 
 # -- (d) the fast restore path: straight into the live tensors, verified in the same pass ----------------------

@@ -84,8 +84,11 @@ async def test_live_decisions_are_recorded_and_replay_verifies_clean_then_flags_
     assert observe.returncode == 0  # without --verify a divergence is reported, not failed
     assert "payload.observe_only: recorded False -> replayed True" in observe.stdout
 
-    unknown = keel(env, "replay", "--service", "nope")
+    unknown = keel(env, "replay", "--service", "controller", "--service", "nope")
     assert unknown.returncode == 2 and "no decider named 'nope'" in unknown.stderr
+    two = keel(env, "replay", "--verify", "--service", "controller", "--service", "analyzer")
+    assert two.returncode == 0, two.stderr
+    assert [line.split(":")[0] for line in two.stdout.splitlines() if "folded" in line] == ["controller", "analyzer"]
 
 
 async def test_controller_cold_start_rebuilds_from_the_log_and_does_not_decide_twice(keel_env) -> None:

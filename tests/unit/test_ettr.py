@@ -11,6 +11,7 @@ from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointRestorePlanned,
     DiagnosticsRequested,
+    FailSlowConvicted,
     FaultInjected,
     IncidentOpened,
     NodeHeartbeat,
@@ -308,3 +309,136 @@ def test_a_stall_that_cleared_itself_ends_when_the_job_stepped_past_it() -> None
     # survivors may report a step completed before the fault): the incident stays open to the end.
     unresolved = compute_ettr([e for e in log if e.type != "IncidentResolved"])
     assert unresolved is not None and unresolved.incidents[0].recovered_at is None
+
+
+# -- overhead outside incidents: checkpoint blocking, fail-slow steps before a conviction --------------------
+
+
+def ckpt_beat(seconds: float, step: int, blocked_s: float | None, node: str = "n0", generation: int = 0,
+              step_time_s: float | None = None) -> Event:
+    return ev(NodeHeartbeat(node_id=node, ranks_alive=1, ranks_expected=1, last_step=step, generation=generation,
+                            checkpoint_blocking_s=blocked_s, step_time_p50_s=step_time_s), seconds, f"node/{node}")
+
+
+def test_checkpoint_blocking_is_charged_as_the_slowest_nodes_growth() -> None:
+    # Two nodes block 1 s and 1.5 s per 50 s: a synchronous job waits for the slower one, so 1.5 s per 50 s.
+    log = [started(0, 0),
+           ckpt_beat(50, 24, 1.0, "n0"), ckpt_beat(50, 24, 1.5, "n1"),
+           ckpt_beat(100, 49, 2.0, "n0"), ckpt_beat(100, 49, 3.0, "n1"),
+           ckpt_beat(150, 74, 3.0, "n0"), ckpt_beat(150, 74, 4.5, "n1"),
+           ckpt_beat(200, 99, 4.0, "n0"), ckpt_beat(200, 99, 6.0, "n1")]
+    report = compute_ettr(log)
+    assert report is not None and report.incidents == ()
+    assert report.lost_by_overhead()["checkpoint"] == pytest.approx(timedelta(seconds=6.0), abs=timedelta(microseconds=2))
+    assert report.lost == report.lost_by_overhead()["checkpoint"] and report.incident_lost == timedelta(0)
+    assert report.ettr == pytest.approx(1 - 6 / 200)
+    # The last 100 s hold the growth of [100, 200]: 3 s (the first heartbeat's 1.5 s came at 50 s, an instant).
+    window = report.window(timedelta(seconds=100))
+    assert window.lost_by_overhead["checkpoint"].total_seconds() == pytest.approx(3.0)
+    assert window.ettr == pytest.approx(1 - 3 / 100)
+    data = report.to_json()
+    assert data["overhead_s"]["checkpoint"] == pytest.approx(6.0) and data["lost_s"] == pytest.approx(6.0)
+    assert data["incident_lost_s"] == 0.0
+
+
+def test_checkpoint_blocking_during_an_incident_is_the_incidents_and_a_new_generation_counts_afresh() -> None:
+    restart = RanksRestartRequested(node_id="n0", generation=1, reason="test", expires_at=at(400))
+    log = [started(0, 0), ckpt_beat(50, 24, 1.0), ckpt_beat(100, 49, 2.0),
+           ev(FaultInjected(kind="crash", node_id="n0", rank=0), 100, producer="keel inject"),
+           ev(RankExited(node_id="n0", rank=0, pid=10, generation=0, exit_code=1, classification="user_code"),
+              100.5, "rank/0"),
+           ev(restart, 102, producer="controller"), started(103, 1),
+           ev(CheckpointRestorePlanned(generation=1, step=45, reason="test"), 104, "job/j", "checkpoint-broker"),
+           ckpt_beat(110, 46, 0.3, generation=1),  # stepping again: the incident's (it is open)
+           ckpt_beat(114, 49, 0.5, generation=1),  # back at step 49: the incident ends here
+           ckpt_beat(164, 74, 1.5, generation=1)]  # 1 s more, after the recovery: charged
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.lost(report.ended_at) == timedelta(seconds=14)
+    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(3.0)  # 1 + 1 + 1
+    assert report.lost.total_seconds() == pytest.approx(17.0)
+
+
+def test_a_total_that_shrinks_without_a_new_generation_charges_nothing_and_counts_on() -> None:
+    log = [started(0, 0), ckpt_beat(50, 24, 2.0), ckpt_beat(100, 49, 0.5), ckpt_beat(150, 74, 1.5)]
+    report = compute_ettr(log)
+    assert report is not None
+    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(2.0)  # 2.0, then nothing
+
+
+def fail_slow_log(baseline: bool = True) -> list[Event]:
+    """Steps of 0.1 s until 300 s (from 150 s when ``baseline`` is False: the job starts slow), 0.2 s after;
+    the analyzer convicts n1 at 600 s (5 rounds of 60 s: the slow span is [300, 600]); the controller opens
+    its incident and evicts; the new generation is back at step 6000 at 611 s."""
+    restart = RanksRestartRequested(node_id="n0", generation=1, reason="evict n1", expires_at=at(900))
+    fast_from = 0 if baseline else 300
+    log = [started(0, 0)]
+    for t in range(10, 601, 10):
+        log.append(ckpt_beat(t, 10 * t, None, step_time_s=0.1 if fast_from <= t < 300 else 0.2))
+    log += [ev(FailSlowConvicted(group_kind="node", group_nodes=["n1"], rounds=5, flags=4, interval_s=60.0,
+                                 reason="n1 is slow"), 600, "job/j", "analyzer"),
+            ev(IncidentOpened(kind="fail_slow", node_id="n1", generation=0, last_step=6000,
+                              fingerprint="fail_slow/n1", reason="rung 3: fail-slow: evict n1"), 600, "job/j",
+               "controller"),
+            ev(restart, 601, producer="controller"), started(603, 1),
+            ev(CheckpointRestorePlanned(generation=1, step=5990, reason="test"), 604, "job/j", "checkpoint-broker"),
+            ckpt_beat(606, 5995, None, generation=1), ckpt_beat(612, 6001, None, generation=1),
+            ckpt_beat(700, 6900, None, generation=1)]
+    return log
+
+
+def test_the_slow_steps_before_a_fail_slow_conviction_are_charged_and_the_eviction_is_an_incident() -> None:
+    report = compute_ettr(fail_slow_log())
+    assert report is not None
+    [charge] = [o for o in report.overheads if o.kind == "fail_slow"]
+    # [300, 600] at half speed: 150 s lost; healthy 0.1 s from [0, 300), degraded 0.2 s in [300, 600].
+    assert (charge.started_at, charge.ended_at) == (at(300), at(600))
+    assert charge.lost == timedelta(seconds=150) and "0.2 s against 0.1 s" in charge.detail
+    [incident] = report.incidents
+    assert incident.cause.startswith("fail-slow eviction: rung 3") and incident.started_at == at(600)
+    # Back at step 6000 at 611 s (interpolated between the heartbeats at 606 s, step 5995, and 612 s, 6001).
+    assert incident.lost(report.ended_at) == timedelta(seconds=11)
+    assert report.lost == timedelta(seconds=161) and report.ettr == pytest.approx(1 - 161 / 700)
+    window = report.window(timedelta(seconds=250))  # [450, 700]: half the slow span
+    assert window.lost_by_overhead["fail_slow"] == timedelta(seconds=75)
+    assert report.to_json()["fail_slow"][0]["lost_s"] == 150.0
+
+
+def test_a_fail_slow_conviction_without_a_baseline_is_not_charged_and_says_why() -> None:
+    report = compute_ettr(fail_slow_log(baseline=False))
+    assert report is not None
+    [charge] = [o for o in report.overheads if o.kind == "fail_slow"]
+    # Slow from the start: the span before 300 s was no faster (0.2 s), so nothing is charged.
+    assert charge.lost == timedelta(0)
+    only_slow = [e for e in fail_slow_log() if not (e.type == "NodeHeartbeat" and e.occurred_at < at(300))]
+    report = compute_ettr(only_slow)
+    assert report is not None
+    [charge] = [o for o in report.overheads if o.kind == "fail_slow"]
+    assert charge.lost == timedelta(0) and "no baseline" in charge.detail
+
+
+def test_the_event_types_it_reads_give_the_same_report_as_the_whole_log() -> None:
+    from keel.events.types import ApprovalRequested
+    from keel.rules.ettr import INPUT_TYPES
+    noise = ev(ApprovalRequested(incident_id="x", action="evict", reason="r", expires_at=at(900)), 650, "job/j",
+               "controller")
+    for log in (fail_slow_log() + [noise], crash_log()):
+        whole = compute_ettr(sorted(log, key=lambda e: e.occurred_at))
+        assert whole is not None
+        read = compute_ettr([e for e in log if e.type in INPUT_TYPES], until=whole.ended_at)
+        assert read == whole
+
+
+def test_an_injected_slow_fault_opens_no_incident_and_starts_the_slow_span() -> None:
+    # Injected at 400 s (the steps only got slower from 300 s by the log's own step times: the injection
+    # says when it began): [400, 600] at 0.2 s against 0.1 s before is 100 s lost; no incident before 600 s.
+    log = fail_slow_log()
+    log.insert(next(i for i, e in enumerate(log) if e.occurred_at > at(400)),
+               ev(FaultInjected(kind="slow", node_id="n1", params={"fraction": 0.5}), 400, producer="keel inject"))
+    report = compute_ettr(log)
+    assert report is not None
+    [charge] = [o for o in report.overheads if o.kind == "fail_slow"]
+    assert (charge.started_at, charge.lost) == (at(400), timedelta(seconds=100))
+    [incident] = report.incidents
+    assert incident.started_at == at(600) and incident.cause.startswith("fail-slow eviction")

@@ -237,11 +237,12 @@ def test_the_ettr_table_puts_the_window_next_to_the_cumulative_figures() -> None
     assert job is not None
     lines = format_ettr(job).splitlines()
     assert lines[0] == "job job1: 2026-11-29 09:00:00.000 .. 2026-11-29 09:02:00.000, generation 1"
-    rows = {line[:20].strip(): line[20:].split("  ") for line in lines[3:16]}
+    rows = {line[:20].strip(): line[20:].split("  ") for line in lines[3:18]}
     assert lines[2].split() == ["cumulative", "last", "55s"]
     assert [c.strip() for c in rows["ETTR"] if c.strip()] == ["90.00 %", "87.27 %"]
     assert [c.strip() for c in rows["unproductive"] if c.strip()] == ["12.0 s", "7.00 s"]
     assert [c.strip() for c in rows["failover"] if c.strip()] == ["5.00 s", "0.50 s"]
+    assert [c.strip() for c in rows["checkpointing"] if c.strip()] == ["0.00 s", "0.00 s"]  # no total reported
     assert [c.strip() for c in rows["generation changes"] if c.strip()] == ["1", "1"]
     assert [c.strip() for c in rows["restart requests"] if c.strip()] == ["1", "0"]
     [incident_line] = [line for line in lines if line.lstrip().startswith("1  ")]

@@ -44,7 +44,8 @@ def send(channel: RankChannel, data: bytes) -> None:
 @pytest.mark.parametrize("bad", [
     {"rank": -1}, {"local_rank": -5}, {"rank": 1 << 30}, {"pid": 0}, {"step": -7}, {"checkpoint_step": -3},
     {"step_time_s": float("nan")}, {"sent_at_unix_s": float("inf")}, {"compute_time_s": -1.0},
-    {"collective_wait_s": float("nan")}, {"collective_wait_max_s": -0.5},
+    {"collective_wait_s": float("nan")}, {"collective_wait_max_s": -0.5}, {"checkpoint_blocking_s": -0.1},
+    {"checkpoint_blocking_s": float("inf")},
     {"rank": -1, "pid": 0},
 ])
 def test_a_report_out_of_range_is_dropped_and_counted(channel: RankChannel, bad: dict) -> None:  # type: ignore[type-arg]
@@ -124,3 +125,11 @@ def test_a_rank_inside_a_collective_is_dated_from_its_first_report_there(channel
     send(channel, report(seq=4, step=6, collective_seq=9, collective_wait_max_s=0.3))
     channel.drain(NOW + timedelta(seconds=3), 1, ME)
     assert (state.collective, state.collective_entered_at) == ("", None) and list(state.collective_waits_s) == [0.3]
+
+
+def test_the_checkpoint_blocking_total_only_grows(channel: RankChannel) -> None:
+    # A running total: a report that arrives late (lower) does not take back what the rank already said.
+    for seq, total in ((1, 0.25), (2, 0.75), (3, 0.5)):
+        send(channel, report(seq=seq, checkpoint_blocking_s=total))
+        channel.drain(NOW, 1, ME)
+    assert channel.ranks[3].checkpoint_blocking_s == 0.75

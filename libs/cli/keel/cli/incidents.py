@@ -47,7 +47,7 @@ from keel.events.types import (
 )
 from keel.events.units import format_duration as format_duration_spec
 from keel.events.units import parse_duration
-from keel.rules.ettr import INPUT_TYPES, PHASES, EttrReport, EttrWindow, compute_ettr
+from keel.rules.ettr import INPUT_TYPES, OVERHEAD_KINDS, PHASES, EttrReport, EttrWindow, compute_ettr
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -434,6 +434,10 @@ def job_ettr(job_id: str, events: Iterable[Event], window: timedelta, incidents:
     return JobEttr(job_id, report, report.window(window), match_controller_incidents(report, incidents))
 
 
+OVERHEAD_LABELS = {"checkpoint": "checkpointing", "fail_slow": "slow steps"}
+"""How ``keel ettr`` names each kind of overhead (time lost outside incidents)."""
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.2f} %"
 
@@ -450,6 +454,9 @@ def format_ettr(job: JobEttr) -> str:
         ("unproductive", format_duration(report.lost), format_duration(window.lost)),
         *((f"  {phase}", format_duration(report.lost_by_phase()[phase]), format_duration(phase_window[phase]))
           for phase in PHASES),
+        # Lost outside incidents: the training thread blocked in checkpointing, slow steps before a conviction.
+        *((f"  {OVERHEAD_LABELS[kind]}", format_duration(report.lost_by_overhead()[kind]),
+           format_duration(window.lost_by_overhead[kind])) for kind in OVERHEAD_KINDS),
         ("incidents", str(len(report.incidents)), str(len(window.lost_by_incident))),
         ("generation changes", str(len(report.generations)), str(window.generation_changes)),
         ("restart requests", str(len(report.restart_requests)), str(window.restart_requests)),

@@ -23,7 +23,9 @@ from keel.infra.config import Settings
 def register(sub: Subparsers) -> None:
     replay = sub.add_parser("replay", help="fold the log through the current deciders and diff the decisions")
     replay.add_argument("--job")
-    replay.add_argument("--service")
+    replay.add_argument("--service", action="append",
+                        help="the decider of this service only (repeat for several; default: every one). A service "
+                             "that did not run decided nothing: verifying it would list what it would have decided")
     replay.add_argument("--verify", action="store_true",
                         help="exit 1 when any decision diverges or any event's signature is missing or does not verify")
     replay.set_defaults(func=cmd_replay)
@@ -48,9 +50,10 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
 
     _, database_url = endpoints(settings)
     deciders = deciders_for(settings)
-    if args.service and args.service not in deciders:
-        raise CliError(f"no decider named {args.service!r}; known: {', '.join(deciders)}")
-    chosen = [deciders[args.service]] if args.service else list(deciders.values())
+    unknown = [name for name in args.service or () if name not in deciders]
+    if unknown:
+        raise CliError(f"no decider named {', '.join(map(repr, unknown))}; known: {', '.join(deciders)}")
+    chosen = [deciders[name] for name in dict.fromkeys(args.service)] if args.service else list(deciders.values())
     try:
         audit = SignatureAudit(KeyringFile(keyring_path(settings)))
     except KeyringError as exc:

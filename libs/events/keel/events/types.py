@@ -188,14 +188,16 @@ FaultKind = Literal["crash", "hang", "hang_stopped", "slow", "nan", "gpu-lost", 
                     "disk-full", "sdc"]
 
 
-@event_type("NodeHeartbeat", version=4, aggregate="node")
+@event_type("NodeHeartbeat", version=5, aggregate="node")
 class NodeHeartbeat(EventPayload):
     """Periodic liveness of a node agent and a summary of its ranks (not every sample). Since v3 it also
     carries what the node holds in the memory and peer checkpoint tiers (``stored``): shard reports ride
     on the heartbeat instead of being events of their own (``CheckpointShardsStored`` now only reports
     the disk tier), and a heartbeat is sent early when a report round completes (see the agent). Since v4
     it says which generation its ranks run (``generation``) and how many of them ever reported through
-    the SDK (``ranks_reporting``): a job whose ranks never do is judged on process liveness alone."""
+    the SDK (``ranks_reporting``): a job whose ranks never do is judged on process liveness alone. Since v5
+    it says how long its ranks have been blocked in checkpointing (``checkpoint_blocking_s``), which ETTR
+    charges."""
 
     node_id: str
     standby: bool = False
@@ -220,6 +222,10 @@ class NodeHeartbeat(EventPayload):
     """How many of that generation's ranks have reported through the SDK (``keel.sdk``) at least once.
     0 with ranks alive: a program without the SDK so far (its progress is invisible, only its processes
     are seen). None: an agent older than v4 (taken as a job that reports through the SDK)."""
+    checkpoint_blocking_s: float | None = Field(default=None, ge=0)
+    """The most seconds any of that generation's ranks on this node has spent blocked in checkpointing so
+    far (a running total per rank, restarting with the generation). ETTR charges its growth as lost time.
+    None: no rank checkpoints through the SDK (or an older agent)."""
 
 
 @upcaster("NodeHeartbeat", from_version=1)
@@ -236,6 +242,11 @@ def _node_heartbeat_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
 def _node_heartbeat_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
     # v3 agents did not say: unknown, which every reader takes as a job reporting through the SDK (as decided then).
     return {**payload, "generation": None, "ranks_reporting": None}
+
+
+@upcaster("NodeHeartbeat", from_version=4)
+def _node_heartbeat_v4_to_v5(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "checkpoint_blocking_s": None}  # v4 agents did not measure it: nothing is charged
 
 
 @event_type("RankStarted", version=1, aggregate="rank")

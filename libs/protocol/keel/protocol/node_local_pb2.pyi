@@ -23,7 +23,7 @@ PHASE_DONE: Phase
 PHASE_FAILED: Phase
 
 class RankReport(_message.Message):
-    __slots__ = ("job_id", "node_id", "rank", "local_rank", "pid", "generation", "seq", "sent_at_unix_s", "phase", "step", "step_time_s", "loss", "grad_norm", "tokens_per_s", "error", "checkpoint_step", "checkpoint_groups_json", "compute_time_s", "collective_seq", "collective_wait_s", "collective", "collective_wait_max_s")
+    __slots__ = ("job_id", "node_id", "rank", "local_rank", "pid", "generation", "seq", "sent_at_unix_s", "phase", "step", "step_time_s", "loss", "grad_norm", "tokens_per_s", "error", "checkpoint_step", "checkpoint_groups_json", "compute_time_s", "collective_seq", "collective_wait_s", "collective", "collective_wait_max_s", "checkpoint_blocking_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class RankReport(_message.Message):
     COLLECTIVE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_WAIT_MAX_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BLOCKING_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     node_id: str
     rank: int
@@ -68,4 +69,5 @@ class RankReport(_message.Message):
     collective_wait_s: float
     collective: str
     collective_wait_max_s: float
-    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_groups_json: _Optional[str] = ..., compute_time_s: _Optional[float] = ..., collective_seq: _Optional[int] = ..., collective_wait_s: _Optional[float] = ..., collective: _Optional[str] = ..., collective_wait_max_s: _Optional[float] = ...) -> None: ...
+    checkpoint_blocking_s: float
+    def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., pid: _Optional[int] = ..., generation: _Optional[int] = ..., seq: _Optional[int] = ..., sent_at_unix_s: _Optional[float] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., error: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_groups_json: _Optional[str] = ..., compute_time_s: _Optional[float] = ..., collective_seq: _Optional[int] = ..., collective_wait_s: _Optional[float] = ..., collective: _Optional[str] = ..., collective_wait_max_s: _Optional[float] = ..., checkpoint_blocking_s: _Optional[float] = ...) -> None: ...

@@ -37,21 +37,48 @@ A later mark implies the earlier ones (the controller cannot decide before it de
 step again were restarted), so a missing or late mark takes the time of the next one that came: the
 phases never overlap and always add up to the incident's lost time.
 
-ETTR = 1 - sum(lost) / (end - start of the job). ``EttrReport.window(length)`` gives the same figures
-over the last ``length`` of the log (``EttrWindow``: lost time clipped to the window). Everything
-comes from events' ``occurred_at``: the same log always gives the same report.
+Time lost while the job runs, outside any incident, is *overhead* (``Overhead``), charged too:
+
+- checkpoint:   the seconds the training thread blocked in checkpointing (each snapshot's capture and its
+                wait for the previous copy), from ``NodeHeartbeat.checkpoint_blocking_s``: a running total
+                per node and generation (the slowest of its ranks). A synchronous job waits for its slowest
+                rank, so the job is charged the growth of the largest node total, spread over the heartbeat
+                interval it grew in. Growth while an incident is open is the incident's already.
+- fail_slow:    a fail-slow conviction (``FailSlowConvicted``) says the job had been running slowly for
+                ``rounds`` x ``interval_s``; the steps it ran slower than before are lost: over ``[S, T]``
+                (T the conviction, S that far back, never before the generation, the job or the last
+                recovery began) the charge is ``(T - S) x (1 - healthy / degraded)``, with ``healthy`` the
+                median ``step_time_p50_s`` of the same generation's heartbeats in the span before S (as
+                long as the slow one, at least ``FAIL_SLOW_BASELINE``; never its first ``FAIL_SLOW_WARMUP``) and ``degraded`` their median within
+                ``[S, T]``. No heartbeat before S: no baseline, no
+                charge (the report says so). The conviction also opens an incident, detected then (the
+                eviction and restart that follow are lost time like any other), unless one is open. An
+                injected slow fault (``FaultInjected`` kind ``slow``) opens no incident (the job trains on,
+                slower) and starts the slow span (S is the injection).
+
+Not charged (not seen in the log): the time before a fault nobody injected is detected, beyond what a
+hang check's own evidence says; steps slowed by a copy thread competing for the cores; fail-slow steps
+the analyzer never convicted.
+
+ETTR = 1 - (sum(incident lost) + sum(overhead)) / (end - start of the job). ``EttrReport.window(length)``
+gives the same figures over the last ``length`` of the log (``EttrWindow``: lost time clipped to the
+window; an overhead spread evenly over its span). Everything comes from events' ``occurred_at``: the same
+log always gives the same report.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeGuard
 
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     CheckpointRestorePlanned,
+    FailSlowConvicted,
     FaultInjected,
     IncidentOpened,
     IncidentResolved,
@@ -62,8 +89,8 @@ from keel.events.types import (
     RankStarted,
 )
 
-__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "Measure", "PHASES", "PROCESS_LEVEL_NOTE",
-           "compute_ettr"]
+__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "Measure", "OVERHEAD_KINDS", "Overhead", "PHASES",
+           "PROCESS_LEVEL_NOTE", "compute_ettr"]
 
 Measure = Literal["step", "process"]
 PROCESS_LEVEL_NOTE = ("process-level (coarser): no rank reports through the SDK, so recovery is when every rank "
@@ -77,8 +104,9 @@ _MARKS = ("detected", "decided", "restarted", "resumed", "recovered")
 _FAILURE_CLASSES = {"user_code", "infrastructure", "unknown"}
 _COMMANDS = {"RanksRestartRequested", "NodeEvictionDecided", "RestartDecided", "DiagnosticsRequested",
              "StandbyPromotionRequested"}
-INPUT_TYPES = frozenset({"RankStarted", "FaultInjected", "RankExited", "NodeHealthChanged",
-                         "CheckpointRestorePlanned", "NodeHeartbeat", "IncidentResolved", *_COMMANDS})
+INPUT_TYPES = frozenset({"RankStarted", "FaultInjected", "RankExited", "NodeHealthChanged", "IncidentOpened",
+                         "CheckpointRestorePlanned", "NodeHeartbeat", "IncidentResolved", "FailSlowConvicted",
+                         *_COMMANDS})
 """The event types ``compute_ettr`` reads; every other event only moves the end of the log (a reader
 may fetch only these and pass the time of the job's last event as ``until``: the same report)."""
 
@@ -148,6 +176,47 @@ class Incident:
                 "measure": self.measure}
 
 
+OverheadKind = Literal["checkpoint", "fail_slow"]
+OVERHEAD_KINDS: tuple[OverheadKind, ...] = ("checkpoint", "fail_slow")
+FAIL_SLOW_BASELINE = timedelta(minutes=10)
+"""A fail-slow charge's healthy step time: the median of the same generation's heartbeats this long (or the
+slow span's length, if longer) before the slow span."""
+FAIL_SLOW_WARMUP = timedelta(seconds=30)
+"""A generation's first step times are no baseline (nor evidence): its first steps run slower (measured on the
+local cluster: the median step 0.084 s in the first 15 s against 0.050 s after)."""
+FAIL_SLOW_LOOKBACK = timedelta(hours=6)
+"""How far back heartbeats are kept for a fail-slow charge (its degraded span and the baseline before it)."""
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Time lost while the job ran (no incident open): ``lost`` spread evenly over ``[started_at, ended_at]``."""
+
+    kind: OverheadKind
+    started_at: datetime
+    ended_at: datetime
+    lost: timedelta
+    detail: str = ""
+
+    def within(self, start: datetime, end: datetime) -> timedelta:
+        """The share of ``lost`` inside ``[start, end]`` (all of it for an instant inside, else pro rata)."""
+        span = self.ended_at - self.started_at
+        if span <= timedelta(0):
+            return self.lost if start <= self.ended_at <= end else timedelta(0)
+        return self.lost * (_overlap(self.started_at, self.ended_at, start, end) / span)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "started_at": self.started_at.isoformat(), "ended_at": self.ended_at.isoformat(),
+                "lost_s": self.lost.total_seconds(), "detail": self.detail}
+
+
+def _by_kind(pairs: Iterable[tuple[OverheadKind, timedelta]]) -> dict[str, timedelta]:
+    totals: dict[str, timedelta] = {k: timedelta(0) for k in OVERHEAD_KINDS}
+    for kind, spent in pairs:
+        totals[kind] += spent
+    return totals
+
+
 @dataclass(frozen=True)
 class EttrReport:
     started_at: datetime
@@ -159,14 +228,25 @@ class EttrReport:
     """Each ``RanksRestartRequested`` generation: when the first command for it came, and the generation."""
     measure: Measure = "step"
     """``process``: no rank of the job ever reported through the SDK; every figure is process-level."""
+    overheads: tuple[Overhead, ...] = ()
+    """Time lost outside incidents (checkpoint blocking, fail-slow steps before a conviction), in log order."""
 
     @property
     def wall(self) -> timedelta:
         return self.ended_at - self.started_at
 
     @property
-    def lost(self) -> timedelta:
+    def incident_lost(self) -> timedelta:
         return sum((i.lost(self.ended_at) for i in self.incidents), timedelta(0))
+
+    def lost_by_overhead(self) -> dict[str, timedelta]:
+        """Overhead by kind (``OVERHEAD_KINDS``; 0 for a kind never charged)."""
+        return _by_kind((o.kind, o.lost) for o in self.overheads)
+
+    @property
+    def lost(self) -> timedelta:
+        """Every lost second: the incidents' and the overheads'."""
+        return self.incident_lost + sum((o.lost for o in self.overheads), timedelta(0))
 
     @property
     def note(self) -> str:
@@ -208,6 +288,7 @@ class EttrReport:
                 by_phase[phase] += _overlap(a, b, start, end)
         return EttrWindow(
             length=length, started_at=start, ended_at=end, lost_by_incident=tuple(lost), lost_by_phase=by_phase,
+            lost_by_overhead=_by_kind((o.kind, o.within(start, end)) for o in self.overheads),
             generation_changes=sum(1 for at, _ in self.generations if start <= at <= end),
             restart_requests=sum(1 for at, _ in self.restart_requests if start <= at <= end),
         )
@@ -215,7 +296,10 @@ class EttrReport:
     def to_json(self) -> dict[str, Any]:
         return {"started_at": self.started_at.isoformat(), "ended_at": self.ended_at.isoformat(),
                 "wall_s": self.wall.total_seconds(), "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
+                "incident_lost_s": self.incident_lost.total_seconds(),
                 "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase().items()},
+                "overhead_s": {k: v.total_seconds() for k, v in self.lost_by_overhead().items()},
+                "fail_slow": [o.to_json() for o in self.overheads if o.kind == "fail_slow"],
                 "generation": self.generation, "generation_changes": len(self.generations),
                 "restart_requests": len(self.restart_requests), "measure": self.measure, "note": self.note,
                 "incidents": [i.to_json(self.ended_at) for i in self.incidents]}
@@ -234,14 +318,20 @@ class EttrWindow:
     lost_by_phase: dict[str, timedelta]
     generation_changes: int
     restart_requests: int
+    lost_by_overhead: dict[str, timedelta] = field(default_factory=lambda: _by_kind(()))
+    """Each kind of overhead inside the window (spread evenly over the span it was charged for)."""
 
     @property
     def wall(self) -> timedelta:
         return self.ended_at - self.started_at
 
     @property
-    def lost(self) -> timedelta:
+    def incident_lost(self) -> timedelta:
         return sum((spent for _, spent in self.lost_by_incident), timedelta(0))
+
+    @property
+    def lost(self) -> timedelta:
+        return self.incident_lost + sum(self.lost_by_overhead.values(), timedelta(0))
 
     @property
     def ettr(self) -> float:
@@ -252,6 +342,8 @@ class EttrWindow:
         return {"length_s": self.length.total_seconds(), "started_at": self.started_at.isoformat(),
                 "ended_at": self.ended_at.isoformat(), "wall_s": self.wall.total_seconds(),
                 "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
+                "incident_lost_s": self.incident_lost.total_seconds(),
+                "overhead_s": {k: v.total_seconds() for k, v in self.lost_by_overhead.items()},
                 "lost_by_incident_s": [{"incident": i, "lost_s": t.total_seconds()} for i, t in self.lost_by_incident],
                 "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase.items()},
                 "generation_changes": self.generation_changes, "restart_requests": self.restart_requests}
@@ -274,6 +366,10 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     requested: dict[int, datetime] = {}
     open_: Incident | None = None
     sdk_seen = False
+    checkpointing = _CheckpointCharge()
+    step_times = _StepTimes()
+    fail_slow: list[Overhead] = []
+    slow_since: datetime | None = None
     for event in events:
         p, kind, at = event.payload, event.type, event.occurred_at
         last_at = at if last_at is None or at > last_at else last_at
@@ -294,18 +390,30 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             requested.setdefault(p.generation, at)
         if started_at is None:
             continue
-        if isinstance(p, FaultInjected) and open_ is None:
+        if isinstance(p, FaultInjected) and p.kind == "slow" and p.params.get("at_step") is None:
+            # The job keeps training, slower: no stop, so no incident; its slow steps are charged at the
+            # conviction (fail_slow_charge), from here.
+            slow_since = slow_since or at
+        elif isinstance(p, FaultInjected) and open_ is None:
             if p.params.get("at_step") is not None:
                 # It fires only when the rank reaches that step: the wait until then is not lost time, and
                 # its first failure signal (a hang's dated back by its own evidence) starts the incident.
                 continue
             open_ = Incident(at, f"injected {p.kind} on {p.node_id}", max_step, generation)
             incidents.append(open_)
-        elif isinstance(p, IncidentOpened) and p.kind == "code_update" and open_ is None:
-            # A planned restart onto a new code version: no failure, but the time it takes is lost all the same.
-            open_ = Incident(at, f"planned restart: {p.reason[:120]}", max_step, generation)
+        elif isinstance(p, IncidentOpened) and p.kind in ("code_update", "fail_slow") and open_ is None:
+            # A planned restart onto a new code version, or the eviction of a convicted slow group: no crash,
+            # but the time it takes is lost all the same (a slow group's steps before it: see FailSlowConvicted).
+            what = "planned restart" if p.kind == "code_update" else "fail-slow eviction"
+            open_ = Incident(at, f"{what}: {p.reason[:120]}", max_step, generation)
             incidents.append(open_)
             open_.marks.setdefault("detected", at)
+        elif isinstance(p, FailSlowConvicted):
+            not_before = max([started_at, *(g_at for g_at, _ in generations[-1:]),
+                              *(i.recovered_at for i in incidents if i.recovered_at is not None)])
+            fail_slow.append(fail_slow_charge(p, at if open_ is None else min(at, open_.started_at), not_before,
+                                              step_times, generation, slow_since))
+            slow_since = None
         elif _is_failure_signal(p) or isinstance(p, RankExited):
             if open_ is not None and isinstance(p, RankExited) and open_.candidate is not None \
                     and p.generation >= open_.candidate[0] and p.classification != "success":
@@ -331,6 +439,13 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             open_.restore_step = p.step
         elif isinstance(p, NodeHeartbeat) and not p.standby:
             step = p.last_step
+            checkpointing.heartbeat(p, at, in_incident=open_ is not None,
+                                    not_before=max((i.recovered_at for i in incidents if i.recovered_at is not None),
+                                                   default=started_at))
+            generation_began = generations[-1][0] if generations else started_at
+            if p.step_time_p50_s is not None and p.generation in (None, generation) \
+                    and at >= generation_began + FAIL_SLOW_WARMUP:
+                step_times.add(at, generation, p.step_time_p50_s)
             sdk_seen = sdk_seen or p.ranks_reporting is None or p.ranks_reporting > 0 or step >= 0
             if open_ is not None and not sdk_seen and _process_recovered(open_, p):
                 open_ = None
@@ -357,9 +472,103 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     if not sdk_seen:
         for incident in incidents:
             incident.measure = "process"
+    overheads = sorted([*checkpointing.pieces, *fail_slow], key=lambda o: o.started_at)
     return EttrReport(started_at, end, tuple(incidents), tuple(generations),
                       tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])),
-                      measure="step" if sdk_seen else "process")
+                      measure="step" if sdk_seen else "process", overheads=tuple(overheads))
+
+
+CHECKPOINT_PIECE_SPAN = timedelta(minutes=1)
+"""Consecutive checkpoint charges are merged into pieces up to this long (a window's edge is that exact)."""
+
+
+class _CheckpointCharge:
+    """The job's checkpoint overhead from the heartbeats' running totals (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.last_total: dict[tuple[str, int | None], float] = {}
+        """Per (node, generation): the newest running total seen."""
+        self.node_charged: dict[str, float] = {}
+        """Per node: the seconds charged from its totals so far (outside incidents, every generation)."""
+        self.job_charged = 0.0
+        self.last_beat_at: dict[str, datetime] = {}
+        self.pieces: list[Overhead] = []
+
+    def heartbeat(self, p: NodeHeartbeat, at: datetime, *, in_incident: bool, not_before: datetime) -> None:
+        since = min(self.last_beat_at.get(p.node_id, at), at)
+        self.last_beat_at[p.node_id] = max(at, self.last_beat_at.get(p.node_id, at))
+        if p.checkpoint_blocking_s is None:
+            return
+        key = (p.node_id, p.generation)
+        before = self.last_total.get(key, 0.0)
+        self.last_total[key] = max(before, p.checkpoint_blocking_s)
+        grown = p.checkpoint_blocking_s - before
+        if grown <= 0 or in_incident:
+            return
+        if since < not_before < at:  # only the part of the interval after the last recovery is not an incident's
+            grown *= (at - not_before) / (at - since)
+            since = not_before
+        node = self.node_charged.get(p.node_id, 0.0) + grown
+        self.node_charged[p.node_id] = node
+        if node <= self.job_charged:
+            return  # another node blocked longer: the job waited for that one
+        lost = timedelta(seconds=node - self.job_charged)
+        self.job_charged = node
+        last = self.pieces[-1] if self.pieces else None
+        if last is not None and last.ended_at == since and at - last.started_at <= CHECKPOINT_PIECE_SPAN:
+            self.pieces[-1] = replace(last, ended_at=at, lost=last.lost + lost)
+        else:
+            self.pieces.append(Overhead("checkpoint", since, at, lost, "training blocked in checkpointing"))
+
+
+class _StepTimes:
+    """The running generation's recent heartbeats' median step times (``step_time_p50_s``), for fail-slow."""
+
+    def __init__(self) -> None:
+        self.beats: deque[tuple[datetime, float]] = deque()
+        self.generation: int | None = None
+
+    def add(self, at: datetime, generation: int, step_time_s: float) -> None:
+        self.reset_for(generation)
+        self.beats.append((at, step_time_s))
+        while self.beats and self.beats[0][0] < at - FAIL_SLOW_LOOKBACK:
+            self.beats.popleft()
+
+    def median(self, start: datetime, end: datetime, *, closed: bool) -> float | None:
+        """The median over ``[start, end)`` (``closed``: ``[start, end]``); None without a heartbeat there."""
+        values = [v for t, v in self.beats if start <= t and (t <= end if closed else t < end)]
+        return statistics.median(values) if values else None
+
+    def reset_for(self, generation: int) -> None:
+        """Forget another generation's step times (a restart: new ranks, maybe another machine)."""
+        if generation != self.generation:
+            self.beats.clear()
+            self.generation = generation
+
+
+def fail_slow_charge(p: FailSlowConvicted, until: datetime, floor: datetime, step_times: _StepTimes,
+                     generation: int, slow_since: datetime | None = None) -> Overhead:
+    """The steps a convicted slow group cost before its conviction (see the module docstring): over
+    ``[S, until]``, S = ``rounds x interval_s`` back and never before ``floor``, ``(until - S) x
+    (1 - healthy / degraded)``. Without a baseline (no heartbeat of this generation in the span before S)
+    the charge is 0 and ``detail`` says why. ``slow_since``: when an injected slow fault began (the span
+    starts there instead)."""
+    step_times.reset_for(generation)
+    start = max(slow_since if slow_since is not None and slow_since < until
+                else until - timedelta(seconds=p.rounds * p.interval_s), floor)
+    nodes = ", ".join(p.group_nodes)
+    if start >= until:
+        return Overhead("fail_slow", until, until, timedelta(0), f"{nodes}: no time since the job (re)started")
+    healthy = step_times.median(start - max(until - start, FAIL_SLOW_BASELINE), start, closed=False)
+    degraded = step_times.median(start, until, closed=True)
+    if healthy is None or degraded is None or degraded <= 0:
+        return Overhead("fail_slow", start, until, timedelta(0),
+                        f"{nodes}: no baseline (no step time of generation {generation} before the slow span): "
+                        "not charged")
+    share = max(0.0, 1.0 - healthy / degraded)
+    return Overhead("fail_slow", start, until, (until - start) * share,
+                    f"{nodes}: median step {degraded:.3g} s against {healthy:.3g} s before, over "
+                    f"{(until - start).total_seconds():.0f} s")
 
 
 def back_at_step(before: tuple[datetime, int] | None, after: tuple[datetime, int], target: int,

@@ -335,6 +335,9 @@ class Checkpointer:
             k: deque(maxlen=_STATS_WINDOW) for k in ("capture_s", "wait_s", "blocking_s", "copy_s", "hash_s", "nbytes")
         }
         self._snapshots = 0
+        self.blocking_total_s = 0.0
+        """Seconds the training thread has spent blocked in checkpointing so far (every snapshot's capture
+        plus its wait for the copy; not only the last ``_STATS_WINDOW``): reported to the agent, for ETTR."""
         self._closed = False
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
@@ -481,6 +484,7 @@ class Checkpointer:
                             ("copy_s", job.copy_s), ("hash_s", job.hash_s), ("nbytes", job.layout.nbytes)):
             self._stats[name].append(value)
         self._snapshots += 1
+        self.blocking_total_s += job.capture_s + waited_s
         if job.error is not None:
             raise CheckpointError(f"rank {self.rank}: checkpoint of step {job.step} failed: {job.error!r}") from job.error
 

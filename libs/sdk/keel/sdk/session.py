@@ -232,6 +232,7 @@ class Session:
                 error=self._error,
                 checkpoint_step=self._checkpoint_step,
                 checkpoint_groups_json=self._checkpoint_groups_json,
+                checkpoint_blocking_s=self._checkpointer.blocking_total_s if self._checkpointer is not None else 0.0,
             )
             payload = report.SerializeToString()
         self._sender.send(payload)

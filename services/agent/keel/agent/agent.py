@@ -499,6 +499,10 @@ class NodeAgent:
                 # Ranks of this generation that ever reported through the SDK: 0 with ranks alive is a
                 # program without it (so far), which the controller and ETTR judge on process liveness.
                 ranks_reporting=sum(1 for s in self.channel.ranks.values() if s.generation == self.generation),
+                # The slowest rank's running total: a synchronous job waits for it (ETTR charges it).
+                checkpoint_blocking_s=max((s.checkpoint_blocking_s for s in self.channel.ranks.values()
+                                           if s.generation == self.generation and s.checkpoint_blocking_s > 0),
+                                          default=None),
             )
         )
         self.last_heartbeat_at = now

@@ -82,6 +82,8 @@ class RankState:
     """Reports the rank sent that never arrived (gaps in ``seq``)."""
     checkpoint_step: int = -1
     """The newest step whose shared-memory snapshot the rank completed (-1: none)."""
+    checkpoint_blocking_s: float = 0.0
+    """The seconds the rank's training thread has spent blocked in checkpointing so far (a running total)."""
     groups: dict[str, list[int]] | None = None
     """The rank's parallel groups (``dp``, ``pp``, ``tp``: global ranks), once its Checkpointer exists."""
 
@@ -110,7 +112,8 @@ def report_problem(report: node_local_pb2.RankReport) -> str:
         return f"pid {report.pid} is not a process id"
     if report.step < -1 or (report.HasField("checkpoint_step") and report.checkpoint_step < -1):
         return f"step {report.step} / checkpoint step {report.checkpoint_step} out of range"
-    for name in ("sent_at_unix_s", "step_time_s", "compute_time_s", "collective_wait_s", "collective_wait_max_s"):
+    for name in ("sent_at_unix_s", "step_time_s", "compute_time_s", "collective_wait_s", "collective_wait_max_s",
+                 "checkpoint_blocking_s"):
         value = getattr(report, name)
         if not math.isfinite(value) or value < 0:
             return f"{name} {value} is not a finite, non-negative number"
@@ -254,6 +257,7 @@ class RankChannel:
             state.error = report.error
         if report.HasField("checkpoint_step") and report.checkpoint_step > state.checkpoint_step:
             state.checkpoint_step = report.checkpoint_step
+        state.checkpoint_blocking_s = max(state.checkpoint_blocking_s, report.checkpoint_blocking_s)  # a running total
         if report.checkpoint_groups_json and state.groups is None:
             state.groups = _parse_groups(report.checkpoint_groups_json, report.rank)
 

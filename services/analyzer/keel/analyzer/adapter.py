@@ -17,7 +17,8 @@ from keel.infra.store import EventStore
 def decider_from_settings(settings: Settings) -> AnalyzerDecider:
     a = settings.analyzer
     return AnalyzerDecider(FailSlowPolicy(interval=a.failslow_interval, rounds=a.failslow_rounds,
-                                          min_flags=a.failslow_min_flags, ratio=a.failslow_ratio))
+                                          min_flags=a.failslow_min_flags, ratio=a.failslow_ratio,
+                                          warmup=a.failslow_warmup))
 
 
 class Analyzer(RunnerService[AnalyzerState]):

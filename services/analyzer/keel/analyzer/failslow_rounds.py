@@ -15,9 +15,11 @@ Inputs, per job:
 ``FailSlowConvicted`` (this decider's own event, folded back) starts the count afresh.
 
 Samples are of one generation (``NodeHeartbeat.generation``): the first heartbeat of a newer generation
-(a restart) drops every older sample and round and starts a warm-up of one ``interval`` whose samples are
-not judged (the first steps after a restore run slower on some ranks than on others, and the medians the
-agents report need their steps). So no round compares ranks across a restart, and no conviction's window
+(a restart; the job's first generation too) drops every older sample and round and starts a warm-up of
+``warmup`` (at least one ``interval``) whose samples are not judged: the first steps after a start or a
+restore run slower on some ranks than on others (measured on the local cluster: rank 0 computed 2.3x
+its peers' time for about 15 s after each start, which once convicted a healthy node), and the medians the
+agents report need their steps. So no round compares ranks across a restart, and no conviction's window
 spans one. A heartbeat of an older generation than the newest seen (a node not restarted yet, a fenced
 one) is not judged. Heartbeats without a generation (agents before v4) are judged as they were.
 """
@@ -45,6 +47,8 @@ class FailSlowPolicy:
     rounds: int = 5
     min_flags: int = 2
     ratio: float = 1.15
+    warmup: timedelta = timedelta(seconds=30)
+    """A generation's first steps not judged (at least one ``interval``): see the module docstring."""
 
     @property
     def step_times(self) -> StepTimeSettings:
@@ -83,13 +87,14 @@ class JobFailSlow:
 def observe_heartbeat(job: JobFailSlow, node_id: str, compute: Mapping[int, float], at: datetime,
                       policy: FailSlowPolicy, generation: int | None = None) -> JobFailSlow:
     """``job`` with a heartbeat's compute times dated ``at``. A newer ``generation`` than any seen starts
-    afresh (no sample, round or evidence of an older one is kept) with a warm-up of one interval; an older
+    afresh (no sample, round or evidence of an older one is kept) with a warm-up (``policy.warmup``, at least
+    one interval); an older
     one is ignored (the module docstring says why)."""
     if generation is not None and job.generation is not None and generation < job.generation:
         return job
     if generation is not None and (job.generation is None or generation > job.generation):
         job = replace(job, rounds=policy.fresh_rounds(), samples={}, evidence=(), generation=generation,
-                      warm_until=at + policy.interval)
+                      warm_until=at + max(policy.interval, policy.warmup))
     if not compute or (job.warm_until is not None and at < job.warm_until):
         return job
     samples = dict(job.samples)
