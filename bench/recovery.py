@@ -1344,7 +1344,7 @@ def compare_hosts(flat: dict[str, Any], hosted: dict[str, Any]) -> dict[str, Any
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="1 trial per kind and system, baseline hangs derived, step-timeout floor 5 s (< 5 min)")
+                        help="1 trial per kind and system, baseline hangs derived, the inspector's default step-timeout floor (25 s) as in a full run (< 5 min)")
     parser.add_argument("--trials", type=int, default=None,
                         help="Keel's trials per fault kind (default: 1 with --quick, 3 without)")
     parser.add_argument("--json", help="write the results as JSON to this path")
