@@ -49,8 +49,8 @@ Time lost while the job runs, outside any incident, is *overhead* (``Overhead``)
                 (T the conviction, S that far back, never before the generation, the job or the last
                 recovery began) the charge is ``(T - S) x (1 - healthy / degraded)``, with ``healthy`` the
                 median ``step_time_p50_s`` of the same generation's heartbeats in the span before S (as
-                long as the slow one, at least ``FAIL_SLOW_BASELINE``; never its first ``FAIL_SLOW_WARMUP``) and ``degraded`` their median within
-                ``[S, T]``. No heartbeat before S: no baseline, no
+                long as the slow one, at least ``FAIL_SLOW_BASELINE``; never its first ``FAIL_SLOW_WARMUP``)
+                and ``degraded`` their median within ``[S, T]``. No heartbeat before S: no baseline, no
                 charge (the report says so). The conviction also opens an incident, detected then (the
                 eviction and restart that follow are lost time like any other), unless one is open. An
                 injected slow fault (``FaultInjected`` kind ``slow``) opens no incident (the job trains on,
@@ -409,8 +409,7 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             incidents.append(open_)
             open_.marks.setdefault("detected", at)
         elif isinstance(p, FailSlowConvicted):
-            not_before = max([started_at, *(g_at for g_at, _ in generations[-1:]),
-                              *(i.recovered_at for i in incidents if i.recovered_at is not None)])
+            not_before = max([_last_recovery(incidents, started_at), *(g_at for g_at, _ in generations[-1:])])
             fail_slow.append(fail_slow_charge(p, at if open_ is None else min(at, open_.started_at), not_before,
                                               step_times, generation, slow_since))
             slow_since = None
@@ -440,8 +439,7 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
         elif isinstance(p, NodeHeartbeat) and not p.standby:
             step = p.last_step
             checkpointing.heartbeat(p, at, in_incident=open_ is not None,
-                                    not_before=max((i.recovered_at for i in incidents if i.recovered_at is not None),
-                                                   default=started_at))
+                                    not_before=_last_recovery(incidents, started_at))
             generation_began = generations[-1][0] if generations else started_at
             if p.step_time_p50_s is not None and p.generation in (None, generation) \
                     and at >= generation_began + FAIL_SLOW_WARMUP:
@@ -476,6 +474,12 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
     return EttrReport(started_at, end, tuple(incidents), tuple(generations),
                       tuple(sorted(((at, g) for g, at in requested.items()), key=lambda item: item[0])),
                       measure="step" if sdk_seen else "process", overheads=tuple(overheads))
+
+
+def _last_recovery(incidents: list[Incident], default: datetime) -> datetime:
+    """When the newest recovered incident ended (incidents follow one another: the last recovered is the
+    newest), else ``default``. Constant time for the usual case of a recovered last incident."""
+    return next((i.recovered_at for i in reversed(incidents) if i.recovered_at is not None), default)
 
 
 CHECKPOINT_PIECE_SPAN = timedelta(minutes=1)
