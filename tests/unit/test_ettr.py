@@ -360,11 +360,13 @@ def test_checkpoint_blocking_during_an_incident_is_the_incidents_and_a_new_gener
     assert report.lost.total_seconds() == pytest.approx(17.0)
 
 
-def test_a_total_that_shrinks_without_a_new_generation_charges_nothing_and_counts_on() -> None:
+def test_a_total_that_shrinks_without_a_new_generation_is_a_new_count() -> None:
+    # A rank restarted in place counts from 0 again: 2.0, then a new count first seen at 0.5 (a drop has no
+    # growth to charge), then 1.0 more of it.
     log = [started(0, 0), ckpt_beat(50, 24, 2.0), ckpt_beat(100, 49, 0.5), ckpt_beat(150, 74, 1.5)]
     report = compute_ettr(log)
     assert report is not None
-    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(2.0)  # 2.0, then nothing
+    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(3.0)
 
 
 def fail_slow_log(baseline: bool = True) -> list[Event]:

@@ -505,7 +505,8 @@ class _CheckpointCharge:
             return
         key = (p.node_id, p.generation)
         before = self.last_total.get(key, 0.0)
-        self.last_total[key] = max(before, p.checkpoint_blocking_s)
+        # A total that shrank is a new count (a rank restarted in place: a new process counts from 0).
+        self.last_total[key] = p.checkpoint_blocking_s
         grown = p.checkpoint_blocking_s - before
         if grown <= 0 or in_incident:
             return
