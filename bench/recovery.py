@@ -1,6 +1,6 @@
 """Time lost per incident: Keel's recovery against torchrun restarts and a full requeue, per fault kind.
 
-    python -m bench.recovery [--quick] [--json PATH] [--keep] [--systems keel,baselines]
+    python -m bench.recovery [--quick | --smoke] [--json PATH] [--keep] [--systems keel,baselines]
 
 One job, 4 nodes x 2 ranks of the example GPT (``keel.workload.train --size tiny --pp 2``: DP 4 x PP 2
 over gloo, paced to ``--min-step-time 100ms`` so that the ranks leave the host CPUs to the launchers,
@@ -83,6 +83,12 @@ time (((N - 1) / 2 - k) x the step time, added); the other figures are derived (
 after detection a requeue is the same whatever the fault, and a hang is a crash detected by the
 timeout). The full run measures every figure.
 
+``--smoke`` (under a minute; ``tests/integration/test_bench_smoke.py`` runs it): the quick run's code on a
+2-node job (DP 2 x PP 2), one Keel crash trial and one torchrun crash trial, the calibration over 3 persists;
+Keel's other kinds, torchrun's lost node and the single-node restarts (so the packing correction) are not
+run, and the JSON's ``skipped`` says so, as it says which baseline figures are derived. A check that the
+bench works end to end, not figures: its targets are not judged.
+
 ``--hosts netns`` runs Keel's trials on a job whose nodes are separate hosts (``keel.cluster.netns``: a
 network namespace per node on one bridge; the control plane, NATS included, on the bridge's address), and
 ``--hosts flat,netns`` runs both against the same servers, one after the other, and reports the same keys
@@ -119,7 +125,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -168,12 +173,24 @@ class Mode:
     stratified: bool
     """Faults at stratified offsets over the persistent interval (waiting for them); else as soon as
     possible, with the recomputation corrected to the mean of a uniform fault time (``--quick``)."""
+    nodes: int = NODES
+    """Training nodes of the job, Keel's and the baselines' alike (``NPROC`` ranks each)."""
+    keel_kinds: tuple[str, ...] = KINDS
+    """The kinds Keel's trials inject (``--smoke``: the crash only)."""
+    single_node: bool = True
+    """Measure each system's restart of a 1-node job alone, for the packing correction (not in ``--smoke``)."""
 
 
 QUICK = Mode("quick", keel_trials=1, baseline_trials=1, floor=None, diagnostics_timeout=None, calibration_persists=5,
              measured={"torchrun": ("crash", "node-lost"), "requeue": ()}, stratified=False)
 FULL = Mode("full", keel_trials=3, baseline_trials=3, floor=None, diagnostics_timeout=None, calibration_persists=12,
             measured={"torchrun": KINDS, "requeue": KINDS}, stratified=True)
+SMOKE = Mode("smoke", keel_trials=1, baseline_trials=1, floor=None, diagnostics_timeout=None, calibration_persists=2,
+             measured={"torchrun": ("crash",), "requeue": ()}, stratified=False, nodes=2, keel_kinds=("crash",),
+             single_node=False)
+"""``--smoke``: the quick run's code at the smallest job, for the test that keeps the bench from rotting
+(``tests/integration/test_bench_smoke.py``): 2 nodes, one Keel crash and one torchrun crash, 3 persists to
+calibrate; the other kinds and the single-node restarts are not run (the JSON's ``skipped`` says which)."""
 
 
 class TrialFailed(RuntimeError):
@@ -302,12 +319,12 @@ class RankLog:
 class KeelStack:
     """The services as processes, the recorder in this process, one local cluster with a standby."""
 
-    def __init__(self, servers: Servers, work: Path, mode: Mode, network: Any = None, nodes: int = NODES) -> None:
+    def __init__(self, servers: Servers, work: Path, mode: Mode, network: Any = None, nodes: int | None = None) -> None:
         from bench.detection import EventLog
 
         self.servers, self.work, self.mode = servers, work, mode
-        self.nodes = nodes
-        """Training nodes (``keel_single_node`` runs one: its restart alone on the host's cores)."""
+        self.nodes = mode.nodes if nodes is None else nodes
+        """Training nodes: the mode's (``keel_single_node`` runs one: its restart alone on the host's cores)."""
         self.network = network
         """A host network (``keel.cluster.netns.NetworkPlan``): each node a host of its own; None: a flat cluster."""
         self.log = EventLog(servers)
@@ -644,8 +661,8 @@ async def keel_run(mode: Mode, servers: Servers, work: Path, failures: list[str]
         await stack.start()
         await stack.steady(min_steps=10, timeout_s=300, standby=True)
         out["up_s"] = round(time.monotonic() - t0, 1)
-        log(f"keel ({out['hosts']}): {NODES} nodes x {NPROC} ranks + 1 standby stepping after {out['up_s']}s")
-        for kind in KINDS:
+        log(f"keel ({out['hosts']}): {stack.nodes} nodes x {NPROC} ranks + 1 standby stepping after {out['up_s']}s")
+        for kind in mode.keel_kinds:
             for i in range(mode.keel_trials):
                 timeout_s = 300.0
                 try:
@@ -727,11 +744,11 @@ def wait_step(group: tg.Group, step: int, since: float, timeout_s: float) -> tup
     raise TrialFailed(f"rank 0 did not reach step {step} within {timeout_s:.0f}s")
 
 
-def calibrate(work: Path, persists: int) -> tuple[dict[str, Any], Chain]:
-    """The baselines' job starts persisting every CALIBRATION_EVERY steps: the save cost C (the slowest
-    rank's, median over the persists after the first) and the step time. The launch is left running:
-    ``baseline_run`` requeues it with Young's interval."""
-    chain = Chain("baseline", work, CALIBRATION_EVERY, 0)
+def calibrate(work: Path, persists: int, nodes: int = NODES) -> tuple[dict[str, Any], Chain]:
+    """The baselines' job (``nodes`` launchers) starts persisting every CALIBRATION_EVERY steps: the save cost
+    C (the slowest rank's, median over the persists after the first) and the step time. The launch is left
+    running: ``baseline_run`` requeues it with Young's interval."""
+    chain = Chain("baseline", work, CALIBRATION_EVERY, 0, nodes=nodes)
     group = chain.launch()
     t0 = time.time()
     try:
@@ -916,13 +933,14 @@ def baseline_run(mode: Mode, work: Path, calibration: Chain, persist_every: int,
     # A kind's trials at offsets k_0 < k_1 < ... back to back: the next fault is (k_1 - k_0) steps on, not N.
     planned = [(i, kind, system) for kind in KINDS for system in ("torchrun", "requeue")
                for i in range(mode.baseline_trials) if kind in mode.measured[system]]
-    chain = Chain("baseline", work, persist_every, max_restarts=len(planned) + 3, persist_dir=calibration.persist_dir)
-    topology = (f"{NODES} torchrun launchers x {NPROC} ranks (c10d rendezvous on 127.0.0.1, one launcher per "
+    chain = Chain("baseline", work, persist_every, max_restarts=len(planned) + 3, persist_dir=calibration.persist_dir,
+                  nodes=calibration.nodes)
+    topology = (f"{chain.nodes} torchrun launchers x {NPROC} ranks (c10d rendezvous on 127.0.0.1, one launcher per "
                 "simulated node)")
     runs: dict[str, dict[str, Any]] = {
         "torchrun": {"trials": [], "topology": topology, "max_restarts": chain.max_restarts},
-        "requeue": {"trials": [], "topology": topology + "; at detection every process is SIGKILLed and 4 new "
-                    "launchers start (new rendezvous)"},
+        "requeue": {"trials": [], "topology": topology + f"; at detection every process is SIGKILLed and {chain.nodes} "
+                    "new launchers start (new rendezvous)"},
     }
     try:
         try:
@@ -1082,7 +1100,8 @@ def summarise(mode: Mode, calibration: dict[str, Any] | None, young_n: tuple[int
     ratios_derived = {peer: {"hang": lost_ratio(lost_derived[peer]["hang"], lost["keel"]["hang"])} for peer in ("torchrun", "requeue")}
     result: dict[str, Any] = {
         "mode": mode.name,
-        "mode_detail": {"keel_trials_per_kind": mode.keel_trials, "baseline_trials_per_kind": mode.baseline_trials,
+        "mode_detail": {"nodes": mode.nodes, "keel_trials_per_kind": mode.keel_trials,
+                        "baseline_trials_per_kind": mode.baseline_trials, "keel_kinds": list(mode.keel_kinds),
                         "baseline_kinds_measured": {k: list(v) for k, v in mode.measured.items()},
                         "stratified_fault_offsets": mode.stratified,
                         "step_timeout_floor": mode.floor or "25s (the inspector's default)"},
@@ -1104,10 +1123,12 @@ def summarise(mode: Mode, calibration: dict[str, Any] | None, young_n: tuple[int
                             for kind in KINDS} for system in SYSTEMS},
         "mtbf_s": MTBF_S,
         "pg_timeout_s": PG_TIMEOUT_S,
-        "topology": {"job": f"{NODES} nodes x {NPROC} ranks, keel.workload.train {' '.join(TRAIN)}",
+        "topology": {"job": f"{mode.nodes} nodes x {NPROC} ranks, keel.workload.train {' '.join(TRAIN)}",
                      "keel": "local cluster: one agent per node + 1 warm standby; controller, checkpoint broker, "
                              "actuator as processes",
-                     "baselines": f"{NODES} torchrun launchers (one per simulated node, c10d rendezvous on 127.0.0.1)"},
+                     "baselines": f"{mode.nodes} torchrun launchers (one per simulated node, c10d rendezvous on "
+                                  "127.0.0.1)"},
+        "skipped": skipped_parts(mode, runs),
         "failures": failures,
         "wall_s": round(wall_s, 1),
     }
@@ -1124,6 +1145,28 @@ def summarise(mode: Mode, calibration: dict[str, Any] | None, young_n: tuple[int
     for system, run in runs.items():
         result[f"{system}_run"] = {k: v for k, v in run.items()}
     return result
+
+
+def skipped_parts(mode: Mode, runs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """What this run did not measure, and why: a system not run at all, a kind the mode leaves out (saying
+    when ``derive_baselines`` derived a figure for it instead), the single-node restarts."""
+    out: dict[str, str] = {}
+    for system in SYSTEMS:
+        run = runs.get(system)
+        if run is None:
+            out[system] = "not run (not in --systems, or its setup failed: see failures)"
+            continue
+        kinds = mode.keel_kinds if system == "keel" else mode.measured[system]
+        for kind in KINDS:
+            if kind in kinds:
+                continue
+            derived = any(t["kind"] == kind and "derived_from" in t for t in run.get("trials", []))
+            out[f"{system} {kind}"] = (f"not run in the {mode.name} run"
+                                       + ("; derived instead (see the trial's derived_from and note)" if derived else ""))
+    if not mode.single_node:
+        out["single_node"] = (f"one node's restart alone is not measured in the {mode.name} run: no packing "
+                              "correction (lost_s_corrected_for_packing and its ratios absent)")
+    return out
 
 
 def packing_correction(result: dict[str, Any], single: dict[str, Any]) -> dict[str, Any]:
@@ -1202,6 +1245,9 @@ def print_table(result: dict[str, Any]) -> None:
               f"{result['ratio_vs_torchrun_corrected_for_packing']}x, vs requeue "
               f"{result['ratio_vs_requeue_corrected_for_packing']}x; baselines' hang corrected (derived): "
               + ", ".join(f"{p} {fmt(v['hang'])}" for p, v in result["lost_s_corrected_for_packing_derived"].items()))
+    not_run = [k for k, why in result["skipped"].items() if "derived" not in why]
+    if not_run:
+        print(f"not run in this ({result['mode']}) run: {', '.join(not_run)}")
     derived = [f"{system} {kind}" for system in SYSTEMS for kind in KINDS
                if result["trials"][system][kind] == 0 and (result[f"lost_s_{system}"][kind] is not None
                                                            or result.get(f"lost_s_{system}_derived", {}).get(kind))]
@@ -1255,7 +1301,7 @@ def keel_runs(mode: Mode, hosts: list[str], work: Path, failures: list[str]) -> 
         for name in hosts:
             out[name] = asyncio.run(keel_run(mode, servers, work / f"keel-{name}", failures,
                                              network if name == "netns" else None, knobs))
-        if "flat" in hosts:
+        if "flat" in hosts and mode.single_node:
             # One node's restart alone (no other node's processes on the cores), for the packing correction.
             try:
                 out["single_node"] = asyncio.run(keel_single_node(mode, servers, work / "keel-single"))
@@ -1271,24 +1317,13 @@ def keel_runs(mode: Mode, hosts: list[str], work: Path, failures: list[str]) -> 
     return out
 
 
-def cpu_model() -> str:
-    """The host CPU's model name (``/proc/cpuinfo``), for the results' provenance."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def host_facts(argv: list[str], module: str) -> dict[str, Any]:
-    """Provenance of a results file: ``bench.control_plane.provenance`` (commit, date, cores, command) plus
-    the CPU model and the load average now (the caller records it at the start as well: this machine is
-    shared, and its other work distorts every time here)."""
-    from bench.control_plane import provenance
+    """Provenance of a results file (``bench._provenance``: commit, date, cores, CPU model, versions, command)
+    plus the load average now (the caller records it at the start as well: this machine is shared, and its
+    other work distorts every time here)."""
+    from bench._provenance import provenance
 
-    return {**provenance(argv, module), "cpu_model": cpu_model(), "load_average_at_end": os.getloadavg()}
+    return {**provenance(argv, module), "load_average_at_end": os.getloadavg()}
 
 
 async def keel_single_node(mode: Mode, servers: Servers, work: Path) -> dict[str, Any]:
@@ -1343,10 +1378,16 @@ def compare_hosts(flat: dict[str, Any], hosted: dict[str, Any]) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="1 trial per kind and system, baseline hangs derived, the inspector's default step-timeout floor (25 s) as in a full run (< 5 min)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="under 5 min: 1 Keel trial per kind; of the baselines only torchrun's crash and lost node, "
+                           "their recomputation corrected to the interval's mean; the other baseline figures derived; "
+                           "the inspector's default step-timeout floor (25 s), as in a full run")
+    size.add_argument("--smoke", action="store_true",
+                      help="under a minute: 2 nodes, one Keel crash and one torchrun crash, no single-node restarts "
+                           "(so no packing correction); a check that the bench works, not figures")
     parser.add_argument("--trials", type=int, default=None,
-                        help="Keel's trials per fault kind (default: 1 with --quick, 3 without)")
+                        help="Keel's trials per fault kind (default: 1 with --quick or --smoke, 3 without)")
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folders (logs, cluster) for inspection")
     parser.add_argument("--systems", default="keel,baselines", help="keel, baselines (torchrun and requeue) or both")
@@ -1358,7 +1399,7 @@ def main(argv: list[str] | None = None) -> int:
     hosts = [h for h in args.hosts.split(",") if h]
     if not hosts or sorted(set(hosts) - {"flat", "netns"}):
         parser.error(f"--hosts takes flat, netns or flat,netns, got {args.hosts!r}")
-    mode = QUICK if args.quick else FULL
+    mode = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.trials is not None:
         if args.trials < 1:
             parser.error(f"--trials takes a positive count, got {args.trials}")
@@ -1385,7 +1426,7 @@ def main(argv: list[str] | None = None) -> int:
                 single["keel"] = by_hosts["single_node"]
         if "baselines" in systems:
             try:
-                calibration, cal_chain = calibrate(work, mode.calibration_persists)
+                calibration, cal_chain = calibrate(work, mode.calibration_persists, mode.nodes)
             except TrialFailed as exc:
                 failures.append(f"calibration: {exc}")
                 log(f"FAILED: calibration: {exc}")
@@ -1395,13 +1436,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{len(calibration['save_costs_s'])}), step {calibration['step_time_s'] * 1e3:.0f} ms; "
                     f"Young with MTBF 3 h: N = {young_n[0]} steps ({young_n[2]:.1f} s)")
                 runs.update(baseline_run(mode, work, cal_chain, young_n[0], calibration["step_time_s"], failures))
-                try:
-                    single.update(baseline_single_node(work / "single", calibration["step_time_s"]))
-                    log("baselines: one node's restart alone: " + ", ".join(
-                        f"{k} {v['restart_s']}s" for k, v in single.items() if k != "keel"))
-                except TrialFailed as exc:
-                    failures.append(f"baselines single node: {exc}")
-                    log(f"FAILED: baselines single node: {exc}")
+                if mode.single_node:
+                    try:
+                        single.update(baseline_single_node(work / "single", calibration["step_time_s"]))
+                        log("baselines: one node's restart alone: " + ", ".join(
+                            f"{k} {v['restart_s']}s" for k, v in single.items() if k != "keel"))
+                    except TrialFailed as exc:
+                        failures.append(f"baselines single node: {exc}")
+                        log(f"FAILED: baselines single node: {exc}")
     finally:
         if args.keep or failures:
             log(f"kept the scratch folder {work} (logs)")

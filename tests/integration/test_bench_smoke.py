@@ -60,11 +60,57 @@ def cold_start_sane(r: dict[str, Any]) -> None:
     assert positive(r["cold_start_growth"])
 
 
+def adds_up(trial: dict[str, Any]) -> bool:
+    """A trial's phases, each positive or zero, add up to its lost time (rounding apart)."""
+    phases = trial["phases_s"].values()
+    return all(v is not None and v >= 0 for v in phases) and abs(sum(phases) - trial["lost_s"]) < 0.01
+
+
+def recovery_sane(r: dict[str, Any]) -> None:
+    assert r["mode"] == "smoke" and r["mode_detail"]["nodes"] == 2 and r["failures"] == []
+    # One Keel crash and one torchrun crash, measured; nothing else run (a requeue only derived).
+    none = {"crash": 0, "node-lost": 0, "hang": 0}
+    assert r["trials"] == {"keel": {**none, "crash": 1}, "torchrun": {**none, "crash": 1}, "requeue": none}
+    assert {"keel node-lost", "keel hang", "torchrun node-lost", "single_node"} <= set(r["skipped"])
+    assert positive(r["lost_s_keel"]["crash"]) and positive(r["lost_s_torchrun"]["crash"])
+    assert positive(r["ratios_by_kind"]["torchrun"]["crash"])
+    # Keel's crash recovered: the controller's incident resolved as recovered, a new generation back at the
+    # fault's step, restored from a step at most the fault's.
+    (keel,) = r["keel_run"]["trials"]
+    assert keel["incident"]["outcome"] == "recovered" and keel["new_generation"] > keel["generation"]
+    assert 0 <= keel["restored_step"] <= keel["s_f"] and adds_up(keel)
+    (torchrun,) = [t for t in r["torchrun_run"]["trials"] if "derived_from" not in t]  # the hang is derived
+    assert torchrun["kind"] == "crash" and 0 <= torchrun["restored_step"] <= torchrun["s_f"]
+    assert positive(torchrun["lost_measured_s"]) and positive(torchrun["phases_s"]["detection"])
+    assert positive(r["save_cost_s"]) and r["persist_every_steps"] >= 1
+    assert positive(r["requeue_run"]["relaunch"]["lost_after_stop_s"])
+
+
+def hot_update_sane(r: dict[str, Any]) -> None:
+    assert r["mode"] == "smoke" and r["failures"] == []
+    (inplace,) = r["inplace"]["trials"]
+    (requeue,) = r["requeue"]["trials"]
+    assert r["requeue"]["sigkill_trials"] == [] and "requeue_sigkill" in r["skipped"]
+    assert positive(r["inplace_s"]) and positive(r["requeue_s"]) and positive(r["ratio"])
+    assert r["requeue_sigkill_s"] is None and r["ratio_sigkill"] is None and r["met"] is None
+    # In place: the new version applied, the job back at the deploy's step from a restore.
+    assert inplace["version"] and inplace["restored_step"] >= 0 and adds_up(inplace)
+    # Checkpointed: the step saved at SIGTERM is the step restored, so nothing to recompute.
+    assert requeue["restored_step"] == requeue["saved_step"] >= requeue["s_d"] and adds_up(requeue)
+    assert requeue["phases_s"]["recompute"] == 0.0
+
+
 CASES: list[tuple[list[str], tuple[str, ...], Callable[[dict[str, Any]], None]]] = [
     (["-m", "bench.analyzer"], ("whole_path_by_ranks", "whole_path_s_16k", "targets"), analyzer_sane),
     (["bench/bus.py"], ("raw_jetstream_eps", "persisted_eps", "replay_eps", "targets"), bus_sane),
     (["-m", "bench.control_plane"], ("recorder_lag_p99_s", "targets"), control_plane_sane),
     (["-m", "bench.cold_start"], ("cold_start_s", "cold_start_growth"), cold_start_sane),
+    (["-m", "bench.recovery"], ("lost_s_keel", "lost_s_torchrun", "lost_s_requeue", "ratios_by_kind", "phases_s",
+                                "trials", "keel_run", "torchrun_run", "skipped", "load_average_at_start",
+                                "load_average_at_end", "save_cost_s", "persist_every_steps"), recovery_sane),
+    (["-m", "bench.hot_update"], ("inplace_s", "requeue_s", "ratio", "requeue_sigkill_s", "ratio_sigkill", "inplace",
+                                  "requeue", "skipped", "load_average_at_start", "load_average_at_end"),
+     hot_update_sane),
 ]
 
 
