@@ -580,6 +580,15 @@ def keel_marks(stack: KeelStack, since: datetime, t_fault: float, back: Back, ge
     def ts(e: Any) -> float:
         return e.occurred_at.timestamp()
 
+    # The controller dates what it decides at its latest clock tick (up to a tick before it decided, even
+    # before the fault), so its events are timed when the recorder stored them: an upper bound, within the
+    # recorder's lag. Agents date their signals with their own clocks when they see them: those stand.
+    stored = {r.event.id: r.recorded_at.timestamp() for r in stack.log.events
+              if r.event.producer == "controller" and r.event.occurred_at >= since}
+
+    def decided_at(e: Any) -> float:
+        return max(ts(e), stored.get(e.id, ts(e)))
+
     opened = [e for e in stack.events("IncidentOpened", since)]
     incident = opened[0] if opened else None
     resolved = [e for e in stack.events("IncidentResolved", since)
@@ -589,28 +598,28 @@ def keel_marks(stack: KeelStack, since: datetime, t_fault: float, back: Back, ge
     detected += [e for e in stack.log.of_type("NodeHealthChanged") if e.occurred_at >= since
                  and e.payload.status == "failed"]
     first_signal = min((ts(e) for e in detected), default=None)
-    if incident is not None:
-        first_signal = min(first_signal or ts(incident), ts(incident))
+    if incident is not None:  # the controller's incident: detected by then at the latest
+        first_signal = min(first_signal or decided_at(incident), decided_at(incident))
     diag = [e for e in stack.events("DiagnosticsRequested", since)]
     restart = [e for e in stack.events("RestartDecided", since) if e.payload.generation == new_gen]
     started = [e for e in stack.events("RankStarted", since) if e.payload.generation == new_gen]
     plan = [e for e in stack.events("CheckpointRestorePlanned", since) if e.payload.generation == new_gen]
-    marks = {"fault": t_fault, "detected": first_signal, "decided": ts(restart[0]) if restart else None,
+    marks = {"fault": t_fault, "detected": first_signal, "decided": decided_at(restart[0]) if restart else None,
              "main": back.main_at, "resumed": back.resumed_at, "back": back.back_at}
     phases = _phases(marks, ("detection", "detected"), ("decision", "decided"), ("restart", "main"),
                      ("setup_and_restore", "resumed"), ("recompute", "back"))
     out: dict[str, Any] = {"phases_s": phases, "restore_s": back.restore_s}
     first_started = min((ts(e) for e in started), default=None)
     if first_started is not None and restart:
-        out["ranks_started_after_decision_s"] = round(first_started - ts(restart[0]), 3)
+        out["ranks_started_after_decision_s"] = round(first_started - decided_at(restart[0]), 3)
     if diag:
-        out["diagnostics_s"] = round((ts(restart[0]) if restart else back.back_at) - ts(diag[0]), 3)
+        out["diagnostics_s"] = round((decided_at(restart[0]) if restart else back.back_at) - decided_at(diag[0]), 3)
     if incident is not None:
         p = incident.payload
         out["incident"] = {"kind": p.kind, "reason": p.reason[:300],
                            "rung": resolved[0].payload.rung if resolved else None,
                            "outcome": resolved[0].payload.outcome if resolved else None,
-                           "resolved_after_s": round(ts(resolved[0]) - t_fault, 3) if resolved else None}
+                           "resolved_after_s": round(decided_at(resolved[0]) - t_fault, 3) if resolved else None}
     if restart:
         r = restart[0].payload
         out["decision"] = {"rung": r.rung, "evict": r.evict, "promotions": [p.model_dump() for p in r.promotions],
@@ -645,6 +654,7 @@ def keel_ettr(stack: KeelStack) -> dict[str, Any] | None:
         return None
     data = report.to_json()
     return {"ettr": data["ettr"], "lost_s": data["lost_s"], "lost_by_phase_s": data["lost_by_phase_s"],
+            "overhead_s": data["overhead_s"],
             "incidents": [{"cause": i["cause"], "lost_s": round(i["lost_s"], 3), "recovered": i["recovered"],
                            "phases_s": {k: round(v, 3) for k, v in i["phases_s"].items()}} for i in data["incidents"]]}
 
