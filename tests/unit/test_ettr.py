@@ -332,7 +332,7 @@ def test_checkpoint_blocking_is_charged_as_the_slowest_nodes_growth() -> None:
     assert report.lost_by_overhead()["checkpoint"] == pytest.approx(timedelta(seconds=6.0), abs=timedelta(microseconds=2))
     assert report.lost == report.lost_by_overhead()["checkpoint"] and report.incident_lost == timedelta(0)
     assert report.ettr == pytest.approx(1 - 6 / 200)
-    # The last 100 s hold the growth of [100, 200]: 3 s (the first heartbeat's 1.5 s came at 50 s, an instant).
+    # The last 100 s hold the growth of [100, 200]: 3 s (the first heartbeats' is spread over [0, 50]).
     window = report.window(timedelta(seconds=100))
     assert window.lost_by_overhead["checkpoint"].total_seconds() == pytest.approx(3.0)
     assert window.ettr == pytest.approx(1 - 3 / 100)
@@ -361,16 +361,17 @@ def test_checkpoint_blocking_during_an_incident_is_the_incidents_and_a_new_gener
 
 
 def test_a_total_that_shrinks_without_a_new_generation_is_a_new_count() -> None:
-    # A rank restarted in place counts from 0 again: 2.0, then a new count first seen at 0.5 (a drop has no
-    # growth to charge), then 1.0 more of it.
-    log = [started(0, 0), ckpt_beat(50, 24, 2.0), ckpt_beat(100, 49, 0.5), ckpt_beat(150, 74, 1.5)]
+    # A rank restarted in place counts from 0 again: 2.0, then a new count first seen at 0.5 (all of it
+    # grown since the last heartbeat), then 1.0 more of it; a heartbeat older than one seen is no news.
+    log = [started(0, 0), ckpt_beat(50, 24, 2.0), ckpt_beat(100, 49, 0.5), ckpt_beat(150, 74, 1.5),
+           ckpt_beat(120, 60, 0.9)]
     report = compute_ettr(log)
     assert report is not None
-    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(3.0)
+    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(3.5)
 
 
 def fail_slow_log(baseline: bool = True) -> list[Event]:
-    """Steps of 0.1 s until 300 s (from 150 s when ``baseline`` is False: the job starts slow), 0.2 s after;
+    """Steps of 0.1 s until 300 s, 0.2 s after (``baseline`` False: 0.2 s from the start, no faster span);
     the analyzer convicts n1 at 600 s (5 rounds of 60 s: the slow span is [300, 600]); the controller opens
     its incident and evicts; the new generation is back at step 6000 at 611 s."""
     restart = RanksRestartRequested(node_id="n0", generation=1, reason="evict n1", expires_at=at(900))
@@ -444,3 +445,34 @@ def test_an_injected_slow_fault_opens_no_incident_and_starts_the_slow_span() -> 
     assert (charge.started_at, charge.lost) == (at(400), timedelta(seconds=100))
     [incident] = report.incidents
     assert incident.started_at == at(600) and incident.cause.startswith("fail-slow eviction")
+
+
+def test_each_generation_is_charged_its_own_slowest_node() -> None:
+    # Generation 0: n1 the slowest (4 s). After a restart (n1 replaced by s0) generation 1 counts afresh: its
+    # slowest node, n0 at 1 s, is charged, not hidden under n1's old 4 s.
+    restart = RanksRestartRequested(node_id="n0", generation=1, reason="test", expires_at=at(400))
+    log = [started(0, 0), ckpt_beat(50, 24, 1.0, "n0"), ckpt_beat(50, 24, 4.0, "n1"),
+           ev(FaultInjected(kind="crash", node_id="n1", rank=0), 100, producer="keel inject"),
+           ev(restart, 101, producer="controller"), started(102, 1),
+           ckpt_beat(110, 30, 0.0, "n0", generation=1), ckpt_beat(110, 30, 0.0, "s0", generation=1),
+           ckpt_beat(160, 60, 1.0, "n0", generation=1), ckpt_beat(160, 60, 0.5, "s0", generation=1)]
+    report = compute_ettr(log)
+    assert report is not None
+    [incident] = report.incidents
+    assert incident.recovered_at == at(110)
+    assert report.lost_by_overhead()["checkpoint"].total_seconds() == pytest.approx(5.0)
+
+
+def test_a_second_conviction_charges_after_the_first_against_its_baseline() -> None:
+    # The controller declined the first conviction (no incident): the analyzer convicts again at 700 s. Its
+    # span [600, 700] is charged against the healthy 0.1 s measured first, not the slow steps before it.
+    log = [e for e in fail_slow_log() if e.occurred_at < at(600) or e.type == "FailSlowConvicted"]
+    for t in range(610, 701, 10):
+        log.append(ckpt_beat(t, 10 * t, None, step_time_s=0.2))
+    log.append(ev(FailSlowConvicted(group_kind="node", group_nodes=["n1"], rounds=5, flags=5, interval_s=60.0,
+                                    reason="n1 is slow"), 700, "job/j", "analyzer"))
+    report = compute_ettr(log)
+    assert report is not None and report.incidents == ()
+    first, second = [o for o in report.overheads if o.kind == "fail_slow"]
+    assert (first.started_at, first.ended_at, first.lost) == (at(300), at(600), timedelta(seconds=150))
+    assert (second.started_at, second.ended_at, second.lost) == (at(600), at(700), timedelta(seconds=50))

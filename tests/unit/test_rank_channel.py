@@ -128,7 +128,8 @@ def test_a_rank_inside_a_collective_is_dated_from_its_first_report_there(channel
 
 
 def test_the_checkpoint_blocking_total_only_grows(channel: RankChannel) -> None:
-    # A running total: a report that arrives late (lower) does not take back what the rank already said.
+    # A running total: a lower value in a newer report (never sent by the SDK: a corrupted or forged one) does
+    # not take back what the rank already said. (A late datagram is dropped earlier, by its sequence number.)
     for seq, total in ((1, 0.25), (2, 0.75), (3, 0.5)):
         send(channel, report(seq=seq, checkpoint_blocking_s=total))
         channel.drain(NOW, 1, ME)

@@ -214,3 +214,26 @@ def test_a_keyring_file_learns_an_identity_added_after_it_was_read(tmp_path: Pat
     assert "mallory" not in ring and ring["alice"].public_text() == rotated.public.public_text()  # a miss does
     missing = KeyringFile(tmp_path / "nowhere.json")
     assert len(missing) == 0 and not verify_event(sign_event(eviction(), CONTROLLER), missing).ok
+
+
+def test_a_rotated_key_of_a_known_name_verifies_at_its_first_event(tmp_path: Path) -> None:
+    old = ensure_signing_identity(tmp_path, "controller", "controller")
+    signing = Signing(keyring=KeyringFile(tmp_path / "signing" / "keyring.json"))
+    assert signing.check(sign_event(eviction(), old)).ok
+    (tmp_path / "signing" / "controller.key").unlink()
+    new = ensure_signing_identity(tmp_path, "controller", "controller")  # rotated: same name, same size
+    assert signing.check(sign_event(eviction(), new)).ok  # the failed check read the file again
+    forged = Ed25519PrivateKey.generate()
+    verdict = signing.check(sign_event(eviction(), type(new)("controller", "controller", forged)))
+    assert not verdict.ok and "bad signature" in verdict.reason  # a key nobody entered still fails
+
+
+def test_a_broken_keyring_is_read_once_per_version(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ensure_signing_identity(tmp_path, "controller", "controller")
+    path = tmp_path / "signing" / "keyring.json"
+    ring = KeyringFile(path)
+    path.write_text("{not json")
+    for name in ("a", "b", "c"):
+        assert name not in ring
+    assert sum("could not read it again" in r.message for r in caplog.records) == 1
+    assert "controller" in ring  # the identities read before are kept

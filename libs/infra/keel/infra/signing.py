@@ -157,12 +157,14 @@ def load_signing_key(credentials_dir: Path, name: str) -> SigningKey:
 
 
 class KeyringFile(Mapping[str, PublicIdentity]):
-    """The keyring in ``path``, read at once and read again, when the file changed (its inode, mtime and size: every write is a rename, so a new inode; one
-    ``stat`` per lookup of an identity it lacks), when asked for an identity it lacks: a key added after this
-    process started (a new operator, a rotated service key) is known at its first event, without a restart.
-    (No time-based rate limit: one once skipped the re-read for a second after the last one, and an operator's
-    first signed event in that second was refused and dead-lettered.) A missing file is an empty keyring (every signed event
-    is refused, with the path in the reason); an invalid one raises ``KeyringError`` at first."""
+    """The keyring in ``path``, read at once and read again when the file changed (its inode, mtime and size:
+    every write is a rename, so a new inode). A lookup of an identity it lacks costs one ``stat``: a key
+    added after this process started (a new operator) is known at its first event, without a restart. A
+    known name's rotated key is read when an event fails to verify against the old one (``refresh``, from
+    ``Signing.check``). No time-based rate limit: one once skipped the re-read for a second after the last
+    one, and an operator's first signed event in that second was refused and dead-lettered. A missing file
+    is an empty keyring (every signed event is refused, with the path in the reason); an invalid one raises
+    ``KeyringError`` at first, and later is logged once per version of the file."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -189,8 +191,16 @@ class KeyringFile(Mapping[str, PublicIdentity]):
                 raise
             log.exception("keyring %s: could not read it again; keeping the %d identities read before", self.path,
                           len(self._entries))
+            self._stamp = stamp  # this version of the file is broken: not read (nor logged) again until it changes
             return
         self._entries, self._stamp = entries, stamp
+
+    def refresh(self) -> bool:
+        """Read the file again if it changed since it was read; True when it did (the entries may differ)."""
+        with self._lock:
+            before = self._stamp
+            self._reload()
+            return self._stamp != before
 
     def __getitem__(self, name: str) -> PublicIdentity:
         entry = self._entries.get(name)
@@ -246,6 +256,12 @@ class Signing:
                                   "check it against (refusing to act on it)")
         verdict = verify_event(event, self.keyring, as_sent=as_sent)
         if not verdict.ok and isinstance(self.keyring, KeyringFile):
+            # A known name whose key was rotated since the file was read: read it again (when it changed)
+            # and check once more, before refusing.
+            if self.keyring.refresh():
+                verdict = verify_event(event, self.keyring, as_sent=as_sent)
+                if verdict.ok:
+                    return verdict
             return Verdict(False, f"{verdict.reason} [keyring {self.keyring.path}]")
         return verdict
 

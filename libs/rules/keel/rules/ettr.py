@@ -41,20 +41,25 @@ Time lost while the job runs, outside any incident, is *overhead* (``Overhead``)
 
 - checkpoint:   the seconds the training thread blocked in checkpointing (each snapshot's capture and its
                 wait for the previous copy), from ``NodeHeartbeat.checkpoint_blocking_s``: a running total
-                per node and generation (the slowest of its ranks). A synchronous job waits for its slowest
-                rank, so the job is charged the growth of the largest node total, spread over the heartbeat
-                interval it grew in. Growth while an incident is open is the incident's already.
+                per node and generation (the slowest of its ranks; a total that drops is a new process
+                counting from 0). Each node's growth outside incidents is spread over the heartbeat interval
+                it grew in (a node's first heartbeat of a generation: since the generation began). A
+                synchronous job waits for its slowest rank, so each generation is charged its largest node
+                total: a lower bound when different nodes are the slowest at different steps.
 - fail_slow:    a fail-slow conviction (``FailSlowConvicted``) says the job had been running slowly for
                 ``rounds`` x ``interval_s``; the steps it ran slower than before are lost: over ``[S, T]``
-                (T the conviction, S that far back, never before the generation, the job or the last
-                recovery began) the charge is ``(T - S) x (1 - healthy / degraded)``, with ``healthy`` the
-                median ``step_time_p50_s`` of the same generation's heartbeats in the span before S (as
-                long as the slow one, at least ``FAIL_SLOW_BASELINE``; never its first ``FAIL_SLOW_WARMUP``)
-                and ``degraded`` their median within ``[S, T]``. No heartbeat before S: no baseline, no
-                charge (the report says so). The conviction also opens an incident, detected then (the
-                eviction and restart that follow are lost time like any other), unless one is open. An
-                injected slow fault (``FaultInjected`` kind ``slow``) opens no incident (the job trains on,
-                slower) and starts the slow span (S is the injection).
+                (T the conviction, or the start of an incident open then; S that far back, from an injected
+                slow fault's start when there is one, never before the generation, the job, the last
+                recovery or the previous conviction's charge began or ended) the charge is ``(T - S) x
+                (1 - healthy / degraded)``, with ``healthy`` the median ``step_time_p50_s`` of the same
+                generation's heartbeats in the span before S (as long as the slow one, at least
+                ``FAIL_SLOW_BASELINE``; never the generation's first ``FAIL_SLOW_WARMUP``; a later
+                conviction reuses the first one's) and ``degraded`` their median within ``[S, T]``. No
+                heartbeat before S: no baseline, no charge (the report says so). The eviction that follows
+                is an incident like any other, opened by the controller's ``IncidentOpened`` (kind
+                ``fail_slow``); a conviction the controller declines opens none. An injected slow fault
+                (``FaultInjected`` kind ``slow``, no ``at_step``) opens no incident (the job trains on,
+                slower).
 
 Not charged (not seen in the log): the time before a fault nobody injected is detected, beyond what a
 hang check's own evidence says; steps slowed by a copy thread competing for the cores; fail-slow steps
@@ -438,9 +443,9 @@ def compute_ettr(events: Iterable[Event], *, until: datetime | None = None) -> E
             open_.restore_step = p.step
         elif isinstance(p, NodeHeartbeat) and not p.standby:
             step = p.last_step
-            checkpointing.heartbeat(p, at, in_incident=open_ is not None,
-                                    not_before=_last_recovery(incidents, started_at))
             generation_began = generations[-1][0] if generations else started_at
+            checkpointing.heartbeat(p, at, in_incident=open_ is not None,
+                                    not_before=_last_recovery(incidents, started_at), generation_began=generation_began)
             if p.step_time_p50_s is not None and p.generation in (None, generation) \
                     and at >= generation_began + FAIL_SLOW_WARMUP:
                 step_times.add(at, generation, p.step_time_p50_s)
@@ -492,35 +497,43 @@ class _CheckpointCharge:
     def __init__(self) -> None:
         self.last_total: dict[tuple[str, int | None], float] = {}
         """Per (node, generation): the newest running total seen."""
-        self.node_charged: dict[str, float] = {}
-        """Per node: the seconds charged from its totals so far (outside incidents, every generation)."""
-        self.job_charged = 0.0
-        self.last_beat_at: dict[str, datetime] = {}
+        self.last_beat_at: dict[tuple[str, int | None], datetime] = {}
+        self.node_charged: dict[int | None, dict[str, float]] = {}
+        """Per generation, per node: the seconds charged from its totals (outside incidents)."""
+        self.generation_charged: dict[int | None, float] = {}
+        """Per generation: the largest node's charged seconds, which the job was charged."""
         self.pieces: list[Overhead] = []
 
-    def heartbeat(self, p: NodeHeartbeat, at: datetime, *, in_incident: bool, not_before: datetime) -> None:
-        since = min(self.last_beat_at.get(p.node_id, at), at)
-        self.last_beat_at[p.node_id] = max(at, self.last_beat_at.get(p.node_id, at))
+    def heartbeat(self, p: NodeHeartbeat, at: datetime, *, in_incident: bool, not_before: datetime,
+                  generation_began: datetime) -> None:
+        key = (p.node_id, p.generation)
+        last_at = self.last_beat_at.get(key)
+        if last_at is not None and at < last_at:
+            return  # older than a heartbeat already seen from that node: its total is no news
+        # A node's first heartbeat of a generation counts from when the generation began.
+        since = min(last_at if last_at is not None else generation_began, at)
+        self.last_beat_at[key] = at
         if p.checkpoint_blocking_s is None:
             return
-        key = (p.node_id, p.generation)
         before = self.last_total.get(key, 0.0)
-        # A total that shrank is a new count (a rank restarted in place: a new process counts from 0).
         self.last_total[key] = p.checkpoint_blocking_s
-        grown = p.checkpoint_blocking_s - before
+        # A total below the last one is a new count (a rank restarted in place: a new process counts from 0).
+        grown = p.checkpoint_blocking_s - before if p.checkpoint_blocking_s >= before else p.checkpoint_blocking_s
         if grown <= 0 or in_incident:
             return
         if since < not_before < at:  # only the part of the interval after the last recovery is not an incident's
             grown *= (at - not_before) / (at - since)
             since = not_before
-        node = self.node_charged.get(p.node_id, 0.0) + grown
-        self.node_charged[p.node_id] = node
-        if node <= self.job_charged:
-            return  # another node blocked longer: the job waited for that one
-        lost = timedelta(seconds=node - self.job_charged)
-        self.job_charged = node
+        per_node = self.node_charged.setdefault(p.generation, {})
+        node = per_node.get(p.node_id, 0.0) + grown
+        per_node[p.node_id] = node
+        charged = self.generation_charged.get(p.generation, 0.0)
+        if node <= charged:
+            return  # another node of this generation blocked longer: the job waited for that one
+        lost = timedelta(seconds=node - charged)
+        self.generation_charged[p.generation] = node
         last = self.pieces[-1] if self.pieces else None
-        if last is not None and last.ended_at == since and at - last.started_at <= CHECKPOINT_PIECE_SPAN:
+        if last is not None and last.started_at < last.ended_at == since and at - last.started_at <= CHECKPOINT_PIECE_SPAN:
             self.pieces[-1] = replace(last, ended_at=at, lost=last.lost + lost)
         else:
             self.pieces.append(Overhead("checkpoint", since, at, lost, "training blocked in checkpointing"))
@@ -532,6 +545,11 @@ class _StepTimes:
     def __init__(self) -> None:
         self.beats: deque[tuple[datetime, float]] = deque()
         self.generation: int | None = None
+        self.healthy: float | None = None
+        """This generation's healthy median step time, once a conviction measured it: a later conviction
+        (the controller declined the first; the node is still slow) compares with it, not with slow steps."""
+        self.charged_until: datetime | None = None
+        """The end of this generation's last fail-slow charge: no span is charged twice."""
 
     def add(self, at: datetime, generation: int, step_time_s: float) -> None:
         self.reset_for(generation)
@@ -548,7 +566,7 @@ class _StepTimes:
         """Forget another generation's step times (a restart: new ranks, maybe another machine)."""
         if generation != self.generation:
             self.beats.clear()
-            self.generation = generation
+            self.generation, self.healthy, self.charged_until = generation, None, None
 
 
 def fail_slow_charge(p: FailSlowConvicted, until: datetime, floor: datetime, step_times: _StepTimes,
@@ -557,15 +575,23 @@ def fail_slow_charge(p: FailSlowConvicted, until: datetime, floor: datetime, ste
     ``[S, until]``, S = ``rounds x interval_s`` back and never before ``floor``, ``(until - S) x
     (1 - healthy / degraded)``. Without a baseline (no heartbeat of this generation in the span before S)
     the charge is 0 and ``detail`` says why. ``slow_since``: when an injected slow fault began (the span
-    starts there instead)."""
+    starts there instead). A later conviction in the same generation charges only after the previous
+    charge's span, against the healthy median the first one measured."""
     step_times.reset_for(generation)
     start = max(slow_since if slow_since is not None and slow_since < until
-                else until - timedelta(seconds=p.rounds * p.interval_s), floor)
+                else until - timedelta(seconds=p.rounds * p.interval_s), floor, step_times.charged_until or floor)
     nodes = ", ".join(p.group_nodes)
     if start >= until:
-        return Overhead("fail_slow", until, until, timedelta(0), f"{nodes}: no time since the job (re)started")
-    healthy = step_times.median(start - max(until - start, FAIL_SLOW_BASELINE), start, closed=False)
+        return Overhead("fail_slow", until, until, timedelta(0),
+                        f"{nodes}: no slow time left to charge (the span lies before the job or generation began, "
+                        "the last recovery, an incident open then, or the previous conviction's charge)")
+    healthy = step_times.healthy
+    if healthy is None:
+        healthy = step_times.healthy = step_times.median(start - max(until - start, FAIL_SLOW_BASELINE), start,
+                                                         closed=False)
     degraded = step_times.median(start, until, closed=True)
+    if healthy is not None and degraded is not None and degraded > 0:
+        step_times.charged_until = until
     if healthy is None or degraded is None or degraded <= 0:
         return Overhead("fail_slow", start, until, timedelta(0),
                         f"{nodes}: no baseline (no step time of generation {generation} before the slow span): "
