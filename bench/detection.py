@@ -87,7 +87,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -962,6 +962,40 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"wall time {result['wall_s']:.0f}s")
 
 
+def peers_only(mode: Mode, args: argparse.Namespace, argv: list[str]) -> int:
+    """``--peers-only``: the peers' trials of ``mode`` alone, written with the run's provenance."""
+    started = time.monotonic()
+    log(f"detection benchmark ({mode.name}), peers only: {', '.join(mode.peer_kinds)}")
+    work = scratch_dir("keel-bench-detect-peers-")
+    try:
+        peers = peer_run(mode, work)
+    finally:
+        if args.keep:
+            log(f"kept peer logs under {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    from bench.control_plane import provenance
+
+    result: dict[str, Any] = {
+        "mode": mode.name,
+        "peers_only": True,
+        "peer_kinds": list(mode.peer_kinds),
+        "peer_detect_s": {name: {k: v for k, v in peer["detect_s"].items() if v is not None} for name, peer in peers.items()},
+        "peer_detect_s_derived": {name: peer.get("derived_s", {}) for name, peer in peers.items()},
+        "peers": peers,
+        "first_step_s": mode.first_step_s,
+        "wall_s": round(time.monotonic() - started, 1),
+        **provenance(argv, "bench.detection"),
+    }
+    for name, figures in result["peer_detect_s"].items():
+        print(f"{name}: measured {figures or '-'}; derived {result['peer_detect_s_derived'][name] or '-'}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        log(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.detection", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 hardware and 4 workload rounds, 1 peer crash trial, "
@@ -971,8 +1005,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON to this path")
     parser.add_argument("--keep", action="store_true", help="keep the cluster files and the schema for inspection")
     parser.add_argument("--no-peers", action="store_true", help="skip the torchrun / ft_launcher measurements")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the peers (no Keel cluster): for their long waits, for example torchrun's 10-minute "
+                        "hang, measured apart from Keel's rounds; the JSON holds the peers' figures alone")
+    parser.add_argument("--peer-kinds", default=None,
+                        help="comma-separated subset of crash,oom_python,hang for the peers (default: the mode's)")
     args = parser.parse_args(argv)
     mode = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.peer_kinds is not None:
+        kinds = tuple(k.strip() for k in args.peer_kinds.split(",") if k.strip())
+        unknown = sorted(set(kinds) - {"crash", "oom_python", "hang"})
+        if unknown or not kinds:
+            parser.error(f"--peer-kinds: unknown or empty {unknown or args.peer_kinds!r} (crash, oom_python, hang)")
+        mode = replace(mode, peer_kinds=kinds, peer_trials=max(1, mode.peer_trials))
+    if args.peers_only:
+        if args.smoke or args.no_peers:
+            parser.error("--peers-only runs the peers: not with --smoke or --no-peers")
+        return peers_only(mode, args, list(argv if argv is not None else sys.argv[1:]))
     started = time.monotonic()
     servers = Servers(log=log, prefix="keel-bench-detect-")
     log(f"detection benchmark ({mode.name})")
