@@ -31,6 +31,18 @@ from pathlib import Path
 from typing import Any
 
 
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return True  # not known: the deadline decides
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RankSide:
     def __init__(self, job: Any, args: argparse.Namespace) -> None:
         from keel.sdk.checkpoint import Checkpointer
@@ -79,7 +91,10 @@ class RankSide:
                 if check is None or check(answer):
                     return answer
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the simulated node agent did not answer {path.name}")
+                raise RuntimeError(f"the node agent's checkpoint process did not answer {path.name}")
+            if not _alive(self.agent.get("pid")):
+                raise RuntimeError(f"the node agent's checkpoint process exited before answering {path.name} "
+                                   "(its log: <tag>.agent.log in the bench's scratch folder)")
             time.sleep(0.005)
 
     def sync_agent(self) -> None:

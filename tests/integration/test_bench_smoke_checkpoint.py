@@ -1,6 +1,7 @@
 """``python -m bench.checkpoint --smoke`` end to end, so the checkpoint benchmark cannot rot between its full
-runs: real worker processes, the real Checkpointer, the simulated node agent's gRPC backup and persistent
-tier, every restore tier timed with its verification. Tiny sizes: it checks the bench works and its figures
+runs: real worker processes, the real Checkpointer, the node agent's own checkpoint code (``NodeCheckpointing``
+over ``GrpcTransport``) for the gRPC backup and the persistent tier, every restore tier timed with its
+verification. Tiny sizes: it checks the bench works and its figures
 are sane (positive, restores bitwise right), not the figures themselves."""
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def test_checkpoint_bench_smoke_runs_and_reports_verified_restores(tmp_path: Pat
     keel = fig["variants"]["keel"]
     assert keel["steps_per_s"] > 0 and keel["blocking_ms_mean"] > 0 and keel["host_bytes_per_rank"] > 0
     assert fig["keel_agent"]["sends"] >= 1 and fig["keel_agent"]["persists"]  # the agent's duties ran
+    assert fig["keel_agent"]["agent_code"].startswith("keel.agent.checkpointing.NodeCheckpointing")
+    assert not fig["keel_agent"]["send_errors"]
     assert fig["agent_sync_ms_keel"] is not None and fig["agent_sync_ms_keel"] >= 0  # timed in the block
 
     if importlib.util.find_spec("dlrover") is None:
