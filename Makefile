@@ -19,7 +19,7 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
 DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'grpcio-tools>=1.85.1' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
 
-.PHONY: install test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets clean
+.PHONY: install system-deps test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets clean
 
 install: $(STAMP)
 
@@ -40,8 +40,20 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
-test: lint
+test: lint system-deps
 	$(BIN)/python -m pytest -q
+
+# Debian's packages the tests run for real: Slurm (slurmctld, slurmd, munge) for the Slurm actuator. As
+# root and only when missing (apt-get reaches Debian's registry); otherwise say what the tests will lack.
+SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch
+system-deps:
+	@missing=""; for p in $(SYSTEM_PROGRAMS); do command -v $$p >/dev/null 2>&1 || [ -x /usr/sbin/$$p ] || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's slurmctld slurmd slurm-client munge (missing:$$missing)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null || \
+		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null; }; \
+	else echo "note: missing$$missing (Debian: apt-get install slurmctld slurmd slurm-client munge, as root); the Slurm tests will fail"; fi
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit

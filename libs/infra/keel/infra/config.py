@@ -514,6 +514,43 @@ class SupervisorSettings(_Section):
         return self
 
 
+class SlurmActuatorSettings(_Section):
+    """The ``slurm`` actuator (``keel.actuator.slurm``): drains evicted nodes, finds and requests standbys."""
+
+    conf: Path | None = None
+    """The cluster's ``slurm.conf`` for Slurm's commands (``SLURM_CONF``; default: Slurm's own, usually
+    ``/etc/slurm/slurm.conf``)."""
+    partition: str | None = None
+    """The partition standby jobs are submitted to (default: Slurm's default partition)."""
+    job_id: str | None = None
+    """The Slurm job id of the training job's allocation: its nodes past ``workers`` are the standbys
+    ``keel run`` started there (``--nnodes`` below the allocation's node count)."""
+    workers: int | None = Field(None, ge=1)
+    """How many of the allocation's nodes run ranks (``keel run --nnodes``); the rest are standbys."""
+    standby_command: list[str] = Field(default_factory=list)
+    """What a refill submits (``sbatch --wrap``) on each new node, e.g. ``["srun", "keel", "run",
+    "--keel-standby", "--nnodes", "4", "train.py"]``: without it a refill is reported failed."""
+    command_timeout: Duration = parse_duration("30s")
+    """How long one Slurm command (``scontrol``, ``squeue``, ``sbatch``) may take before the action fails."""
+
+
+class ActuatorSettings(_Section):
+    """Where the machines are: the actuator service carries the controller's evictions and refills out there."""
+
+    kind: str = "local"
+    """``local`` (the agents of ``keel cluster up`` on this machine) or ``slurm`` (Slurm nodes: drain,
+    standby jobs). Kubernetes: see docs/deploy.md."""
+    slurm: SlurmActuatorSettings = SlurmActuatorSettings()
+    """The ``slurm`` actuator's settings (used when ``kind`` is ``slurm``)."""
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        if value not in ("local", "slurm"):
+            raise ValueError(f"unknown actuator kind {value!r} (local, slurm)")
+        return value
+
+
 class SnapshotSettings(_Section):
     """Deciders' snapshots (``keel.kernel.snapshot``): a cold start folds the newest one plus the log after it."""
 
@@ -563,6 +600,8 @@ class Settings(_Section):
     supervisor: SupervisorSettings = SupervisorSettings()
     signing: SigningSettings = SigningSettings()
     snapshots: SnapshotSettings = SnapshotSettings()
+    actuator: ActuatorSettings = ActuatorSettings()
+    """The actuator service: which kind of machines it acts on, and that kind's settings."""
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

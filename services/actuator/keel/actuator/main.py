@@ -1,4 +1,5 @@
-"""``keel service actuator --cluster-dir DIR``: carry out evictions and standby refills on a local cluster."""
+"""``keel service actuator``: carry out evictions and standby refills where the machines are
+(``actuator.kind``: a local cluster, or Slurm)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from keel.actuator.adapter import ActuatorService
 from keel.actuator.local import LocalActuator
+from keel.actuator.slurm import SlurmActuator, SlurmCommands
 from keel.infra.config import Settings
 from keel.infra.service import serve_service, service_main
 
@@ -23,16 +25,37 @@ async def serve(settings: Settings, nats_url: str, cluster_dir: Path, stop: asyn
                         nats_url, None, stop, on_ready, describe=lambda _: f"local cluster in {cluster_dir}")
 
 
+def slurm_actuator(settings: Settings, job_id: str | None) -> SlurmActuator:
+    """The ``slurm`` actuator from ``actuator.slurm`` (its bookkeeping under ``<home>/actuator``)."""
+    slurm = settings.actuator.slurm
+    return SlurmActuator(SlurmCommands(slurm.conf, timeout_s=slurm.command_timeout.total_seconds()),
+                         keel_job_id=job_id or "default", state_dir=settings.home / "actuator",
+                         partition=slurm.partition, allocation_job_id=slurm.job_id, workers=slurm.workers,
+                         standby_command=slurm.standby_command)
+
+
+async def serve_slurm(settings: Settings, nats_url: str, stop: asyncio.Event,
+                      on_ready: Callable[[], None] = lambda: None, job_id: str | None = None) -> None:
+    """Carry out commands on Slurm's nodes until ``stop`` is set."""
+    actuator = slurm_actuator(settings, job_id)
+    await serve_service("actuator", lambda bus, _store: ActuatorService(bus, actuator, job_id=job_id), settings,
+                        nats_url, None, stop, on_ready,
+                        describe=lambda _: f"Slurm (partition {settings.actuator.slurm.partition or 'default'})")
+
+
 def main() -> int:
-    """``keel-actuator``: the local actuator over the cluster in ``$KEEL_CLUSTER_DIR`` (default
-    ``<home>/cluster``). It starts standby agents with ``keel run``, so the ``keel`` command (keel-cli)
-    must be installed beside it: the local actuator runs on the machine of a full install."""
+    """``keel-actuator``: by ``actuator.kind``, the local actuator over the cluster in ``$KEEL_CLUSTER_DIR``
+    (default ``<home>/cluster``; it starts standby agents with ``keel run``, so the ``keel`` command must be
+    installed beside it), or the Slurm actuator (Slurm's client commands on its host; ``$KEEL_JOB_ID``
+    names the job whose standbys it keeps)."""
     import os
 
     from keel.cluster.local import cluster_dir
 
     def serve_local(settings: Settings, nats_url: str, _database_url: str, stop: asyncio.Event,
                     on_ready: Callable[[], None]) -> Coroutine[Any, Any, None]:
+        if settings.actuator.kind == "slurm":
+            return serve_slurm(settings, nats_url, stop, on_ready, job_id=os.environ.get("KEEL_JOB_ID") or None)
         return serve(settings, nats_url, cluster_dir(settings, os.environ.get("KEEL_CLUSTER_DIR")), stop, on_ready)
 
     return service_main("actuator", serve_local, needs_database=False)
