@@ -14,6 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from keel.rules.slurm import expand_hostlist
+
+__all__ = ["expand_hostlist"]
+
 REASON_PREFIX = "keel:"
 """Every drain reason Keel writes starts with this; Slurm shows it in ``sinfo -R`` and ``scontrol show node``."""
 
@@ -109,44 +113,3 @@ def plan_drain(node: SlurmNode, reason: str) -> DrainPlan:
     text = drain_reason(reason)
     down = " (it is down; drained so it stays out when it returns)" if not node.usable else ""
     return DrainPlan("drain", f"{node.name} drained in Slurm: {text!r}{down}", text)
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compact node list (``n[1-3,5],gpu-a[01-02]``) as names, in order. Raises ``ValueError``
-    for a malformed list. (What ``scontrol show hostnames`` prints, without a process.)"""
-    names: list[str] = []
-    depth, start = 0, 0
-    parts = []
-    for index, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in node list {text!r}")
-        elif ch == "," and depth == 0:
-            parts.append(text[start:index])
-            start = index + 1
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in node list {text!r}")
-    parts.append(text[start:])
-    for part in (p.strip() for p in parts):
-        if not part:
-            continue
-        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", part)
-        if not match:
-            if "[" in part or "]" in part:
-                raise ValueError(f"unsupported node list part {part!r} in {text!r}")
-            names.append(part)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for item in ranges.split(","):
-            low, _, high = item.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise ValueError(f"bad range {item!r} in node list {text!r}")
-            width = len(low)
-            last = int(high) if high else int(low)
-            if last < int(low):
-                raise ValueError(f"descending range {item!r} in node list {text!r}")
-            names.extend(f"{prefix}{number:0{width}d}{suffix}" for number in range(int(low), last + 1))
-    return names

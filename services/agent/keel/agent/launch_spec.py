@@ -35,6 +35,7 @@ from keel.agent.rendezvous import (
     parse_rdzv_conf,
 )
 from keel.events.units import parse_duration
+from keel.rules.slurm import slurm_step
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         parser.add_argument(*spellings, dest=dest, **kwargs)
 
     # torchrun's own flags, in its order.
-    add("--nnodes", default="1:1", help="N or MIN:MAX")
+    add("--nnodes", default=None, help="N or MIN:MAX (default 1; in a Slurm step, the step's node count)")
     add("--nproc-per-node", default="1", help="workers per node: an integer, or auto, cpu, gpu, xpu")
     add("--rdzv-backend", default=STATIC, help="static (--node-rank, --master-addr/--master-port) or c10d (node ranks "
         "from a rendezvous at --rdzv-endpoint, at the job's first start)")
@@ -263,7 +264,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="copy tee'd stderr lines containing one of these (comma-separated) to filtered_stderr.log")
     add("--node-rank", type=int, default=None, help="this node's rank (static rendezvous; default 0; ignored by c10d, "
         "whose rendezvous assigns it)")
-    add("--master-addr", default="127.0.0.1")
+    add("--master-addr", default=None, help="the ranks' master (default 127.0.0.1; in a Slurm step, its first node)")
     add("--master-port", type=int, default=None, help="default 29500; single node without one: a free port")
     add("--local-addr", default=None, help="this node's address for peers (default: found from the rendezvous)")
     add("--logs-specs", pet=False, default=None, help="a torchrun.logs_specs entry point (checked; Keel keeps its layout)")
@@ -392,7 +393,12 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
             raise LaunchHelp() from None
         raise LaunchError(f"invalid arguments for keel run: {' '.join(argv)}") from None
     try:
-        min_nodes, max_nodes = parse_nnodes(args.nnodes)
+        step = slurm_step(environ)
+    except ValueError as exc:
+        raise LaunchError(f"this looks like a Slurm step, but its variables do not fit: {exc}") from None
+    nnodes_text = args.nnodes if args.nnodes is not None else (str(len(step.nodes)) if step else "1:1")
+    try:
+        min_nodes, max_nodes = parse_nnodes(nnodes_text)
         rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
     except RendezvousConfigError as exc:
         raise LaunchError(str(exc)) from None
@@ -405,7 +411,18 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
     rendezvous = backend == C10D and not args.standalone
     if rendezvous and args.node_rank is not None:
         log.warning("--node-rank is ignored with --rdzv-backend c10d: the rendezvous assigns node ranks (as torchrun)")
-    node_rank = 0 if rendezvous or args.node_rank is None else args.node_rank
+    standby = args.keel_standby
+    if step is not None and args.node_rank is None and not rendezvous:
+        # srun runs one task per node: SLURM_NODEID is the node rank torchrun users pass by hand. Nodes of the
+        # step past --nnodes are the job's warm standbys (an allocation larger than the job, on purpose).
+        if step.node_index >= max_nodes:
+            if not standby:
+                log.info("keel run: Slurm node %s (index %d) is past --nnodes %d: it starts as a warm standby",
+                         step.node_name, step.node_index, max_nodes)
+            standby = True
+        node_rank = 0 if standby else step.node_index
+    else:
+        node_rank = 0 if rendezvous or args.node_rank is None else args.node_rank
     nnodes = 1 if rendezvous else max_nodes
     nproc_per_node = resolve_nproc_per_node(args.nproc_per_node, environ, root)
     if args.max_restarts < 0:
@@ -435,12 +452,12 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         raise LaunchError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_text}")
     if args.no_python and args.module and not args.run_path:
         raise LaunchError("--no-python and -m/--module do not go together (a module needs python)")
-    master_addr = args.master_addr
+    master_addr = args.master_addr if args.master_addr is not None else (step.head if step else "127.0.0.1")
     master_port = 29500 if args.master_port is None else args.master_port
     run_id = args.rdzv_id
     if args.rdzv_endpoint or rendezvous:
         try:
-            master_addr, master_port = parse_endpoint(args.rdzv_endpoint or "localhost",
+            master_addr, master_port = parse_endpoint(args.rdzv_endpoint or (step.head if step else "localhost"),
                                                       DEFAULT_C10D_PORT if rendezvous else master_port)
         except RendezvousConfigError as exc:
             raise LaunchError(str(exc)) from None
@@ -455,19 +472,20 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         master_addr, run_id = "127.0.0.1", str(uuid.uuid4())
         if args.master_port is None and not args.rdzv_endpoint:
             master_port = 0
-    if not args.script and not args.keel_standby:
+    if not args.script and not standby:
         raise LaunchError("no training script given (keel run [options] script.py [args] or -m module [args])")
     command: tuple[str, ...] = ()
     if args.script:
         command = (("-m", args.script, *args.script_args) if args.module and not args.run_path
                    else (args.script, *args.script_args))
-    node_id = args.keel_node_id or socket.gethostname()
+    node_id = args.keel_node_id or (step.node_name if step else socket.gethostname())
     try:
         heartbeat = parse_duration(args.keel_heartbeat_interval)
         probe = parse_duration(args.keel_probe_interval)
     except ValueError as exc:
         raise LaunchError(str(exc)) from None
-    job_id = args.keel_job_id or (args.rdzv_id if args.rdzv_id != "none" else "") or "job"
+    job_id = (args.keel_job_id or (args.rdzv_id if args.rdzv_id != "none" else "")
+              or (f"slurm-{step.job_id}" if step else "") or "job")
     agent_dir = Path(args.keel_agent_dir) if args.keel_agent_dir else default_agent_dir(node_id, job_id)
     ckpt_dir = None if args.keel_no_checkpoint else Path(args.keel_ckpt_dir or default_ckpt_dir(agent_dir))
     store_address = args.keel_store_address or ("127.0.0.1:0" if max_nodes == 1 else "")
@@ -490,7 +508,7 @@ def parse_launch_args(argv: list[str], environ: Mapping[str, str] | None = None,
         job_id=job_id,
         node_id=node_id,
         fault_domain=args.keel_fault_domain,
-        standby=args.keel_standby,
+        standby=standby,
         max_restarts=args.max_restarts,
         agent_dir=agent_dir,
         root=Path(args.keel_root),
