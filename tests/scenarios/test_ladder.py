@@ -43,35 +43,54 @@ class Stack:
         self.services: list[subprocess.Popen] = []
         self.knobs: dict[str, str] = {}
         self.running: list[str] = []
+        self._ready: list[Path] = []
         """The services started (``start``): a replay verifies their deciders."""
         self.network: NetworkPlan | None = None
         """A host network (``keel.cluster.netns``): each node a host of its own on it; None: a flat cluster."""
 
     def start(self, *, nodes: int, standby: int, command: list[str], extra: dict[str, str] | None = None,
               nproc_per_node: int = 1, more_services: tuple[str, ...] = ()) -> None:
-        self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "60s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
-                 "KEEL_CONTROLLER__STANDBY_MIN": "1", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
-                 "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"), **(extra or {})}
-        ready = []
-        self.running = ["controller", "checkpoint-broker", "analyzer", "actuator", *more_services]
-        for name, args in (("controller", []), ("checkpoint-broker", []), ("analyzer", []),
-                           ("actuator", ["--cluster-dir", str(self.directory)]),
-                           *((name, []) for name in more_services)):
-            ready.append(self.scratch / f"{name}.ready")
-            self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
-                                                       {**knobs, "KEEL_SERVICE_READY_FILE": str(ready[-1])}, args))
-        # As `keel up` does: the job starts once every service consumes live (an input arriving during a
-        # decider's cold start is decided on the state at the end of its fold: see docs/known-limits.md).
-        deadline = time.monotonic() + 60
-        while not all(path.exists() for path in ready):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.services):
-                raise AssertionError(f"services not ready: {[p.name for p in ready if not p.exists()]}")
-            time.sleep(0.1)
-        env = {k: v for k, v in service_env(self.settings).items() if k.startswith("KEEL_")} | knobs
+        env = self.start_services(extra=extra, more_services=more_services,
+                                  actuator=("actuator", ["--cluster-dir", str(self.directory)], {}))
         cluster_up(self.settings, self.directory, nodes=nodes, standby=standby, nproc_per_node=nproc_per_node,
                    job_id=self.job,
                    command=command, nats_url=self.settings.nats_url, extra_env=env, heartbeat_interval="2s",
                    persist_root=self.scratch / "checkpoints", fault_injection=True, network=self.network)
+
+    def start_services(self, *, extra: dict[str, str] | None = None, more_services: tuple[str, ...] = (),
+                       actuator: tuple[str, list[str], dict[str, str]] | None = None) -> dict[str, str]:
+        """The controller, broker, analyzer (and ``actuator``: its name, arguments and environment; None: start
+        it later with ``start_service``) as processes, each consuming live before this returns. Returns the
+        ``KEEL_*`` environment the agents get."""
+        self.knobs = knobs = {"KEEL_CONTROLLER__DIAGNOSTICS_TIMEOUT": "60s", "KEEL_CONTROLLER__NODE_SILENCE_TIMEOUT": "20s",
+                 "KEEL_CONTROLLER__STANDBY_MIN": "1", "KEEL_INSPECTOR__STEP_TIMEOUT_FLOOR": "60s",
+                 "KEEL_CHECKPOINT__PERSIST_ROOT": str(self.scratch / "checkpoints"), **(extra or {})}
+        self.running = ["controller", "checkpoint-broker", "analyzer", *more_services]
+        for name, args, env in (("controller", [], {}), ("checkpoint-broker", [], {}), ("analyzer", [], {}),
+                                *([actuator] if actuator else []), *((name, [], {}) for name in more_services)):
+            self.start_service(name, args, env, wait=False)
+        # As `keel up` does: the job starts once every service consumes live (an input arriving during a
+        # decider's cold start is decided on the state at the end of its fold: see docs/known-limits.md).
+        self.wait_ready()
+        return {k: v for k, v in service_env(self.settings).items() if k.startswith("KEEL_")} | knobs
+
+    def start_service(self, name: str, args: list[str], env: dict[str, str], *, wait: bool = True) -> None:
+        ready = self.scratch / f"{name}.ready"
+        self._ready.append(ready)
+        if name not in self.running:
+            self.running.append(name)
+        self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",
+                                                   {**self.knobs, **env, "KEEL_SERVICE_READY_FILE": str(ready)}, args))
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 60
+        while not all(path.exists() for path in self._ready):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.services):
+                raise AssertionError(f"services not ready: {[p.name for p in self._ready if not p.exists()]}; see "
+                                     f"{self.scratch}/*.log")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         """Idempotent: the cluster down, then every service."""

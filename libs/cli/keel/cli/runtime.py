@@ -65,6 +65,8 @@ def register(sub: Subparsers) -> None:
     service = sub.add_parser("service", help="run one service in the foreground")
     service.add_argument("name", choices=SERVICES)
     service.add_argument("--cluster-dir", default=None, help="actuator: the local cluster it acts on (default <home>/cluster)")
+    service.add_argument("--job", default=None, help="actuator with actuator.kind slurm: the Keel job whose standbys it "
+                         "keeps (default $KEEL_JOB_ID)")
     service.set_defaults(func=cmd_service)
 
 
@@ -383,11 +385,15 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.hot_update.main import serve
     elif args.name == "actuator":
         from keel.actuator.main import serve as serve_actuator
+        from keel.actuator.main import serve_slurm
 
         directory = cluster_dir(settings, getattr(args, "cluster_dir", None))
+        job_id = getattr(args, "job", None) or os.environ.get("KEEL_JOB_ID") or None
 
         def serve(settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event,
                   on_ready: Callable[[], None] = lambda: None) -> Coroutine[Any, Any, None]:
+            if settings.actuator.kind == "slurm":
+                return serve_slurm(settings, nats_url, stop, on_ready, job_id=job_id)
             return serve_actuator(settings, nats_url, directory, stop, on_ready)
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")

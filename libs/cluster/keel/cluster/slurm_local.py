@@ -74,9 +74,12 @@ class SlurmCluster:
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf), **(extra or {})}
 
-    def run(self, *argv: str, timeout_s: float = 30.0, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """A Slurm client command against this cluster."""
-        done = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout_s, check=False)
+    def run(self, *argv: str, timeout_s: float = 30.0, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """A Slurm client command against this cluster (``env``: the whole environment, which ``sbatch`` hands
+        the job's tasks; default ours plus ``SLURM_CONF``)."""
+        environ = self.env() if env is None else {**env, "SLURM_CONF": str(self.conf)}
+        done = subprocess.run(list(argv), env=environ, capture_output=True, text=True, timeout=timeout_s, check=False)
         if check and done.returncode != 0:
             raise SlurmError(f"{' '.join(argv)} failed ({done.returncode}): {(done.stderr or done.stdout).strip()}")
         return done
@@ -94,7 +97,16 @@ class SlurmCluster:
         return dict(line.split(None, 1) for line in text.splitlines() if line.strip())
 
     def stop(self) -> None:
-        """Stop every daemon (slurmd first), then remove the scratch folder."""
+        """Cancel every job and wait for its steps to end (slurmd kills their tasks; a step whose slurmd
+        is gone would be left running), stop every daemon (slurmd first), then remove the scratch folder."""
+        if self.processes.get("slurmctld") is not None and self.processes["slurmctld"].poll() is None:
+            try:
+                self.run("scancel", "--user", str(os.geteuid()), check=False, timeout_s=10)
+                deadline = time.monotonic() + 30
+                while self.run("squeue", "-h", check=False, timeout_s=10).stdout.strip() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+            except (subprocess.TimeoutExpired, OSError):
+                pass
         for name in sorted(self.processes, key=lambda n: (not n.startswith("slurmd"), n != "slurmctld")):
             process = self.processes[name]
             if process.poll() is None:

@@ -698,9 +698,28 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
         if name in _TOP_LEVEL_ENV:
             layer[_TOP_LEVEL_ENV[name]] = value
         elif name.startswith("KEEL_") and "__" in name:
-            section, _, field = name[len("KEEL_") :].lower().partition("__")
-            layer.setdefault(section, {})[field] = value
+            # KEEL_ACTUATOR__SLURM__CONF: one level per "__". A value in JSON list syntax is a list
+            # (KEEL_ACTUATOR__SLURM__STANDBY_COMMAND='["srun", "keel", "run"]'); anything else stays text.
+            *path, field = name[len("KEEL_") :].lower().split("__")
+            target = layer
+            for part in path:
+                nested = target.setdefault(part, {})
+                if not isinstance(nested, dict):
+                    raise ConfigError(f"environment {name}: {part} is a setting, not a section")
+                target = nested
+            target[field] = _env_value(value)
     return layer
+
+
+def _env_value(value: str) -> Any:
+    if value.startswith("[") and value.endswith("]"):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        if isinstance(parsed, list):
+            return parsed
+    return value
 
 
 def _yaml_layer(path: Path) -> dict[str, Any]:
