@@ -105,3 +105,27 @@ def test_analyzer_settings_reach_the_metric_checks_and_bad_ones_are_refused() ->
         load_settings(environ={"KEEL_ANALYZER__METRIC_SPIKE_FACTOR": "1"})
     with pytest.raises(ConfigError, match="failslow_min_flags"):
         load_settings(environ={"KEEL_ANALYZER__FAILSLOW_MIN_FLAGS": "6"})
+
+
+def test_nested_sections_and_lists_from_the_environment() -> None:
+    settings = load_settings(environ={
+        "KEEL_ACTUATOR__KIND": "slurm", "KEEL_ACTUATOR__SLURM__CONF": "/etc/slurm/slurm.conf",
+        "KEEL_ACTUATOR__SLURM__WORKERS": "4", "KEEL_ACTUATOR__SLURM__COMMAND_TIMEOUT": "1m",
+        "KEEL_ACTUATOR__SLURM__STANDBY_COMMAND": '["srun", "keel", "run", "--keel-standby", "train.py"]'})
+    slurm = settings.actuator.slurm
+    assert settings.actuator.kind == "slurm" and str(slurm.conf) == "/etc/slurm/slurm.conf" and slurm.workers == 4
+    assert slurm.standby_command == ["srun", "keel", "run", "--keel-standby", "train.py"]
+    assert slurm.command_timeout.total_seconds() == 60
+    # Text that merely starts with a bracket stays text (an IPv6 address, say).
+    assert load_settings(environ={"KEEL_CHECKPOINT__STORE_ADDRESS": "[::1]:0"}).checkpoint.store_address == "[::1]:0"
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"KEEL_ACTUATOR__KIND": "kubernetes-someday"}, "unknown actuator kind"),
+    ({"KEEL_ACTUATOR__SLURM__WORKERS": "0"}, "actuator.slurm.workers"),
+    ({"KEEL_ACTUATOR__SLURM__STANDBY_COMMAND": "srun keel run"}, "actuator.slurm.standby_command"),
+    ({"KEEL_ACTUATOR__KIND__DEEPER": "x"}, "actuator.kind"),
+])
+def test_bad_nested_environment_values_name_the_setting(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(environ=environ)
