@@ -32,6 +32,10 @@ $(STAMP): $(PYPROJECTS) Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q $(DEV_TOOLS)
 	$(BIN)/python -m pip install -q --config-settings editable_mode=compat $(addprefix -e ,$(DISTS))
+	# The Kubernetes API's published contract, for the tests only (tests/k8s_contract.py): its JSON schemas
+	# (kubernetes-validate) and the official client's generated operations, read as source (no dependencies).
+	$(BIN)/python -m pip install -q 'kubernetes-validate==1.37.0'
+	$(BIN)/python -m pip install -q --no-deps 'kubernetes==37.0.2'
 	touch $(STAMP)
 
 # The import layers (import-linter), the linter (ruff) and the type checker (mypy), then every test.

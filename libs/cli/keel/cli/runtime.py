@@ -385,15 +385,15 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.hot_update.main import serve
     elif args.name == "actuator":
         from keel.actuator.main import serve as serve_actuator
-        from keel.actuator.main import serve_slurm
+        from keel.actuator.main import serve_scheduler
 
         directory = cluster_dir(settings, getattr(args, "cluster_dir", None))
         job_id = getattr(args, "job", None) or os.environ.get("KEEL_JOB_ID") or None
 
         def serve(settings: Settings, nats_url: str, database_url: str, stop: asyncio.Event,
                   on_ready: Callable[[], None] = lambda: None) -> Coroutine[Any, Any, None]:
-            if settings.actuator.kind == "slurm":
-                return serve_slurm(settings, nats_url, stop, on_ready, job_id=job_id)
+            if settings.actuator.kind in ("slurm", "kubernetes"):
+                return serve_scheduler(settings, nats_url, stop, on_ready, job_id=job_id)
             return serve_actuator(settings, nats_url, directory, stop, on_ready)
     else:  # argparse's choices make this unreachable
         raise CliError(f"unknown service {args.name}")

@@ -534,20 +534,41 @@ class SlurmActuatorSettings(_Section):
     """How long one Slurm command (``scontrol``, ``squeue``, ``sbatch``) may take before the action fails."""
 
 
+class KubernetesActuatorSettings(_Section):
+    """The ``kubernetes`` actuator (``keel.actuator.kubernetes``): cordons evicted nodes, scales the standby set."""
+
+    namespace: str = "default"
+    """The namespace of the job's standby Deployment (the job's pods are found in every namespace by their
+    ``keel.dev/job`` label)."""
+    standby_deployment: str = "keel-standby"
+    """The Deployment of standby agent pods (labels ``keel.dev/job=<job>``, ``keel.dev/role=standby``) a refill scales up."""
+    server: str | None = None
+    """The API server (``https://host:port``); default: in the cluster, from ``KUBERNETES_SERVICE_HOST``/``_PORT``."""
+    token_file: Path | None = None
+    """A bearer token file for ``server``; default: the pod's service account token."""
+    ca_file: Path | None = None
+    """The API server's CA for ``server``; default: the pod's service account CA."""
+    request_timeout: Duration = parse_duration("30s")
+    """How long one API call may take before the action fails."""
+
+
 class ActuatorSettings(_Section):
     """Where the machines are: the actuator service carries the controller's evictions and refills out there."""
 
     kind: str = "local"
-    """``local`` (the agents of ``keel cluster up`` on this machine) or ``slurm`` (Slurm nodes: drain,
-    standby jobs). Kubernetes: see docs/deploy.md."""
+    """``local`` (the agents of ``keel cluster up`` on this machine), ``slurm`` (Slurm nodes: drain, standby
+    jobs) or ``kubernetes`` (cordon, taint and label nodes, delete the job's pods, scale the standby set;
+    checked against the API's published schema only: see docs/deploy.md)."""
     slurm: SlurmActuatorSettings = SlurmActuatorSettings()
     """The ``slurm`` actuator's settings (used when ``kind`` is ``slurm``)."""
+    kubernetes: KubernetesActuatorSettings = KubernetesActuatorSettings()
+    """The ``kubernetes`` actuator's settings (used when ``kind`` is ``kubernetes``)."""
 
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, value: str) -> str:
-        if value not in ("local", "slurm"):
-            raise ValueError(f"unknown actuator kind {value!r} (local, slurm)")
+        if value not in ("local", "slurm", "kubernetes"):
+            raise ValueError(f"unknown actuator kind {value!r} (local, slurm, kubernetes)")
         return value
 
 

@@ -67,7 +67,8 @@ class ActuatorService:
         skip = eviction_outcome(payload, now)
         if skip is None:
             try:
-                detail = await asyncio.to_thread(self.actuator.evict, payload.node_id, payload.reason)
+                incident = str(command.correlation_id) if command.correlation_id else ""
+                detail = await asyncio.to_thread(self.actuator.evict, payload.node_id, payload.reason, incident)
                 outcome = "evicted"
             except (ActuatorError, OSError) as exc:
                 outcome, detail = "failed", f"{type(exc).__name__}: {exc}"

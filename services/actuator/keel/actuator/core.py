@@ -24,14 +24,15 @@ class EvictOutcome:
 
 
 class Actuator(Protocol):
-    """Where the machines are: a local cluster, Slurm (``scontrol update nodename=N state=drain
-    reason=...`` plus an exclude list) or Kubernetes (cordon + taint + labels, delete the pod)."""
+    """Where the machines are: a local cluster (``keel.actuator.local``), Slurm (``keel.actuator.slurm``: drain)
+    or Kubernetes (``keel.actuator.kubernetes``: cordon, taint and label, delete the job's pods)."""
 
     name: str
 
-    def evict(self, node_id: str, reason: str) -> str:
+    def evict(self, node_id: str, reason: str, incident: str = "") -> str:
         """Take ``node_id`` out of the job for good (its processes stopped); returns a detail line.
-        Raises ``ActuatorError`` when it cannot."""
+        ``incident``: the incident the eviction belongs to (the command's correlation id), recorded where
+        the machines are when they can hold it. Raises ``ActuatorError`` when it cannot."""
         ...
 
     def standbys(self) -> list[str]:

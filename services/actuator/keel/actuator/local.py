@@ -55,7 +55,7 @@ class LocalActuator:
     def _save(self, state: dict[str, Any]) -> None:
         atomic_write(self.directory / "cluster.json", json.dumps(state, indent=2))
 
-    def evict(self, node_id: str, reason: str) -> str:
+    def evict(self, node_id: str, reason: str, incident: str = "") -> str:
         state = self._state()
         node = next((n for n in state["nodes"] if n["node_id"] == node_id), None)
         if node is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.actuator.adapter import ActuatorService
+from keel.actuator.kubernetes import SERVICE_ACCOUNT, HttpKubeApi, KubernetesActuator
 from keel.actuator.local import LocalActuator
 from keel.actuator.slurm import SlurmActuator, SlurmCommands
 from keel.infra.config import Settings
@@ -34,13 +35,33 @@ def slurm_actuator(settings: Settings, job_id: str | None) -> SlurmActuator:
                          standby_command=slurm.standby_command)
 
 
-async def serve_slurm(settings: Settings, nats_url: str, stop: asyncio.Event,
+def kubernetes_actuator(settings: Settings, job_id: str | None) -> KubernetesActuator:
+    """The ``kubernetes`` actuator from ``actuator.kubernetes``: in the cluster by default (its service account)."""
+    kube = settings.actuator.kubernetes
+    timeout_s = kube.request_timeout.total_seconds()
+    if kube.server:
+        token_file = kube.token_file or SERVICE_ACCOUNT / "token"
+        api: HttpKubeApi = HttpKubeApi(kube.server, token=lambda: token_file.read_text().strip(), ca_file=kube.ca_file,
+                                       timeout_s=timeout_s)
+    else:
+        api = HttpKubeApi.in_cluster()
+        api.timeout_s = timeout_s
+    return KubernetesActuator(api, keel_job_id=job_id or "default", namespace=kube.namespace,
+                              standby_deployment=kube.standby_deployment)
+
+
+async def serve_scheduler(settings: Settings, nats_url: str, stop: asyncio.Event,
                       on_ready: Callable[[], None] = lambda: None, job_id: str | None = None) -> None:
-    """Carry out commands on Slurm's nodes until ``stop`` is set."""
-    actuator = slurm_actuator(settings, job_id)
+    """Carry out commands on Slurm's or Kubernetes' nodes (``actuator.kind``) until ``stop`` is set."""
+    actuator: SlurmActuator | KubernetesActuator
+    if settings.actuator.kind == "kubernetes":
+        actuator = kubernetes_actuator(settings, job_id)
+        where = f"Kubernetes (standbys: {settings.actuator.kubernetes.namespace}/{settings.actuator.kubernetes.standby_deployment})"
+    else:
+        actuator = slurm_actuator(settings, job_id)
+        where = f"Slurm (partition {settings.actuator.slurm.partition or 'default'})"
     await serve_service("actuator", lambda bus, _store: ActuatorService(bus, actuator, job_id=job_id), settings,
-                        nats_url, None, stop, on_ready,
-                        describe=lambda _: f"Slurm (partition {settings.actuator.slurm.partition or 'default'})")
+                        nats_url, None, stop, on_ready, describe=lambda _: where)
 
 
 def main() -> int:
@@ -54,8 +75,8 @@ def main() -> int:
 
     def serve_local(settings: Settings, nats_url: str, _database_url: str, stop: asyncio.Event,
                     on_ready: Callable[[], None]) -> Coroutine[Any, Any, None]:
-        if settings.actuator.kind == "slurm":
-            return serve_slurm(settings, nats_url, stop, on_ready, job_id=os.environ.get("KEEL_JOB_ID") or None)
+        if settings.actuator.kind in ("slurm", "kubernetes"):
+            return serve_scheduler(settings, nats_url, stop, on_ready, job_id=os.environ.get("KEEL_JOB_ID") or None)
         return serve(settings, nats_url, cluster_dir(settings, os.environ.get("KEEL_CLUSTER_DIR")), stop, on_ready)
 
     return service_main("actuator", serve_local, needs_database=False)

@@ -143,12 +143,12 @@ class SlurmActuator:
 
     # -- the Actuator protocol ----------------------------------------------------------------------------
 
-    def evict(self, node_id: str, reason: str) -> str:
+    def evict(self, node_id: str, reason: str, incident: str = "") -> str:
         node = self.commands.node(node_id)
         if node is None:
             raise ActuatorError(f"{node_id!r} is not a node of this Slurm cluster (Keel's node id must be the Slurm "
                                 "node name: keel run under srun takes SLURMD_NODENAME)")
-        plan = plan_drain(node, reason)
+        plan = plan_drain(node, f"{reason} (incident {incident[:8]})" if incident else reason)
         if plan.action == "drain":
             self.commands.run(["scontrol", "update", f"nodename={node.name}", "state=drain", f"reason={plan.reason}"])
             with self._lock:
