@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import resource
 import statistics
@@ -201,9 +202,29 @@ class BrokerStandIn:
                                       "path": str(ckpt_disk.shard_file(self.args.persist_root, self.args.job, shard.step, shard.rank))})
 
 
+class AgentWarnings(logging.Handler):
+    """The agent's own warnings about its duties, counted for the report: a persist that failed, a snapshot
+    the ring overwrote before it could be backed up (a skipped backup)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.persist_errors: list[str] = []
+        self.skipped: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "persisting rank" in message:
+            self.persist_errors.append(message)
+        elif "moved on before it could be backed up" in message:
+            self.skipped.append(message)
+
+
 def run(args: argparse.Namespace) -> None:
     from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing
     from keel.agent.shard_store import TlsMaterial
+
+    warnings = AgentWarnings()
+    logging.getLogger("keel.agent.checkpointing").addHandler(warnings)
 
     for folder in (args.node_dir, args.peer_dir):
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -243,7 +264,9 @@ def run(args: argparse.Namespace) -> None:
     sync_ack = Path(str(sync) + ".ack")
     sync_seq, settling = 0, None
     last_step_seen, step_seen_at = -1, time.monotonic()
-    sends_seen, done_step, done_seen_at = 0, None, 0.0
+    sends_seen, done_step, done_seen_at, sent_seen = 0, None, 0.0, -1
+    every_in_training, sends_in_training = 1, 0
+    agent_send_s: list[float] = []
 
     def busy() -> bool:
         return bool(node.sending or node.persisting)
@@ -263,15 +286,23 @@ def run(args: argparse.Namespace) -> None:
             now = time.monotonic()
             if last_step_seen >= 0:
                 per_step = (now - step_seen_at) / (step - last_step_seen)
-                stand_in.step_time_s = per_step if stand_in.step_time_s == 0 else 0.8 * stand_in.step_time_s + 0.2 * per_step
+                # The rank's slots advance only in its checkpointed blocks: a gap spanning a plain block (or
+                # a sync) is no step time. The real agent gets the rank's own step time in its reports.
+                if stand_in.step_time_s == 0:
+                    stand_in.step_time_s = per_step
+                elif per_step <= 3 * stand_in.step_time_s:
+                    stand_in.step_time_s = 0.8 * stand_in.step_time_s + 0.2 * per_step
             last_step_seen, step_seen_at = step, now
         node.tick(time.monotonic(), groups, {args.rank: step} if step >= 0 else {})
-        sends = node_transport.sends[sends_seen:]
-        sends_seen += len(sends)
-        for record in sends:
-            if "error" not in record:
-                stand_in.reschedule(record["seconds"])
+        sends_seen = len(node_transport.sends)
         sent = node.progress[args.rank].last_sent_step
+        if sent > sent_seen:
+            # What the agent reports to the broker (the copy into its sent ring and the transfer): the broker
+            # sets the interval from it, and so does this stand-in.
+            sent_seen = sent
+            agent_send_s.append(node.progress[args.rank].last_send_s)
+            if done_step is None:
+                stand_in.reschedule(node.progress[args.rank].last_send_s)
         if sent >= 0:
             stand_in.commit_peer(sent, next((r["bytes"] for r in reversed(node_transport.sends) if r["step"] == sent), 0))
         if settling is not None and not busy():
@@ -283,6 +314,7 @@ def run(args: argparse.Namespace) -> None:
             except (ValueError, KeyError):
                 done_step = None
             done_seen_at = time.perf_counter()
+            every_in_training, sends_in_training = stand_in.backup_every, sends_seen
             if done_step is not None and stand_in.backup_every != 1:
                 stand_in.announce(1, "bench: the final step is backed up for the bitwise peer-restore check")
         if done_step is not None and node.progress[args.rank].last_sent_step >= done_step and not busy():
@@ -300,19 +332,21 @@ def run(args: argparse.Namespace) -> None:
     write_json(ack, {
         "address": peer_transport.address,
         "agent_code": "keel.agent.checkpointing.NodeCheckpointing over GrpcTransport (node and peer)",
-        "backup_every_steps": stand_in.backup_every,
+        "backup_every_steps": every_in_training,
         "sends": len(ok),
+        "sends_before_done": sends_in_training,
         "sent_steps": [r["step"] for r in ok],
         "send_errors": errors[:5],
-        "skipped_steps": None,
+        "skipped_steps": len(warnings.skipped),
         "send_s_mean": statistics.fmean(r["seconds"] for r in ok) if ok else None,
+        "agent_send_s_mean": statistics.fmean(agent_send_s) if agent_send_s else None,
         "send_mb_per_s_mean": statistics.fmean(r["bytes"] / r["seconds"] for r in ok if r["seconds"] > 0) / 1e6 if ok else None,
         "last_sent_step": max((r["step"] for r in ok), default=-1),
         "backup_step": newest["step"] if newest else -1,
         "backup_sha256": newest["sha256"] if newest else "",
         "peer_backup_bytes": allocated_bytes([args.peer_dir]),
         "persists": stand_in.persists,
-        "persist_errors": [],
+        "persist_errors": warnings.persist_errors[:5],
         "drain_s": drain_s,
         "agent_cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
         "agent_anon_bytes": anon_bytes_tree() - anon0,

@@ -76,7 +76,9 @@ class Stack:
 
     def start_service(self, name: str, args: list[str], env: dict[str, str], *, wait: bool = True) -> None:
         ready = self.scratch / f"{name}.ready"
-        self._ready.append(ready)
+        ready.unlink(missing_ok=True)  # a restarted service must announce itself again
+        if ready not in self._ready:
+            self._ready.append(ready)
         if name not in self.running:
             self.running.append(name)
         self.services.append(start_service_process(name, self.settings, self.scratch / f"{name}.log",

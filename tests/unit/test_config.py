@@ -116,14 +116,16 @@ def test_nested_sections_and_lists_from_the_environment() -> None:
     assert settings.actuator.kind == "slurm" and str(slurm.conf) == "/etc/slurm/slurm.conf" and slurm.workers == 4
     assert slurm.standby_command == ["srun", "keel", "run", "--keel-standby", "train.py"]
     assert slurm.command_timeout.total_seconds() == 60
-    # Text that merely starts with a bracket stays text (an IPv6 address, say).
+    # Text in list syntax given to a text setting stays text (only list settings read JSON lists).
     assert load_settings(environ={"KEEL_CHECKPOINT__STORE_ADDRESS": "[::1]:0"}).checkpoint.store_address == "[::1]:0"
+    assert load_settings(environ={"KEEL_ACTUATOR__SLURM__PARTITION": '["gpu"]'}).actuator.slurm.partition == '["gpu"]'
 
 
 @pytest.mark.parametrize("environ, message", [
     ({"KEEL_ACTUATOR__KIND": "kubernetes-someday"}, "unknown actuator kind"),
     ({"KEEL_ACTUATOR__SLURM__WORKERS": "0"}, "actuator.slurm.workers"),
-    ({"KEEL_ACTUATOR__SLURM__STANDBY_COMMAND": "srun keel run"}, "actuator.slurm.standby_command"),
+    ({"KEEL_ACTUATOR__SLURM__STANDBY_COMMAND": "srun keel run"}, "JSON list"),
+    ({"KEEL_ACTUATOR__SLURM__STANDBY_COMMAND": '{"a": 1}'}, "actuator.slurm.standby_command"),
     ({"KEEL_ACTUATOR__KIND__DEEPER": "x"}, "actuator.kind"),
 ])
 def test_bad_nested_environment_values_name_the_setting(environ: dict[str, str], message: str) -> None:

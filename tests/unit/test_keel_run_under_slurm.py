@@ -12,8 +12,8 @@ from keel.rules.slurm import slurm_step
 
 def step_env(node_index: int, nodes: str = "gpu[01-03]", **extra: str) -> dict[str, str]:
     names = {"gpu[01-03]": ["gpu01", "gpu02", "gpu03"]}.get(nodes, [])
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": str(node_index), "SLURM_NNODES": "3", "SLURM_STEP_NODELIST": nodes,
-           "SLURM_JOB_NODELIST": nodes, "SLURM_PROCID": str(node_index)}
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NODEID": str(node_index), "SLURM_NNODES": "3",
+           "SLURM_STEP_NODELIST": nodes, "SLURM_JOB_NODELIST": nodes, "SLURM_PROCID": str(node_index)}
     if node_index < len(names):
         env["SLURMD_NODENAME"] = names[node_index]
     return {**env, **extra}
@@ -28,7 +28,13 @@ def test_the_step_is_read_from_sruns_variables() -> None:
 
 def test_outside_a_step_nothing_is_taken() -> None:
     assert slurm_step({}) is None
-    assert slurm_step({"SLURM_JOB_ID": "4242"}) is None  # the batch script's shell, before srun
+    # What sbatch sets in the batch script's own shell (sbatch(1)): no step; keel run there is one node.
+    batch_shell = {"SLURM_JOB_ID": "4242", "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu01",
+                   "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_NNODES": "3"}
+    assert slurm_step(batch_shell) is None
+    spec = parse_launch_args(["train.py"], environ=batch_shell)
+    assert (spec.nnodes, spec.node_rank, spec.master_addr, spec.job_id, spec.standby) == (1, 0, "127.0.0.1", "job", False)
+    assert parse_launch_args(["--standalone", "train.py"], environ=batch_shell).nnodes == 1
     spec = parse_launch_args(["--nnodes", "2", "--node-rank", "1", "train.py"], environ={})
     assert (spec.node_rank, spec.master_addr, spec.job_id) == (1, "127.0.0.1", "job")
 

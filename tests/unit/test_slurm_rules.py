@@ -98,3 +98,21 @@ def test_node_lists_expand_as_scontrol_show_hostnames_does(text: str, names: lis
 def test_malformed_node_lists_are_refused(text: str) -> None:
     with pytest.raises(ValueError):
         expand_hostlist(text)
+
+
+def test_fields_after_the_reason_end_it() -> None:
+    # 22.05 prints Comment= and Extra= after Reason=.
+    [node] = parse_show_node("NodeName=n3 State=IDLE+DRAIN Partitions=p Reason=bad dimm [alice@2026-12-04T10:00:00] "
+                             "Comment=rack 3 Extra=x\n")
+    assert (node.reason, node.reason_by) == ("bad dimm", "alice")
+    # Without a reason, a comment's words are no fields: State stays the node's.
+    [node] = parse_show_node("NodeName=n3 State=IDLE Partitions=p Comment=note State=DRAIN\n")
+    assert node.state == "IDLE" and not node.drained
+
+
+def test_a_down_node_with_someone_elses_reason_is_left_alone() -> None:
+    plan = plan_drain(SlurmNode("n3", "DOWN*", reason="disk swap, do not use", reason_by="bob"), "xid 79")
+    assert plan.action == "none" and "bob's reason" in plan.detail
+    # Slurm's own reason for a node it marked down is no one's to keep: Keel drains it.
+    plan = plan_drain(SlurmNode("n3", "DOWN*", reason="Not responding", reason_by="slurm"), "heartbeat lost")
+    assert plan.action == "drain"

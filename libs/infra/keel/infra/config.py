@@ -533,6 +533,19 @@ class SlurmActuatorSettings(_Section):
     command_timeout: Duration = parse_duration("30s")
     """How long one Slurm command (``scontrol``, ``squeue``, ``sbatch``) may take before the action fails."""
 
+    @field_validator("standby_command", mode="before")
+    @classmethod
+    def _command_from_text(cls, value: Any) -> Any:
+        # From the environment a list comes as text: JSON list syntax, nothing else (a command line split
+        # on spaces would break quoted arguments).
+        if isinstance(value, str):
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                raise ValueError('give the command as a JSON list of strings, e.g. ["srun", "keel", "run"]') from None
+            return parsed
+        return value
+
 
 class KubernetesActuatorSettings(_Section):
     """The ``kubernetes`` actuator (``keel.actuator.kubernetes``): cordons evicted nodes, scales the standby set."""
@@ -719,8 +732,8 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
         if name in _TOP_LEVEL_ENV:
             layer[_TOP_LEVEL_ENV[name]] = value
         elif name.startswith("KEEL_") and "__" in name:
-            # KEEL_ACTUATOR__SLURM__CONF: one level per "__". A value in JSON list syntax is a list
-            # (KEEL_ACTUATOR__SLURM__STANDBY_COMMAND='["srun", "keel", "run"]'); anything else stays text.
+            # KEEL_ACTUATOR__SLURM__CONF: one level per "__". Values stay text; a list-typed setting reads
+            # JSON list syntax itself (KEEL_ACTUATOR__SLURM__STANDBY_COMMAND='["srun", "keel", "run"]').
             *path, field = name[len("KEEL_") :].lower().split("__")
             target = layer
             for part in path:
@@ -728,19 +741,8 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
                 if not isinstance(nested, dict):
                     raise ConfigError(f"environment {name}: {part} is a setting, not a section")
                 target = nested
-            target[field] = _env_value(value)
+            target[field] = value
     return layer
-
-
-def _env_value(value: str) -> Any:
-    if value.startswith("[") and value.endswith("]"):
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            return value
-        if isinstance(parsed, list):
-            return parsed
-    return value
 
 
 def _yaml_layer(path: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ class SlurmStep:
     node_index: int
     """``SLURM_NODEID``: this node's index among the step's nodes (0 first)."""
     nodes: tuple[str, ...]
-    """The step's nodes, in Slurm's order (``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``)."""
+    """The step's nodes, in Slurm's order (``SLURM_STEP_NODELIST``)."""
 
     @property
     def head(self) -> str:
@@ -30,13 +30,15 @@ class SlurmStep:
 
 
 def slurm_step(environ: Mapping[str, str]) -> SlurmStep | None:
-    """This process's Slurm step, or None outside one (no ``SLURM_JOB_ID`` or no ``SLURM_NODEID``: for
-    example a batch script's own shell, before ``srun``). Raises ``ValueError`` for variables Slurm would
+    """This process's Slurm step, or None outside one (no ``SLURM_JOB_ID``, ``SLURM_NODEID`` or
+    ``SLURM_STEP_NODELIST``: for example a batch script's own shell, before ``srun``). Raises ``ValueError`` for variables Slurm would
     not set that way (a node index that is not a number or is outside the node list)."""
     job_id, index_text = environ.get("SLURM_JOB_ID"), environ.get("SLURM_NODEID")
-    if not job_id or index_text is None:
+    # Only srun sets the step's variables: a batch script's own shell has SLURM_NODEID and the job's node
+    # list too, but runs on one node, and a keel run there must not wait for the allocation's other nodes.
+    nodelist = environ.get("SLURM_STEP_NODELIST") or ""
+    if not job_id or index_text is None or not nodelist:
         return None
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
     nodes = tuple(expand_hostlist(nodelist))
     if not index_text.isdigit():
         raise ValueError(f"SLURM_NODEID must be a number, got {index_text!r}")

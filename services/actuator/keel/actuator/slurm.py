@@ -9,7 +9,7 @@
 - **Standbys**: the nodes of the training job's allocation beyond its workers (``slurm.job_id``,
   ``slurm.workers``: ``keel run`` starts the nodes past ``--nnodes`` as standbys), plus the nodes of the
   standby jobs it submitted (job name ``keel-standby-<job>``; a pending one counts as the nodes it asked
-  for, so a refill is never requested twice), less those promoted and those drained.
+  for, so a refill is never requested twice), less those promoted (in that job), drained or down.
 - **Refill**: submit a standby job (``sbatch -J keel-standby-<job> -p <partition> -N <count> --wrap
   <slurm.standby_command>``): Slurm gives it idle nodes of the partition when it has them; each node's
   agent registers and self-checks as a standby, as on any cluster.
@@ -77,7 +77,7 @@ class SlurmCommands:
 
     def jobs(self, *, job_id: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
         """Jobs as ``{"id", "state", "nodes": count, "nodelist": [names]}`` (running jobs' nodes; none while pending)."""
-        argv = ["squeue", "-h", "-o", "%i|%T|%D|%N"]
+        argv = ["squeue", "-h", "--me", "-o", "%i|%T|%D|%N"]  # this account's jobs: a name is not unique
         if job_id is not None:
             argv += ["-j", str(job_id)]
         if name is not None:
@@ -157,39 +157,46 @@ class SlurmActuator:
                 self._save(state)
         return plan.detail
 
-    def _allocation_standbys(self) -> list[str]:
-        if not self.allocation_job_id or self.workers is None:
-            return []
-        jobs = self.commands.jobs(job_id=self.allocation_job_id)
-        running = [j for j in jobs if j["state"] == "RUNNING"]
-        return running[0]["nodelist"][self.workers:] if running else []
-
-    def _standby_jobs(self) -> list[dict[str, Any]]:
-        return [j for j in self.commands.jobs(name=STANDBY_JOB_PREFIX + self.keel_job_id)
-                if j["state"] in ("RUNNING", "PENDING", "CONFIGURING")]
+    def _sources(self) -> list[dict[str, Any]]:
+        """Where standbys come from: the allocation (its nodes past the workers) and the standby jobs."""
+        sources = []
+        if self.allocation_job_id and self.workers is not None:
+            for job in self.commands.jobs(job_id=self.allocation_job_id):
+                if job["state"] == "RUNNING":
+                    sources.append({**job, "nodelist": job["nodelist"][self.workers:]})
+        sources += [j for j in self.commands.jobs(name=STANDBY_JOB_PREFIX + self.keel_job_id)
+                    if j["state"] in ("RUNNING", "PENDING", "CONFIGURING")]
+        return sources
 
     def standbys(self) -> list[str]:
         with self._lock:
-            promoted = set(self._load()["promoted"])
-        names = self._allocation_standbys()
+            promoted = {tuple(p) for p in self._load()["promoted"] if isinstance(p, list)}
+        names: list[str] = []
         pending: list[str] = []
-        for job in self._standby_jobs():
+        for job in self._sources():
             if job["state"] == "RUNNING" and job["nodelist"]:
-                names += job["nodelist"]
-            else:  # asked for, not yet given: counts, so a refill is not requested twice
+                # A promotion is of a node in one job: the same node in a later standby job is a standby again.
+                names += [n for n in job["nodelist"] if (n, job["id"]) not in promoted]
+            elif job["state"] != "RUNNING":  # asked for, not yet given: counts, so a refill is not requested twice
                 pending += [f"slurm-job-{job['id']}/{i}" for i in range(job["nodes"])]
-        candidates = [n for n in dict.fromkeys(names) if n not in promoted]
+        candidates = list(dict.fromkeys(names))
         if not candidates:
             return pending
         known = self.commands.nodes()
-        return [n for n in candidates if n in known and not known[n].drained] + pending
+        return [n for n in candidates if n in known and known[n].usable] + pending
 
     def mark_promoted(self, node_id: str) -> None:
+        jobs = [job["id"] for job in self._sources() if node_id in job["nodelist"]]
         with self._lock:
             state = self._load()
-            if node_id not in state["promoted"]:
-                state["promoted"].append(node_id)
-                self._save(state)
+            recorded = [p for p in state["promoted"] if isinstance(p, list)]
+            for job_id in jobs:
+                if [node_id, job_id] not in recorded:
+                    recorded.append([node_id, job_id])
+            # Promotions in jobs that ended say nothing any more.
+            live = {job["id"] for job in self._sources()}
+            state["promoted"] = [p for p in recorded if p[1] in live]
+            self._save(state)
 
     def provision_standbys(self, count: int) -> list[str]:
         if count <= 0:

@@ -72,6 +72,9 @@ def parse_show_node(text: str) -> list[SlurmNode]:
         if not line:
             continue
         head, _, reason_text = line.partition(" Reason=")
+        # 22.05 prints Comment= and Extra= after the reason: they end it (and are not the node's fields).
+        reason_text = re.split(r" (?:Comment|Extra)=", reason_text, maxsplit=1)[0]
+        head = re.split(r" (?:Comment|Extra)=", head, maxsplit=1)[0]  # without a reason they end the line
         fields = dict(part.split("=", 1) for part in head.split() if "=" in part)
         if "NodeName" not in fields:
             raise ValueError(f"not a node line of scontrol show node -o: {line[:120]!r}")
@@ -110,6 +113,9 @@ def plan_drain(node: SlurmNode, reason: str) -> DrainPlan:
         by = f" by {node.reason_by}" if node.reason_by else ""
         return DrainPlan("none", f"{node.name} already drained{by} ({node.reason or 'no reason'!r}); left as it is, "
                                  "Keel does not write over a drain it did not make")
+    if node.reason and node.reason_by not in ("", "slurm"):
+        return DrainPlan("none", f"{node.name} is {node.state} with {node.reason_by}'s reason ({node.reason!r}); left as "
+                                 "it is, Keel does not write over a reason it did not set")
     text = drain_reason(reason)
     down = " (it is down; drained so it stays out when it returns)" if not node.usable else ""
     return DrainPlan("drain", f"{node.name} drained in Slurm: {text!r}{down}", text)
