@@ -171,14 +171,20 @@ def render() -> str:
         # A mapping's keys come from the environment as KEEL_<NAME>__<KEY>, like a section's fields.
         env = env_of.get(name) or f"KEEL_{name.upper()}__<KEY>"
         out.append(_row(name, env, info))
-    for name, model in sections:
+    while sections:
+        name, model = sections.pop(0)
         doc = inspect.getdoc(model)
         if not doc or doc == inspect.getdoc(BaseModel):
             raise ValueError(f"settings section {model.__name__} has no docstring")
         out.append(f"\n## `{name}`\n\n{_markdown(doc)}\n\n")
         out.append(_TABLE_HEAD)
+        nested = []
         for field, info in model.model_fields.items():
-            out.append(_row(f"{name}.{field}", f"KEEL_{name.upper()}__{field.upper()}", info))
+            if _is_section(info):  # a section within a section: its own table, right after this one
+                nested.append((f"{name}.{field}", info.annotation))
+                continue
+            out.append(_row(f"{name}.{field}", "KEEL_" + "__".join(f"{name}.{field}".upper().split(".")), info))
+        sections[:0] = nested
     return "".join(out)
 
 
