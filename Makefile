@@ -19,7 +19,7 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
 DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'grpcio-tools>=1.85.1' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
 
-.PHONY: install system-deps test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets clean
+.PHONY: install system-deps test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets images clean
 
 install: $(STAMP)
 
@@ -47,17 +47,19 @@ lint: install
 test: lint system-deps
 	$(BIN)/python -m pytest -q
 
-# Debian's packages the tests run for real: Slurm (slurmctld, slurmd, munge) for the Slurm actuator. As
+# Debian's packages the tests run for real: Slurm (slurmctld, slurmd, munge) for the Slurm actuator; podman
+# (with runc, netavark and aardvark-dns) and debootstrap for the compose scenario's images and containers. As
 # root and only when missing (apt-get reaches Debian's registry); otherwise say what the tests will lack.
-SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch
+SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch podman runc debootstrap
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge podman runc netavark aardvark-dns debootstrap
 system-deps:
 	@missing=""; for p in $(SYSTEM_PROGRAMS); do command -v $$p >/dev/null 2>&1 || [ -x /usr/sbin/$$p ] || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing Debian's slurmctld slurmd slurm-client munge (missing:$$missing)"; \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null || \
-		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null; }; \
-	else echo "note: missing$$missing (Debian: apt-get install slurmctld slurmd slurm-client munge, as root); the Slurm tests will fail"; fi
+		echo "installing Debian's $(SYSTEM_PACKAGES) (missing:$$missing)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null || \
+		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null; }; \
+	else echo "note: missing$$missing (Debian: apt-get install $(SYSTEM_PACKAGES), as root); the Slurm and compose tests will fail"; fi
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit
@@ -118,6 +120,12 @@ config-docs: install
 # inside the image, as the uid that reads them (docker-compose.yml explains why not on the host).
 compose-secrets:
 	sh infra/postgres/make-secrets.sh .secrets/postgres
+
+# The control-plane image (keel:local, no torch) and the node agent's (keel-agent:local), from a wheelhouse built
+# here (dist/wheels/); docker or podman (KEEL_ENGINE). IMAGES_FLAGS=--local-base builds on a Debian made with
+# debootstrap, plus NATS and PostgreSQL images, where Docker Hub cannot be reached (infra/images/build.sh).
+images: install
+	PYTHON=$(BIN)/python infra/images/build.sh $(IMAGES_FLAGS)
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto/keel/agent/v1 --python_out=libs/protocol/keel/protocol \

@@ -32,6 +32,7 @@ from keel.infra.config import DatabaseUrls, Settings, credentials_path, load_set
 from keel.infra.dbroles import AUDITOR, DECIDER, MIGRATE, RECORDER, ROLES
 from keel.infra.embedded import EmbeddedRuntime, PostgresServer, free_port
 from keel.infra.store import (
+    DatabaseNotUsable,
     EventStore,
     Snapshot,
     append_events,
@@ -229,6 +230,34 @@ async def test_the_migrate_role_owns_the_tables_and_runs_ddl(pg: PostgresServer,
         assert await conn.fetchval("SELECT count(*) FROM events") == 0
     finally:
         await conn.close()
+
+
+def test_a_database_that_is_not_utf8_is_refused_before_anything_is_created(pg: PostgresServer) -> None:
+    # SQL_ASCII (what initdb picks without a locale) cannot hold an event with a non-ASCII character: the
+    # recorder would stop at the first one. The migration refuses it, saying how to make a usable one.
+    database = f"ascii_{uuid.uuid4().hex[:8]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(pg.dsn)
+        try:
+            await conn.execute(f"CREATE DATABASE {database} ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' "
+                               "TEMPLATE template0")
+            await conn.execute(f"GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {database} TO keel_migrate")
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    with pytest.raises(DatabaseNotUsable, match=r"server encoding SQL_ASCII.*needs UTF8.*ENCODING 'UTF8'"):
+        run_migrations(pg.role_dsn(MIGRATE, database), "public")
+
+    async def tables() -> int:
+        conn = await asyncpg.connect(pg.dsn_for(database))
+        try:
+            return int(await conn.fetchval("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'"))
+        finally:
+            await conn.close()
+
+    assert asyncio.run(tables()) == 0
 
 
 # -- services do not migrate --------------------------------------------------------------------------

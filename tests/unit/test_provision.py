@@ -112,6 +112,47 @@ def test_an_agent_is_issued_with_its_bundle_and_the_server_learns_it(master: Pat
     assert f'"user": "{user}"' in (tmp_path / "server/authorization.conf").read_text()
 
 
+def test_an_agent_bundle_can_carry_its_shard_store_certificate(master: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from cryptography import x509
+
+    monkeypatch.setenv("KEEL_CREDENTIALS_DIR", str(master))
+    assert main(["issue-agent", "--job", "j", "--node", "n0", f"--export={tmp_path / 'agent'}",
+                 "--store-host=node-0", "--store-host=10.0.0.7"]) == 0
+    assert _tree(tmp_path / "agent") == ["nats/agent.j.n0.json", "nats/shard-ca/tls/ca.pem", "signing/keyring.json",
+                                         "store/ca.pem", "store/cert.pem", "store/key.pem"]
+    cert = x509.load_pem_x509_certificate((tmp_path / "agent/store/cert.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate((tmp_path / "agent/store/ca.pem").read_bytes())
+    assert cert.issuer == ca.subject
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "node-0" in names.get_values_for_type(x509.DNSName)
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
+    assert (tmp_path / "agent/store/key.pem").stat().st_mode & 0o777 == 0o600
+    capsys.readouterr()
+    # A certificate with nowhere to go is refused before anything is issued.
+    assert main(["issue-agent", "--job", "j", "--node", "n1", "--store-host=node-1"]) == 1
+    assert "--export" in capsys.readouterr().err
+    assert (master / "nats/agent.j.n0.json").exists() and not (master / "nats/agent.j.n1.json").exists()
+
+
+def test_an_agent_started_on_its_bundle_uses_its_identity_and_the_servers_ca(master: Path, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a node container of the compose deployment holds: only its bundle, no local Keel. Before, `keel run`
+    # ignored the bundle's identity and CA there and its TLS handshake with NATS failed.
+    from keel.cli.agent_cmd import agent_bus_settings
+
+    monkeypatch.setenv("KEEL_CREDENTIALS_DIR", str(master))
+    assert main(["issue-agent", "--job", "j", "--node", "n0", f"--export={tmp_path / 'agent'}"]) == 0
+    monkeypatch.delenv("KEEL_CREDENTIALS_DIR")
+    bus = agent_bus_settings(load_settings(environ={"KEEL_CREDENTIALS_DIR": str(tmp_path / "agent")}), "j", "n0")
+    assert bus.credentials == tmp_path / "agent/nats/agent.j.n0.json"
+    assert bus.tls_ca == tmp_path / "agent/nats/shard-ca/tls/ca.pem"
+    # Another node's bundle is not this node's identity: no identity, and no server to issue one from.
+    other = agent_bus_settings(load_settings(environ={"KEEL_CREDENTIALS_DIR": str(tmp_path / "agent")}), "j", "n1")
+    assert other.credentials is None and other.tls_ca == tmp_path / "agent/nats/shard-ca/tls/ca.pem"
+
+
 def test_install_copies_a_secret_volume_into_a_private_folder_of_this_user(tmp_path: Path) -> None:
     # A Kubernetes Secret volume: the files in a timestamped folder, reached through ..data and symbolic links,
     # readable by the group (defaultMode 0440), not private, so read_secret would refuse them where they are.

@@ -15,7 +15,7 @@ from sqlalchemy import pool, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from keel.infra.store import engine_options, grant_privileges, metadata
+from keel.infra.store import check_database, engine_options, grant_privileges, metadata
 
 config = context.config
 dsn = config.attributes.get("keel_dsn") or config.get_main_option("sqlalchemy.url")
@@ -23,6 +23,7 @@ schema = config.attributes.get("keel_schema", "public")
 
 
 def _run(connection: Connection) -> None:
+    check_database(connection)
     # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists: ask first, so a
     # migrating role without it can migrate a schema an administrator made for it.
     exists = connection.execute(text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": schema}).first()

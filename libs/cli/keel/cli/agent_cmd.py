@@ -40,23 +40,25 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def agent_bus_settings(settings: Settings, job_id: str, node_id: str) -> BusSettings:
-    """The agent's NATS identity: ``bus.credentials`` when given (a multi-host deployment provisions one per
-    node); else, where this user holds the credentials of a local Keel (``keel up``), the identity of this
-    (job, node), issued if new; else none (a server without authorization)."""
-    from keel.infra.nats_auth import NatsAuthError, NatsAuthority
+    """The agent's NATS identity and the CA it verifies the server with: ``bus.credentials`` when given; else
+    this (job, node)'s identity where the credentials folder holds it (a node's bundle from ``keel-credentials
+    issue-agent``, with the server's CA beside it); else, where this user holds the credentials of a local Keel
+    (``keel up``), that identity, issued if new; else none (a server without authorization)."""
+    from keel.infra.nats_auth import NatsAuthError, NatsAuthority, agent_identity_name, bus_settings_for
     from keel.infra.secrets import InsecurePathError
 
-    if settings.bus.credentials is not None:
-        return settings.bus
+    bus = bus_settings_for(settings, agent_identity_name(job_id, node_id))
+    if bus.credentials is not None:
+        return bus
     authority = NatsAuthority(credentials_path(settings))
     try:
         if authority.local_server() is None:
-            return settings.bus
+            return bus
         path = authority.ensure_agent(job_id, node_id)
     except (OSError, NatsAuthError, InsecurePathError) as exc:
         log.error("keel run: cannot issue this node's NATS identity from %s: %s", authority.folder, exc)
-        return settings.bus
-    return settings.bus.model_copy(update={"credentials": path})
+        return bus
+    return bus.model_copy(update={"credentials": path})
 
 
 def run_agent(argv: list[str], settings: Settings, nats_url: str | None) -> int:

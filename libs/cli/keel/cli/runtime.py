@@ -164,12 +164,12 @@ def _service_env(settings: Settings, nats_url: str) -> dict[str, str]:
 def migrate(settings: Settings) -> str:
     """Bring the event store's schema up to date as the ``migrate`` role (which also grants every other role
     its privileges); returns the NATS URL."""
-    from keel.infra.store import MissingRoles, run_migrations
+    from keel.infra.store import DatabaseNotUsable, run_migrations
 
     nats_url, database_url = endpoints(settings, MIGRATE)
     try:
         run_migrations(database_url, settings.db_schema)
-    except MissingRoles as exc:
+    except DatabaseNotUsable as exc:
         raise CliError(str(exc)) from None
     return nats_url
 

@@ -51,6 +51,7 @@ from keel.infra.nats_auth import (
     server_tls_ca,
 )
 from keel.infra.secrets import InsecurePathError, ensure_private_dir, read_secret, write_secret
+from keel.infra.shard_ca import ShardCaError, issue_node_certificate
 from keel.infra.signing import CONTROL_PLANE, KEYRING_FILE, ensure_control_plane_keys, signing_dir
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "bundle_files",
     "export_bundle",
     "export_server",
+    "export_store_certificate",
     "init_credentials",
     "install_tree",
     "main",
@@ -165,6 +167,21 @@ def export_bundle(credentials_dir: Path, bundle: Bundle, dest: Path) -> list[str
     return _copy(bundle_files(credentials_dir, bundle), Path(dest), hint)
 
 
+STORE_FILES = ("store/cert.pem", "store/key.pem", "store/ca.pem")
+"""Where ``export_store_certificate`` puts a node's shard-store certificate, key and job CA inside its bundle."""
+
+
+def export_store_certificate(credentials_dir: Path, job_id: str, node_id: str, hosts: Sequence[str],
+                             dest: Path) -> list[str]:
+    """Issue ``node_id`` of ``job_id`` a fresh shard-store certificate for ``hosts`` (the job's CA, created if
+    absent: ``keel.infra.shard_ca``) and write it, its key and the CA into the bundle ``dest`` (``STORE_FILES``)."""
+    if not hosts:
+        raise ProvisionError("a shard-store certificate needs the addresses the store is reached at (--store-host)")
+    credentials = issue_node_certificate(Path(credentials_dir), job_id, node_id, hosts=tuple(hosts))
+    return _copy(dict(zip(STORE_FILES, (credentials.cert, credentials.key, credentials.ca), strict=True)), Path(dest),
+                 "the job's CA could not be created")
+
+
 def export_server(credentials_dir: Path, dest: Path, scopes: Sequence[NatsScope]) -> list[str]:
     """Write the NATS server's ``authorization.conf`` (every identity in the master, permissions for
     ``scopes``), ``cert.pem`` and ``key.pem`` into ``dest`` (a private folder). The server reads them as
@@ -259,6 +276,10 @@ def _parser() -> argparse.ArgumentParser:
     agent.add_argument("--job", required=True)
     agent.add_argument("--node", required=True)
     agent.add_argument("--export", type=Path, metavar="FOLDER", help="write the agent's bundle into FOLDER")
+    agent.add_argument("--store-host", action="append", default=[], metavar="HOST",
+                       help="an address the node's shard store is reached at (repeat): issues the node's shard-store "
+                            "certificate from the job's CA into the bundle's store/ (cert.pem, key.pem, ca.pem), "
+                            "for `keel run --keel-tls-cert/--keel-tls-key/--keel-tls-ca`")
     agent.add_argument("--export-server", type=Path, metavar="FOLDER",
                        help="rewrite the NATS server's files in FOLDER (then have the server reload: SIGHUP)")
     install = sub.add_parser("install", help="copy a mounted bundle into a private folder of this user")
@@ -297,13 +318,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 exported[str(args.export_server)] = export_server(master, args.export_server, [scope_of(settings)])
             result["exported"] = exported
         else:
+            if args.store_host and args.export is None:  # before anything is issued
+                raise ProvisionError("--store-host writes into the agent's bundle: give --export FOLDER too")
             path = NatsAuthority(master).ensure_agent(args.job, args.node)
             result = {"identity_file": str(path)}
             if args.export is not None:
                 result["exported"] = export_bundle(master, agent_bundle(args.job, args.node), args.export)
+            if args.store_host:
+                result["exported"] = [*result["exported"],  # type: ignore[misc]
+                                      *export_store_certificate(master, args.job, args.node, args.store_host, args.export)]
             if args.export_server is not None:
                 result["server"] = export_server(master, args.export_server, [scope_of(settings)])
-    except (ProvisionError, NatsAuthError, InsecurePathError, OSError, ValueError) as exc:
+    except (ProvisionError, NatsAuthError, ShardCaError, InsecurePathError, OSError, ValueError) as exc:
         print(f"keel-credentials: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2, sort_keys=True))

@@ -33,7 +33,14 @@ from keel.infra.dburl import redact
 from keel.infra.nats_auth import ADMIN, bus_settings_for
 from keel.infra.runner import DeciderRunner
 from keel.infra.signing import service_signing
-from keel.infra.store import EventStore, SchemaNotCurrent, check_schema_current, create_engine, run_migrations
+from keel.infra.store import (
+    DatabaseNotUsable,
+    EventStore,
+    SchemaNotCurrent,
+    check_schema_current,
+    create_engine,
+    run_migrations,
+)
 from keel.kernel.decider import Decider
 
 log = logging.getLogger(__name__)
@@ -184,7 +191,7 @@ def migrate_main(argv: Sequence[str] | None = None) -> int:
     """``keel-migrate``: bring the event store's schema to the latest revision (as the ``migrate`` role, the
     only one with DDL rights; it then grants every other role its privileges) and the streams to these
     settings (the only command besides ``keel migrate`` and ``keel up`` that changes an existing stream),
-    then exit (0 done, 2 a configuration error). Services do not migrate: they stop on an older schema."""
+    then exit (0 done, 1 a database it cannot use, 2 a configuration error). Services do not migrate: they stop on an older schema."""
     parser = argparse.ArgumentParser(prog="keel-migrate", description="Bring Keel's event store schema up to date.")
     parser.add_argument("--config", help="YAML settings file (also KEEL_CONFIG)")
     args = parser.parse_args(argv)
@@ -195,7 +202,11 @@ def migrate_main(argv: Sequence[str] | None = None) -> int:
         print(f"keel-migrate: {exc}", file=sys.stderr)
         return 2
     log.info("migrating schema %s at %s", settings.db_schema, redact(database_url))
-    run_migrations(database_url, settings.db_schema)
+    try:
+        run_migrations(database_url, settings.db_schema)
+    except DatabaseNotUsable as exc:
+        print(f"keel-migrate: {exc}", file=sys.stderr)
+        return 1
 
     async def administer() -> None:
         bus = await Bus.connect(nats_url, bus_settings_for(settings, ADMIN), name="keel-migrate", administer=True)

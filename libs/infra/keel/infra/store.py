@@ -164,8 +164,24 @@ class SchemaNotCurrent(RuntimeError):
     """The event store's schema is not at the revision this Keel needs; the message says to run ``keel migrate``."""
 
 
-class MissingRoles(RuntimeError):
+class DatabaseNotUsable(RuntimeError):
+    """The database cannot hold Keel's event store as it is; the message says why and what to do."""
+
+
+class MissingRoles(DatabaseNotUsable):
     """The roles the migration grants to do not exist and the migrating role may not create them."""
+
+
+def check_database(connection: Connection) -> None:
+    """Refuse a database the event store cannot live in, before anything is created there: one whose server
+    encoding is not UTF-8 (SQL_ASCII, what initdb picks without a locale) rejects every event with a character
+    outside ASCII, so the recorder would stop at the first one."""
+    encoding = connection.execute(sa.text("SHOW server_encoding")).scalar_one()
+    if str(encoding).upper().replace("-", "") != "UTF8":
+        database = connection.execute(sa.text("SELECT current_database()")).scalar_one()
+        raise DatabaseNotUsable(
+            f"database {database!r} has server encoding {encoding}, and the event store needs UTF8: create it with "
+            f"CREATE DATABASE {quote_ident(str(database))} ENCODING 'UTF8' TEMPLATE template0 (or initdb --encoding=UTF8)")
 
 
 def async_dsn(dsn: str) -> str:
@@ -563,7 +579,9 @@ class EventStore:
 __all__ = [
     "EventStore",
     "InvalidEvent",
+    "DatabaseNotUsable",
     "MissingRoles",
+    "check_database",
     "SchemaNotCurrent",
     "check_schema_current",
     "engine_options",
