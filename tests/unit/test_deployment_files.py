@@ -1,6 +1,7 @@
-"""docker-compose.yml cannot be started here (no Docker engine), so it is checked statically; so is the
-Terraform module (no providers offline). The NATS configuration compose ships is also run by a real server:
-tests/integration/test_compose_nats_config.py."""
+"""docker-compose.yml and the Dockerfile checked statically, as Compose reads the file with no variable set (the
+compose scenario, tests/scenarios/test_compose.py, also builds the images and brings the file up with podman);
+so is the Terraform module (no providers offline). The NATS configuration compose ships is also run by a real
+server: tests/integration/test_compose_nats_config.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import yaml
+
+from tests.compose_podman import interpolate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,19 +29,43 @@ def _console_scripts() -> dict[str, Path]:
     return scripts
 
 
+def _distributions() -> dict[str, Path]:
+    """Every Keel distribution's name, with its folder."""
+    return {tomllib.loads(p.read_text())["project"]["name"]: p.parent.resolve()
+            for p in [*ROOT.glob("libs/*/pyproject.toml"), *ROOT.glob("services/*/pyproject.toml"),
+                      ROOT / "migrations/pyproject.toml"]}
+
+
 def _dockerfile_installs() -> set[Path]:
+    """The folders of the Keel distributions the Dockerfile's pip installs by name, and of every Keel
+    distribution they depend on (pip installs those too, from the same wheelhouse)."""
     text = (ROOT / "Dockerfile").read_text()
-    return {(ROOT / folder).resolve() for folder in re.findall(r"\./((?:libs|services)/\w+|migrations)\b", text)}
+    [install] = re.findall(r"pip install (?:[^\n]*\\\n)*[^\n]*", text)
+    folders = _distributions()
+    wanted = set(re.findall(r"\b(keel-[a-z-]+[a-z])\b", install))
+    assert wanted and wanted <= set(folders), wanted
+    seen: set[str] = set()
+    while wanted:
+        name = wanted.pop()
+        seen.add(name)
+        deps = tomllib.loads((folders[name] / "pyproject.toml").read_text())["project"]["dependencies"]
+        wanted |= {match.group(0) for d in deps if (match := re.match(r"keel-[a-z-]+[a-z]", d))} - seen
+    return {folders[name] for name in seen}
+
+
+def _compose() -> dict[str, Any]:
+    """docker-compose.yml as Compose reads it with no variable set: every ``${VAR:-default}`` its default."""
+    return cast(dict[str, Any], interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {}))
 
 
 def test_compose_file_runs_real_keel_commands_against_its_servers() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = _compose()
     services = compose["services"]
     assert {"nats", "postgres", "migrate", "recorder", "controller", "checkpoint-broker", "analyzer",
             "hot-update"} <= set(services)
     scripts = _console_scripts()
     installed = _dockerfile_installs()
-    for name in ("migrate", "recorder", "controller", "checkpoint-broker", "analyzer", "hot-update"):
+    for name in ("migrate", "recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update"):
         service = services[name]
         command = service["command"]
         argv = shlex.split(command) if isinstance(command, str) else list(command)
@@ -66,7 +93,7 @@ def test_layout_of_the_design_card() -> None:
 
 
 def test_compose_has_no_default_database_password_and_each_container_its_role() -> None:
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    compose = _compose()
     services = compose["services"]
     postgres = services["postgres"]["environment"]
     assert "POSTGRES_PASSWORD" not in postgres and postgres["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_superuser"
@@ -83,11 +110,7 @@ def test_compose_has_no_default_database_password_and_each_container_its_role() 
     assert ".secrets/" in (ROOT / ".gitignore").read_text().split()
 
 
-KEEL_CONTAINERS = ("migrate", "recorder", "controller", "checkpoint-broker", "analyzer", "hot-update")
-
-
-def _compose() -> dict[str, Any]:
-    return cast(dict[str, Any], yaml.safe_load((ROOT / "docker-compose.yml").read_text()))
+KEEL_CONTAINERS = ("migrate", "recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update")
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, str]:
