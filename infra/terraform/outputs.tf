@@ -1,41 +1,22 @@
 output "namespace" {
   description = "Namespace of the Keel control plane."
-  value       = kubernetes_namespace_v1.keel.metadata[0].name
+  value       = var.namespace
 }
 
 output "nats_url" {
   description = "In-cluster NATS URL the services use (KEEL_NATS_URL)."
-  value       = local.nats_url
+  value       = module.manifests.nats_url
 }
 
-output "nats_release" {
-  description = "The NATS Helm release: chart version and status."
-  value = {
-    name    = helm_release.nats.name
-    chart   = helm_release.nats.chart
-    version = helm_release.nats.version
-    status  = helm_release.nats.status
-  }
-}
-
-output "deployments" {
-  description = "Deployment name of each Keel service."
-  value       = { for name, deployment in kubernetes_deployment_v1.service : name => deployment.metadata[0].name }
-}
-
-output "migrate_job" {
-  description = "Name of the Job that ran `keel migrate`."
-  value       = kubernetes_job_v1.migrate.metadata[0].name
-}
-
-output "settings_config_map" {
-  description = "ConfigMap holding the KEEL_* settings (everything but the database URL)."
-  value       = kubernetes_config_map_v1.settings.metadata[0].name
-}
-
-output "database_secrets" {
-  description = "The Secret holding each role's KEEL_DATABASE_URL (migrate: the Job; recorder; decider: the other services)."
-  value       = { for role, secret in kubernetes_secret_v1.database : role => secret.metadata[0].name }
+output "objects" {
+  description = "Every Kubernetes object this configuration applies, as \"Kind/name\"."
+  value = sort(concat(
+    ["Namespace/${var.namespace}"],
+    tolist(module.manifests.secret_keys),
+    keys(module.manifests.base),
+    keys(module.manifests.migrate),
+    keys(module.manifests.workloads),
+  ))
 }
 
 output "database_roles_sql" {
@@ -52,10 +33,10 @@ output "database_roles_sql" {
 output "database_auditor_url" {
   description = "The read-only role's URL, for people running `keel incidents` and the like against this database."
   sensitive   = true
-  value       = local.database_role_urls["auditor"]
+  value       = module.manifests.database_role_urls["auditor"]
 }
 
 output "image" {
-  description = "The Keel image the control plane runs."
+  description = "The control-plane image."
   value       = var.image
 }

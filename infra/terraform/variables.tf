@@ -1,7 +1,7 @@
 # -- cluster access --------------------------------------------------------------------------------
 
 variable "kubeconfig_path" {
-  description = "Path to the kubeconfig used by both the kubernetes and the helm provider."
+  description = "Path to the kubeconfig the kubernetes provider uses."
   type        = string
   default     = "~/.kube/config"
 }
@@ -27,8 +27,33 @@ variable "namespace" {
 }
 
 variable "image" {
-  description = "The Keel image built from the repository's Dockerfile, e.g. registry.example.com/keel:0.1.0. Pin a tag or digest: a new value re-runs the migrate Job and rolls the services."
+  description = "The control-plane image built from the repository's Dockerfile (`make images`; no torch), pinned by digest: registry.example.com/keel@sha256:.... A new value re-runs the migrate Job and rolls the services."
   type        = string
+
+  validation {
+    condition     = can(regex("@sha256:[0-9a-f]{64}$", var.image))
+    error_message = "image must be pinned by digest (registry.example.com/keel@sha256:<64 hex digits>; a tag may stand before the @): a tag can move under a running job. `podman image inspect --format '{{.Digest}}'` or your registry prints it."
+  }
+}
+
+variable "agent_image" {
+  description = "The node-agent image (infra/images/agent.Dockerfile: `keel run` with torch; build your training image FROM it), pinned by digest."
+  type        = string
+
+  validation {
+    condition     = can(regex("@sha256:[0-9a-f]{64}$", var.agent_image))
+    error_message = "agent_image must be pinned by digest (registry.example.com/keel-agent@sha256:<64 hex digits>; a tag may stand before the @): a tag can move under a running job. `podman image inspect --format '{{.Digest}}'` or your registry prints it."
+  }
+}
+
+variable "nats_image" {
+  description = "The NATS server image (official `nats`, 2.10 or newer, or infra/images/nats.Dockerfile), pinned by digest: nats:2.10-alpine@sha256:..."
+  type        = string
+
+  validation {
+    condition     = can(regex("@sha256:[0-9a-f]{64}$", var.nats_image))
+    error_message = "nats_image must be pinned by digest (registry.example.com/nats@sha256:<64 hex digits>; a tag may stand before the @): a tag can move under a running job. `podman image inspect --format '{{.Digest}}'` or your registry prints it."
+  }
 }
 
 variable "image_pull_policy" {
@@ -77,6 +102,32 @@ variable "database_url" {
   }
 }
 
+variable "database_cidrs" {
+  description = "Where the managed PostgreSQL is (its primary and standbys, for an HA endpoint that fails over): the only addresses the migrate Job, the recorder and the deciders may connect to on database_port (NetworkPolicy keel-database-egress). No other Keel pod may reach them."
+  type        = list(string)
+
+  validation {
+    condition     = length(var.database_cidrs) > 0 && alltrue([for cidr in var.database_cidrs : can(cidrhost(cidr, 0))])
+    error_message = "database_cidrs must list the PostgreSQL servers' networks as CIDRs (10.20.0.0/24, or 10.20.0.5/32 for one address)."
+  }
+}
+
+variable "database_port" {
+  description = "PostgreSQL's port (in the egress NetworkPolicy; the URL carries it for the clients)."
+  type        = number
+  default     = 5432
+}
+
+variable "kube_api_cidrs" {
+  description = "The Kubernetes API server's addresses (`kubectl get endpoints kubernetes -n default`): the only place the actuator's pod may connect to, on 443 or 6443 (NetworkPolicy keel-kube-api-egress)."
+  type        = list(string)
+
+  validation {
+    condition     = length(var.kube_api_cidrs) > 0 && alltrue([for cidr in var.kube_api_cidrs : can(cidrhost(cidr, 0))])
+    error_message = "kube_api_cidrs must list the API server's addresses as CIDRs (10.0.0.1/32)."
+  }
+}
+
 variable "db_schema" {
   description = "PostgreSQL schema for the event store and read models (KEEL_DB_SCHEMA)."
   type        = string
@@ -90,23 +141,32 @@ variable "db_schema" {
 
 # -- NATS JetStream --------------------------------------------------------------------------------
 
-variable "nats_release_name" {
-  description = "Helm release name for NATS; the chart names its client Service after it."
+variable "nats_name" {
+  description = "Name of the NATS StatefulSet and its client Service (`<nats_name>`) and headless Service (`<nats_name>-headless`): the server's TLS certificate must name them (README)."
   type        = string
   default     = "nats"
 }
 
-variable "nats_chart_version" {
-  description = "Version of the official nats Helm chart (https://nats-io.github.io/k8s/helm/charts/, 1.x value layout)."
-  type        = string
-  default     = "1.2.4"
+variable "nats_resources" {
+  description = "Resource requests and limits of each NATS server."
+  type = object({
+    requests = map(string)
+    limits   = map(string)
+  })
+  default = {
+    requests = { cpu = "500m", memory = "1Gi" }
+    limits   = { memory = "2Gi" }
+  }
 }
 
-variable "nats_image_tag" {
-  description = "Tag of the official nats image run by the chart."
-  type        = string
-  default     = "2.10-alpine"
+variable "nats_client_cidrs" {
+  description = "Networks outside the cluster's pods allowed to reach NATS's client port (4222): the operators' machines running the `keel` CLI, and the training nodes' own addresses (the node agents use the host network). Empty: only Keel's pods. TLS and Keel's identities are required either way."
+  type        = list(string)
+  default     = []
 }
+
+
+
 
 variable "nats_replicas" {
   description = "NATS servers in the JetStream cluster. 3 gives an R3 cluster that survives the loss of one server (a Raft majority of 2 remains); 1 is for development only."
@@ -126,7 +186,7 @@ variable "nats_storage_class" {
 }
 
 variable "nats_storage_size" {
-  description = "Size of each JetStream PVC. The chart also uses it as max_file_store, and both Keel streams (events and dead letters) reserve bus_max_bytes each, so it must exceed 2 x bus_max_bytes plus headroom."
+  description = "Size of each JetStream PVC. Both Keel streams (events and dead letters) reserve bus_max_bytes each, so it must exceed 2 x bus_max_bytes plus headroom."
   type        = string
   default     = "32Gi"
 }
@@ -201,17 +261,81 @@ variable "checkpoint_volume_claim" {
 # -- NATS identities and TLS -----------------------------------------------------------------------
 
 variable "credentials_dir" {
-  description = "The credentials folder that `keel credentials init --tls-host HOST ... --auth-file DIR/nats-authorization.conf` filled on the operator's machine (KEEL_CREDENTIALS_DIR there; README: NATS identities and TLS). Terraform reads the NATS server's certificate, key and CA, its authorization, and each service's NATS identity and signing key from it into Kubernetes Secrets (and its state). Keep the folder: it holds the CA's key and is where new identities (an agent's) are issued."
+  description = "The credentials folder that `keel-credentials init --tls-host HOST ... --auth-file DIR/nats-authorization.conf` filled on the operator's machine (KEEL_CREDENTIALS_DIR there; README: NATS identities and TLS). Terraform reads the NATS server's certificate, key and CA, its authorization, and each service's NATS identity and signing key from it into Kubernetes Secrets (and its state). Keep the folder: it holds the CA's key and is where new identities (an agent's) are issued."
   type        = string
 
   validation {
     condition     = fileexists("${pathexpand(var.credentials_dir)}/nats/admin.json") && fileexists("${pathexpand(var.credentials_dir)}/nats/shard-ca/tls/nodes/nats-server/cert.pem")
-    error_message = "credentials_dir has no NATS identities or no NATS server certificate: run `KEEL_CREDENTIALS_DIR=<credentials_dir> keel credentials init --tls-host <nats host> ... --auth-file <credentials_dir>/nats-authorization.conf` first (infra/terraform/README.md lists the hosts)."
+    error_message = "credentials_dir has no NATS identities or no NATS server certificate: run `KEEL_CREDENTIALS_DIR=<credentials_dir> keel-credentials init --tls-host <nats host> ... --auth-file <credentials_dir>/nats-authorization.conf` first (infra/terraform/README.md lists the hosts)."
   }
 }
 
 variable "nats_authorization_file" {
-  description = "The NATS server's authorization, as `keel credentials init --auth-file` (or `keel credentials issue-agent --auth-file`) wrote it; null: <credentials_dir>/nats-authorization.conf. Re-apply after issuing an identity: the chart's config reloader has the servers load it."
+  description = "The NATS server's authorization, as `keel-credentials init --auth-file` wrote it or `keel-credentials issue-agent --export-server DIR` rewrote it (DIR/authorization.conf); null: <credentials_dir>/nats-authorization.conf. Re-apply after issuing an identity: the servers restart one at a time with it (the pods carry its digest)."
   type        = string
   default     = null
+}
+
+variable "agent_bundles_dir" {
+  description = "Where each node agent's bundle is, one folder per node: `keel-credentials issue-agent --job <job.id> --node <node> --store-host <node> --store-host <node's IP> --export <agent_bundles_dir>/<node>`. null: <credentials_dir>/agents."
+  type        = string
+  default     = null
+}
+
+# -- the training job: node agents and standbys --------------------------------------------------------
+
+variable "job" {
+  description = <<-EOT
+    The training job whose node agents this deploys; null deploys the control plane only. Its nodes run the
+    node-agent DaemonSet (`keel run`: the ranks, health probes, py-spy stacks, every-step checkpoints in
+    /dev/shm, the shard store), its spare nodes the standby Deployment (`keel run --keel-standby`), which the
+    actuator scales when it promotes a standby.
+      id             the job's id (`--keel-job-id`); agents' identities are issued for it
+      nodes          the workers' node names (Keel's node ids; each has a bundle in agent_bundles_dir)
+      standby_nodes  spare nodes a standby may run on (each has a bundle too)
+      node_selector / standby_selector  labels of the workers' / spare nodes
+      nproc_per_node, gpus_per_node     ranks per node; GPUs the agent's container gets (nvidia.com/gpu)
+      command        the training command after `keel run ...` (python -m your.train --flags)
+      rdzv_endpoint  HOST:PORT of the c10d rendezvous (a worker node's address), as torchrun's
+      store_port     the shard store's port on each node (host network)
+      shm_size       /dev/shm for the in-memory checkpoints: at least twice the node's model and optimizer state
+  EOT
+  type = object({
+    id                 = string
+    nodes              = list(string)
+    standby_nodes      = optional(list(string), [])
+    node_selector      = optional(map(string), {})
+    standby_selector   = optional(map(string), {})
+    nproc_per_node     = number
+    gpus_per_node      = optional(number, 0)
+    command            = list(string)
+    rdzv_endpoint      = string
+    store_port         = optional(number, 29600)
+    shm_size           = optional(string, "64Gi")
+    runtime_class_name = optional(string)
+    resources = optional(object({
+      requests = map(string)
+      limits   = map(string)
+    }), { requests = { cpu = "4", memory = "32Gi" }, limits = {} })
+    tolerations = optional(list(object({
+      key      = optional(string)
+      operator = optional(string)
+      value    = optional(string)
+      effect   = optional(string)
+    })), [])
+  })
+  default = null
+
+  validation {
+    condition     = var.job == null || can(regex("^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", var.job.id))
+    error_message = "job.id must be a lower-case DNS label (it names Kubernetes objects and labels)."
+  }
+  validation {
+    condition     = var.job == null || (length(var.job.nodes) > 0 && alltrue([for node in concat(var.job.nodes, var.job.standby_nodes) : can(regex("^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", node))]))
+    error_message = "job.nodes must name at least one node, and every node name must be a Kubernetes node name (lower-case DNS subdomain)."
+  }
+  validation {
+    condition     = var.job == null || length(setintersection(var.job.nodes, var.job.standby_nodes)) == 0
+    error_message = "a node is either a worker (job.nodes) or a spare (job.standby_nodes), not both."
+  }
 }

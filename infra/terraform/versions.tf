@@ -2,14 +2,10 @@ terraform {
   required_version = ">= 1.5.0"
 
   required_providers {
+    # kubernetes_manifest (server-side apply of the manifests module's objects) needs 2.x.
     kubernetes = {
       source  = "hashicorp/kubernetes"
       version = "~> 2.31"
-    }
-    # Pinned below 3.0: the `kubernetes { ... }` block in the helm provider below is the 2.x syntax.
-    helm = {
-      source  = "hashicorp/helm"
-      version = "~> 2.14"
     }
     # The database roles' generated passwords (main.tf: random_password.database).
     random = {
@@ -19,16 +15,10 @@ terraform {
   }
 }
 
-# Both providers talk to the same cluster through a kubeconfig. For a managed cluster you may prefer
-# `host` / `cluster_ca_certificate` / `exec` credentials instead; only these blocks change.
+# The cluster through a kubeconfig. For a managed cluster you may prefer `host` / `cluster_ca_certificate` /
+# `exec` credentials instead; only this block changes. kubernetes_manifest reads the API's schema at plan
+# time, so `terraform plan` needs the cluster reachable.
 provider "kubernetes" {
   config_path    = var.kubeconfig_path
   config_context = var.kube_context
-}
-
-provider "helm" {
-  kubernetes {
-    config_path    = var.kubeconfig_path
-    config_context = var.kube_context
-  }
 }

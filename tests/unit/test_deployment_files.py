@@ -36,10 +36,10 @@ def _distributions() -> dict[str, Path]:
                       ROOT / "migrations/pyproject.toml"]}
 
 
-def _dockerfile_installs() -> set[Path]:
-    """The folders of the Keel distributions the Dockerfile's pip installs by name, and of every Keel
+def _dockerfile_installs(dockerfile: Path = ROOT / "Dockerfile") -> set[Path]:
+    """The folders of the Keel distributions a Dockerfile's pip installs by name, and of every Keel
     distribution they depend on (pip installs those too, from the same wheelhouse)."""
-    text = (ROOT / "Dockerfile").read_text()
+    text = dockerfile.read_text()
     [install] = re.findall(r"pip install (?:[^\n]*\\\n)*[^\n]*", text)
     folders = _distributions()
     wanted = set(re.findall(r"\b(keel-[a-z-]+[a-z])\b", install))
@@ -216,24 +216,3 @@ def test_compose_has_no_default_password_anywhere() -> None:
                 assert key.endswith("_FILE") and str(value).startswith("/run/secrets/"), (name, key, value)
     for secret in compose["secrets"].values():
         assert "environment" not in secret and secret["file"].startswith("./.secrets/")
-
-
-def test_terraform_runs_nats_with_tls_and_keel_authorization() -> None:
-    main = (ROOT / "infra/terraform/main.tf").read_text()
-    variables = (ROOT / "infra/terraform/variables.tf").read_text()
-    assert 'nats_url  = "tls://${local.nats_host}:4222"' in main
-    assert "KEEL_CREDENTIALS_DIR          = local.credentials_dir" in main
-    # The chart's client TLS and route TLS from the server certificate's Secret, its CA in every tls block.
-    nats_values = main[main.index('resource "helm_release" "nats"'):main.index("# -- settings")]
-    assert nats_values.count("secretName = kubernetes_secret_v1.nats_tls.metadata[0].name") == 3
-    assert re.search(r"nats = \{\s+tls = \{\s+enabled\s+= true", nats_values)
-    assert '"00$include" = "../keel-nats-auth/authorization.conf"' in nats_values
-    assert 'mountPath = "/etc/keel-nats-auth"' in nats_values and "kubernetes_secret_v1.nats_authorization" in nats_values
-    assert re.search(r"natsBox = \{\s+enabled = false", nats_values)
-    # Every Keel pod copies its own credentials Secret into a private folder before it starts.
-    assert main.count('command           = ["keel-credentials", "install", "--from", local.credentials_source, '
-                      '"--to", local.credentials_dir]') == 2
-    assert 'kubernetes_secret_v1.credentials["migrate"]' in main and "kubernetes_secret_v1.credentials[each.key]" in main
-    assert 'variable "credentials_dir"' in variables and "keel credentials init" in variables
-    readme = (ROOT / "infra/terraform/README.md").read_text()
-    assert "keel credentials init" in readme and "--tls-host" in readme and "credentials_dir" in readme

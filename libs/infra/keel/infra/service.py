@@ -119,11 +119,15 @@ ServeFn = Callable[[Settings, str, str, asyncio.Event, Callable[[], None]], Coro
 """``serve(settings, nats_url, database_url, stop, on_ready)``: what every service's ``main`` module exports."""
 
 READY_FILE_ENV = "KEEL_SERVICE_READY_FILE"
+ALIVE_INTERVAL_S = 10.0
+"""How often a ready service touches its ready file from its event loop: a file older than a few intervals means
+the loop is wedged (Kubernetes' liveness probe, infra/terraform, restarts the pod after 60 s)."""
 
 
 def run_service(serve: ServeFn, settings: Settings, nats_url: str, database_url: str) -> None:
     """Run ``serve`` in the foreground until SIGTERM or SIGINT; write ``$KEEL_SERVICE_READY_FILE`` (this
-    process's pid) once it consumes live, so a supervisor (``keel up``) knows it is ready.
+    process's pid) once it consumes live, so a supervisor (``keel up``, a readiness probe) knows it is ready,
+    then touch it every ``ALIVE_INTERVAL_S`` from the event loop, so a liveness probe can tell a wedged loop.
 
     A signal after start-up stops the service gracefully (the batch in hand is finished and acknowledged).
     A signal during start-up (still connecting to a server that does not answer, migrating, rebuilding
@@ -144,17 +148,32 @@ def run_service(serve: ServeFn, settings: Settings, nats_url: str, database_url:
             loop.add_signal_handler(sig, stop.set)
         service = asyncio.create_task(serve(settings, nats_url, database_url, stop, on_ready))
         stopped = asyncio.create_task(stop.wait())
+        alive = asyncio.create_task(_touch_while_running(ready, ready_file))
         await asyncio.wait({service, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not service.done() and not ready.is_set():
             log.info("stopped while starting: giving up the start-up")
             service.cancel()
         stopped.cancel()
+        alive.cancel()
         try:
             await service
         except asyncio.CancelledError:
             pass
 
     asyncio.run(runner())
+
+
+async def _touch_while_running(ready: asyncio.Event, ready_file: str | None) -> None:
+    if not ready_file:
+        return
+    await ready.wait()
+    path = Path(ready_file)
+    while True:
+        await asyncio.sleep(ALIVE_INTERVAL_S)
+        try:
+            path.touch()
+        except OSError as exc:  # a probe reads it; the service itself does not depend on it
+            log.warning("cannot touch the ready file %s: %s", path, exc)
 
 
 def service_main(name: str, serve: ServeFn, argv: Sequence[str] | None = None, *, needs_database: bool = True) -> int:

@@ -1,0 +1,394 @@
+"""Terraform for Kubernetes, rendered by the real ``terraform`` and checked against the Kubernetes API's schema.
+
+No Kubernetes API server runs here and the Terraform registry is out of reach, so the root module (which needs
+the kubernetes and random providers) cannot be initialised. Everything it applies is computed by
+``infra/terraform/modules/manifests``, which needs no provider: this test runs the root's own ``variables.tf``
+and ``manifests.tf`` (the module call) with ``terraform apply`` in a scratch folder, over credentials that
+``keel-credentials`` really issued, with the generated database passwords replaced by fixed ones. Then:
+
+- every object validates against the API's published OpenAPI schema (v1.37, strict: an unknown field fails);
+- every service ``keel up`` starts runs, with startup, readiness and liveness probes, as the commands its image has;
+- the node-agent DaemonSet has host PID, SYS_PTRACE, a memory ``/dev/shm``, the GPUs and NVML, each node's own bundle;
+- the actuator's RBAC grants exactly the calls the Kubernetes actuator makes (``tests/k8s_contract.py``'s fake);
+- NetworkPolicies put NATS and the database behind labels that exactly the pods needing them carry;
+- the rendered ``nats.conf`` is accepted by the real ``nats-server``; images are pinned by digest.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keel.actuator.kubernetes import KubernetesActuator
+from keel.actuator.kubernetes_rules import JOB_LABEL, ROLE_LABEL
+from keel.cli.runtime import SERVICES
+from keel.infra.embedded import _nats_server_binary
+from tests.k8s_contract import FakeKubeApi, check_request, validate
+from tests.unit.test_deployment_files import _console_scripts, _dockerfile_installs
+
+ROOT = Path(__file__).resolve().parents[2]
+TERRAFORM = ROOT / "infra/terraform"
+NAMESPACE, JOB = "keel", "llm"
+WORKERS, SPARES = ["gpu-001", "gpu-002"], ["spare-001"]
+DIGEST = "@sha256:" + "0123456789abcdef" * 4
+IMAGES = {"image": f"registry.example.com/keel:0.1{DIGEST}", "agent_image": f"registry.example.com/keel-agent:0.1{DIGEST}",
+          "nats_image": f"nats:2.10-alpine{DIGEST}"}
+
+
+def _terraform(folder: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("terraform")
+    assert binary, "terraform is not installed: these checks run the real one (it is on the CI machines)"
+    env = {**os.environ, "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1", "TF_CLI_CONFIG_FILE": os.devnull,
+           "TF_INPUT": "0"}
+    result = subprocess.run([binary, f"-chdir={folder}", *args], capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert result.returncode == 0, f"terraform {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def _credentials(scratch: Path) -> Path:
+    """A credentials folder as the operator makes it (terraform/README.md), and every node's agent bundle."""
+    master = scratch / "credentials"
+    env = {**os.environ, "KEEL_CREDENTIALS_DIR": str(master), "KEEL_HOME": str(scratch / "home")}
+    hosts = [f"nats.{NAMESPACE}.svc.cluster.local", f"*.nats-headless.{NAMESPACE}.svc.cluster.local"]
+    credentials = str(Path(sys.executable).parent / "keel-credentials")
+    subprocess.run([credentials, "init", *[a for h in hosts for a in ("--tls-host", h)],
+                    "--auth-file", str(master / "nats-authorization.conf")], env=env, check=True, capture_output=True)
+    for node in WORKERS + SPARES:
+        subprocess.run([credentials, "issue-agent", "--job", JOB, "--node", node, "--store-host", node,
+                        "--export", str(master / "agents" / node), "--export-server", str(scratch / "nats-server")],
+                       env=env, check=True, capture_output=True)
+    return master
+
+
+def _variables(master: Path, **overrides: Any) -> dict[str, Any]:
+    return {
+        **IMAGES,
+        "database_url": "postgresql://keel_migrate:migrate-pw@db-primary.example.com:5432,db-standby.example.com:5432/keel"
+                        "?sslmode=verify-full&sslrootcert=system&target_session_attrs=read-write",
+        "database_cidrs": ["10.20.0.0/24"],
+        "kube_api_cidrs": ["10.0.0.1/32"],
+        "credentials_dir": str(master),
+        "nats_authorization_file": str(master.parent / "nats-server/authorization.conf"),
+        "checkpoint_volume_claim": "keel-checkpoints",
+        "image_pull_secrets": ["registry"],
+        "job": {"id": JOB, "nodes": WORKERS, "standby_nodes": SPARES, "node_selector": {"keel.dev/pool": "llm"},
+                "standby_selector": {"keel.dev/pool": "spare"}, "nproc_per_node": 8, "gpus_per_node": 8,
+                "command": ["python", "-m", "llm.train", "--config", "70b.yaml"], "rdzv_endpoint": "10.30.0.11:29400",
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        **overrides,
+    }
+
+
+def _workspace(scratch: Path) -> Path:
+    """The root's variables and module call, with fixed database passwords in place of random_password."""
+    folder = scratch / "root"
+    folder.mkdir()
+    for name in ("variables.tf", "manifests.tf"):
+        shutil.copy(TERRAFORM / name, folder / name)
+    shutil.copytree(TERRAFORM / "modules", folder / "modules")
+    (folder / "harness.tf").write_text("""
+locals {
+  database_passwords = { recorder = "recorder-pw", decider = "decider-pw", auditor = "auditor-pw" }
+}
+output "objects" {
+  value = merge({ "Namespace/ns" = module.manifests.namespace }, module.manifests.base, module.manifests.migrate,
+  module.manifests.workloads)
+}
+output "secrets" {
+  value     = module.manifests.secrets
+  sensitive = true
+}
+""")
+    _terraform(folder, "init", "-backend=false")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("terraform")
+    yield path
+
+
+@pytest.fixture(scope="module")
+def rendered(scratch: Path) -> dict[str, Any]:
+    master = _credentials(scratch)
+    folder = _workspace(scratch)
+    (folder / "test.tfvars.json").write_text(json.dumps(_variables(master)))
+    _terraform(folder, "apply", "-auto-approve", "-var-file=test.tfvars.json")
+    outputs = json.loads(_terraform(folder, "output", "-json").stdout)
+    return {"objects": outputs["objects"]["value"], "secrets": outputs["secrets"]["value"], "folder": folder, "master": master}
+
+
+def _all(rendered: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {**rendered["objects"], **rendered["secrets"]}
+
+
+def _pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]
+
+
+def _workloads(rendered: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {key: obj for key, obj in rendered["objects"].items() if obj["kind"] in ("Deployment", "DaemonSet", "StatefulSet", "Job")}
+
+
+def test_every_object_validates_against_the_kubernetes_schema(rendered: dict[str, Any]) -> None:
+    objects = _all(rendered)
+    kinds = {obj["kind"] for obj in objects.values()}
+    assert kinds == {"Namespace", "Secret", "ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget", "Job",
+                     "Deployment", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                     "RoleBinding", "NetworkPolicy"}
+    for key, obj in objects.items():
+        assert key == f"{obj['kind']}/{obj['metadata']['name']}" or obj["kind"] == "Namespace"
+        assert obj["apiVersion"].rsplit("/", 1)[-1] == "v1", key
+        validate(obj, f"V1{obj['kind']}", key)  # strict: an unknown or misspelt field fails here
+    # The strict schema does refuse a misspelt field (this check can fail).
+    broken = json.loads(json.dumps(objects["Deployment/keel-controller"]))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = broken["spec"]["template"]["spec"]["containers"][0].pop("readinessProbe")
+    with pytest.raises(AssertionError, match="readinesProbe"):
+        validate(broken, "V1Deployment", "broken")
+
+
+def test_every_service_keel_up_starts_runs_once_with_probes_and_its_own_secrets(rendered: dict[str, Any]) -> None:
+    objects = rendered["objects"]
+    control = {obj["metadata"]["name"]: obj for obj in objects.values()
+               if obj["kind"] == "Deployment" and obj["metadata"]["labels"].get("keel.dev/plane") == "control"}
+    assert sorted(control) == sorted(f"keel-{name}" for name in SERVICES)
+    for name, deployment in control.items():
+        assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+        [container] = _pod_spec(deployment)["containers"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert probe in container, (name, probe)
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        alive = env["KEEL_SERVICE_READY_FILE"]
+        assert alive in container["readinessProbe"]["exec"]["command"] and alive in " ".join(container["livenessProbe"]["exec"]["command"])
+        # Its own credentials Secret, copied by the init container, and the database role it needs (or none).
+        volumes = {v["name"]: v for v in _pod_spec(deployment)["volumes"]}
+        assert volumes["credentials-source"]["secret"]["secretName"] == f"keel-credentials-{name.removeprefix('keel-')}"
+        secrets = [e["secretRef"]["name"] for e in container["envFrom"] if "secretRef" in e]
+        expected = {"keel-recorder": ["keel-database-recorder"], "keel-actuator": []}.get(name, ["keel-database-decider"])
+        assert secrets == expected, name
+    actuator = _pod_spec(control["keel-actuator"])
+    assert actuator["serviceAccountName"] == "keel-actuator" and actuator["automountServiceAccountToken"] is True
+    assert all(_pod_spec(d).get("automountServiceAccountToken") is False for n, d in control.items() if n != "keel-actuator")
+    env = {e["name"]: e["value"] for e in actuator["containers"][0]["env"]}
+    assert env["KEEL_ACTUATOR__KIND"] == "kubernetes" and env["KEEL_JOB_ID"] == JOB
+    assert env["KEEL_ACTUATOR__KUBERNETES__STANDBY_DEPLOYMENT"] in {o["metadata"]["name"] for o in objects.values() if o["kind"] == "Deployment"}
+    # The migrate Job runs first (its name changes with the image, so a new image migrates again).
+    [job] = [o for o in objects.values() if o["kind"] == "Job"]
+    assert _pod_spec(job)["containers"][0]["command"] == ["keel-migrate"]
+
+
+def test_every_command_is_one_the_image_installs(rendered: dict[str, Any]) -> None:
+    scripts = _console_scripts()
+    control_image = _dockerfile_installs(ROOT / "Dockerfile")
+    agent_image = _dockerfile_installs(ROOT / "infra/images/agent.Dockerfile")
+    for key, obj in _workloads(rendered).items():
+        for container in [*_pod_spec(obj).get("initContainers", []), *_pod_spec(obj)["containers"]]:
+            if container["image"] == IMAGES["nats_image"]:
+                continue
+            installed = agent_image if container["image"] == IMAGES["agent_image"] else control_image
+            command = container["command"][0]
+            assert command in scripts and scripts[command] in installed, (key, command)
+            assert container["image"] in (IMAGES["image"], IMAGES["agent_image"])
+
+
+def test_images_are_pinned_by_digest_and_a_tag_alone_is_refused(rendered: dict[str, Any]) -> None:
+    for key, obj in _workloads(rendered).items():
+        for container in [*_pod_spec(obj).get("initContainers", []), *_pod_spec(obj)["containers"]]:
+            assert re.search(r"@sha256:[0-9a-f]{64}$", container["image"]), (key, container["image"])
+    folder: Path = rendered["folder"]
+    (folder / "tag.tfvars.json").write_text(json.dumps(_variables(rendered["master"], agent_image="registry.example.com/keel-agent:latest")))
+    refused = _terraform(folder, "plan", "-var-file=tag.tfvars.json", check=False)
+    assert refused.returncode != 0 and "agent_image must be pinned by digest" in refused.stderr
+
+
+def test_bad_inputs_are_refused_with_their_reason(rendered: dict[str, Any]) -> None:
+    folder: Path = rendered["folder"]
+    cases: dict[str, dict[str, Any]] = {
+        "database_cidrs must list": {"database_cidrs": []},
+        "a node is either a worker": {"job": {**_variables(rendered["master"])["job"], "standby_nodes": ["gpu-001"]}},
+        "database_url must say how it uses TLS": {"database_url": "postgresql://keel_migrate:pw@db:5432/keel"},
+    }
+    for message, override in cases.items():
+        (folder / "bad.tfvars.json").write_text(json.dumps(_variables(rendered["master"], **override)))
+        result = _terraform(folder, "plan", "-var-file=bad.tfvars.json", check=False)
+        assert result.returncode != 0 and message in " ".join(result.stderr.split()), (message, result.stderr[-1500:])
+
+
+def test_the_node_agent_daemonset_has_what_the_agent_needs(rendered: dict[str, Any]) -> None:
+    objects = rendered["objects"]
+    daemonset = objects[f"DaemonSet/keel-agent-{JOB}"]
+    standby = objects["Deployment/keel-standby"]
+    assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert "replicas" not in standby["spec"]  # the actuator owns the standby count
+    for obj, role in ((daemonset, "worker"), (standby, "standby")):
+        spec = _pod_spec(obj)
+        assert obj["spec"]["template"]["metadata"]["labels"][JOB_LABEL] == JOB
+        assert obj["spec"]["template"]["metadata"]["labels"][ROLE_LABEL] == role
+        assert spec["hostPID"] is True and spec["hostNetwork"] is True
+        [agent] = spec["containers"]
+        assert "SYS_PTRACE" in agent["securityContext"]["capabilities"]["add"]
+        assert agent["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        env = {e["name"]: e for e in agent["env"]}
+        assert "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]["value"].split(",")  # NVML
+        assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m["name"] for m in agent["volumeMounts"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        command = agent["command"]
+        assert command[:2] == ["keel", "run"] and command[-5:] == ["python", "-m", "llm.train", "--config", "70b.yaml"]
+        assert command[command.index("--keel-node-id") + 1] == "$(NODE_NAME)"
+        assert command[command.index("--keel-ckpt-dir") + 1].startswith("/dev/shm/")
+        assert ("--keel-standby" in command) == (role == "standby")
+        # Every node's bundle is projected under its name; the init container installs only this node's.
+        [init] = spec["initContainers"]
+        assert init["command"][init["command"].index("--from") + 1].endswith("/$(NODE_NAME)")
+        assert "agent-bundles" not in {m["name"] for m in agent["volumeMounts"]}
+        sources = volumes["agent-bundles"]["projected"]["sources"]
+        assert sorted(s["secret"]["name"] for s in sources) == sorted(f"keel-agent-{n}" for n in WORKERS + SPARES)
+        for source in sources:
+            secret = rendered["secrets"][f"Secret/{source['secret']['name']}"]
+            node = source["secret"]["name"].removeprefix("keel-agent-")
+            for item in source["secret"]["items"]:
+                assert item["key"] in secret["data"] and item["path"].startswith(f"{node}/")
+            paths = {item["path"] for item in source["secret"]["items"]}
+            assert f"{node}/nats/agent.{JOB}.{node}.json" in paths and f"{node}/store/key.pem" in paths
+            identity = json.loads(base64.b64decode(secret["data"][f"nats_agent.{JOB}.{node}.json"]))
+            assert node in json.dumps(identity)
+
+
+def test_rbac_grants_exactly_the_calls_the_actuator_makes(rendered: dict[str, Any]) -> None:
+    objects = rendered["objects"]
+    cluster_rules = objects[f"ClusterRole/keel-actuator-{NAMESPACE}"]["rules"]
+    namespace_rules = objects["Role/keel-actuator"]["rules"]
+    for binding in (objects[f"ClusterRoleBinding/keel-actuator-{NAMESPACE}"], objects["RoleBinding/keel-actuator"]):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "keel-actuator", "namespace": NAMESPACE}]
+
+    # Every call the actuator makes in its life: evict, standbys, promote, refill, against the published contract.
+    api = FakeKubeApi()
+    for node in WORKERS + SPARES:
+        api.add_node(node)
+    for index, node in enumerate(WORKERS):
+        api.add_pod("training", f"llm-{index}", node, {JOB_LABEL: JOB, ROLE_LABEL: "worker"})
+    api.add_pod(NAMESPACE, "keel-standby-abc", SPARES[0], {JOB_LABEL: JOB, ROLE_LABEL: "standby"})
+    api.deployments[(NAMESPACE, "keel-standby")] = 1
+    actuator = KubernetesActuator(api, keel_job_id=JOB, namespace=NAMESPACE, standby_deployment="keel-standby",
+                                  clock=lambda: datetime(2026, 12, 5, tzinfo=UTC))
+    actuator.evict(WORKERS[0], "xid 79", "incident-1")
+    assert actuator.standbys() == [SPARES[0]]
+    actuator.mark_promoted(SPARES[0])
+    actuator.provision_standbys(1)
+
+    verbs = {"GET": "get", "PATCH": "patch", "DELETE": "delete", "POST": "create", "PUT": "update"}
+    used: set[tuple[str, int]] = set()
+    for method, path, query, body, content_type in api.requests:
+        check_request(method, path, query, body, content_type)
+        parts = path.strip("/").split("/")
+        group = "" if parts[0] == "api" else parts[1]
+        rest = parts[2:] if parts[0] == "api" else parts[3:]
+        namespace = rest[1] if rest[0] == "namespaces" else None
+        rest = rest[2:] if rest[0] == "namespaces" else rest
+        resource, name = rest[0], (rest[1] if len(rest) > 1 else None)
+        if len(rest) > 2:
+            resource = f"{resource}/{rest[2]}"
+        verb = "list" if method == "GET" and name is None else verbs[method]
+        granted = [(scope, i) for scope, rules in (("cluster", cluster_rules), ("namespace", namespace_rules))
+                   for i, rule in enumerate(rules)
+                   if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+                   and (scope == "cluster" or namespace == NAMESPACE)
+                   and (name is None or name in rule.get("resourceNames", [name]))]
+        assert granted, f"{method} {path}: not granted ({verb} {group}/{resource} in {namespace})"
+        used |= {(scope, i) for scope, i in granted}
+    # Least privilege: no rule grants a verb the actuator never uses.
+    for scope, rules in (("cluster", cluster_rules), ("namespace", namespace_rules)):
+        for i, rule in enumerate(rules):
+            assert (scope, i) in used, f"{scope} rule {rule} grants what the actuator never asks for"
+            assert len(rule["verbs"]) <= 2 and "*" not in rule["verbs"] + rule["resources"]
+
+
+def _selects(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in match_labels.items())
+
+
+def test_network_policies_put_nats_and_the_database_behind_the_pods_that_need_them(rendered: dict[str, Any]) -> None:
+    objects = rendered["objects"]
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects.values() if o["kind"] == "NetworkPolicy"}
+    assert policies["keel-default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    nats = policies["nats"]
+    assert nats["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "nats"
+    client_rule = next(rule for rule in nats["ingress"] if rule["ports"] == [{"port": 4222, "protocol": "TCP"}])
+    nats_clients = client_rule["from"][0]["podSelector"]["matchLabels"]
+    database = policies["keel-database-egress"]
+    assert [peer["ipBlock"]["cidr"] for peer in database["egress"][0]["to"]] == ["10.20.0.0/24"]
+    assert database["egress"][0]["ports"] == [{"port": 5432, "protocol": "TCP"}]
+    database_clients = database["podSelector"]["matchLabels"]
+    api_clients = policies["keel-kube-api-egress"]["podSelector"]["matchLabels"]
+    for key, obj in _workloads(rendered).items():
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        spec = _pod_spec(obj)
+        env_from = [e for c in spec["containers"] for e in c.get("envFrom", [])]
+        uses_database = any(e.get("secretRef", {}).get("name", "").startswith("keel-database-") for e in env_from)
+        uses_nats = any(e.get("configMapRef", {}).get("name") == "keel-settings" for e in env_from)
+        assert _selects(database_clients, labels) == uses_database, key
+        assert _selects(nats_clients, labels) == uses_nats, key
+        assert _selects(api_clients, labels) == (spec.get("serviceAccountName") == "keel-actuator"), key
+
+
+def test_the_rendered_nats_config_is_accepted_by_nats_server(rendered: dict[str, Any], scratch: Path) -> None:
+    objects = rendered["objects"]
+    config = objects["ConfigMap/nats-config"]["data"]["nats.conf"]
+    routes = re.findall(r'"(nats-route://[^"]+)"', config)
+    assert routes == [f"nats-route://nats-{i}.nats-headless.{NAMESPACE}.svc.cluster.local:6222" for i in range(3)]
+    assert "sync_interval: always" in config and "max_payload: 1048576" in config
+    # The pod's files, where its volumes put them, under a scratch /etc/nats.
+    etc = scratch / "etc-nats"
+    secrets = rendered["secrets"]
+    for folder, secret in (("tls", "Secret/nats-tls"), ("auth", "Secret/nats-authorization")):
+        (etc / folder).mkdir(parents=True)
+        for key, value in secrets[secret]["data"].items():
+            (etc / folder / key).write_bytes(base64.b64decode(value))
+    (etc / "config").mkdir()
+    (etc / "config/nats.conf").write_text(config.replace("/etc/nats/", f"{etc}/").replace('"/data"', f'"{scratch / "data"}"'))
+    env = {**os.environ, "SERVER_NAME": "nats-0"}
+    accepted = subprocess.run([str(_nats_server_binary()), "-t", "-c", str(etc / "config/nats.conf")], capture_output=True,
+                              text=True, env=env, timeout=60)
+    assert accepted.returncode == 0, accepted.stderr + accepted.stdout
+    # It can fail: a config without the authorization it includes is refused.
+    (etc / "auth/authorization.conf").unlink()
+    refused = subprocess.run([str(_nats_server_binary()), "-t", "-c", str(etc / "config/nats.conf")], capture_output=True,
+                             text=True, env=env, timeout=60)
+    assert refused.returncode != 0
+
+
+def test_secrets_hold_each_roles_database_url(rendered: dict[str, Any]) -> None:
+    secrets = rendered["secrets"]
+    urls = {role: base64.b64decode(secrets[f"Secret/keel-database-{role}"]["data"]["KEEL_DATABASE_URL"]).decode()
+            for role in ("migrate", "recorder", "decider")}
+    assert urls["migrate"].startswith("postgresql://keel_migrate:migrate-pw@db-primary.example.com:5432,db-standby")
+    assert urls["recorder"].startswith("postgresql://keel_recorder:recorder-pw@db-primary.example.com:5432,db-standby")
+    assert urls["decider"].startswith("postgresql://keel_decider:decider-pw@")
+    assert all(url.endswith("target_session_attrs=read-write") for url in urls.values())
+    # No secret value appears in a non-Secret object.
+    flat = json.dumps(rendered["objects"])
+    assert "migrate-pw" not in flat and "BEGIN" not in flat
+
+
+def test_the_terraform_files_are_formatted_and_the_module_validates(scratch: Path) -> None:
+    result = _terraform(TERRAFORM, "fmt", "-check", "-recursive", "-diff", check=False)
+    assert result.returncode == 0, f"run `terraform fmt -recursive infra/terraform`:\n{result.stdout[-2000:]}"
+    module = scratch / "module"
+    shutil.copytree(TERRAFORM / "modules/manifests", module)
+    _terraform(module, "init", "-backend=false")
+    assert "The configuration is valid" in _terraform(module, "validate", "-no-color").stdout
