@@ -160,9 +160,18 @@ variable "nats_resources" {
 }
 
 variable "nats_client_cidrs" {
-  description = "Networks outside the cluster's pods allowed to reach NATS's client port (4222): the operators' machines running the `keel` CLI, and the training nodes' own addresses (the node agents use the host network). Empty: only Keel's pods. TLS and Keel's identities are required either way."
+  description = "Networks outside the cluster's pods allowed to reach NATS's client port (4222): the operators' machines running the `keel` CLI, and the training nodes' own addresses (the node agents use the host network, which pod selectors do not match). Empty: only Keel's control-plane pods. TLS and Keel's identities are required either way. With an overlay CNI, a host-network pod may reach NATS from a tunnel address: list that range too (Calico), or let node addresses match ipBlocks (Cilium's policy-cidr-match-mode=nodes)."
   type        = list(string)
   default     = []
+
+  validation {
+    condition     = var.job == null || length(var.nats_client_cidrs) > 0
+    error_message = "with a job, nats_client_cidrs must list the training nodes' addresses: the node agents use the host network, and NATS admits no other host."
+  }
+  validation {
+    condition     = alltrue([for cidr in var.nats_client_cidrs : can(cidrhost(cidr, 0))])
+    error_message = "nats_client_cidrs must be CIDRs (10.30.0.0/16)."
+  }
 }
 
 
@@ -299,6 +308,8 @@ variable "job" {
       rdzv_endpoint  HOST:PORT of the c10d rendezvous (a worker node's address), as torchrun's
       store_port     the shard store's port on each node (host network)
       shm_size       /dev/shm for the in-memory checkpoints: at least twice the node's model and optimizer state
+      run_as_root    run the agent as root: its SYS_PTRACE then takes effect (Kubernetes gives a non-root process
+                     no capability), which py-spy needs where kernel.yama.ptrace_scope is 1 (Ubuntu's default)
   EOT
   type = object({
     id                 = string
@@ -313,6 +324,7 @@ variable "job" {
     store_port         = optional(number, 29600)
     shm_size           = optional(string, "64Gi")
     runtime_class_name = optional(string)
+    run_as_root        = optional(bool, false)
     resources = optional(object({
       requests = map(string)
       limits   = map(string)
@@ -327,15 +339,15 @@ variable "job" {
   default = null
 
   validation {
-    condition     = var.job == null || can(regex("^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", var.job.id))
+    condition     = var.job == null ? true : (can(regex("^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", var.job.id)))
     error_message = "job.id must be a lower-case DNS label (it names Kubernetes objects and labels)."
   }
   validation {
-    condition     = var.job == null || (length(var.job.nodes) > 0 && alltrue([for node in concat(var.job.nodes, var.job.standby_nodes) : can(regex("^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", node))]))
+    condition     = var.job == null ? true : ((length(var.job.nodes) > 0 && alltrue([for node in concat(var.job.nodes, var.job.standby_nodes) : can(regex("^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", node))])))
     error_message = "job.nodes must name at least one node, and every node name must be a Kubernetes node name (lower-case DNS subdomain)."
   }
   validation {
-    condition     = var.job == null || length(setintersection(var.job.nodes, var.job.standby_nodes)) == 0
+    condition     = var.job == null ? true : (length(setintersection(var.job.nodes, var.job.standby_nodes)) == 0)
     error_message = "a node is either a worker (job.nodes) or a spare (job.standby_nodes), not both."
   }
 }

@@ -1,5 +1,5 @@
 terraform {
-  required_version = ">= 1.5.0"
+  required_version = ">= 1.9.0" # validations that read another variable
 
   required_providers {
     # kubernetes_manifest (server-side apply of the manifests module's objects) needs 2.x.

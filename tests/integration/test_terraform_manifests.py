@@ -79,6 +79,7 @@ def _variables(master: Path, **overrides: Any) -> dict[str, Any]:
                         "?sslmode=verify-full&sslrootcert=system&target_session_attrs=read-write",
         "database_cidrs": ["10.20.0.0/24"],
         "kube_api_cidrs": ["10.0.0.1/32"],
+        "nats_client_cidrs": ["10.30.0.0/16"],
         "credentials_dir": str(master),
         "nats_authorization_file": str(master.parent / "nats-server/authorization.conf"),
         "checkpoint_volume_claim": "keel-checkpoints",
@@ -150,7 +151,7 @@ def test_every_object_validates_against_the_kubernetes_schema(rendered: dict[str
                      "Deployment", "DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
                      "RoleBinding", "NetworkPolicy"}
     for key, obj in objects.items():
-        assert key == f"{obj['kind']}/{obj['metadata']['name']}" or obj["kind"] == "Namespace"
+        assert key == f"{obj['kind']}/{obj['metadata']['name']}" or obj["kind"] in ("Namespace", "Job")
         assert obj["apiVersion"].rsplit("/", 1)[-1] == "v1", key
         validate(obj, f"V1{obj['kind']}", key)  # strict: an unknown or misspelt field fails here
     # The strict schema does refuse a misspelt field (this check can fail).
@@ -186,8 +187,9 @@ def test_every_service_keel_up_starts_runs_once_with_probes_and_its_own_secrets(
     assert env["KEEL_ACTUATOR__KIND"] == "kubernetes" and env["KEEL_JOB_ID"] == JOB
     assert env["KEEL_ACTUATOR__KUBERNETES__STANDBY_DEPLOYMENT"] in {o["metadata"]["name"] for o in objects.values() if o["kind"] == "Deployment"}
     # The migrate Job runs first (its name changes with the image, so a new image migrates again).
-    [job] = [o for o in objects.values() if o["kind"] == "Job"]
+    job = objects["Job/keel-migrate"]
     assert _pod_spec(job)["containers"][0]["command"] == ["keel-migrate"]
+    assert re.fullmatch(r"keel-migrate-[0-9a-f]{10}", job["metadata"]["name"])
 
 
 def test_every_command_is_one_the_image_installs(rendered: dict[str, Any]) -> None:
@@ -219,6 +221,7 @@ def test_bad_inputs_are_refused_with_their_reason(rendered: dict[str, Any]) -> N
     cases: dict[str, dict[str, Any]] = {
         "database_cidrs must list": {"database_cidrs": []},
         "a node is either a worker": {"job": {**_variables(rendered["master"])["job"], "standby_nodes": ["gpu-001"]}},
+        "nats_client_cidrs must list the training nodes": {"nats_client_cidrs": []},
         "database_url must say how it uses TLS": {"database_url": "postgresql://keel_migrate:pw@db:5432/keel"},
     }
     for message, override in cases.items():
@@ -392,3 +395,35 @@ def test_the_terraform_files_are_formatted_and_the_module_validates(scratch: Pat
     shutil.copytree(TERRAFORM / "modules/manifests", module)
     _terraform(module, "init", "-backend=false")
     assert "The configuration is valid" in _terraform(module, "validate", "-no-color").stdout
+
+
+def _empty_fields(value: Any, path: str = "") -> Iterator[str]:
+    """Paths of empty lists and maps: the API server drops them, and the provider then fails the apply."""
+    if isinstance(value, dict):
+        if not value and not path.endswith(("/emptyDir", "/podSelector")):
+            yield path
+        for key, item in value.items():
+            yield from _empty_fields(item, f"{path}/{key}")
+    elif isinstance(value, list):
+        if not value:
+            yield path
+        for index, item in enumerate(value):
+            yield from _empty_fields(item, f"{path}/{index}")
+
+
+def test_no_manifest_sends_an_empty_list_or_map(rendered: dict[str, Any], scratch: Path) -> None:
+    for key, obj in _all(rendered).items():
+        assert list(_empty_fields(obj)) == [], key
+    # The control plane alone, every optional input at its default (no selector, no pull secret, no job).
+    folder: Path = rendered["folder"]
+    minimal = {key: value for key, value in _variables(rendered["master"]).items()
+               if key in ("image", "agent_image", "nats_image", "database_url", "database_cidrs", "kube_api_cidrs",
+                          "credentials_dir")}
+    (folder / "minimal.tfvars.json").write_text(json.dumps(minimal))
+    _terraform(folder, "apply", "-auto-approve", "-var-file=minimal.tfvars.json")
+    outputs = json.loads(_terraform(folder, "output", "-json").stdout)
+    objects = {**outputs["objects"]["value"], **outputs["secrets"]["value"]}
+    assert not any(obj["kind"] == "DaemonSet" for obj in objects.values())
+    for key, obj in objects.items():
+        assert list(_empty_fields(obj)) == [], key
+        validate(obj, f"V1{obj['kind']}", key)

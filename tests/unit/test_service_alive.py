@@ -20,7 +20,10 @@ def _run(wedged: bool, ready_file: Path, monkeypatch: pytest.MonkeyPatch) -> lis
     monkeypatch.setenv(service.READY_FILE_ENV, str(ready_file))
     seen: list[float] = []
 
+    ready_file.write_text("stale: a previous process's\n")
+
     async def serve(_settings: object, _nats: str, _db: str, _stop: asyncio.Event, on_ready: Callable[[], None]) -> None:
+        assert not ready_file.exists(), "not ready before on_ready, whatever a previous process left"
         on_ready()
         os.utime(ready_file, (0, 0))  # as if long ago: only a touch moves it
         for _ in range(6):

@@ -187,7 +187,13 @@ locals {
     readOnlyRootFilesystem   = true
     capabilities             = { drop = ["ALL"] }
   }
-  pull_secrets = [for name in var.image_pull_secrets : { name = name }]
+  # The API server drops an empty list or map (`nodeSelector: {}`), and the provider then reports an object
+  # inconsistent with its manifest: optional fields are left out when empty, never sent empty.
+  pull_secrets = length(var.image_pull_secrets) == 0 ? {} : { imagePullSecrets = [for name in var.image_pull_secrets : { name = name }] }
+  pod_placement = merge(
+    length(var.node_selector) == 0 ? {} : { nodeSelector = var.node_selector },
+    local.pull_secrets,
+  )
 
   # Keel reads a secret only from a private file of its own user (0600 in 0700 folders, keel.infra.secrets); a
   # Secret volume's files belong to root. The init container copies the Secret into a private folder of uid
@@ -291,6 +297,8 @@ locals {
     # 1 MiB: the stream's max_msg_size is 1 MiB so an oversized event reaches the recorder and is dead-lettered.
     max_payload: 1048576
     lame_duck_duration: "30s"
+    # The preStop hook signals lame duck mode through it.
+    pid_file: "/var/run/nats/nats.pid"
     # Only Keel's identities connect, each with its own permissions (keel.infra.nats_auth renders the block).
     include "../auth/authorization.conf"
     # Clients over TLS only.
@@ -381,12 +389,10 @@ locals {
               "checksum/nats-secrets" = local.nats_secret_checksum
             }
           }
-          spec = {
+          spec = merge(local.pod_placement, {
             automountServiceAccountToken  = false
             enableServiceLinks            = false
             terminationGracePeriodSeconds = 60
-            nodeSelector                  = var.node_selector
-            imagePullSecrets              = local.pull_secrets
             securityContext               = { runAsNonRoot = true, runAsUser = 1000, runAsGroup = 1000, fsGroup = 1000, seccompProfile = { type = "RuntimeDefault" } }
             # One server per Kubernetes node: three servers on one node would make R3 a formality.
             topologySpreadConstraints = [{
@@ -409,7 +415,7 @@ locals {
               resources       = var.nats_resources
               securityContext = local.container_security
               # Lame duck: clients move to another server before this one stops.
-              lifecycle      = { preStop = { exec = { command = ["nats-server", "-sl=ldm=/proc/1/exe"] } } }
+              lifecycle      = { preStop = { exec = { command = ["nats-server", "-sl=ldm=/var/run/nats/nats.pid"] } } }
               startupProbe   = { httpGet = { path = "/healthz", port = "monitor" }, periodSeconds = 5, failureThreshold = 90 }
               readinessProbe = { httpGet = { path = "/healthz?js-enabled-only=true", port = "monitor" }, periodSeconds = 10, failureThreshold = 3 }
               livenessProbe  = { httpGet = { path = "/healthz?js-enabled-only=true", port = "monitor" }, periodSeconds = 30, timeoutSeconds = 5, failureThreshold = 3 }
@@ -418,17 +424,21 @@ locals {
                 { name = "tls", mountPath = "/etc/nats/tls", readOnly = true },
                 { name = "auth", mountPath = "/etc/nats/auth", readOnly = true },
                 { name = "data", mountPath = "/data" },
+                { name = "run", mountPath = "/var/run/nats" },
               ]
             }]
             volumes = [
               { name = "config", configMap = { name = "${var.nats_name}-config" } },
               { name = "tls", secret = { secretName = "${var.nats_name}-tls", defaultMode = 288 } },            # 0440, group fsGroup
               { name = "auth", secret = { secretName = "${var.nats_name}-authorization", defaultMode = 288 } }, # 0440
+              { name = "run", emptyDir = { medium = "Memory", sizeLimit = "1Mi" } },
             ]
-          }
+          })
         }
+        # Immutable once created: a new size or class needs the StatefulSet recreated (README), and the claims'
+        # labels are fixed so that var.labels can change.
         volumeClaimTemplates = [{
-          metadata = { name = "data", labels = local.common_labels }
+          metadata = { name = "data", labels = { "app.kubernetes.io/part-of" = "keel" } }
           spec = merge(
             { accessModes = ["ReadWriteOnce"], resources = { requests = { storage = var.nats_storage_size } } },
             var.nats_storage_class == null ? {} : { storageClassName = var.nats_storage_class },
@@ -442,45 +452,48 @@ locals {
 # -- migrate Job -----------------------------------------------------------------------------------------
 
 locals {
-  # A Job's pod template cannot change: a new image is a new Job (its name carries the image's digest), so
-  # the migration runs again. The root module waits for it to complete before it rolls the services.
-  migrate_name = "keel-migrate-${substr(sha256(var.images.control_plane), 0, 10)}"
+  # A Job's pod template cannot change: any change is a new Job (its name carries a digest of its spec, the
+  # settings and its database Secret), so the migration runs again, which is also what brings the streams to
+  # new settings (`keel-migrate` administers them; the services do not change an existing stream). The root
+  # module waits for it to complete before it rolls the services.
   migrate_labels = merge(local.common_labels, local.nats_client, local.database_client, local.control_plane,
   { "app.kubernetes.io/name" = "keel-migrate" })
+  migrate_spec = {
+    backoffLimit = 4
+    template = {
+      metadata = { labels = local.migrate_labels }
+      spec = merge(local.pod_placement, {
+        restartPolicy                = "Never"
+        automountServiceAccountToken = false
+        enableServiceLinks           = false
+        securityContext              = local.pod_security
+        initContainers               = [local.credentials_init["migrate"]]
+        containers = [{
+          name            = "migrate"
+          image           = var.images.control_plane
+          imagePullPolicy = var.image_pull_policy
+          command         = ["keel-migrate"]
+          envFrom         = [{ configMapRef = { name = "keel-settings" } }, { secretRef = { name = "keel-database-migrate" } }]
+          resources       = { requests = { cpu = "100m", memory = "256Mi" }, limits = { memory = "512Mi" } }
+          securityContext = local.container_security
+          volumeMounts = [
+            { name = "tmp", mountPath = "/tmp" },
+            { name = "credentials", mountPath = local.credentials_run_dir },
+          ]
+        }]
+        volumes = local.credentials_volumes["migrate"]
+      })
+    }
+  }
+  migrate_name = "keel-migrate-${substr(sha256(jsonencode([local.migrate_spec, local.settings_checksum, local.database_checksums["migrate"]])), 0, 10)}"
 
+  # Keyed by a fixed name: the digest is unknown at the first plan (the database passwords are generated during
+  # the apply), and for_each needs known keys. A new metadata.name makes the provider replace the Job.
   migrate_manifests = {
-    "Job/${local.migrate_name}" = {
+    "Job/keel-migrate" = {
       apiVersion = "batch/v1", kind = "Job"
       metadata   = { name = local.migrate_name, namespace = local.ns, labels = local.migrate_labels }
-      spec = {
-        backoffLimit = 4
-        template = {
-          metadata = { labels = local.migrate_labels }
-          spec = {
-            restartPolicy                = "Never"
-            automountServiceAccountToken = false
-            enableServiceLinks           = false
-            nodeSelector                 = var.node_selector
-            imagePullSecrets             = local.pull_secrets
-            securityContext              = local.pod_security
-            initContainers               = [local.credentials_init["migrate"]]
-            containers = [{
-              name            = "migrate"
-              image           = var.images.control_plane
-              imagePullPolicy = var.image_pull_policy
-              command         = ["keel-migrate"]
-              envFrom         = [{ configMapRef = { name = "keel-settings" } }, { secretRef = { name = "keel-database-migrate" } }]
-              resources       = { requests = { cpu = "100m", memory = "256Mi" }, limits = { memory = "512Mi" } }
-              securityContext = local.container_security
-              volumeMounts = [
-                { name = "tmp", mountPath = "/tmp" },
-                { name = "credentials", mountPath = local.credentials_run_dir },
-              ]
-            }]
-            volumes = local.credentials_volumes["migrate"]
-          }
-        }
-      }
+      spec       = local.migrate_spec
     }
   }
 }
@@ -525,8 +538,6 @@ locals {
               automountServiceAccountToken  = name == "actuator"
               enableServiceLinks            = false
               terminationGracePeriodSeconds = 30
-              nodeSelector                  = var.node_selector
-              imagePullSecrets              = local.pull_secrets
               securityContext               = local.pod_security
               initContainers                = [local.credentials_init[name]]
               containers = [merge(local.probes, {
@@ -556,6 +567,7 @@ locals {
               )
             },
             name == "actuator" ? { serviceAccountName = "keel-actuator" } : {},
+            local.pod_placement,
           )
         }
       }
@@ -613,7 +625,8 @@ locals {
 
   # One pod template for both: a worker agent (the DaemonSet, one per node of var.job.node_selector) and a
   # standby (`--keel-standby`: ready, no ranks, until the controller promotes it).
-  agent_roles = var.job == null ? [] : ["worker", "standby"]
+  agent_roles    = var.job == null ? [] : ["worker", "standby"]
+  agent_selector = var.job == null ? {} : { worker = var.job.node_selector, standby = var.job.standby_selector }
   agent_pod = {
     for role in local.agent_roles : role => {
       metadata = {
@@ -638,10 +651,12 @@ locals {
           automountServiceAccountToken  = false
           enableServiceLinks            = false
           terminationGracePeriodSeconds = 60
-          nodeSelector                  = role == "worker" ? var.job.node_selector : var.job.standby_selector
-          tolerations                   = [for t in var.job.tolerations : { for k, v in t : k => v if v != null }]
-          imagePullSecrets              = local.pull_secrets
-          securityContext               = { runAsNonRoot = true, runAsUser = local.run_as_user, runAsGroup = local.run_as_group, seccompProfile = { type = "RuntimeDefault" } }
+          # Kubernetes gives a non-root process no effective capability: SYS_PTRACE (py-spy on ranks that are
+          # not its descendants, under kernel.yama.ptrace_scope=1) takes effect only with job.run_as_root.
+          securityContext = merge(
+            { runAsGroup = local.run_as_group, seccompProfile = { type = "RuntimeDefault" } },
+            var.job.run_as_root ? { runAsUser = 0, runAsNonRoot = false } : { runAsUser = local.run_as_user, runAsNonRoot = true },
+          )
           initContainers = [{
             # This node's bundle only: every node's is in the projected volume (a DaemonSet's pods share one
             # template), the agent container sees just its own copy.
@@ -682,10 +697,10 @@ locals {
               # NVML (GPU health, the GPU self-test) needs the driver's utility libraries as well as compute.
               { name = "NVIDIA_DRIVER_CAPABILITIES", value = "compute,utility" },
             ]
-            resources = {
+            resources = { for key, value in {
               requests = var.job.resources.requests
               limits   = merge(var.job.resources.limits, var.job.gpus_per_node > 0 ? { "nvidia.com/gpu" = tostring(var.job.gpus_per_node) } : {})
-            }
+            } : key => value if length(value) > 0 }
             securityContext = {
               allowPrivilegeEscalation = false
               # py-spy attaches to the ranks (the agent's children; other processes of the node need the capability).
@@ -722,6 +737,9 @@ locals {
           )
         },
         var.job.runtime_class_name == null ? {} : { runtimeClassName = var.job.runtime_class_name },
+        local.pull_secrets,
+        length(local.agent_selector[role]) == 0 ? {} : { nodeSelector = local.agent_selector[role] },
+        length(var.job.tolerations) == 0 ? {} : { tolerations = [for t in var.job.tolerations : { for k, v in t : k => v if v != null }] },
       )
     }
   }
@@ -749,7 +767,9 @@ locals {
           # would have every apply take them back. A new Deployment starts with one.
           selector = { matchLabels = { "keel.dev/job" = var.job.id, "keel.dev/role" = "standby" } }
           template = {
-            metadata = pod.metadata
+            # Without the checksums: a changed setting or bundle must not roll the standbys, since a promoted one
+            # runs ranks (it restarts with its node's next restart). A changed template still rolls them all.
+            metadata = { labels = pod.metadata.labels }
             spec = merge(pod.spec, {
               # One standby per spare node, and never on a node of the job's workers.
               affinity = {

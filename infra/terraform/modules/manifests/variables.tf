@@ -148,6 +148,7 @@ variable "job" {
     store_port         = number
     shm_size           = string
     runtime_class_name = string
+    run_as_root        = bool
     resources          = object({ requests = map(string), limits = map(string) })
     tolerations = list(object({
       key      = string

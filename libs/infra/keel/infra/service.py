@@ -134,6 +134,10 @@ def run_service(serve: ServeFn, settings: Settings, nats_url: str, database_url:
     state) cancels it: nothing has been consumed yet, so nothing is lost, and the process exits at once
     instead of waiting for a server that may never come."""
     ready_file = os.environ.get(READY_FILE_ENV)
+    if ready_file:
+        # A file left by this container's previous process (its /tmp outlives a restart) would read as ready
+        # before this one is.
+        Path(ready_file).unlink(missing_ok=True)
     ready = asyncio.Event()
 
     def on_ready() -> None:
