@@ -16,7 +16,7 @@ DISTS := libs/events libs/kernel libs/rules libs/protocol libs/checkpoint migrat
          libs/sdk libs/workload services/recorder services/controller services/checkpoint_broker \
          services/analyzer services/hot_update services/actuator services/agent libs/cli
 PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
-DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'grpcio-tools>=1.85.1' \
+DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'torchdata==0.11.0' 'grpcio-tools>=1.85.1' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
 
 .PHONY: install system-deps test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets images clean

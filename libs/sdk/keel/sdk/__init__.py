@@ -10,7 +10,8 @@
     session.done()
 
 See ``keel.sdk.session`` for the call-order contract, ``keel.sdk.faults`` for injected faults and
-``keel.sdk.checkpoint`` for every-step checkpoints (``Checkpointer``; payload format in ``keel.sdk.shard``).
+``keel.sdk.checkpoint`` for every-step checkpoints (``Checkpointer``; payload format in ``keel.sdk.shard``), and
+``keel.sdk.data`` for data loaders that resume mid-epoch exactly (``ResumableLoader``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from keel.sdk.session import PHASES, Session, SessionConfig, init
 
 if TYPE_CHECKING:
     from keel.sdk.checkpoint import Checkpointer, CheckpointError, CheckpointMismatchError, CheckpointStats
+    from keel.sdk.data import LoaderStateError, ResumableLoader
     from keel.sdk.shard import ShardFormatError
 
 # Imported on first use: they need torch and numpy, which a plain ``import keel.sdk`` (a process that
@@ -32,6 +34,8 @@ _LAZY = {
     "CheckpointMismatchError": "keel.sdk.checkpoint",
     "CheckpointStats": "keel.sdk.checkpoint",
     "Checkpointer": "keel.sdk.checkpoint",
+    "LoaderStateError": "keel.sdk.data",
+    "ResumableLoader": "keel.sdk.data",
     "ShardFormatError": "keel.sdk.shard",
 }
 
@@ -52,6 +56,8 @@ __all__ = [
     "Checkpointer",
     "FaultFileError",
     "InjectedFault",
+    "LoaderStateError",
+    "ResumableLoader",
     "Session",
     "SessionConfig",
     "ShardFormatError",

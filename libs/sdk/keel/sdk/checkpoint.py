@@ -256,12 +256,28 @@ def _env_duration(name: str, default: timedelta) -> timedelta:
     return parse_duration(text) if text else default
 
 
+def _not_stateful(name: str, obj: object) -> str:
+    """Why ``obj`` cannot be checkpointed, and what to pass instead."""
+    from torch.utils.data import DataLoader, Sampler
+
+    if isinstance(obj, DataLoader):
+        return (f"{name}: a plain DataLoader has no position to save; pass loader=keel.sdk.ResumableLoader(it) and "
+                "iterate that wrapper (it resumes mid-epoch, with the same order and RNG), or use torchdata's "
+                "StatefulDataLoader")
+    if isinstance(obj, Sampler):
+        return (f"{name}: {type(obj).__name__} has no state_dict(), and where the loop is in an epoch is known only "
+                "to the loader that draws from it: wrap the DataLoader that uses it, "
+                "loader=keel.sdk.ResumableLoader(DataLoader(..., sampler=sampler)), and iterate that wrapper")
+    return f"{name} has no state_dict()/load_state_dict(): {type(obj).__name__}"
+
+
 class Checkpointer:
     """Snapshots a rank's training state every step into shared-memory ring slots; restores it.
 
-    ``model`` / ``optimizer`` / ``scheduler`` / ``scaler`` / ``sampler`` and the ``extra`` objects are
-    anything with ``state_dict()`` / ``load_state_dict()``; every RNG (Python, NumPy, torch CPU, CUDA)
-    is captured too. ``groups``: this rank's parallel groups ``{"dp", "pp", "tp"}`` (default: one group
+    ``model`` / ``optimizer`` / ``scheduler`` / ``scaler`` / ``sampler`` / ``loader`` and the ``extra``
+    objects are anything with ``state_dict()`` / ``load_state_dict()``; every RNG (Python, NumPy, torch CPU,
+    CUDA) is captured too. ``loader``: a ``keel.sdk.ResumableLoader`` around a DataLoader, or torchdata's
+    ``StatefulDataLoader`` (a plain DataLoader or a ``DistributedSampler`` is refused with what to pass). ``groups``: this rank's parallel groups ``{"dp", "pp", "tp"}`` (default: one group
     of every rank for ``dp``, just this rank for ``pp`` and ``tp``). ``rank`` / ``world_size`` default to
     the session's, then torch.distributed's, then ``RANK`` / ``WORLD_SIZE``. ``ckpt_dir`` defaults to
     ``$KEEL_CKPT_DIR``; with neither, snapshots are off (``enabled`` is false) but ``restore`` from a plan
@@ -281,6 +297,7 @@ class Checkpointer:
         scheduler: Stateful | None = None,
         scaler: Stateful | None = None,
         sampler: Stateful | None = None,
+        loader: Stateful | None = None,
         extra: Mapping[str, Stateful] | None = None,
         groups: Mapping[str, Sequence[int]] | None = None,
         rank: int | None = None,
@@ -295,11 +312,12 @@ class Checkpointer:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.session = session
         self.model, self.optimizer = model, optimizer
-        self.scheduler, self.scaler, self.sampler = scheduler, scaler, sampler
+        self.scheduler, self.scaler, self.sampler, self.loader = scheduler, scaler, sampler, loader
         self.extra: dict[str, Stateful] = dict(extra or {})
-        for name, obj in [("scheduler", scheduler), ("scaler", scaler), ("sampler", sampler), *self.extra.items()]:
+        for name, obj in [("scheduler", scheduler), ("scaler", scaler), ("sampler", sampler), ("loader", loader),
+                          *self.extra.items()]:
             if obj is not None and not isinstance(obj, Stateful):
-                raise TypeError(f"{name} has no state_dict()/load_state_dict(): {type(obj).__name__}")
+                raise TypeError(_not_stateful(name, obj))
         self.rank, self.world_size = self._identity(session, rank, world_size)
         groups = dict(groups or {})
         self.groups: dict[str, list[int]] = {
@@ -385,7 +403,8 @@ class Checkpointer:
             tree["model"] = params
         if self.optimizer is not None:
             tree["optimizer"] = self.optimizer.state_dict()
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler)):
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler),
+                          ("loader", self.loader)):
             if obj is not None:
                 tree[name] = copy(obj.state_dict())
         if self.extra:
@@ -415,7 +434,8 @@ class Checkpointer:
 
     def _components(self) -> list[str]:
         names = [n for n, o in (("model", self.model), ("optimizer", self.optimizer), ("scheduler", self.scheduler),
-                                ("scaler", self.scaler), ("sampler", self.sampler)) if o is not None]
+                                ("scaler", self.scaler), ("sampler", self.sampler), ("loader", self.loader))
+                 if o is not None]
         return names + (["extra"] if self.extra else [])
 
     # -- snapshots ---------------------------------------------------------------------------------------------
@@ -871,8 +891,11 @@ class Checkpointer:
             parts.append(("model", self.model, tree["model"]))
         if self.optimizer is not None:  # before the scheduler, which reads and sets the groups' lr
             parts.append(("optimizer", self.optimizer, _own_copy(tree["optimizer"])))
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler)):
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler),
+                          ("loader", self.loader)):
             if obj is not None:
+                if name not in tree:
+                    raise CheckpointMismatchError(f"{source} has no state for the {name}")
                 parts.append((name, obj, _own_copy(tree[name])))
         for name, obj in self.extra.items():
             if name not in tree["extra"]:
