@@ -42,11 +42,13 @@ How trials run (``--quick`` in brackets):
   ``healthy`` again before that node/GPU/NIC is reused. To make that take seconds, not 10 minutes,
   the agents run with ``recovery_hold`` and ``fatal_recovery_hold`` of 2 s (only recovery; detection
   thresholds are untouched).
-- Workload faults: rounds of one ``crash``, one ``oom`` and one ``hang``, each on another node (rank
-  alternating), injected together; then every node's ranks are restarted in place as a new generation
-  (``RanksRestartRequested`` to each agent: far cheaper than a new cluster). One crash per round, not
-  one per node: four ranks tearing down at once on two cores would slow each other's exit. The hung
-  rank sleeps outside any collective, so the crash and oom beside it do not mask it.
+- Workload faults: rounds of one ``crash`` and one ``oom`` on two nodes, injected together, then one ``hang``
+  alone on a third (rank alternating); after each, every node's ranks are restarted in place as a new
+  generation (``RanksRestartRequested`` to each agent: far cheaper than a new cluster). One crash per round,
+  not one per node: four ranks tearing down at once on two cores would slow each other's exit. The hang is
+  detected by an agent (a rank stuck in a collective, stopped or silent) or by the controller (every rank of
+  the job inside a collective at once for 5 s), whichever comes first; the bench runs no controller, so the
+  controller's call is made by its own fold and predicate on the recorded log (``ControllerHangView``).
 - Workload faults fire at a step boundary (the SDK reads the fault file in ``step_done``): the bench
   injects right after rank 0 finished step ``s`` (≥ 3 steps from an eval or checkpoint) with
   ``params.at_step = s + 2`` for all faults of the round (so that they fire at the same boundary), and
@@ -172,8 +174,50 @@ def pct(values: list[float], p: float) -> float | None:
 # -- servers and the log -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Recorded:
+    event: Any
+
+
+class ControllerHangView:
+    """The controller's own hang call (``keel.controller.rules.all_blocked``: every rank of the job inside a
+    collective at once for ``controller.all_blocked_hang_after``), made on the recorded log as the controller
+    folds it. The bench runs no controller (its recoveries would end the trials' faults its own way), so this
+    folds each recorded event with the controller's own ``evolve`` and asks the same predicate after every
+    heartbeat, with the default floor. A call is dated by the heartbeat that decided it (its recorded time),
+    so the figure leaves out only the controller's own processing (milliseconds; its NATS delivery is the same
+    as the recorder's)."""
+
+    def __init__(self) -> None:
+        from keel.controller.decider import ControllerDecider
+        from keel.controller.policy import ControllerPolicy
+
+        self.policy = ControllerPolicy(observe_only=True)
+        self.decider = ControllerDecider(self.policy)
+        self.state = self.decider.initial_state()
+        self.blocked = False
+
+    def observe(self, event: Any) -> Any | None:
+        """A synthetic ``AllRanksBlocked`` event when ``event`` makes the job blocked (once per episode)."""
+        from types import SimpleNamespace
+
+        from keel.controller.rules import all_blocked
+
+        self.state = self.decider.evolve(self.state, event)
+        if event.type != "NodeHeartbeat":
+            return None
+        job = self.state.jobs.get(event.job_id)
+        found = all_blocked(job, self.policy.all_blocked_hang_after) if job is not None else None
+        was, self.blocked = self.blocked, found is not None
+        if found is None or was:
+            return None
+        return SimpleNamespace(type="AllRanksBlocked", occurred_at=event.occurred_at, job_id=event.job_id,
+                               payload=SimpleNamespace(node_id=found[0], reason=found[1]))
+
+
 class EventLog:
-    """The bench's slice of the bus and store, a recorder, and a tail of the recorded events."""
+    """The bench's slice of the bus and store, a recorder, and a tail of the recorded events (with the
+    controller's hang calls on them: ``ControllerHangView``)."""
 
     def __init__(self, servers: Servers) -> None:
         tag = uuid.uuid4().hex[:10]
@@ -185,6 +229,7 @@ class EventLog:
         )
         self.servers = servers
         self.events: list[Any] = []  # RecordedEvent, in position order
+        self.controller = ControllerHangView()
         self._cursor = 0
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -217,6 +262,9 @@ class EventLog:
                 async for recorded in self.store.read(after_position=self._cursor):
                     self.events.append(recorded)
                     self._cursor = recorded.position
+                    call = self.controller.observe(recorded.event)
+                    if call is not None:
+                        self.events.append(_Recorded(call))
             except Exception as exc:  # noqa: BLE001 - a transient read error must not end the bench
                 log(f"warning: reading the log: {exc!r}")
             try:
@@ -499,9 +547,10 @@ def detector(kind: str, node: str, rank: int | None, key: str | None) -> Callabl
     if kind in ("crash", *OOM_KINDS):
         return lambda e: (e.type == "RankExited" and e.payload.node_id == node and e.payload.rank == rank
                           and e.payload.classification not in ("success", "stopped_by_agent"))
-    if kind in HANG_KINDS:
-        return lambda e: (e.type == "NodeHealthChanged" and e.payload.component == "rank" and e.payload.status == "failed"
-                          and e.payload.check in HANG_CHECKS)
+    if kind in HANG_KINDS:  # an agent's rank check, or the controller seeing every rank blocked at once
+        return lambda e: ((e.type == "NodeHealthChanged" and e.payload.component == "rank"
+                           and e.payload.status == "failed" and e.payload.check in HANG_CHECKS)
+                          or e.type == "AllRanksBlocked")
     return {
         "gpu-lost": health("gpu", "gpu_lost", ("failed",)),
         "xid": health("gpu", "xid", ("failed",)),
@@ -594,26 +643,42 @@ async def hardware_trials(cluster: Cluster, trials: int, results: list[Trial]) -
 
 async def workload_round(cluster: Cluster, round_no: int, last: bool, results: list[Trial],
                          oom_kernel_works: bool) -> None:
-    """One crash, one oom and one hang, on three different nodes, injected together; then a restart. The
-    variants alternate by round: ``hang`` (the rank stops inside its next collective, alive) and
-    ``hang_stopped`` (SIGSTOPped there); ``oom_kernel`` (the kernel OOM killer, under a cgroup limit) and
-    ``oom_python`` (a MemoryError the SDK raises).
+    """One crash and one oom, on two different nodes, injected together; a restart; then one hang, alone, on a
+    third node; then a restart. The variants alternate by round: ``hang`` (the rank stops inside its next
+    collective, alive) and ``hang_stopped`` (SIGSTOPped there); ``oom_kernel`` (the kernel OOM killer, under a
+    cgroup limit) and ``oom_python`` (a MemoryError the SDK raises).
 
-    A crash or an oom only surfaces when the rank's interpreter has exited; the hang is seen by whichever
-    agent first finds a rank stuck in a collective (the peers block in the real one), stopped, or silent.
-    The three do not mask one another: the crashing ones fail at the same step boundary the hang arms at,
-    and the hung rank stops at its next collective's entrance."""
-    step = await cluster.steady_point(min_step=8, timeout_s=180)
+    A crash or an oom only surfaces when the rank's interpreter has exited. The hang is seen by whichever comes
+    first: an agent finding a rank stuck in a collective (the peers block in the real one), stopped, or silent;
+    or the controller finding every rank of the job inside a collective at once (``ControllerHangView``). The
+    hang goes alone, as a hang happens: beside a crash, the crashed rank's peers would be blocked by the crash
+    (which the controller handles as a crash first), not by the hang."""
     nodes = sorted(cluster.nodes)
     hang_kind = HANG_KINDS[round_no % 2]
     oom_kind = OOM_KINDS[round_no % 2] if oom_kernel_works else "oom_python"
-    plan = []
-    for offset, kind in enumerate((hang_kind, "crash", oom_kind)):
-        index = (round_no + offset) % len(nodes)
-        plan.append((kind, nodes[index], index * NPROC + (round_no // len(nodes) + offset) % NPROC))
+    plans = []
+    for offset, kinds in ((0, ("crash", oom_kind)), (2, (hang_kind,))):
+        plan = []
+        for extra, kind in enumerate(kinds):
+            index = (round_no + offset + extra) % len(nodes)
+            plan.append((kind, nodes[index], index * NPROC + (round_no // len(nodes) + offset + extra) % NPROC))
+        plans.append(plan)
+    for part, plan in enumerate(plans):
+        await _inject_and_measure(cluster, plan, f"{round_no + 1}{'ab'[part]}", results)
+        if last and part == len(plans) - 1:
+            return
+        restart_s = await cluster.restart(f"bench: after workload round {round_no + 1}{'ab'[part]}")
+        cluster.windows[-1] = (cluster.windows[-1][0], _now())
+        log(f"  restarted as generation {cluster.generation} in {restart_s:.1f}s")
+
+
+async def _inject_and_measure(cluster: Cluster, plan: list[tuple[str, str, int]], label: str,
+                              results: list[Trial]) -> None:
+    """Inject ``plan`` (kind, node, rank) at one step boundary and measure when each fault is detected."""
+    step = await cluster.steady_point(min_step=8, timeout_s=180)
     since = len(cluster.log.events)
-    # The same step for all three: without at_step, ranks a few ms apart read their fault files on either
-    # side of a step boundary, and the first fault to fire kills the others' ranks before theirs does.
+    # The same step for all: without at_step, ranks a few ms apart read their fault files on either side of a
+    # step boundary, and the first fault to fire kills the others' ranks before theirs does.
     params = {"at_step": step + AT_STEP_AHEAD}
     injections = [await cluster.inject(FAULT_KIND.get(kind, kind), node, rank=rank, params=params) for kind, node, rank in plan]
     await cluster.publish_injections(injections)
@@ -631,6 +696,12 @@ async def workload_round(cluster: Cluster, round_no: int, last: bool, results: l
         fired = cluster.fired_at(rank)
         timing = {} if fired is None else {"fault_fired_after_s": round(fired - start.timestamp(), 3),
                                            "detect_after_fire_s": round(event.occurred_at.timestamp() - fired, 3)}
+        if kind in HANG_KINDS and event.type == "AllRanksBlocked":
+            results.append(Trial(kind, node, rank, (event.occurred_at - start).total_seconds(),
+                                 {"detected_on": p.node_id, "check": "all_ranks_blocked (controller)",
+                                  "detail": p.reason[:300], **timing}))
+            line.append(f"{kind} {node}/r{rank} {results[-1].detect_s:.2f}s (every rank blocked, controller)")
+            continue
         if kind in HANG_KINDS:
             ev = p.evidence
             results.append(Trial(kind, node, rank, (event.occurred_at - start).total_seconds(),
@@ -656,12 +727,7 @@ async def workload_round(cluster: Cluster, round_no: int, last: bool, results: l
             continue
         results.append(Trial(kind, node, rank, (event.occurred_at - start).total_seconds(), detail))
         line.append(f"{kind} {node}/r{rank} {results[-1].detect_s:.2f}s ({p.classification}/{p.error_type or '-'})")
-    log(f"  round {round_no + 1}: " + ", ".join(line))
-    if last:
-        return
-    restart_s = await cluster.restart(f"bench: after workload round {round_no + 1}")
-    cluster.windows[-1] = (cluster.windows[-1][0], _now())
-    log(f"  restarted as generation {cluster.generation} in {restart_s:.1f}s")
+    log(f"  round {label}: " + ", ".join(line))
 
 
 def _now() -> datetime:
@@ -711,7 +777,7 @@ async def keel_run(mode: Mode, servers: Servers, keep: bool) -> dict[str, Any]:
         log(f"steady training observed for {out['steady_observed_s']}s (eval and checkpoint phases included)")
         out["oom_kernel_works"], out["oom_kernel_note"] = oom_kernel_possible()
         log(f"kernel OOM kills: {out['oom_kernel_note']}")
-        log(f"workload faults ({mode.workload_rounds} rounds: one crash, one oom, one hang per round, on three nodes)")
+        log(f"workload faults ({mode.workload_rounds} rounds: a crash and an oom together, then a hang alone, on three nodes)")
         for r in range(mode.workload_rounds):
             await workload_round(cluster, r, r == mode.workload_rounds - 1, trials, out["oom_kernel_works"])
         await asyncio.sleep(1.5)  # let the last reports arrive
@@ -760,6 +826,11 @@ def false_hangs(event_log: EventLog, windows: list[tuple[datetime, datetime | No
         found.append({"node": p.node_id, "check": p.check, "phase": p.evidence.get("phase"),
                       "collective": p.evidence.get("collective"),
                       "at": at.isoformat(), "detail": p.detail[:200]})
+    for event in event_log.of_type("AllRanksBlocked"):
+        at = event.occurred_at
+        if not any(start <= at and (end is None or at <= end) for start, end in windows):
+            found.append({"node": event.payload.node_id, "check": "all_ranks_blocked", "at": at.isoformat(),
+                          "detail": event.payload.reason[:200]})
     return found
 
 
@@ -847,6 +918,11 @@ def summarise(mode: Mode, keel: dict[str, Any], peers: dict[str, Any], wall_s: f
     p99 = pct(stats["step_times"], 99) or 0.0
     floor_s = float(mode.floor.rstrip("s")) if mode.floor else 25.0
     hang_timeouts = sorted({t.detail["timeout_s"] for t in trials if t.kind in HANG_KINDS and t.detail.get("timeout_s")})
+    hang_detected_by: dict[str, int] = {}
+    for t in trials:
+        if t.kind in HANG_KINDS and t.detect_s is not None:
+            check = str(t.detail.get("check"))
+            hang_detected_by[check] = hang_detected_by.get(check, 0) + 1
     detect, p95, n, dropped, missed = {}, {}, {}, {}, {}
     for kind in KINDS:
         values = [t.detect_s for t in trials if t.kind == kind and t.detect_s is not None]
@@ -876,6 +952,7 @@ def summarise(mode: Mode, keel: dict[str, Any], peers: dict[str, Any], wall_s: f
                           for name, peer in peers.items()},
         "peer_detect_s_derived": {name: peer.get("derived_s", {}) for name, peer in peers.items()},
         "hang_timeouts_s": hang_timeouts,
+        "hang_detected_by": hang_detected_by,
         "oom_kernel_works": keel.get("oom_kernel_works"),
         "oom_kernel_note": keel.get("oom_kernel_note"),
         "detect_after_fire_s": after_fire,

@@ -188,7 +188,16 @@ FaultKind = Literal["crash", "hang", "hang_stopped", "slow", "nan", "gpu-lost", 
                     "disk-full", "sdc"]
 
 
-@event_type("NodeHeartbeat", version=5, aggregate="node")
+class RankCollective(EventPayload):
+    """A rank inside a collective (``Session.waiting``) when the heartbeat was sent."""
+
+    collective: str
+    """Its name, e.g. ``dp_all_reduce``."""
+    waited_s: float = Field(ge=0)
+    """How long the rank had been inside it when the heartbeat was sent."""
+
+
+@event_type("NodeHeartbeat", version=6, aggregate="node")
 class NodeHeartbeat(EventPayload):
     """Periodic liveness of a node agent and a summary of its ranks (not every sample). Since v3 it also
     carries what the node holds in the memory and peer checkpoint tiers (``stored``): shard reports ride
@@ -197,7 +206,10 @@ class NodeHeartbeat(EventPayload):
     it says which generation its ranks run (``generation``) and how many of them ever reported through
     the SDK (``ranks_reporting``): a job whose ranks never do is judged on process liveness alone. Since v5
     it says how long its ranks have been blocked in checkpointing (``checkpoint_blocking_s``), which ETTR
-    charges."""
+    charges. Since v6 it says which of its ranks are inside a collective and for how long
+    (``rank_collectives``): the controller calls a hang when every rank of the job has been inside one at
+    once for its floor (``keel.controller.rules``), and the agent sends a heartbeat early when all of its
+    ranks have been."""
 
     node_id: str
     standby: bool = False
@@ -226,6 +238,10 @@ class NodeHeartbeat(EventPayload):
     """The most seconds any of that generation's ranks on this node has spent blocked in checkpointing so
     far (a running total per rank, restarting with the generation). ETTR charges its growth as lost time.
     None: no rank checkpoints through the SDK (or an older agent)."""
+    rank_collectives: dict[int, RankCollective] = Field(default_factory=dict)
+    """The ranks of that generation in the step phase, past their warm-up, that were inside a collective when
+    the heartbeat was sent. A rank outside one (computing, loading data, in an eval or a checkpoint) is absent.
+    Empty: none, or an agent older than v6."""
 
 
 @upcaster("NodeHeartbeat", from_version=1)
@@ -247,6 +263,11 @@ def _node_heartbeat_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
 @upcaster("NodeHeartbeat", from_version=4)
 def _node_heartbeat_v4_to_v5(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "checkpoint_blocking_s": None}  # v4 agents did not measure it: nothing is charged
+
+
+@upcaster("NodeHeartbeat", from_version=5)
+def _node_heartbeat_v5_to_v6(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "rank_collectives": {}}  # v5 agents did not say: never all blocked
 
 
 @event_type("RankStarted", version=1, aggregate="rank")

@@ -272,6 +272,12 @@ class ControllerSettings(_Section):
     """Rung 3: a hang first gets every training process's stack captured and judged by the analyzer."""
     stacks_timeout: Duration = parse_duration("10s")
     """Agents answer a stack capture within this; the analyzer judges without the rest."""
+    all_blocked_hang_after: Duration = parse_duration("5s")
+    """A job every rank of which has been inside a collective at once this long is hung (rung 3): nobody is
+    computing or loading data for the others to wait on. The nodes' heartbeats say which ranks are inside one
+    (an agent all of whose ranks have been inside one this long sends one every second). Raise it for a job one of whose collectives
+    legitimately takes longer once every rank has entered it; 0s turns it off (the agents' per-rank
+    ``collective_stuck`` check remains)."""
     stacks_verdict_timeout: Duration = parse_duration("20s")
     """No verdict from the analyzer this long after a capture was asked for: go on to rung 2."""
     sdc_replay: bool = True

@@ -50,6 +50,8 @@ from keel.agent.consumer import CommandConsumer
 from keel.agent.diagnostics import DiagnosticsPolicy
 from keel.agent.fencing import FENCE_FILE, FENCED_EXIT, Fence, fence_refusal, fence_verdict, read_fence
 from keel.agent.host_addresses import host_addresses
+from keel.agent.inspector.policy import InspectorPolicy
+from keel.agent.inspector.ranks import normalise_phase
 from keel.agent.isolation import Pieces
 from keel.agent.launch_spec import LaunchSpec
 from keel.agent.metric_watch import MetricWatch
@@ -74,6 +76,7 @@ from keel.events.types import (
     NodeClockSkewed,
     NodeHeartbeat,
     NodeRegistered,
+    RankCollective,
     RankExited,
     RankStarted,
     ShardRecord,
@@ -118,6 +121,14 @@ def zygote_restart_due(*, standby: bool, held: bool, failed: bool, round_running
     if ranks_running == 0:
         return False
     return ranks_stepping or since_generation_start_s >= ZYGOTE_RESTART_AFTER_S
+
+
+ALL_BLOCKED_AFTER = timedelta(seconds=5)
+"""Once every rank of the node has been inside a collective this long (the controller's default floor for a
+job-wide hang, ``controller.all_blocked_hang_after``), heartbeats go every ``ALL_BLOCKED_HEARTBEAT``, not at
+the regular interval: the controller sees the whole job blocked together only from fresh heartbeats of every
+node (a wait proves a rank was inside up to the moment it was reported, not after)."""
+ALL_BLOCKED_HEARTBEAT = timedelta(seconds=1)
 
 
 class HealthWatcher(Protocol):
@@ -196,6 +207,8 @@ class NodeAgent:
         reported it (``NodeClockSkewed``): commands' expiries are judged on ``controller_time``."""
         self.last_round_heartbeat_s: float | None = None
         self.stepping_announced_generation = -1
+        self.blocked_announced: frozenset[tuple[int, int]] = frozenset()
+        """The (rank, collective sequence) whose all-blocked state a heartbeat already announced early."""
         """The generation whose first step a heartbeat has already announced (the moment the job resumed)."""
         """When a heartbeat last carried a completed report round (monotonic s)."""
         self.held = False
@@ -465,7 +478,34 @@ class NodeAgent:
             # which ETTR and the incident timeline date by the heartbeat that shows it.
             self.stepping_announced_generation = self.generation
             due = True
+        blocked = self.all_blocked(now)
+        if blocked and (blocked != self.blocked_announced or since is None or since >= ALL_BLOCKED_HEARTBEAT):
+            # Every rank of this node has waited in a collective for the floor: the controller decides whether
+            # the whole job is blocked, and needs this node's part now, and fresh.
+            due = True
+        self.blocked_announced = blocked
         return due
+
+    def rank_collectives(self, now: datetime) -> dict[int, RankCollective]:
+        """The ranks of this generation in the step phase, past their warm-up, inside a collective now."""
+        alive = {process.rank for process in self.supervisor.alive()}
+        warmup = InspectorPolicy().warmup_steps  # the first steps compile and connect: their waits say nothing
+        return {rank: RankCollective(collective=s.collective or "collective",
+                                     waited_s=round(max((now - s.collective_entered_at).total_seconds(), 0.0), 3))
+                for rank, s in sorted(self.channel.ranks.items())
+                if rank in alive and s.generation == self.generation and normalise_phase(s.phase) == "step"
+                and s.collective_entered_at is not None and len(s.collective_waits_s) >= warmup}
+
+    def all_blocked(self, now: datetime) -> frozenset[tuple[int, int]]:
+        """(rank, collective sequence) of every rank of the node when all of them have been inside a collective
+        for ``ALL_BLOCKED_AFTER``; empty otherwise (or on a standby)."""
+        if self.spec.standby:
+            return frozenset()
+        inside = self.rank_collectives(now)
+        if len(inside) < self.spec.nproc_per_node or any(c.waited_s < ALL_BLOCKED_AFTER.total_seconds()
+                                                         for c in inside.values()):
+            return frozenset()
+        return frozenset((rank, self.channel.ranks[rank].collective_seq) for rank in inside)
 
     def _holdings(self) -> dict[CheckpointTier, list[ShardRecord]]:
         """What the heartbeat carries of the checkpoint tiers; nothing when reading them fails (the
@@ -503,6 +543,7 @@ class NodeAgent:
                 checkpoint_blocking_s=max((s.checkpoint_blocking_s for s in self.channel.ranks.values()
                                            if s.generation == self.generation and s.checkpoint_blocking_s > 0),
                                           default=None),
+                rank_collectives={} if self.spec.standby else self.rank_collectives(now),
             )
         )
         self.last_heartbeat_at = now

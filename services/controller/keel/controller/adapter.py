@@ -42,6 +42,7 @@ def decider_from_settings(settings: Settings) -> ControllerDecider:
         command_ttl=c.command_ttl, observe_only=c.observe_only, diagnostics_timeout=c.diagnostics_timeout,
         diagnostics_ack_timeout=c.diagnostics_ack_timeout, peer_loss_silence=c.peer_loss_silence, stack_analysis=c.stack_analysis,
         stacks_timeout=c.stacks_timeout, stacks_verdict_timeout=c.stacks_verdict_timeout,
+        all_blocked_hang_after=c.all_blocked_hang_after,
         sdc_replay=c.sdc_replay, sdc_replay_timeout=c.sdc_replay_timeout,
         node_silence_timeout=c.node_silence_timeout, clock_skew_allowance=c.clock_skew_allowance,
         recovery_timeout=c.recovery_timeout,

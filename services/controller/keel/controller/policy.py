@@ -30,6 +30,8 @@ class ControllerPolicy:
     still hung); only an inconclusive verdict goes on to rung 2's diagnostics."""
     stacks_timeout: timedelta = timedelta(seconds=10)
     """Agents answer a stack capture within this; the analyzer judges without the rest."""
+    all_blocked_hang_after: timedelta = timedelta(seconds=5)
+    """Every rank of the job inside a collective at once this long: a hang (``rules.all_blocked``); zero: off."""
     stacks_verdict_timeout: timedelta = timedelta(seconds=20)
     """No verdict from the analyzer this long after the capture was asked for: go on to rung 2."""
     sdc_replay: bool = True

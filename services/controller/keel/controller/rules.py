@@ -47,7 +47,7 @@ from datetime import datetime, timedelta
 
 from keel.controller.actions import ActionPlan, ranks_text
 from keel.controller.guardrails import failure_fingerprint
-from keel.controller.state import PEER_UNREACHABLE_CHECK, NodeView, PeerReport, processes_up
+from keel.controller.state import PEER_UNREACHABLE_CHECK, JobView, NodeView, PeerReport, processes_up
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
     ApprovalGiven,
@@ -119,19 +119,59 @@ def on_health(plan: ActionPlan, p: NodeHealthChanged) -> None:
             plan.note(f"{p.node_id}: rank {p.check} during incident {job.incident.id[:8]} ({job.incident.stage}): "
                       f"part of it")
             return
-        if plan.policy.stack_analysis:
-            why = (f"rung 3: {p.node_id} reports {p.check} ({p.detail or 'no detail'}): capture the stacks of every "
-                   f"training process while they hang and let the analyzer find the outliers")
-            plan.open_incident("hang", p.node_id, f"hang/{p.check}", why)
-            plan.capture_stacks(why)
-            return
-        why = (f"rung 2: {p.node_id} reports {p.check} ({p.detail or 'no detail'}) and nothing names a culprit: "
-               f"stop the ranks and run stop-time diagnostics on every node")
-        plan.open_incident("hang", p.node_id, f"hang/{p.check}", why)
-        plan.diagnose(why)
+        _open_hang(plan, p.node_id, p.check, f"{p.node_id} reports {p.check} ({p.detail or 'no detail'})")
         return
     plan.note(f"{p.node_id}: {p.component}/{p.check} failed with {p.confidence} confidence, fatal={p.is_fatal}; "
               f"not a rung-1 signal, left to the higher rungs")
+
+
+def _open_hang(plan: ActionPlan, node_id: str, check: str, evidence: str) -> None:
+    """A hang: rung 3 (capture the stacks while the ranks hang) or, with stack analysis off, rung 2."""
+    if plan.policy.stack_analysis:
+        why = (f"rung 3: {evidence}: capture the stacks of every training process while they hang and let the "
+               f"analyzer find the outliers")
+        plan.open_incident("hang", node_id, f"hang/{check}", why)
+        plan.capture_stacks(why)
+        return
+    why = f"rung 2: {evidence} and nothing names a culprit: stop the ranks and run stop-time diagnostics on every node"
+    plan.open_incident("hang", node_id, f"hang/{check}", why)
+    plan.diagnose(why)
+
+
+ALL_BLOCKED_CHECK = "all_ranks_blocked"
+
+
+def all_blocked(job: JobView, floor: timedelta) -> tuple[str, str] | None:
+    """Whether every rank of the job has been inside a collective at once for ``floor`` (pure): the node whose
+    ranks entered first and the evidence, or None.
+
+    Each active node's newest heartbeat must have all its ranks inside one (``NodeView.blocked``), in the job's
+    generation. A rank's wait only grows while it stays in the same collective, so at the earliest of those
+    heartbeats every rank was inside one, and had been since the latest entry: the job was blocked together for
+    (earliest heartbeat - latest entry). Nobody was computing or loading data for the others to wait on, which
+    a slow rank or a data-loader stall never looks like (its own rank is outside a collective). The ranks that
+    entered first are the group the others wait behind."""
+    if floor <= timedelta(0) or job.stopped or job.finished:
+        return None
+    active = job.active
+    views = [n.blocked for n in active]
+    if not active or any(b is None or b.generation != job.generation for b in views):
+        return None
+    blocked = [(n.node_id, b) for n, b in zip(active, views, strict=True) if b is not None]
+    together = min(b.heard_at for _, b in blocked) - max(b.since for _, b in blocked)
+    if together < floor:
+        return None
+    entries = sorted((b.heard_at - timedelta(seconds=waited), rank, collective, node)
+                     for node, b in blocked for rank, collective, waited in b.ranks)
+    first = entries[0][0]
+    group = [(rank, collective, node) for entered, rank, collective, node in entries
+             if entered - first <= timedelta(seconds=0.5)]
+    names = sorted({collective for _, collective, _ in group})
+    evidence = (f"every rank of the job ({len(entries)} on {len(blocked)} node(s)) has been inside a collective at once "
+                f"for {together.total_seconds():.1f} s (floor {floor.total_seconds():g} s): nobody is computing for them "
+                f"to wait on. Waiting longest: rank(s) {', '.join(str(r) for r, _, _ in group)} in "
+                f"{', '.join(names)} on {', '.join(sorted({n for _, _, n in group}))}")
+    return group[0][2], evidence
 
 
 # -- crashes: rungs 2, 4 and 6 -------------------------------------------------------------------------
@@ -627,8 +667,14 @@ def on_rollout(plan: ActionPlan, p: CodeRolloutRequested) -> None:
         plan.roll_out(f"{p.reason}{'' if pending == p.version_id else f' (the newest pending version is {pending})'}")
 
 def on_heartbeat(plan: ActionPlan, p: NodeHeartbeat) -> None:
-    """A node of the restarted generation stepped past the restore point: the incident is resolved (and
-    a rollout asked for meanwhile follows)."""
+    """Every rank of the job blocked in collectives at once: a hang (``all_blocked``). A node of the restarted
+    generation stepped past the restore point: the incident is resolved (and a rollout asked for meanwhile
+    follows)."""
+    if plan.job.incident is None and p.rank_collectives and not p.standby:
+        found = all_blocked(plan.job, plan.policy.all_blocked_hang_after)
+        if found is not None:
+            _open_hang(plan, found[0], ALL_BLOCKED_CHECK, found[1])
+            return
     incident = plan.job.incident
     if incident is None or incident.stage not in ("recovering", "observing") or p.node_id not in incident.started:
         return

@@ -80,6 +80,27 @@ Stage = Literal["observing", "capturing", "diagnosing", "replaying", "recovering
 
 
 @dataclass(frozen=True)
+class BlockedNode:
+    """A heartbeat in which every rank of the node was inside a collective: since when all of them were (the
+    heartbeat's time less the shortest wait), and each rank's collective and wait."""
+
+    generation: int
+    heard_at: datetime
+    since: datetime
+    ranks: tuple[tuple[int, str, float], ...]
+    """(rank, collective, seconds inside it when the heartbeat was sent)."""
+
+
+def blocked_node(p: NodeHeartbeat, at: datetime) -> BlockedNode | None:
+    """The heartbeat's evidence that the node is blocked, or None (a rank outside a collective, or none)."""
+    if p.standby or p.generation is None or p.ranks_expected <= 0 or len(p.rank_collectives) < p.ranks_expected:
+        return None
+    waits = {rank: c.waited_s for rank, c in p.rank_collectives.items()}
+    return BlockedNode(generation=p.generation, heard_at=at, since=at - timedelta(seconds=min(waits.values())),
+                       ranks=tuple((rank, p.rank_collectives[rank].collective, waits[rank]) for rank in sorted(waits)))
+
+
+@dataclass(frozen=True)
 class NodeView:
     """One node as the job sees it (a worker or a standby): its newest generation only."""
 
@@ -116,6 +137,8 @@ class NodeView:
     addresses: tuple[str, ...] = ()
     """The IP addresses its host registered (``NodeRegistered.addresses``): how a peer's report of an
     unreachable address (``PeerReport``) names this node."""
+    blocked: BlockedNode | None = None
+    """Its newest heartbeat had every one of its ranks inside a collective (None otherwise)."""
 
     @property
     def fenced(self) -> bool:
@@ -433,6 +456,8 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
     if isinstance(p, NodeHeartbeat):
         if legacy:
             job = job.with_node(replace(job.node(p.node_id), heard_at=at))
+        if p.node_id in job.nodes and (p.rank_collectives or job.node(p.node_id).blocked is not None):
+            job = job.with_node(replace(job.node(p.node_id), blocked=blocked_node(p, at)))
         if not p.standby and not job.sdk_seen and (p.ranks_reporting is None or p.ranks_reporting > 0
                                                    or p.last_step >= 0):
             job = replace(job, sdk_seen=True)
