@@ -275,7 +275,8 @@ class ControllerSettings(_Section):
     all_blocked_hang_after: Duration = parse_duration("5s")
     """A job every rank of which has been inside a collective at once this long is hung (rung 3): nobody is
     computing or loading data for the others to wait on. The nodes' heartbeats say which ranks are inside one
-    (an agent all of whose ranks have been inside one this long sends one every second). Raise it for a job one of whose collectives
+    (an agent all of whose ranks have been inside one for 5 s sends one every second: below 5 s, a call waits
+    for the regular heartbeats). Raise it for a job one of whose collectives
     legitimately takes longer once every rank has entered it; 0s turns it off (the agents' per-rank
     ``collective_stuck`` check remains)."""
     stacks_verdict_timeout: Duration = parse_duration("20s")
