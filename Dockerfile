@@ -1,7 +1,7 @@
 # Keel control-plane image: the control-plane distributions as plain wheels in a virtual environment (no
 # editable install, no source tree), without torch. One console script per role:
 #   keel-migrate, keel-recorder, keel-controller, keel-checkpoint-broker, keel-actuator, keel-analyzer,
-#   keel-hot-update, and keel-credentials (a deployment's NATS identities, signing keys and NATS TLS certificate).
+#   keel-hot-update, keel-notifier, and keel-credentials (a deployment's NATS identities, signing keys and NATS TLS certificate).
 #
 #   make images                               wheels, then this image and the node agent's (infra/images/)
 #   docker run --rm keel:local keel-controller --help
@@ -20,7 +20,7 @@ FROM ${BASE_IMAGE} AS install
 COPY dist/wheels/control /wheels
 RUN python3 -m venv /opt/keel \
  && /opt/keel/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --find-links /wheels \
-        keel-recorder keel-controller keel-checkpoint-broker keel-actuator keel-analyzer keel-hot-update
+        keel-recorder keel-controller keel-checkpoint-broker keel-actuator keel-analyzer keel-hot-update keel-notifier
 
 FROM ${BASE_IMAGE}
 COPY --from=install /opt/keel /opt/keel
@@ -41,7 +41,8 @@ RUN useradd --system --uid 10001 --gid 0 --home-dir /home/keel --create-home --s
  && install -d -m 0700 -o 10001 -g 0 /var/lib/keel/credentials \
     /var/lib/keel/export/nats /var/lib/keel/export/migrate /var/lib/keel/export/recorder \
     /var/lib/keel/export/controller /var/lib/keel/export/checkpoint-broker /var/lib/keel/export/actuator \
-    /var/lib/keel/export/analyzer /var/lib/keel/export/hot-update /var/lib/keel/export/operator \
+    /var/lib/keel/export/analyzer /var/lib/keel/export/hot-update /var/lib/keel/export/notifier \
+    /var/lib/keel/export/operator \
     /var/lib/keel/export/agent \
  && install -d -m 0750 -o 10001 -g 0 /var/lib/keel/checkpoints
 

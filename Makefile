@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - a real stack (embedded NATS JetStream + PostgreSQL + services), faults injected, replay-verified
-#                 (HOSTS=netns: every node and NATS server a host of its own; needs root / CAP_NET_ADMIN)
+#                 (HOSTS=netns: every node and NATS server a host of its own; needs root / CAP_NET_ADMIN;
+#                  DEMO_ARGS="--sharding fsdp2|zero2|zero1": also a job with sharded model state)
 #   make test   - the whole test suite against real servers the tests start themselves
 # Each installs what it needs into .venv first (pip; torch is the CPU wheel pinned by the SDK, agent and workload).
 
@@ -14,9 +15,9 @@ STAMP  := $(VENV)/.installed
 # always be satisfied by a path given here, never by the index.
 DISTS := libs/events libs/kernel libs/rules libs/protocol libs/checkpoint migrations libs/infra libs/cluster \
          libs/sdk libs/workload services/recorder services/controller services/checkpoint_broker \
-         services/analyzer services/hot_update services/actuator services/agent libs/cli
+         services/analyzer services/hot_update services/actuator services/notifier services/agent libs/cli
 PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
-DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'torchdata==0.11.0' 'grpcio-tools>=1.85.1' \
+DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'torchdata==0.11.0' 'lightning==2.6.6' 'transformers==5.25.0' 'accelerate==1.16.0' 'grpcio-tools==1.85.1' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'
 
 .PHONY: install system-deps test lint unit integration demo bench bench-quick bench-detection bench-checkpoint bench-recovery bench-analyzer bench-control-plane schema proto config-docs compose-secrets images clean
@@ -48,10 +49,11 @@ test: lint system-deps
 	$(BIN)/python -m pytest -q
 
 # Debian's packages the tests run for real: Slurm (slurmctld, slurmd, munge) for the Slurm actuator; podman
-# (with runc, netavark and aardvark-dns) and debootstrap for the compose scenario's images and containers. As
-# root and only when missing (apt-get reaches Debian's registry); otherwise say what the tests will lack.
-SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch podman runc debootstrap
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge podman runc netavark aardvark-dns debootstrap
+# (with runc, netavark, aardvark-dns and the iptables netavark sets bridges up with) and debootstrap for the compose scenario's images and containers;
+# prometheus, which scrapes `keel metrics --serve`. As root and only when missing (apt-get reaches Debian's registry); otherwise say what
+# the tests will lack.
+SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch podman runc debootstrap iptables prometheus
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge podman runc netavark aardvark-dns iptables debootstrap prometheus
 system-deps:
 	@missing=""; for p in $(SYSTEM_PROGRAMS); do command -v $$p >/dev/null 2>&1 || [ -x /usr/sbin/$$p ] || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
@@ -59,7 +61,7 @@ system-deps:
 		echo "installing Debian's $(SYSTEM_PACKAGES) (missing:$$missing)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null || \
 		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null; }; \
-	else echo "note: missing$$missing (Debian: apt-get install $(SYSTEM_PACKAGES), as root); the Slurm and compose tests will fail"; fi
+	else echo "note: missing$$missing (Debian: apt-get install $(SYSTEM_PACKAGES), as root); the Slurm, compose and metrics tests will fail"; fi
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit
@@ -68,8 +70,9 @@ integration: install
 	$(BIN)/python -m pytest -q tests/integration
 
 HOSTS ?= flat
+DEMO_ARGS ?=
 demo: install
-	$(BIN)/keel demo --hosts $(HOSTS)
+	$(BIN)/keel demo --hosts $(HOSTS) $(DEMO_ARGS)
 
 bench: install
 	$(BIN)/python bench/bus.py --json bench/results/bus.json

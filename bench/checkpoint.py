@@ -85,16 +85,19 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-ORDER = ("none", "torch_save", "dcp_async", "dlrover", "keel_nobackup", "keel")
+ORDER = ("none", "torch_save", "dcp_async", "dlrover", "keel_nobackup", "keel", "fsdp")
 JSON_KEYS = (
     "retention", "blocking_ms_keel", "blocking_ms_torch_save", "blocking_ms_dcp_async", "blocking_ratio_vs_torch_save",
     "blocking_ratio_vs_dcp_async", "blocking_ms_dlrover", "overhead_ms_keel_nobackup", "overhead_ms_keel",
     "overhead_ms_dlrover", "restore_s_memory", "restore_s_dlrover_memory", "restore_s_peer", "restore_s_disk",
-    "restore_verified", "host_bytes_per_rank",
+    "restore_verified", "host_bytes_per_rank", "blocking_ms_keel_fsdp", "blocking_ms_dcp_async_fsdp",
+    "blocking_ratio_vs_dcp_async_fsdp", "overhead_ms_keel_fsdp", "overhead_ms_dcp_async_fsdp", "restore_s_keel_fsdp",
+    "restore_s_dcp_fsdp", "restore_s_reshard",
 )
 TARGETS = {"retention": 0.95, "vs_torch_save": 20.0, "vs_dcp_async": 3.0, "restore_memory_vs_disk": 3.0}
 # --smoke: seconds, not minutes; it checks that the bench runs end to end and its figures are sane, not the figures.
-SMOKE_VARIANTS = ("torch_save", "dlrover", "keel")
+SMOKE_VARIANTS = ("torch_save", "dlrover", "keel", "fsdp")
+FSDP_WORLD = 2  # ranks of the FSDP2 variant (bench._ckpt_fsdp): Keel and DCP async_save on the same sharded state
 VARIANT_TIMEOUT_S = 600
 
 
@@ -269,6 +272,50 @@ def run_variant(variant: str, tag: str, args: argparse.Namespace, scratch: Path,
     return result
 
 
+def run_fsdp(args: argparse.Namespace, scratch: Path, shm_root: Path) -> dict[str, Any]:
+    """The FSDP2 variant: ``FSDP_WORLD`` gloo ranks of ``bench._ckpt_fsdp`` (Keel and DCP in the same run)."""
+    from keel.infra.embedded import free_port
+
+    out, work = scratch / "fsdp.json", scratch / "fsdp"
+    work.mkdir(parents=True, exist_ok=True)
+    env = _env(args)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(FSDP_WORLD),
+               LOCAL_WORLD_SIZE=str(FSDP_WORLD))
+    rounds = 1 if args.smoke else max(2, args.steps // args.block // 2)
+    cmd = [sys.executable, "-m", "bench._ckpt_fsdp", "--out", str(out), "--size", args.size, "--batch",
+           str(args.batch), "--rounds", str(rounds), "--block", str(args.block), "--warmup", str(args.warmup),
+           "--scratch", str(work), "--shm-dir", str(shm_root / "fsdp" / "node"),
+           "--restore-repeats", str(args.restore_repeats)]
+    started = time.monotonic()
+    procs: list[subprocess.Popen] = []
+    logs = [scratch / f"fsdp.rank{r}.log" for r in range(FSDP_WORLD)]
+    try:
+        for rank in range(FSDP_WORLD):
+            with open(logs[rank], "wb") as f:
+                procs.append(subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                              stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + VARIANT_TIMEOUT_S
+        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+        try:
+            result = json.loads(out.read_text())
+        except (OSError, ValueError):
+            result = {"ok": False, "error": f"no result (exit statuses {codes})"}
+        if any(codes):
+            result = {"ok": False, "error": f"exit statuses {codes}"}
+    except subprocess.TimeoutExpired:
+        result = {"ok": False, "error": f"timed out after {VARIANT_TIMEOUT_S}s"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        shutil.rmtree(shm_root / "fsdp", ignore_errors=True)
+    if not result.get("ok"):
+        result["log_tail"] = "\n".join(_tail(log) for log in logs)
+    result["wall_s"] = time.monotonic() - started
+    return result
+
+
 # -- figures ----------------------------------------------------------------------------------------
 
 
@@ -295,7 +342,7 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
     per: dict[str, Any] = {}
     for tag in ORDER:
         r = ok.get(tag)
-        if r is None:
+        if r is None or tag == "fsdp":  # its own keys (_fsdp_figures): two ranks, not the single-rank table
             continue
         per[tag] = {
             "steps_per_s": r["steps_per_s"],
@@ -385,6 +432,7 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
                                                            nob.get("restore_slot_changed_by_next_step")),
         "restore_memory_vs_disk": _ratio(keel.get("restore_s_disk"), keel.get("restore_s_memory", nob.get("restore_s_memory"))),
         "host_bytes_per_rank_by_variant": {tag: p["host_bytes_per_rank"] for tag, p in per.items()},
+        **_fsdp_figures(ok.get("fsdp")),
         "keel_agent": agent or None,
         # Keel's own per-snapshot figures (Checkpointer.stats(), seconds; warmup snapshots included): a
         # cross-check of the blocking time measured here, and the background copy / hash times.
@@ -402,6 +450,23 @@ def figures(results: dict[str, dict[str, Any]], args: argparse.Namespace, skippe
                    "persist_every": args.persist_every, "cpus": os.cpu_count(), "world_size": 1},
         "versions": _versions(),
     }
+    return out
+
+
+def _fsdp_figures(r: dict[str, Any] | None) -> dict[str, Any]:
+    """The FSDP2 variant's keys (None when it did not run). ``restore_s_reshard``: restoring on another layout
+    is not built yet (a shard of another layout is refused), so it is reported as not measured."""
+    r = r or {}
+    keys = ("blocking_ms_keel_fsdp", "blocking_ms_dcp_async_fsdp", "blocking_ms_keel_fsdp_median",
+            "blocking_ms_dcp_async_fsdp_median", "overhead_ms_keel_fsdp", "overhead_ms_dcp_async_fsdp",
+            "restore_s_keel_fsdp", "restore_s_dcp_fsdp", "restore_fsdp_bitwise", "restore_fsdp_bitwise_keel",
+            "restore_fsdp_bitwise_dcp", "plain_step_ms", "state_bytes_per_rank", "world_size")
+    out = {(k if "fsdp" in k else f"fsdp_{k}"): r.get(k) for k in keys}
+    out["blocking_ratio_vs_dcp_async_fsdp"] = _ratio(r.get("blocking_ms_dcp_async_fsdp"), r.get("blocking_ms_keel_fsdp"))
+    out["blocking_ratio_vs_dcp_async_fsdp_median"] = _ratio(r.get("blocking_ms_dcp_async_fsdp_median"),
+                                                            r.get("blocking_ms_keel_fsdp_median"))
+    out["restore_s_reshard"] = None
+    out["fsdp_measured_by_rank"] = r.get("measured_by_rank")
     return out
 
 
@@ -443,7 +508,8 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
     for tag in ORDER:
         p = per.get(tag)
         if p is None:
-            why = fig["skipped"].get(tag) or fig["failed"].get(tag)
+            why = fig["skipped"].get(tag) or fig["failed"].get(tag) or (
+                "two ranks: see the FSDP2 target below" if tag == "fsdp" else None)
             if why:
                 print(f"{tag:<15}  ({why})")
             continue
@@ -520,6 +586,17 @@ def report(fig: dict[str, Any], results: dict[str, dict[str, Any]]) -> list[tupl
           f"{_fmt(ms(fig.get('restore_s_dlrover_memory_reattached')), '.1f', ' ms')}); "
           f"keel trusting the agent's hash {_fmt(ms(fig['restore_s_memory_agent_verified']), '.1f', ' ms')}, "
           f"that hash alone {_fmt(ms(fig['restore_verify_s_memory_agent']), '.1f', ' ms')}")
+    v = fig["blocking_ratio_vs_dcp_async_fsdp"]
+    check("FSDP2: blocking ≥ 3× lower than DCP async_save", v, v is not None and v >= TARGETS["vs_dcp_async"],
+          f"{_fmt(v, '.1f', '×')} ({_fmt(fig['blocking_ms_dcp_async_fsdp'], '.2f')} ms vs "
+          f"{_fmt(fig['blocking_ms_keel_fsdp'], '.2f')} ms per step, the slower of {fig['fsdp_world_size']} ranks; "
+          f"medians {_fmt(fig['blocking_ratio_vs_dcp_async_fsdp_median'], '.1f', '×')}; "
+          f"overhead {_fmt(fig['overhead_ms_dcp_async_fsdp'], '+.1f')} vs {_fmt(fig['overhead_ms_keel_fsdp'], '+.1f')} ms "
+          f"per step; restore, same layout {_fmt(ms(fig['restore_s_dcp_fsdp']), '.1f')} vs "
+          f"{_fmt(ms(fig['restore_s_keel_fsdp']), '.1f', ' ms')}, bitwise: keel {fig['restore_fsdp_bitwise_keel']}, "
+          f"DCP {fig['restore_fsdp_bitwise_dcp']})")
+    check("FSDP2: restore with resharding (restore_s_reshard)", None, None,
+          "not built yet: a shard of another layout is refused with the difference named")
     print()
     if fig["config"]["mode"] == "smoke":
         print("targets: not judged in a smoke run (tiny model, a few steps: it proves the bench runs, not the figures)")
@@ -561,6 +638,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     try:
         for variant, tag in tags:
+            if variant == "fsdp":
+                result = results[tag] = run_fsdp(args, scratch, shm_root)
+                if result.get("ok"):
+                    log(f"fsdp ({FSDP_WORLD} ranks): blocking keel {result['blocking_ms_keel_fsdp']:.2f} ms, DCP async "
+                        f"{result['blocking_ms_dcp_async_fsdp']:.2f} ms [{result['wall_s']:.0f} s]")
+                else:
+                    log(f"fsdp: FAILED: {result.get('error')}\n{result.get('log_tail', '')}")
+                continue
             result = run_variant(variant, tag, args, scratch, shm_root)
             results[tag] = result
             if result.get("ok"):

@@ -57,6 +57,15 @@ def scratch_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A folder on the RAM-backed filesystem (``/dev/shm``, else ``/tmp``), as a node agent's slots are: removed after."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    path = Path(tempfile.mkdtemp(prefix="keel-shm-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 TEST_CREDENTIALS = _scratch_dir("keel-test-credentials-")
 """The credentials folder of the tests' settings (``isolated_settings``): every control-plane service's
 signing key and the test operator's, as ``keel up`` creates them (removed at exit)."""

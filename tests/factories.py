@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -42,3 +46,38 @@ def flip_byte(path: Path, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# -- training jobs launched as process groups (tests/integration/test_checkpointer.py, test_fsdp_checkpoint.py) --
+
+STEP_LINE = re.compile(r"^step (\d+) loss \S+ .*loss_hex (\S+)", re.M)
+"""A workload's step line (``keel.workload.train`` and ``keel.workload.fsdp`` print the same)."""
+
+
+def kill_ranks(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL each rank's whole process group (started with ``start_new_session``) and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        p.wait(10)
+
+
+def finish_ranks(procs: list[subprocess.Popen[str]], timeout_s: float = 90) -> str:
+    """Wait for every rank; assert they all exited 0; rank 0's output (its stdout is a pipe)."""
+    try:
+        out, _ = procs[0].communicate(timeout=timeout_s)
+        for p in procs[1:]:
+            p.wait(timeout_s)
+    finally:
+        kill_ranks(procs)
+    assert all(p.returncode == 0 for p in procs), out[-3000:]
+    return out
+
+
+def step_losses(*outputs: str) -> dict[int, str]:
+    """Step -> loss (hex) from workload outputs; a later output's line for a step wins."""
+    losses: dict[int, str] = {}
+    for out in outputs:
+        losses.update({int(s): loss for s, loss in STEP_LINE.findall(out)})
+    return losses

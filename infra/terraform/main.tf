@@ -8,7 +8,7 @@
 #      the NetworkPolicies
 #   3. the migrate Job (`keel-migrate`), waited for: a failed migration fails the apply
 #   4. one Deployment per control-plane service (recorder, controller, checkpoint-broker, analyzer,
-#      hot-update, actuator; waited for), the job's node-agent DaemonSet and standby Deployment
+#      hot-update, actuator, notifier; waited for), the job's node-agent DaemonSet and standby Deployment
 
 # -- database roles (keel.infra.dbroles) -------------------------------------------------------------------
 #

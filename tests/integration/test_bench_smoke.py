@@ -100,6 +100,14 @@ def hot_update_sane(r: dict[str, Any]) -> None:
     assert requeue["phases_s"]["recompute"] == 0.0
 
 
+def ops_sane(r: dict[str, Any]) -> None:
+    assert r["mode"] == "smoke" and r["failures"] == [], r["failures"]
+    assert r["notify_received"] == r["notify_count"] == 10 and 0 < r["notify_p50_s"] <= r["notify_p99_s"] <= 2
+    # The receiver refused during the outage, the notifier retried, and every incident arrived in the end.
+    assert r["outage_refusals"] >= 1 and r["outage_deliveries_retried"] >= 1 and r["notify_lost"] == 0
+    assert r["api_p99_ms"] is None and "not built" in r["api_p99_ms_reason"]
+
+
 CASES: list[tuple[list[str], tuple[str, ...], Callable[[dict[str, Any]], None]]] = [
     (["-m", "bench.analyzer"], ("whole_path_by_ranks", "whole_path_s_16k", "targets"), analyzer_sane),
     (["bench/bus.py"], ("raw_jetstream_eps", "persisted_eps", "replay_eps", "targets"), bus_sane),
@@ -111,6 +119,7 @@ CASES: list[tuple[list[str], tuple[str, ...], Callable[[dict[str, Any]], None]]]
     (["-m", "bench.hot_update"], ("inplace_s", "requeue_s", "ratio", "requeue_sigkill_s", "ratio_sigkill", "inplace",
                                   "requeue", "skipped", "load_average_at_start", "load_average_at_end"),
      hot_update_sane),
+    (["-m", "bench.ops"], ("notify_p50_s", "notify_p99_s", "notify_lost", "outage_drain_s", "api_p99_ms"), ops_sane),
 ]
 
 

@@ -10,15 +10,11 @@ import math
 import os
 import random
 import re
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +31,7 @@ from keel.sdk import Checkpointer, CheckpointMismatchError, Session, SessionConf
 from keel.sdk.checkpoint import CheckpointError
 from keel.sdk.shard import decode_shard
 from keel.workload.data import ShardedSampler
-from tests.factories import flip_byte
+from tests.factories import finish_ranks, flip_byte, kill_ranks, step_losses
 
 pytestmark = pytest.mark.integration
 
@@ -45,14 +41,6 @@ def _no_agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("KEEL_CKPT_DIR", "KEEL_RESTORE_PLAN", "KEEL_RESTORE_TIMEOUT", "KEEL_AGENT_SOCKET", "KEEL_FAULT_FILE",
                  "RANK", "WORLD_SIZE", "KEEL_GENERATION"):
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    path = Path(tempfile.mkdtemp(prefix="keel-ckpt-", dir=base))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 # -- a tiny model whose training depends on every RNG and on BatchNorm buffers ----------------------------------
@@ -170,7 +158,6 @@ def test_resume_from_slots_is_bitwise_equal_to_an_uninterrupted_run(shm: Path) -
 
 # -- (b) SIGKILL every rank of a real torch.distributed job, relaunch, compare ----------------------------------
 
-_STEP_LINE = re.compile(r"^step (\d+) loss \S+ .*loss_hex (\S+)", re.M)
 _STEPS = 16
 _TRAIN = ["-m", "keel.workload.train", "--pp", "2", "--steps", str(_STEPS), "--batch", "4", "--micro-batches", "2",
           "--lr", "1e-2", "--seed", "3"]
@@ -190,30 +177,10 @@ def _launch(world: int, args: list[str], env_extra: dict[str, str], log_dir: Pat
     return procs
 
 
-def _kill(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        p.wait(10)
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout_s: float = 90) -> str:
-    try:
-        out, _ = procs[0].communicate(timeout=timeout_s)
-        for p in procs[1:]:
-            p.wait(timeout_s)
-    finally:
-        _kill(procs)
-    assert all(p.returncode == 0 for p in procs), out[-3000:]
-    return out
 
 
-def _losses(*outputs: str) -> dict[int, str]:
-    losses: dict[int, str] = {}
-    for out in outputs:  # later runs win: the last line per step
-        losses.update({int(s): loss for s, loss in _STEP_LINE.findall(out)})
-    return losses
 
 
 def test_sigkilled_ranks_resume_bitwise_from_their_slots(shm: Path) -> None:
@@ -222,7 +189,7 @@ def test_sigkilled_ranks_resume_bitwise_from_their_slots(shm: Path) -> None:
     fault.write_text(json.dumps({"id": "stop", "kind": "hang", "rank": 1, "params": {"at_step": hang_at}}))
     reference = _launch(world, ["--save-final", str(shm / "ref")], {}, shm)
     victim = _launch(world, [], {"KEEL_CKPT_DIR": str(shm / "node"), "KEEL_FAULT_FILE": str(fault)}, shm)
-    watchdog = threading.Timer(90, _kill, [victim])
+    watchdog = threading.Timer(90, kill_ranks, [victim])
     watchdog.start()
     killed_output = []
     try:
@@ -230,24 +197,24 @@ def test_sigkilled_ranks_resume_bitwise_from_their_slots(shm: Path) -> None:
         for line in victim[0].stdout:
             killed_output.append(line)
             if line.startswith(f"step {kill_after} "):
-                _kill(victim)  # mid-run: copies may be in flight, ranks may be a step apart
+                kill_ranks(victim)  # mid-run: copies may be in flight, ranks may be a step apart
                 break
     finally:
         watchdog.cancel()
-        _kill(victim)
+        kill_ranks(victim)
     killed = "".join(killed_output)
     assert f"step {kill_after} " in killed and "done steps" not in killed, killed[-2000:]
     slots = ckpt_slots.list_slots(shm / "node")
     assert sorted(slots) == [0, 1], slots
 
-    resumed = _finish(_launch(world, ["--save-final", str(shm / "resumed")], {"KEEL_CKPT_DIR": str(shm / "node")}, shm))
-    reference_out = _finish(reference)
+    resumed = finish_ranks(_launch(world, ["--save-final", str(shm / "resumed")], {"KEEL_CKPT_DIR": str(shm / "node")}, shm))
+    reference_out = finish_ranks(reference)
     match = re.search(r"restored step (\d+)", resumed)
     assert match and kill_after - 2 <= int(match.group(1)) < hang_at, resumed[-2000:]
-    assert int(match.group(1)) + 1 == min(_losses(resumed))  # continues at the next step
-    ref_losses = _losses(reference_out)
+    assert int(match.group(1)) + 1 == min(step_losses(resumed))  # continues at the next step
+    ref_losses = step_losses(reference_out)
     assert sorted(ref_losses) == list(range(_STEPS))
-    assert _losses(killed, resumed) == ref_losses
+    assert step_losses(killed, resumed) == ref_losses
     for rank in range(world):
         final, ref = Path(f"{shm / 'resumed'}.rank{rank}"), Path(f"{shm / 'ref'}.rank{rank}")
         assert final.read_bytes() == ref.read_bytes(), f"rank {rank}'s final state differs"
@@ -564,3 +531,29 @@ def test_slot_restore_without_a_plan_raises_when_a_corrupt_slot_was_loaded_and_n
     with pytest.raises(CheckpointCorruptError, match="no slot .* verified"):
         ckpt.restore()
     ckpt.close()
+
+
+def test_a_step_taken_again_rewrites_its_own_slot_and_only_the_newest_step_can_be(tmp_path: Path) -> None:
+    """``snapshot(step, again=True)``: the state after ``step`` changed without a new step (an evaluation drew from
+    the RNGs): the slot of ``step`` holds the new state; a plain second call does nothing; an older step is refused."""
+    model = nn.Linear(4, 2)
+    with Checkpointer(model=model, rank=0, world_size=1, ckpt_dir=tmp_path) as ckpt:
+        ckpt.snapshot(0)
+        torch.manual_seed(7)
+        ckpt.snapshot(1)
+        ckpt.wait()
+        slot1 = ckpt_slots.slot_path(tmp_path, 0, 1)
+        before = ckpt_slots.read_payload(slot1, verify=True)[0].digest
+        torch.rand(3)  # an evaluation's draw
+        ckpt.snapshot(1)  # the same step: nothing
+        ckpt.wait()
+        assert ckpt_slots.read_payload(slot1, verify=True)[0].digest == before
+        ckpt.snapshot(1, again=True)
+        ckpt.wait()
+        header, payload = ckpt_slots.read_payload(slot1, verify=True)
+        assert header.step == 1 and header.digest != before
+        _, tree = decode_shard(payload)
+        assert torch.equal(tree["rng"]["torch"], torch.get_rng_state())
+        assert ckpt_slots.read_payload(ckpt_slots.slot_path(tmp_path, 0, 0), verify=True)[0].step == 0
+        with pytest.raises(CheckpointError, match="only the newest step can be taken again"):
+            ckpt.snapshot(0, again=True)

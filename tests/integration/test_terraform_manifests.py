@@ -178,7 +178,8 @@ def test_every_service_keel_up_starts_runs_once_with_probes_and_its_own_secrets(
         volumes = {v["name"]: v for v in _pod_spec(deployment)["volumes"]}
         assert volumes["credentials-source"]["secret"]["secretName"] == f"keel-credentials-{name.removeprefix('keel-')}"
         secrets = [e["secretRef"]["name"] for e in container["envFrom"] if "secretRef" in e]
-        expected = {"keel-recorder": ["keel-database-recorder"], "keel-actuator": []}.get(name, ["keel-database-decider"])
+        expected = {"keel-recorder": ["keel-database-recorder"], "keel-actuator": [], "keel-notifier": []}.get(
+            name, ["keel-database-decider"])
         assert secrets == expected, name
     actuator = _pod_spec(control["keel-actuator"])
     assert actuator["serviceAccountName"] == "keel-actuator" and actuator["automountServiceAccountToken"] is True

@@ -19,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -114,10 +116,11 @@ def reference_run(directory: Path) -> None:
 
 
 class Run:
-    def __init__(self, keel_env, directory: Path) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, keel_env, directory: Path, nodes: list[str] = NODES) -> None:  # type: ignore[no-untyped-def]
         self.env = keel_env
         self.settings = keel_env.settings
         self.directory = directory
+        self.nodes = nodes
         self.generation = 0
 
     async def events(self, types: list[str]) -> list[Event]:
@@ -152,7 +155,7 @@ class Run:
         Returns the broker's restore plan for it."""
         self.generation += 1
         generation = self.generation
-        for node in NODES:
+        for node in self.nodes:
             command = Event.create(RanksRestartRequested(node_id=node, generation=generation, reason=reason,
                                                          expires_at=now_utc() + timedelta(minutes=2)),
                                    job_id="ckpt", subject=f"node/{node}", producer="controller", occurred_at=now_utc())
@@ -212,8 +215,10 @@ class Run:
                 for e in await self.events(["CheckpointInventoryReported"]) if e.payload.generation == self.generation]
 
 
-@pytest.fixture
-async def run(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
+@asynccontextmanager
+async def broker_run(keel_env, scratch_dir: Path, nodes: list[str] = NODES) -> AsyncIterator[Run]:  # type: ignore[no-untyped-def]
+    """The recorder, the real checkpoint broker (persisting every 10 steps) and the job clock for job ``ckpt``; the
+    local cluster in ``scratch_dir / "cluster"`` is taken down after."""
     await keel_env.start_recorder()
     env = {"KEEL_CHECKPOINT__PERSIST_ROOT": str(scratch_dir / "cluster" / "checkpoints"),
                 "KEEL_CHECKPOINT__PERSIST_EVERY_FLOOR": "10", "KEEL_CHECKPOINT__PERSIST_EVERY_CEILING": "10",
@@ -223,12 +228,38 @@ async def run(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
     # ticks the controller would send, a replacement node still importing torch past the wait left the
     # plan waiting for an event that never came.
     await run_job_clock(keel_env, timedelta(seconds=1), job_id="ckpt")
-    running = Run(keel_env, scratch_dir)
+    running = Run(keel_env, scratch_dir, nodes)
     try:
         yield running
     finally:
         await asyncio.to_thread(cluster_down, scratch_dir / "cluster")
         stop_process(broker)
+
+
+@pytest.fixture
+async def run(keel_env, scratch_dir):  # type: ignore[no-untyped-def]
+    async with broker_run(keel_env, scratch_dir) as running:
+        yield running
+
+
+async def lose_and_replace_node(run: Run, scratch_dir: Path, lost: str) -> Event:
+    """Kill ``lost``'s whole node (processes and shared memory), start a fresh one in its place, restart every node
+    as the next generation: the restore plan."""
+    await asyncio.to_thread(kill_node, scratch_dir / "cluster", lost)
+    await asyncio.to_thread(start_node, scratch_dir / "cluster", lost)
+    return await run.restart_all(f"test: node {lost} lost")
+
+
+async def kill_a_rank_and_restart(run: Run, scratch_dir: Path, victim: str) -> Event:
+    """SIGKILL the rank on ``victim`` and restart every node as the next generation: the plan, which must restore
+    every rank from its node's memory."""
+    state = cluster_status(scratch_dir / "cluster")
+    pid = next(n["ranks"][0] for n in state["nodes"] if n["node_id"] == victim)
+    os.kill(pid, signal.SIGKILL)
+    plan = await run.restart_all(f"test: rank on {victim} killed")
+    assert plan.payload.step >= 5
+    assert {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    return plan
 
 
 async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(run: Run, scratch_dir: Path) -> None:
@@ -259,12 +290,7 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
     # 1. One rank SIGKILLed at a random step: restored from local memory.
     await run.wait_step(rng.randint(6, 14))
     victim = rng.choice(NODES)
-    state = cluster_status(scratch_dir / "cluster")
-    pid = next(n["ranks"][0] for n in state["nodes"] if n["node_id"] == victim)
-    os.kill(pid, signal.SIGKILL)
-    plan = await run.restart_all(f"test: rank on {victim} killed")
-    assert plan.payload.step >= 5
-    assert {s.tier for s in plan.payload.sources} == {"memory"}, plan.payload
+    plan = await kill_a_rank_and_restart(run, scratch_dir, victim)
     first_restore = plan.payload.step
     await run.wait_step(first_restore + 8)
     await run.wait_peer_commit_after(plan)
@@ -272,9 +298,7 @@ async def test_exact_resume_after_a_rank_a_node_and_a_pipeline_group_are_lost(ru
     # 2. A whole node lost (its processes and its shared memory), replaced by a fresh machine: its
     #    rank comes back from the backup peer, and the broker says why it fell back.
     lost = rng.choice(NODES)
-    await asyncio.to_thread(kill_node, scratch_dir / "cluster", lost)
-    await asyncio.to_thread(start_node, scratch_dir / "cluster", lost)
-    plan = await run.restart_all(f"test: node {lost} lost")
+    plan = await lose_and_replace_node(run, scratch_dir, lost)
     lost_rank = NODES.index(lost)
     tiers = {s.rank: s.tier for s in plan.payload.sources}
     inventories = await run.inventories()

@@ -41,7 +41,7 @@ CONTAINERS_CONF = REPO / "infra/images/podman-containers.conf"
 PODMAN_ENV = {"CONTAINERS_CONF": str(CONTAINERS_CONF)}
 JOB = "composejob"
 NODES = ["node-0", "node-1"]
-SERVICES = ["recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update"]
+SERVICES = ["recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update", "notifier"]
 UID = 10001
 """The images' user: a folder the node containers write must be theirs."""
 

@@ -65,7 +65,7 @@ def test_compose_file_runs_real_keel_commands_against_its_servers() -> None:
             "hot-update"} <= set(services)
     scripts = _console_scripts()
     installed = _dockerfile_installs()
-    for name in ("migrate", "recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update"):
+    for name in ("migrate", "recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update", "notifier"):
         service = services[name]
         command = service["command"]
         argv = shlex.split(command) if isinstance(command, str) else list(command)
@@ -110,7 +110,8 @@ def test_compose_has_no_default_database_password_and_each_container_its_role() 
     assert ".secrets/" in (ROOT / ".gitignore").read_text().split()
 
 
-KEEL_CONTAINERS = ("migrate", "recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update")
+KEEL_CONTAINERS = ("migrate", "recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update",
+                   "notifier")
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from keel.sdk.checkpoint import Checkpointer, CheckpointMismatchError
-from keel.sdk.data import ResumableLoader
+from keel.sdk.data import LoaderStateError, ResumableLoader
 
 EPOCHS = 2
 
@@ -157,3 +157,55 @@ def test_a_position_saved_for_another_loader_is_refused(tmp_path: Path) -> None:
     bare.save_file(tmp_path / "bare", step=0)
     with pytest.raises(CheckpointMismatchError, match="components differ"):
         Checkpointer(model=nn.Linear(2, 1), loader=ResumableLoader(_plain(0)()), rank=0, world_size=1).load_file(tmp_path / "bare")
+
+
+def _prefetching_run(tmp_path: Path, *, stop_after: int | None = None, resume: bool = False,
+                     tell_trained: bool = True) -> list[tuple[int, list[int], list[float], float]]:
+    """A loop that fetches one batch ahead of the one it trains (as PyTorch Lightning's does for a loader without
+    a length), over a loader that augments from the global RNG in the main process; ``trained`` before a save."""
+    torch.manual_seed(1234)
+    model = nn.Linear(2, 1)
+    loader = ResumableLoader(_plain(0)())
+    ckpt = Checkpointer(model=model, loader=loader, rank=0, world_size=1)
+    path = tmp_path / "ckpt"
+    step = ckpt.load_file(path) + 1 if resume else 0
+    trace = []
+    for epoch in range(loader.epoch, EPOCHS):
+        loader.set_epoch(epoch)
+        iterator = iter(loader)
+        upcoming = next(iterator, None)
+        while upcoming is not None:
+            (indices, augmentations), upcoming = upcoming, next(iterator, None)  # the next one, before training
+            dropout = float(torch.rand(()))
+            trace.append((step, indices.tolist(), [round(a, 6) for a in augmentations.tolist()], round(dropout, 6)))
+            if step == stop_after:
+                if tell_trained:
+                    loader.trained(loader.consumed - (upcoming is not None))
+                ckpt.save_file(path, step=step)
+                return trace
+            step += 1
+    return trace
+
+
+def test_a_loop_that_fetches_ahead_resumes_exactly_once_it_says_what_it_trained(tmp_path: Path) -> None:
+    reference = _prefetching_run(tmp_path / "ref")
+    for stop_after in (3, 9, 12):  # mid-epoch, the epoch's last batch, the next epoch
+        head = _prefetching_run(tmp_path / f"s{stop_after}", stop_after=stop_after)
+        tail = _prefetching_run(tmp_path / f"s{stop_after}", resume=True)
+        assert head + tail == reference, stop_after
+    # Without trained(), the position counts the batch fetched ahead as trained: the resumed run skips it.
+    _prefetching_run(tmp_path / "untold", stop_after=3, tell_trained=False)
+    assert _prefetching_run(tmp_path / "untold", resume=True) != reference[4:]
+
+
+def test_trained_beyond_what_was_handed_out_or_too_far_behind_is_refused() -> None:
+    loader = ResumableLoader(_plain(0)())
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    with pytest.raises(LoaderStateError, match="3 batches of epoch 0 were handed out"):
+        loader.trained(4)
+    with pytest.raises(LoaderStateError, match="fetched at most 4 beyond them"):
+        loader.trained(-2)
+    loader.trained(2)
+    assert loader.state_dict()["consumed"] == 2 and len(loader.state_dict()["fetched_under"]) == 1

@@ -16,11 +16,14 @@ from keel.sdk.shard import (
     ALIGN,
     MAGIC,
     CapturedState,
+    ShardedTensor,
     ShardFormatError,
     ShardLayout,
     capture_state,
     decode_shard,
     encode_state,
+    parse_placement,
+    placement_text,
     read_meta,
     tree_fingerprint,
     write_payload,
@@ -214,3 +217,61 @@ def test_captured_state_keeps_tensors_by_reference() -> None:
     w = torch.zeros(3)
     captured: CapturedState = capture_state({"w": w})
     assert captured.leaves[0] is w and captured.paths == [("w",)]
+
+
+# -- sharded tensors (FSDP2 / tensor-parallel DTensor shards) ----------------------------------------------------
+
+
+def _sharded(local: torch.Tensor, **kw: object) -> ShardedTensor:
+    fields: dict[str, object] = {"shape": (8, 3), "stride": (3, 1), "placements": ("S(0)",), "mesh_shape": (2,),
+                                 "mesh_dim_names": ("dp",)}
+    fields.update(kw)
+    return ShardedTensor(local=local, **fields)  # type: ignore[arg-type]
+
+
+def test_a_sharded_tensor_round_trips_with_its_layout() -> None:
+    local = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    hsdp = _sharded(local.clone(), placements=("R", "S(0)"), mesh_shape=(1, 2), mesh_dim_names=None)
+    tree = {"model": {"w": _sharded(local)}, "optimizer": {"state": {"w": {"exp_avg": hsdp, "step": torch.tensor(3.0)}}}}
+    _, back = decode_shard(encode_state(tree, step=1, rank=0, world_size=2, topology=TOPO))
+    w = back["model"]["w"]
+    assert isinstance(w, ShardedTensor) and torch.equal(w.local, local)
+    assert (w.shape, w.stride, w.placements, w.mesh_shape, w.mesh_dim_names) == ((8, 3), (3, 1), ("S(0)",), (2,), ("dp",))
+    moment = back["optimizer"]["state"]["w"]["exp_avg"]
+    assert moment.placements == ("R", "S(0)") and moment.mesh_shape == (1, 2) and moment.mesh_dim_names is None
+    assert w.layout_text() == "[S(0)] on mesh (2,)"
+
+
+@pytest.mark.parametrize("text", ["S(x)", "Q", "P(mean)", "S(0", ""])
+def test_an_unknown_placement_is_refused_as_corrupt(text: str) -> None:
+    # The writer takes a ShardedTensor's placement texts as they are: a reader must not.
+    payload = encode_state({"w": _sharded(torch.zeros(4, 3), placements=(text,))}, step=1, rank=0, world_size=2, topology=TOPO)
+    with pytest.raises(ShardFormatError, match="unknown DTensor placement"):
+        decode_shard(payload)
+
+
+def test_placements_other_than_shard_replicate_partial_are_refused_by_name() -> None:
+    class StridedShard:  # stands in for FSDP2 + TP's private _StridedShard
+        dim = 0
+
+    with pytest.raises(ShardFormatError, match="StridedShard"):
+        placement_text(StridedShard(), ("model", "w"))
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    assert [placement_text(p) for p in (Shard(1), Replicate(), Partial())] == ["S(1)", "R", "P(sum)"]
+    assert [type(parse_placement(t)) for t in ("S(1)", "R", "P(sum)")] == [Shard, Replicate, Partial]
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"shape": (2, 3)}, r"local shard \[4, 3\] does not fit the global shape \[2, 3\]"),
+    ({"shape": (-5, 3)}, "shape .* is not a list of integers >= 0"),
+    ({"mesh_shape": (0,)}, "mesh .* is not a list of integers >= 1"),
+    ({"placements": ("S(5)",)}, "placement S\\(5\\) shards dimension 5 of a 2-dimensional tensor"),
+    ({"placements": ("R", "R")}, "not one text per mesh dimension"),
+    ({"mesh_dim_names": (7,)}, "not one name per mesh dimension"),
+    ({"stride": (3,)}, "differ in length"),
+])
+def test_a_malformed_dtensor_layout_is_refused_as_corrupt(fields: dict[str, object], message: str) -> None:
+    payload = encode_state({"w": _sharded(torch.zeros(4, 3), **fields)}, step=1, rank=0, world_size=2, topology=TOPO)
+    with pytest.raises(ShardFormatError, match=message):
+        decode_shard(payload)

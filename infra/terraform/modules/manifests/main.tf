@@ -97,6 +97,15 @@ locals {
       database  = "decider"
       env       = {}
     }
+    # Reads no log: it sends incidents, approvals, stops and rollbacks to people (docs/notifications.md). Its
+    # destinations come from var.extra_settings (KEEL_NOTIFIER__DESTINATIONS); their secret files are the operator's
+    # to mount.
+    notifier = {
+      command   = ["keel-notifier"]
+      resources = var.controller_resources
+      database  = null
+      env       = {}
+    }
     # Reads no log: it carries the controller's evictions and refills out to Kubernetes.
     actuator = {
       command   = ["keel-actuator"]

@@ -13,6 +13,8 @@ handlers together, so a new command or flag touches one module):
     keel.cli.checkpoints   checkpoints ls                       the persistent checkpoint tier
     keel.cli.incidents     ettr, incidents, timeline            reports from the log
     keel.cli.approvals     approve, deny, cordon, uncordon      human input, published as events
+    keel.cli.audit         audit VIEW                           the audit views: incidents, evictions, actions...
+    keel.cli.metrics_cmd   metrics                              Prometheus metrics from the log (print, file, serve)
     keel.cli.versions      deploy, versions                     code versions for hot-update
     keel.cli.demo          demo                                 the end-to-end demonstration behind `make demo`
 
@@ -37,6 +39,7 @@ import sys
 from keel.cli import (
     agent_cmd,
     approvals,
+    audit,
     checkpoints,
     cluster_cmd,
     credentials_cmd,
@@ -44,6 +47,7 @@ from keel.cli import (
     dlq,
     events_cmd,
     incidents,
+    metrics_cmd,
     replay,
     runtime,
     versions,
@@ -51,7 +55,8 @@ from keel.cli import (
 from keel.cli.common import CliError, settings_from_args
 from keel.infra.config import ConfigError
 
-COMMAND_MODULES = (runtime, credentials_cmd, replay, events_cmd, dlq, agent_cmd, cluster_cmd, checkpoints, incidents, approvals, versions, demo)
+COMMAND_MODULES = (runtime, credentials_cmd, replay, events_cmd, dlq, agent_cmd, cluster_cmd, checkpoints, incidents, audit,
+                   metrics_cmd, approvals, versions, demo)
 """Every command module, in the order ``keel --help`` lists their commands."""
 
 

@@ -7,7 +7,7 @@
     keel migrate                     bring the event store schema up to date
     keel supervise                   run every service in the foreground, supervised
     keel service NAME                run one service in the foreground (recorder, controller,
-                                     checkpoint-broker, actuator, analyzer, hot-update)
+                                     checkpoint-broker, actuator, analyzer, hot-update, notifier)
 
 Database roles (``keel.infra.dbroles``): ``keel up`` and ``keel migrate`` migrate as the ``migrate`` role (the
 embedded server creates every role with a generated password at start); each service resolves its own role's
@@ -45,7 +45,8 @@ from keel.infra.dburl import redact
 if TYPE_CHECKING:
     from keel.infra.embedded import EmbeddedRuntime
 
-SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update")
+SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update", "notifier")
+"""The services ``keel up`` supervises."""
 
 
 def register(sub: Subparsers) -> None:
@@ -372,7 +373,11 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     from keel.infra.service import run_service
     from keel.infra.store import SchemaNotCurrent
 
-    nats_url, database_url = endpoints(settings, None if args.name == "actuator" else service_role(args.name))
+    no_database = args.name in ("actuator", "notifier")
+    if no_database and settings.nats_url:  # it reads no log: NATS is all it needs
+        nats_url, database_url = settings.nats_url, ""
+    else:
+        nats_url, database_url = endpoints(settings, None if no_database else service_role(args.name))
     if args.name == "recorder":
         from keel.recorder.main import serve
     elif args.name == "controller":
@@ -383,6 +388,8 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         from keel.analyzer.main import serve
     elif args.name == "hot-update":
         from keel.hot_update.main import serve
+    elif args.name == "notifier":
+        from keel.notifier.main import serve
     elif args.name == "actuator":
         from keel.actuator.main import serve as serve_actuator
         from keel.actuator.main import serve_scheduler

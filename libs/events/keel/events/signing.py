@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from keel.events.envelope import Event
 
-Role = Literal["controller", "checkpoint-broker", "hot-update", "analyzer", "recorder", "actuator", "agent",
+Role = Literal["controller", "checkpoint-broker", "hot-update", "analyzer", "recorder", "actuator", "notifier", "agent",
                "operator", "auditor"]
 ROLES: tuple[str, ...] = get_args(Role)
 

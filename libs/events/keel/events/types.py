@@ -1312,3 +1312,27 @@ class RecorderLagReported(EventPayload):
     threshold_s: float = Field(ge=0)
     above: bool
     """The lag is above the threshold (False: the report of a return below it)."""
+
+
+@event_type("NotificationSent", version=1, aggregate="job")
+class NotificationSent(EventPayload):
+    """The notifier's delivery log: one per notification and destination, once it is delivered or given up.
+    Correlated with the incident; caused by the event it tells about. Secrets (URLs of Slack webhooks, routing
+    keys, signing secrets) are never in it: a destination is named by its configured ``destination`` name."""
+
+    destination: str
+    destination_kind: Literal["slack", "pagerduty", "webhook"]
+    notification: str
+    """What it said: ``incident_opened``, ``incident_resolved``, ``approval_requested``, ``action_held``,
+    ``job_stopped`` or ``rollback``."""
+    notified_event_id: str
+    delivery_id: str
+    """Stable across redeliveries of the notified event (the ``webhook-id`` a receiver deduplicates on)."""
+    outcome: Literal["delivered", "failed"]
+    attempts: int = Field(ge=1)
+    status: int | None = None
+    """The receiver's last HTTP status (None: no answer)."""
+    detail: str = ""
+    """Why it failed, or what it took (retries, waits)."""
+    latency_s: float = Field(ge=0)
+    """From the notified event to the delivery's end (delivered, or given up)."""

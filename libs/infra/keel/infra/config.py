@@ -592,6 +592,98 @@ class ActuatorSettings(_Section):
         return value
 
 
+class NotifierDestinationSettings(_Section):
+    """One place notifications go (``notifier.destinations``)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """A name of your choice: the delivery log and the service's log name destinations by it, never by URL."""
+    kind: str
+    """``slack`` (an incoming webhook), ``pagerduty`` (Events API v2) or ``webhook`` (signed per Standard Webhooks)."""
+    url: str = ""
+    """Where to POST: the webhook's URL; PagerDuty's events endpoint (default
+    ``https://events.pagerduty.com/v2/enqueue``). A Slack incoming webhook's URL is a secret: give it in
+    ``url_file`` instead."""
+    url_file: Path | None = None
+    """A private file holding the URL (a Slack incoming webhook's)."""
+    secret_file: Path | None = None
+    """A private file holding the secret: PagerDuty's routing (integration) key, or the webhook's signing secret
+    (``whsec_<base64>`` as Standard Webhooks libraries issue them, or any string). Required for both."""
+    min_severity: str = "warning"
+    """The least severity sent here: ``info`` (also recoveries), ``warning`` (incidents, approvals, held
+    actions, rollbacks) or ``critical`` (a job stopped at rung 6). PagerDuty is always sent the resolution of an
+    incident it was sent."""
+    kinds: list[str] = Field(default_factory=list)
+    """Only these notification kinds (``incident_opened``, ``incident_resolved``, ``approval_requested``,
+    ``action_held``, ``job_stopped``, ``rollback``); empty: all."""
+    jobs: list[str] = Field(default_factory=list)
+    """Only these training jobs; empty: all."""
+    rate_per_minute: float = Field(30.0, gt=0)
+    """At most this many deliveries a minute (bursts of 5); more wait their turn, none is dropped."""
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, value: str) -> str:
+        if value not in ("slack", "pagerduty", "webhook"):
+            raise ValueError(f"unknown destination kind {value!r} (slack, pagerduty, webhook)")
+        return value
+
+    @field_validator("min_severity")
+    @classmethod
+    def _known_severity(cls, value: str) -> str:
+        if value not in ("info", "warning", "critical"):
+            raise ValueError(f"unknown severity {value!r} (info, warning, critical)")
+        return value
+
+    @field_validator("kinds")
+    @classmethod
+    def _known_kinds(cls, value: list[str]) -> list[str]:
+        known = ("incident_opened", "incident_resolved", "approval_requested", "action_held", "job_stopped", "rollback")
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise ValueError(f"unknown notification kind(s) {unknown} ({', '.join(known)})")
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> NotifierDestinationSettings:
+        if self.url and self.url_file:
+            raise ValueError(f"destination {self.name}: give url or url_file, not both")
+        if self.kind == "slack" and not self.url_file:
+            raise ValueError(f"destination {self.name}: a Slack incoming webhook's URL is a secret: put it in url_file")
+        if self.kind == "webhook" and not (self.url or self.url_file):
+            raise ValueError(f"destination {self.name}: a webhook destination needs url (or url_file)")
+        if self.kind in ("pagerduty", "webhook") and self.secret_file is None:
+            raise ValueError(f"destination {self.name}: a {self.kind} destination needs secret_file "
+                             f"({'the routing key' if self.kind == 'pagerduty' else 'the signing secret'})")
+        return self
+
+
+class NotifierSettings(_Section):
+    """The notifier service: incidents, approvals, held actions, stops and rollbacks sent to people."""
+
+    destinations: list[NotifierDestinationSettings] = Field(default_factory=list)
+    """Where notifications go (none: the notifier consumes and logs, delivering nothing)."""
+    request_timeout: Duration = parse_duration("10s")
+    """How long one delivery may take before it counts as no answer (and is tried again)."""
+    retry_base: Duration = parse_duration("1s")
+    """The first back-off after a failed delivery; it doubles with each attempt..."""
+    retry_max_backoff: Duration = parse_duration("60s")
+    """...up to this (a receiver's ``Retry-After`` is honoured instead when it sends one)."""
+    give_up_after: Duration = parse_duration("1h")
+    """A delivery still failing this long after its first attempt is given up (recorded as failed)."""
+
+    @field_validator("destinations", mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        # From the environment a list comes as text: JSON (KEEL_NOTIFIER__DESTINATIONS='[{"name": ...}]').
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError('give the destinations as a JSON list of objects, e.g. [{"name": "hook", '
+                                 '"kind": "webhook", "url": "https://...", "secret_file": "/etc/keel/hook.secret"}]') from None
+        return value
+
+
 class SnapshotSettings(_Section):
     """Deciders' snapshots (``keel.kernel.snapshot``): a cold start folds the newest one plus the log after it."""
 
@@ -643,6 +735,7 @@ class Settings(_Section):
     snapshots: SnapshotSettings = SnapshotSettings()
     actuator: ActuatorSettings = ActuatorSettings()
     """The actuator service: which kind of machines it acts on, and that kind's settings."""
+    notifier: NotifierSettings = NotifierSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

@@ -10,8 +10,8 @@ Four roles, one per kind of client (``ROLES``):
   would otherwise need UPDATE, DELETE or TRUNCATE on ``events``.
 - ``decider`` (``keel_decider``): the controller, checkpoint broker, analyzer and hot-update service: read
   the log; write (and prune) their own ``snapshots``.
-- ``auditor`` (``keel_auditor``): read-only on every table: ``keel incidents``, ``keel replay``,
-  ``keel events`` and the other reporting commands.
+- ``auditor`` (``keel_auditor``): read-only on every table and the audit views: ``keel incidents``,
+  ``keel replay``, ``keel events``, ``keel audit`` and the other reporting commands.
 
 Every role may read ``alembic_version``, so a service can check at start that the schema is at the latest
 revision (it never migrates). ``grant_statements(schema)`` revokes what a role has in the schema and grants
@@ -43,6 +43,9 @@ SERVICE_ROLES: dict[str, str] = {
 
 EVENT_STORE_TABLES: tuple[str, ...] = ("events", "tracking", "dead_letters", "node_status", "snapshots",
                                        "alembic_version")
+AUDIT_VIEWS: tuple[str, ...] = ("audit_decisions", "audit_incidents", "audit_evictions", "audit_rollbacks",
+                                "audit_node_history", "audit_human_actions")
+"""Views over ``events`` (migration 0005) for audits: read by the ``auditor`` only."""
 
 TABLE_PRIVILEGES: dict[str, dict[str, tuple[str, ...]]] = {
     RECORDER: {
@@ -57,7 +60,7 @@ TABLE_PRIVILEGES: dict[str, dict[str, tuple[str, ...]]] = {
         "snapshots": ("SELECT", "INSERT", "DELETE"),
         "alembic_version": ("SELECT",),
     },
-    AUDITOR: {table: ("SELECT",) for table in EVENT_STORE_TABLES},
+    AUDITOR: {table: ("SELECT",) for table in (*EVENT_STORE_TABLES, *AUDIT_VIEWS)},
 }
 """Per role (but ``migrate``, which owns the tables): table -> privileges in the event store's schema."""
 
@@ -191,7 +194,7 @@ END $adopt$;
 
 
 __all__ = [
-    "AUDITOR", "DECIDER", "EVENT_STORE_TABLES", "FUNCTION_PRIVILEGES", "LOCK_FUNCTION", "MIGRATE", "RECORDER", "ROLES",
+    "AUDITOR", "AUDIT_VIEWS", "DECIDER", "EVENT_STORE_TABLES", "FUNCTION_PRIVILEGES", "LOCK_FUNCTION", "MIGRATE", "RECORDER", "ROLES",
     "SERVICE_ROLES", "TABLE_PRIVILEGES", "adopt_script", "generate_password", "grant_statements", "login_role_script",
     "pg_role",
     "quote_ident", "scram_verifier", "service_role",

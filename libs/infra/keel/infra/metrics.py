@@ -1,7 +1,8 @@
-"""A small process-wide metrics registry in the Prometheus text format, for the ``/metrics`` endpoint to come.
+"""A small metrics registry in the Prometheus text format.
 
-There is no HTTP server yet: a process keeps its metrics here (``REGISTRY``), tests and tools read them
-(``value``), and ``render()`` is what ``/metrics`` will serve. Counters, gauges and histograms, with
+``keel metrics`` (``keel.infra.ops_metrics``) builds one from the event log and serves it. A process also keeps
+its own figures in ``REGISTRY``: the recorder's below, read by tests and tools (``value``). No process serves its
+own registry over HTTP yet (the recorder has no endpoint). Counters, gauges and histograms, with
 optional labels; names follow the Grafana dashboard's (``infra/grafana``). Values are per process.
 
 Metrics kept today:
@@ -45,7 +46,8 @@ class _Metric:
         return "{" + ",".join(parts) + "}" if parts else ""
 
     def lines(self) -> list[str]:
-        raise NotImplementedError
+        """The metric's sample lines; each kind (Counter, Gauge, Histogram) writes its own."""
+        raise NotImplementedError(f"{type(self).__name__} is a base class: use Counter, Gauge or Histogram")
 
 
 class Counter(_Metric):

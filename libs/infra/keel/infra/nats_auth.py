@@ -62,8 +62,10 @@ log = logging.getLogger(__name__)
 ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE = (
     "admin", "recorder", "controller", "checkpoint-broker", "analyzer", "hot-update")
 ACTUATOR, SUPERVISOR, AGENT, OPERATOR, AUDITOR = "actuator", "supervisor", "agent", "operator", "auditor"
-ROLES = (ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, SUPERVISOR, AGENT, OPERATOR, AUDITOR)
-SERVICE_ROLES = (RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, SUPERVISOR)
+NOTIFIER = "notifier"
+ROLES = (ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, NOTIFIER, SUPERVISOR, AGENT, OPERATOR,
+         AUDITOR)
+SERVICE_ROLES = (RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, NOTIFIER, SUPERVISOR)
 """The roles with one identity each, named after the role (``<credentials>/nats/<role>.json``)."""
 STANDARD_IDENTITIES = (ADMIN, *SERVICE_ROLES, OPERATOR, AUDITOR)
 """The identities ``keel up`` (and every Keel-managed server) creates at start; agents get theirs per
@@ -94,6 +96,7 @@ ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
     HOT_UPDATE: (("job", "CodeRolloutRequested"), ("job", "CodeVersionStable"), ("code", "CodeVersionRegistered"),
                  ("code", "CodeVersionRejected"), *_DECIDER_REFUSAL),
     ACTUATOR: (("node", "NodeEvicted"),),
+    NOTIFIER: (("job", "NotificationSent"),),
     SUPERVISOR: (("service", "ServiceRestarted"), ("service", "ServiceGaveUp")),
     OPERATOR: (("job", "ApprovalGiven"), ("node", "NodeCordoned"), ("code", "CodeVersionRegistered"),
                ("code", "CodeVersionRejected"), ("node", "FaultInjected"), ("job", "JobRegistered")),

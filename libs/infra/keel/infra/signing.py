@@ -278,7 +278,7 @@ def service_signing(settings: Settings, name: str, role: str) -> Signing:
     return Signing(keys=(key,), keyring=KeyringFile(keyring_path(settings)))
 
 
-CONTROL_PLANE = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update")
+CONTROL_PLANE = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update", "notifier")
 """The services of ``keel up``: each one's identity and role are its name."""
 
 

@@ -255,7 +255,7 @@ def grant_privileges(connection: Connection, schema: str) -> None:
         for name in missing:
             connection.execute(sa.text(f"CREATE ROLE {quote_ident(name)} NOLOGIN"))
     present = connection.execute(sa.text(
-        "SELECT relname FROM pg_class WHERE relnamespace = CAST(:s AS regnamespace) AND relkind IN ('r', 'p') "
+        "SELECT relname FROM pg_class WHERE relnamespace = CAST(:s AS regnamespace) AND relkind IN ('r', 'p', 'v') "
         "UNION SELECT proname || '()' FROM pg_proc WHERE pronamespace = CAST(:s AS regnamespace) AND pronargs = 0"),
         {"s": quote_ident(schema)}).scalars()
     for statement in grant_statements(schema, frozenset(present)):

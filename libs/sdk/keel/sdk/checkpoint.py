@@ -26,10 +26,22 @@ changed only by ``optimizer.step`` (call ``wait()`` before changing them any oth
 the newest verified slot of ``ckpt_dir`` (the newest step every rank holds, when torch.distributed is
 initialised), or nothing. A checkpoint of another rank, topology or model is refused with
 ``CheckpointMismatchError`` before anything is loaded.
+
+Sharded models (FSDP2's ``fully_shard``, tensor parallelism: parameters that are ``DTensor``s) are read and
+loaded through ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict``: each
+rank's slot holds its local shards with their global layout (``keel.sdk.shard.ShardedTensor``) and the
+optimizer state keyed by parameter name. A restore needs the same layout (device mesh shape and
+placements); another one is refused, naming the difference.
+
+ZeRO-1 (``torch.distributed.optim.ZeroRedundancyOptimizer``): each rank's slot holds the state of its own
+partition only (the wrapped local optimizer's ``state_dict``, by reference like any optimizer state), never the
+consolidated whole, which would gather every rank's state to one every step. A restore needs the same world
+size (the partition follows it); the wrapper's parameter groups get the restored hyperparameters too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -240,6 +252,8 @@ def _own_copy(obj: Any) -> Any:
     """``obj`` with every tensor and array copied: for state that may change before the copy thread reads it."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
+    if isinstance(obj, shard.ShardedTensor):
+        return dataclasses.replace(obj, local=obj.local.detach().clone())
     if isinstance(obj, np.ndarray):
         return obj.copy()
     if isinstance(obj, dict):
@@ -249,6 +263,26 @@ def _own_copy(obj: Any) -> Any:
     if type(obj) is tuple:
         return tuple(_own_copy(v) for v in obj)
     return obj
+
+
+def _diff_sharded(key: str, old: Any, now: Any) -> list[str]:
+    """How a saved ``ShardedTensor`` and a live DTensor differ (shape, dtype, layout), or one is not sharded."""
+    if old is None:
+        return []  # a missing key is reported by the caller
+    if not isinstance(old, shard.ShardedTensor):
+        return [f"{key}: a plain tensor in the checkpoint, sharded (DTensor) now: resharding is not supported yet"]
+    if not shard.is_dtensor(now):
+        return [f"{key}: sharded ({old.layout_text()}) in the checkpoint, a plain tensor now: resharding is not "
+                "supported yet"]
+    live = shard.ShardedTensor.of(now)
+    problems = []
+    if old.shape != live.shape or old.local.dtype != live.local.dtype:
+        problems.append(f"{key}: {str(old.local.dtype).removeprefix('torch.')}{list(old.shape)} in checkpoint, "
+                        f"{str(live.local.dtype).removeprefix('torch.')}{list(live.shape)} now")
+    elif (old.placements, old.mesh_shape) != (live.placements, live.mesh_shape) or old.local.shape != live.local.shape:
+        problems.append(f"{key}: laid out {old.layout_text()} (local {list(old.local.shape)}) in the checkpoint, "
+                        f"{live.layout_text()} (local {list(live.local.shape)}) now: resharding is not supported yet")
+    return problems
 
 
 def _env_duration(name: str, default: timedelta) -> timedelta:
@@ -276,7 +310,9 @@ class Checkpointer:
 
     ``model`` / ``optimizer`` / ``scheduler`` / ``scaler`` / ``sampler`` / ``loader`` and the ``extra``
     objects are anything with ``state_dict()`` / ``load_state_dict()``; every RNG (Python, NumPy, torch CPU,
-    CUDA) is captured too. ``loader``: a ``keel.sdk.ResumableLoader`` around a DataLoader, or torchdata's
+    CUDA) is captured too. An ``extra`` object with ``keel_snapshot_by_reference = True`` has its state kept by
+    reference at a snapshot, like parameters and optimizer state: its tensors must not change until the copy is
+    done (``wait()``; the optimizer's step waits for it). ``loader``: a ``keel.sdk.ResumableLoader`` around a DataLoader, or torchdata's
     ``StatefulDataLoader`` (a plain DataLoader or a ``DistributedSampler`` is refused with what to pass). ``groups``: this rank's parallel groups ``{"dp", "pp", "tp"}`` (default: one group
     of every rank for ``dp``, just this rank for ``pp`` and ``tp``). ``rank`` / ``world_size`` default to
     the session's, then torch.distributed's, then ``RANK`` / ``WORLD_SIZE``. ``ckpt_dir`` defaults to
@@ -312,6 +348,12 @@ class Checkpointer:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.session = session
         self.model, self.optimizer = model, optimizer
+        self.zero = _is_zero_redundancy(optimizer)
+        """Whether ``optimizer`` is a ``ZeroRedundancyOptimizer``: the state of this rank's partition is then its
+        local optimizer's (``optimizer.optim``)."""
+        if self.zero and getattr(optimizer, "_overlap_with_ddp", False):
+            raise TypeError("ZeroRedundancyOptimizer(overlap_with_ddp=True) builds its local optimizer inside DDP's "
+                            "communication hook, out of the Checkpointer's reach: use overlap_with_ddp=False")
         self.scheduler, self.scaler, self.sampler, self.loader = scheduler, scaler, sampler, loader
         self.extra: dict[str, Stateful] = dict(extra or {})
         for name, obj in [("scheduler", scheduler), ("scaler", scaler), ("sampler", sampler), ("loader", loader),
@@ -338,6 +380,9 @@ class Checkpointer:
         self.copy_hook: Callable[[int], None] | None = None
         """Test hook: called in the copy thread with the step, after WRITING and before the copy."""
         self.restored_from: str | None = None
+        self.inexact: list[str] = []
+        """After a restore: what is known to make this resumed run differ from an uninterrupted one (each also
+        logged as a warning); empty when nothing is (``inexact_resume_reasons``)."""
         self._restore_called = False
         self._refused: str | None = None
         """Why the last restore failed verification (``snapshot`` refuses until a restore succeeds)."""
@@ -346,6 +391,9 @@ class Checkpointer:
         self._slots: dict[int, _Slot] = {}
         self._layout: shard.ShardLayout | None = None
         self._optim_structure: tuple[tuple[int, ...], dict[str, Any]] | None = None
+        self.sharded = model is not None and any(shard.is_dtensor(p) for p in model.parameters())
+        """Whether the model has DTensor parameters: its state is then read and loaded through
+        ``torch.distributed.checkpoint.state_dict`` (local shards, optimizer state keyed by parameter name)."""
         self._inflight: _Job | None = None
         self._last_snapshot_step: int | None = None
         self._stager = _CudaStager() if torch.cuda.is_available() else None
@@ -364,7 +412,9 @@ class Checkpointer:
             self._worker = threading.Thread(target=self._copy_loop, name="keel-ckpt-copy", daemon=True)
             self._worker.start()
             if optimizer is not None:
-                self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step)
+                # ZeRO: the local optimizer's step is what changes the state kept by reference (the wrapper then
+                # broadcasts the updated parameters), so the copy must be done before it starts.
+                self._hook = self._local_optimizer.register_step_pre_hook(self._before_optimizer_step)
             if session is not None:
                 session.attach_checkpointer(self)
 
@@ -382,6 +432,11 @@ class Checkpointer:
         return rank, world_size
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called: no snapshot is taken any more."""
+        return self._closed
+
+    @property
     def enabled(self) -> bool:
         """Whether ``snapshot`` writes slots (a ``ckpt_dir`` is set)."""
         return self.ckpt_dir is not None
@@ -393,7 +448,9 @@ class Checkpointer:
         next ``optimizer.step`` (all but parameters and optimizer state, which are kept by reference)."""
         copy = _own_copy if for_snapshot else (lambda x: x)
         tree: dict[str, Any] = {}
-        if self.model is not None:
+        if self.sharded:
+            tree.update(self._sharded_state(copy))
+        elif self.model is not None:
             params: dict[str, Any] = {}
             for key, value in self.model.state_dict(keep_vars=True).items():
                 if isinstance(value, nn.Parameter):
@@ -401,14 +458,20 @@ class Checkpointer:
                 else:  # buffers (updated by the forward pass) and extra state
                     params[key] = copy(value.detach() if isinstance(value, torch.Tensor) else value)
             tree["model"] = params
-        if self.optimizer is not None:
-            tree["optimizer"] = self.optimizer.state_dict()
+        if self.optimizer is not None and not self.sharded:
+            tree["optimizer"] = self._local_optimizer.state_dict()
+            if self.zero:
+                # Between steps the wrapper's groups are the current ones (a scheduler has just set the next
+                # step's lr there); the local optimizer's get them only at the wrapper's next step.
+                for packed, outer in zip(tree["optimizer"]["param_groups"], self.optimizer.param_groups, strict=True):
+                    packed.update({k: v for k, v in outer.items() if k != "params"})
         for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler),
                           ("loader", self.loader)):
             if obj is not None:
                 tree[name] = copy(obj.state_dict())
         if self.extra:
-            tree["extra"] = {name: copy(obj.state_dict()) for name, obj in self.extra.items()}
+            tree["extra"] = {name: obj.state_dict() if getattr(obj, "keel_snapshot_by_reference", False)
+                             else copy(obj.state_dict()) for name, obj in self.extra.items()}
         rng: dict[str, Any] = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
@@ -419,18 +482,76 @@ class Checkpointer:
         tree["rng"] = rng
         return tree
 
+    def _sharded_state(self, copy: Callable[[Any], Any]) -> dict[str, Any]:
+        """Model and optimizer state of a sharded model, read with DCP's ``get_state_dict``: parameters and
+        optimizer state by reference (their local shards, as ``ShardedTensor``), buffers through ``copy``."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        assert self.model is not None
+        optim_sd: dict[str, Any] | None = None
+        if self.optimizer is not None and self.optimizer.state:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        else:
+            # No optimizer state yet (before the first step, or a stateless optimizer): DCP's get_state_dict
+            # would create it by running optimizer.step() with zero gradients, which changes training (AdamW's
+            # step count) and fires the user's hooks. There is nothing to save but the hyperparameters.
+            model_sd = get_model_state_dict(self.model)
+            if self.optimizer is not None:
+                optim_sd = {"state": {}, "param_groups": [{k: copy(v) for k, v in group.items() if k != "params"}
+                                                          for group in self.optimizer.param_groups]}
+        params = self._param_names()
+        model: dict[str, Any] = {}
+        for key, value in model_sd.items():
+            leaf: Any = value
+            if shard.is_dtensor(value):
+                leaf = shard.ShardedTensor.of(value, ("model", key))
+            elif isinstance(value, torch.Tensor):
+                leaf = value.detach()
+            # Parameters by reference (only optimizer.step changes them before the copy); buffers copied.
+            model[key] = leaf if key in params else copy(leaf)
+        out: dict[str, Any] = {"model": model}
+        if optim_sd is not None:
+            out["optimizer"] = _sharded_leaves(optim_sd, ("optimizer",))
+        return out
+
+    def _param_names(self) -> set[str]:
+        """Every name of every parameter (a shared one under each of its names, as DCP's state dict lists it)."""
+        names = getattr(self, "_param_names_cache", None)
+        if names is None:
+            assert self.model is not None
+            names = self._param_names_cache = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        return names
+
+    def _live_meshes(self) -> dict[str, Any]:
+        """The device mesh of each sharded entry of the live model's state dict, by its name (a shared
+        parameter under each of its names; every ``fully_shard`` unit may have a mesh object of its own)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return {key: getattr(value, "device_mesh") for key, value in get_model_state_dict(self.model).items()  # noqa: B009
+                if shard.is_dtensor(value)}
+
     def _structure(self) -> dict[str, Any]:
         """What ``restore`` checks besides the tensors: the registered parts and the optimizer's params."""
         out: dict[str, Any] = {"components": sorted(self._components())}
         if self.optimizer is not None:
-            groups = self.optimizer.param_groups
+            groups = self._local_optimizer.param_groups
             key = tuple(len(g["params"]) for g in groups)
             if self._optim_structure is None or self._optim_structure[0] != key:
                 rows = [[list(p.shape), str(p.dtype)] for g in groups for p in g["params"]]
                 fp = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
-                self._optim_structure = (key, {"group_sizes": list(key), "params_fingerprint": fp})
+                structure: dict[str, Any] = {"group_sizes": list(key), "params_fingerprint": fp}
+                if self.zero:
+                    structure["sharding"] = f"zero1 over {self.world_size} ranks"
+                self._optim_structure = (key, structure)
             out["optimizer"] = self._optim_structure[1]
         return out
+
+    @property
+    def _local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose state this rank holds: ZeRO's local one (its partition), or the optimizer."""
+        assert self.optimizer is not None
+        return self.optimizer.optim if self.zero else self.optimizer  # type: ignore[attr-defined]
 
     def _components(self) -> list[str]:
         names = [n for n, o in (("model", self.model), ("optimizer", self.optimizer), ("scheduler", self.scheduler),
@@ -440,14 +561,20 @@ class Checkpointer:
 
     # -- snapshots ---------------------------------------------------------------------------------------------
 
-    def snapshot(self, step: int) -> None:
+    def snapshot(self, step: int, *, again: bool = False) -> None:
         """Snapshot the state after ``step`` (call after ``optimizer.step`` and ``scheduler.step``).
 
         Returns once the small state is captured; the copy into slot ``step % slots`` runs in the
-        background. A second call for the same step does nothing; no-op when not ``enabled``.
+        background. A second call for the same step does nothing, unless ``again``: the state after ``step``
+        changed without a new step (an evaluation ran after it and drew from the RNGs), and the slot of ``step``
+        is written anew (while it is, the previous step's slot is the newest complete one). No-op when not
+        ``enabled``.
         """
-        if not self.enabled or self._closed or step == self._last_snapshot_step:
+        if not self.enabled or self._closed or (step == self._last_snapshot_step and not again):
             return
+        if again and self._last_snapshot_step is not None and step < self._last_snapshot_step:
+            raise CheckpointError(f"rank {self.rank}: snapshot({step}, again=True) after step "
+                                  f"{self._last_snapshot_step} was taken: only the newest step can be taken again")
         if self._refused is not None:
             raise CheckpointError(f"rank {self.rank}: snapshot({step}) refused: the last restore failed "
                                   f"verification, the state is not a checkpoint's ({self._refused})")
@@ -848,6 +975,10 @@ class Checkpointer:
         self._apply(tree, source)
         self.restored_from = source
         _log.info("keel restore: rank %d loaded step %d from %s", self.rank, meta["step"], source)
+        self.inexact = inexact_resume_reasons(self.model, self.world_size)
+        for reason in self.inexact:
+            _log.warning("keel restore: rank %d: the resumed run may differ from an uninterrupted one: %s",
+                         self.rank, reason)
         return int(meta["step"])
 
     def _check_compatible(self, meta: dict[str, Any], tree: Any, source: str) -> None:
@@ -868,12 +999,22 @@ class Checkpointer:
         if saved != sorted(self._components()):
             refuse(f"components differ: checkpoint has {saved}, this run registers {sorted(self._components())}")
         if self.model is not None:
-            problems = _diff_tensors(tree["model"], self.model.state_dict())
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                live_sd = get_model_state_dict(self.model)
+            else:
+                live_sd = self.model.state_dict()
+            problems = _diff_tensors(tree["model"], live_sd)
             if problems:
                 refuse("model differs: " + "; ".join(problems))
         if self.optimizer is not None:
             saved_opt = ((meta.get("structure") or {}).get("optimizer")) or {}
             now_opt = self._structure()["optimizer"]
+            if saved_opt and saved_opt.get("sharding") != now_opt.get("sharding"):
+                refuse(f"optimizer state sharded as {saved_opt.get('sharding') or 'nothing (every rank holds all)'} "
+                       f"in the checkpoint, as {now_opt.get('sharding') or 'nothing (every rank holds all)'} now: "
+                       f"resharding optimizer state is not supported yet")
             if saved_opt and saved_opt != now_opt:
                 refuse(f"optimizer parameters differ: checkpoint groups {saved_opt.get('group_sizes')} (shapes "
                        f"{str(saved_opt.get('params_fingerprint'))[:12]}), now {now_opt['group_sizes']} "
@@ -887,10 +1028,13 @@ class Checkpointer:
         optimizer adopts its state tensors), so it gets its own copy (``_own_copy``), made here once.
         """
         parts: list[tuple[str, Any, Any]] = []
-        if self.model is not None:
-            parts.append(("model", self.model, tree["model"]))
-        if self.optimizer is not None:  # before the scheduler, which reads and sets the groups' lr
-            parts.append(("optimizer", self.optimizer, _own_copy(tree["optimizer"])))
+        if self.sharded:
+            self._apply_sharded(tree, source)
+        else:
+            if self.model is not None:
+                parts.append(("model", self.model, tree["model"]))
+            if self.optimizer is not None:  # before the scheduler, which reads and sets the groups' lr
+                parts.append(("optimizer", self._local_optimizer, _own_copy(tree["optimizer"])))
         for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler),
                           ("loader", self.loader)):
             if obj is not None:
@@ -906,6 +1050,12 @@ class Checkpointer:
                 obj.load_state_dict(state)
             except (ValueError, RuntimeError, KeyError, TypeError) as exc:
                 raise CheckpointMismatchError(f"{source}: loading {name} failed: {exc}") from exc
+            if name == "optimizer" and self.zero:
+                # The wrapper's groups are what a scheduler reads and sets, and what its step copies into the
+                # local optimizer's: they get the restored hyperparameters (groups correspond one to one).
+                assert self.optimizer is not None
+                for outer, local in zip(self.optimizer.param_groups, self._local_optimizer.param_groups, strict=True):
+                    outer.update({k: v for k, v in local.items() if k != "params"})
         rng = _own_copy(tree.get("rng") or {})
         if "python" in rng:
             random.setstate(rng["python"])
@@ -922,6 +1072,89 @@ class Checkpointer:
                 torch.cuda.set_rng_state(state, device)
 
 
+    def _apply_sharded(self, tree: dict[str, Any], source: str) -> None:
+        """Load a sharded model's state with DCP's ``set_state_dict``: every ``ShardedTensor`` becomes a DTensor
+        on its parameter's live mesh (model tensors view the checkpoint, ``set_state_dict`` copies them into
+        the parameters; the optimizer gets its own copies, which it keeps)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        assert self.model is not None
+        meshes = self._live_meshes()
+        distinct = {id(m): m for m in meshes.values()}
+        only = next(iter(distinct.values())) if len(distinct) == 1 else None
+
+        def live(obj: Any, name: str | None) -> Any:
+            if isinstance(obj, shard.ShardedTensor):
+                mesh = meshes.get(name) if name is not None else None
+                mesh = mesh if mesh is not None else only
+                if mesh is None:
+                    raise CheckpointMismatchError(f"{source}: no live device mesh for the sharded tensor {name!r}")
+                return obj.to_dtensor(mesh)
+            if isinstance(obj, dict):
+                return {k: live(v, name) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [live(v, name) for v in obj]
+            return obj
+
+        model_sd = {key: live(value, key) for key, value in tree["model"].items()}
+        try:
+            saved_optim = _own_copy(tree["optimizer"]) if self.optimizer is not None else None
+            if self.optimizer is not None and saved_optim and saved_optim.get("state"):
+                optim_sd = {**saved_optim, "state": {fqn: live(state, fqn) for fqn, state in saved_optim["state"].items()}}
+                set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            else:
+                set_model_state_dict(self.model, model_sd)
+                if self.optimizer is not None:
+                    # Saved before the optimizer had state: no state now either, the saved hyperparameters (not
+                    # set_state_dict, which would first create state with a zero-gradient optimizer.step()).
+                    groups = (saved_optim or {}).get("param_groups") or []
+                    if len(groups) != len(self.optimizer.param_groups):
+                        raise CheckpointMismatchError(f"{source}: {len(groups)} optimizer parameter groups in the "
+                                                      f"checkpoint, {len(self.optimizer.param_groups)} now")
+                    self.optimizer.state.clear()
+                    for group, saved_group in zip(self.optimizer.param_groups, groups, strict=True):
+                        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+            raise CheckpointMismatchError(f"{source}: loading the sharded model and optimizer failed: {exc}") from exc
+
+
+def _is_zero_redundancy(optimizer: object) -> bool:
+    if optimizer is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def inexact_resume_reasons(model: nn.Module | None, world_size: int) -> list[str]:
+    """What is known to make a run restored with ``model`` differ from an uninterrupted one (pure). Today: a
+    ``DistributedDataParallel`` wrapper over 3 or more ranks, freshly built for the restore, reduces its first
+    iteration's gradients in one bucket in parameter order, and the long-running one in the buckets it rebuilt
+    after its first iteration (gradient-ready order): with 3 or more addends the sums differ in the last bits.
+    A DDP built with ``find_unused_parameters=True`` never rebuilds, so it is exact."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    reasons = []
+    if isinstance(model, DistributedDataParallel) and world_size >= 3 and not model.find_unused_parameters:
+        reasons.append(f"DistributedDataParallel over {world_size} ranks: its first step after the restore sums the "
+                       f"gradients in its initial bucket order, the uninterrupted run in the buckets it rebuilt after "
+                       f"its first iteration, so the last bits of that step differ (exact with 2 ranks, or with "
+                       f"find_unused_parameters=True, which never rebuilds)")
+    return reasons
+
+
+def _sharded_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Any:
+    """``obj`` with every DTensor replaced by its ``ShardedTensor`` (a view of its local shard, not a copy);
+    ``path`` names where ``obj`` is, for the error on a placement the format cannot hold."""
+    if shard.is_dtensor(obj):
+        return shard.ShardedTensor.of(obj, path)
+    if isinstance(obj, dict):
+        return {k: _sharded_leaves(v, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_sharded_leaves(v, (*path, i)) for i, v in enumerate(obj)]
+    return obj
+
+
 def _diff_tensors(saved: Any, current: Mapping[str, Any], limit: int = 5) -> list[str]:
     """What differs between a saved and a current ``state_dict``: missing and unexpected keys, shapes, dtypes."""
     if not isinstance(saved, dict):
@@ -936,6 +1169,9 @@ def _diff_tensors(saved: Any, current: Mapping[str, Any], limit: int = 5) -> lis
     changed = []
     for key, now in current.items():
         old = saved.get(key)
+        if shard.is_dtensor(now) or isinstance(old, shard.ShardedTensor):
+            changed.extend(_diff_sharded(key, old, now))
+            continue
         if isinstance(now, torch.Tensor) and isinstance(old, torch.Tensor):
             if old.shape != now.shape or old.dtype != now.dtype:
                 changed.append(f"{key}: {str(old.dtype).removeprefix('torch.')}{list(old.shape)} in checkpoint, "

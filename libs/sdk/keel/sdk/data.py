@@ -21,12 +21,18 @@ run. It then fetches and discards the batches already trained on. Skipping indic
 would be cheaper, but each worker's augmentation RNG would then have seen fewer batches than in the
 uninterrupted run.
 
+A loop that fetches ahead (PyTorch Lightning's fetches one batch before it trains the current one) calls
+``trained(n)`` before each snapshot: the position saved is then the ``n`` batches trained on, and the batches
+fetched beyond them are fetched again on resume under the RNG states they were first fetched under (recorded
+for every batch handed out), so a loader that draws augmentations from the global RNGs gives the same batches.
+
 A torchdata ``StatefulDataLoader`` saves its own position: pass it as ``loader=`` directly.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +54,11 @@ class ResumableLoader:
     Iterate the wrapper, not the loader inside it: only what the wrapper hands out is counted.
     ``state_dict()`` holds the epoch, the batches handed out in it, and the RNG state the epoch's iterator
     was created from. ``load_state_dict()`` makes the next iteration of that epoch resume after those
-    batches. An epoch that was finished resumes at the next one, with nothing to skip."""
+    batches. An epoch that was finished resumes at the next one, with nothing to skip. ``trained(n)``: for a loop
+    that fetches ahead of what it has trained on (see the module docstring)."""
+
+    FETCHED_AHEAD_MAX = 4
+    """The most batches a loop may have fetched beyond those it trained on (``trained``)."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader, DataLoader):
@@ -59,6 +69,10 @@ class ResumableLoader:
         """Batches handed to the training loop in the current epoch."""
         self._created_from: torch.Tensor | None = None
         self._resume: dict[str, Any] | None = None
+        self._ahead = 0
+        """Batches handed out beyond those trained on (``trained``), as of the last call."""
+        self._fetched_under: deque[tuple[Any, Any, torch.Tensor]] = deque(maxlen=self.FETCHED_AHEAD_MAX)
+        """The global RNG states the last batches handed out were fetched under, oldest first."""
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -78,6 +92,9 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         resume, self._resume = self._resume, None
         self.consumed = 0
+        self._ahead = 0
+        self._fetched_under.clear()
+        refetched: list[tuple[Any, tuple[Any, Any, torch.Tensor]]] = []
         if resume is None:
             self._created_from = self._generator_state()
             iterator = iter(self.loader)
@@ -85,8 +102,9 @@ class ResumableLoader:
             # Recreate the epoch's iterator from the state the first one was created from, and fetch the batches
             # already trained on (dropped; every worker sees the batches it saw before), all under that state:
             # the sampler draws its seed lazily, at the first batch, and a loader without workers draws its
-            # augmentations from the global RNGs. Then the caller's RNGs go back to where the restore put them,
-            # where the uninterrupted run had them at this step.
+            # augmentations from the global RNGs. Batches a prefetching loop had fetched beyond those are fetched
+            # again under the RNG states they were first fetched under, and kept. Then the caller's RNGs go back
+            # to where the restore put them, where the uninterrupted run had them at this step.
             self._created_from = resume["created_from"]
             caller = _global_rng_states()
             try:
@@ -98,17 +116,47 @@ class ResumableLoader:
                 for _ in range(resume["consumed"]):
                     next(iterator)
                     self.consumed += 1
+                for states in resume["fetched_under"]:
+                    _set_global_rng_states(states)
+                    try:
+                        refetched.append((next(iterator), states))
+                    except StopIteration:
+                        break
             finally:
                 _set_global_rng_states(caller)
-        for batch in iterator:
+        for batch, states in refetched:
             self.consumed += 1
+            self._fetched_under.append(states)
+            yield batch
+        while True:
+            states = _global_rng_states()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.consumed += 1
+            self._fetched_under.append(states)
             yield batch
 
+    def trained(self, batches: int) -> None:
+        """The training loop has finished ``batches`` batches of this epoch; those it fetched beyond them are
+        not part of the position (a loop that fetches ahead calls this before each snapshot)."""
+        ahead = self.consumed - int(batches)
+        if not 0 <= ahead <= min(self.FETCHED_AHEAD_MAX, len(self._fetched_under)):
+            raise LoaderStateError(f"trained({batches}): {self.consumed} batches of epoch {self.epoch} were handed "
+                                   f"out; a loop may have trained on at most that many and fetched at most "
+                                   f"{self.FETCHED_AHEAD_MAX} beyond them")
+        self._ahead = ahead
+
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed, "length": self._length(),
-                                 "batch_size": self.loader.batch_size, "sampler": type(self.loader.sampler).__name__}
+        state: dict[str, Any] = {"epoch": self.epoch, "consumed": self.consumed - self._ahead,
+                                 "length": self._length(), "batch_size": self.loader.batch_size,
+                                 "sampler": type(self.loader.sampler).__name__}
         if self._created_from is not None:
             state["created_from"] = self._created_from.clone()
+        if self._ahead:
+            ahead = list(self._fetched_under)[-self._ahead:]
+            state["fetched_under"] = [[py, np_state, torch_state.clone()] for py, np_state, torch_state in ahead]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -123,11 +171,16 @@ class ResumableLoader:
         if length is not None and consumed >= length:  # the epoch was finished: the next one starts fresh
             self.epoch += 1
             self.consumed = 0
-        elif consumed > 0:
+        elif consumed > 0 or state.get("fetched_under"):
             created_from = state.get("created_from")
             if not isinstance(created_from, torch.Tensor):
                 raise LoaderStateError("the saved data position has no RNG state to recreate its epoch from")
-            self._resume = {"consumed": consumed, "created_from": created_from.clone()}
+            try:
+                fetched_under = [(py, tuple(np_state), torch_state) for py, np_state, torch_state
+                                 in state.get("fetched_under") or []]
+            except (TypeError, ValueError):
+                raise LoaderStateError("the saved data position's prefetched batches are malformed") from None
+            self._resume = {"consumed": consumed, "created_from": created_from.clone(), "fetched_under": fetched_under}
             self.consumed = consumed
         else:
             self.consumed = 0

@@ -307,18 +307,20 @@ class Session:
         self._send_report()
 
     def step_done(
-        self, step: int, *, loss: float | None = None, grad_norm: float | None = None, tokens: int | None = None
+        self, step: int, *, loss: float | None = None, grad_norm: float | None = None, tokens: int | None = None,
+        snapshot: bool = True,
     ) -> None:
         """Record that ``step`` finished; call once per step, after ``optimizer.step``.
 
-        With an attached ``Checkpointer``, first snapshots ``step`` (counted in the step's time).
+        With an attached ``Checkpointer``, first snapshots ``step`` (counted in the step's time), unless
+        ``snapshot`` is false: the caller takes it later (an evaluation that moves the RNGs runs after it first).
 
         ``step_time_s`` is the time since the previous ``step_done`` or phase change (an injected
         ``slow`` fault's delay included), ``tokens_per_s`` is ``tokens / step_time_s``. ``tokens`` is what
         this rank's data-parallel replica processed in the step. Sends a report, then checks the fault
         file (one ``stat``) and applies a due fault, which may raise, block forever, or sleep.
         """
-        if self._checkpointer is not None:
+        if self._checkpointer is not None and snapshot:
             self._checkpointer.snapshot(step)
         now = time.monotonic()
         # Reported: the whole step, an injected slowdown included (that is what a slow rank looks like).

@@ -320,7 +320,8 @@ def _evaluate(stage: PipelineStage, ctx: _Ctx, dataset: MarkovDataset, batch: in
     stage.train()
     stats = torch.stack([total / steps])
     if ctx.distributed:
-        dist.all_reduce(stats)
+        with ctx.waiting("eval_all_reduce"):
+            dist.all_reduce(stats)
     return float(stats[0]) / ctx.dp
 
 

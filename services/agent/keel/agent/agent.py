@@ -129,6 +129,8 @@ job-wide hang, ``controller.all_blocked_hang_after``), heartbeats go every ``ALL
 the regular interval: the controller sees the whole job blocked together only from fresh heartbeats of every
 node (a wait proves a rank was inside up to the moment it was reported, not after)."""
 ALL_BLOCKED_HEARTBEAT = timedelta(seconds=1)
+BLOCKING_PHASES = ("step", "eval")
+"""The phases whose collective waits a heartbeat reports (``rank_collectives``)."""
 
 
 class HealthWatcher(Protocol):
@@ -487,13 +489,18 @@ class NodeAgent:
         return due
 
     def rank_collectives(self, now: datetime) -> dict[int, RankCollective]:
-        """The ranks of this generation in the step phase, past their warm-up, inside a collective now."""
+        """The ranks of this generation in the step or eval phase, past their warm-up, inside a collective now.
+
+        Eval counts too: a rank hung inside an eval's collective blocks its peers there just as in a step, and
+        the eval timeout (600 s) is far too generous to find it. Every rank inside a collective at once means
+        nobody computes for the others in either phase; the per-rank ``collective_stuck`` check stays with the
+        step phase, whose waits calibrate it."""
         alive = {process.rank for process in self.supervisor.alive()}
         warmup = InspectorPolicy().warmup_steps  # the first steps compile and connect: their waits say nothing
         return {rank: RankCollective(collective=s.collective or "collective",
                                      waited_s=round(max((now - s.collective_entered_at).total_seconds(), 0.0), 3))
                 for rank, s in sorted(self.channel.ranks.items())
-                if rank in alive and s.generation == self.generation and normalise_phase(s.phase) == "step"
+                if rank in alive and s.generation == self.generation and normalise_phase(s.phase) in BLOCKING_PHASES
                 and s.collective_entered_at is not None and len(s.collective_waits_s) >= warmup}
 
     def all_blocked(self, now: datetime) -> frozenset[tuple[int, int]]:

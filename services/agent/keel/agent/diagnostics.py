@@ -667,6 +667,13 @@ def check_inter_node(torch: Any, request: RoundRequest, local_rank: int, deadlin
     return result, suspects
 
 
+CONNECT_MARGIN_S = 3.0
+"""A client gives up reaching the round's host this long before the deadline: its last connect attempt may
+overrun by about its own length (c10d's retry), and it must still fail the check, naming the host, and write its
+report before the node kills what still runs at the deadline (1.5 s was too little on a loaded 2-core machine:
+the client was killed first, and its report named nobody)."""
+
+
 def _connect_store(dist: Any, request: RoundRequest, world: int, rank: int, deadline_s: float) -> Any:
     """Host (rank 0) or reach the round's ``TCPStore`` before ``deadline_s``. A client's connect overruns
     its timeout by up to about as much again (c10d retries after a random delay), so it tries in short
@@ -676,19 +683,19 @@ def _connect_store(dist: Any, request: RoundRequest, world: int, rank: int, dead
                              timeout=_timeout(deadline_s), wait_for_workers=False)
     # Wait for the host to listen with plain connects every 20 ms: a c10d client refused once backs off
     # for up to a second before it tries again, and every node starts its round at about the same time.
-    while deadline_s - time.monotonic() > 1.5:
+    while deadline_s - time.monotonic() > CONNECT_MARGIN_S:
         try:
             socket.create_connection((request.master_addr, request.master_port), timeout=0.5).close()
             break
         except OSError:
             time.sleep(0.02)
     while True:
-        attempt_s = min(5.0, max(0.5, (deadline_s - time.monotonic()) / 2.5))
+        attempt_s = min(5.0, max(0.5, (deadline_s - time.monotonic() - CONNECT_MARGIN_S) / 2.5))
         try:
             return dist.TCPStore(request.master_addr, request.master_port, world, is_master=False,
                                  timeout=timedelta(seconds=attempt_s), wait_for_workers=False)
         except RuntimeError:
-            if deadline_s - time.monotonic() < 1.5:
+            if deadline_s - time.monotonic() < CONNECT_MARGIN_S:
                 raise
 
 
