@@ -203,13 +203,12 @@ async def test_hang_is_detected_and_long_evals_raise_no_false_hang(cluster) -> N
     evals = [e for e in await cluster.events(["NodeHealthChanged"]) if e.payload.component == "rank"
              and e.payload.status != "healthy"]
     assert evals == [], f"false hang during eval: {[e.payload.detail for e in evals]}"
-    # The armed hang stops the rank inside its next collective. After every 10th step that is the eval's
-    # (phase eval: the 600 s eval timeout, by design), so the hang is placed at a step no eval precedes:
-    # step s is the first not to complete, armed after step s - 1, and an eval follows s - 1 when s % 10 == 0.
+    # The hang stops the rank inside a step's collective (phase step): were it to land in an eval's, the
+    # 600 s eval timeout would apply, by design. A fault that arrives after its at_step applies at the next
+    # step boundary, which an eval may follow (CI saw it), so the phase is named rather than timed.
     beats = [e for e in await cluster.events(["NodeHeartbeat"]) if e.payload.node_id == "n01"]
     at_step = max(e.payload.last_step for e in beats) + 8  # past any heartbeat lag
-    at_step += at_step % 10 == 0
-    await cluster.inject(FaultSpec(kind="hang", node="n01", rank=3, params={"at_step": at_step}))
+    await cluster.inject(FaultSpec(kind="hang", node="n01", rank=3, params={"at_step": at_step, "phase": "step"}))
     injected = await cluster.wait_for(["FaultInjected"], lambda e: True, 10, "the injection event")
     hang = await cluster.wait_for(["NodeHealthChanged"], lambda e: e.payload.check == "no_progress"
                                   and e.payload.status == "failed", 60, "a hang report")
@@ -229,15 +228,19 @@ async def test_a_hang_inside_an_eval_is_found_in_seconds_by_every_rank_blocked(c
     at_step += 10 - at_step % 10 if at_step % 10 else 0  # armed after step s - 1, which an eval follows
     controller = start_service_process("controller", cluster.env.settings, cluster.directory.parent / "controller.log")
     try:
-        await cluster.inject(FaultSpec(kind="hang", node="n01", rank=3, params={"at_step": at_step}))
+        await cluster.inject(FaultSpec(kind="hang", node="n01", rank=3, params={"at_step": at_step, "phase": "eval"}))
         opened = await cluster.wait_for(["IncidentOpened"], lambda e: e.payload.kind == "hang", 60, "a hang incident")
     finally:
         stop_process(controller)
     assert opened.payload.fingerprint == "hang/all_ranks_blocked", opened.payload.model_dump()
+    # Measured from the rank's last completed step (an eval follows it), not from at_step: a fault that
+    # arrives late stops the rank in a later eval.
     stepped = [e for e in await cluster.events(["NodeHeartbeat"]) if e.payload.node_id == "n01"
                and e.payload.last_step >= at_step - 1 and e.occurred_at <= opened.occurred_at]
     assert stepped, "the incident opened before the rank reached the eval it hangs in"
-    hung_for_s = (opened.occurred_at - min(e.occurred_at for e in stepped)).total_seconds()
+    last = max(e.payload.last_step for e in stepped)
+    assert (last + 1) % 10 == 0, f"the rank's last step {last} is not one an eval follows"
+    hung_for_s = (opened.occurred_at - min(e.occurred_at for e in stepped if e.payload.last_step == last)).total_seconds()
     assert hung_for_s <= 20, f"found {hung_for_s:.1f}s after the last step before the eval"
 
 

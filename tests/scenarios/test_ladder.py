@@ -319,14 +319,16 @@ async def test_rung3_a_node_30_percent_slower_is_convicted_within_five_rounds_an
                             extra={"KEEL_ANALYZER__FAILSLOW_INTERVAL": "4s"})
     await stack.wait_for(["StandbyChecked"], lambda e: e.payload.passed, 120, "the standby's self-check")
     await stack.stepping(10)
-    # The analyzer judges no step of the job's first 30 s (analyzer.failslow_warmup): rank 0 computes 2.3x its
+    # The analyzer judges no step of the first 30 s of steps (analyzer.failslow_warmup): rank 0 computes 2.3x its
     # peers' time there on this machine, which once convicted a healthy n00. ETTR's baseline for the slow
     # steps skips them too: the job runs healthy past them first.
     await asyncio.sleep(30)
     victim = stack.node_of_rank(2)
     before = {e.id for e in await stack.events(["FailSlowConvicted"])}
     opened, resolved, timeline = await stack.incident([FaultSpec(kind="slow", node=victim, params={"fraction": 0.3})])
-    assert opened.payload.kind == "fail_slow" and opened.payload.node_id == victim, opened.payload
+    verdicts = [e.payload for e in await stack.events(["FailSlowConvicted"]) if e.id not in before]
+    assert opened.payload.kind == "fail_slow" and opened.payload.node_id == victim, \
+        (opened.payload, [v.round_evidence for v in verdicts])
     assert resolved.payload.rung == 3 and resolved.payload.outcome == "recovered", resolved.payload
     [verdict] = [e for e in await stack.events(["FailSlowConvicted"]) if e.id not in before]
     [stack_fault] = await stack.events(["FaultInjected"])

@@ -37,16 +37,19 @@ class Analyzer:
         self.convictions += [e.payload for e in self.session.observe(event).emitted
                              if isinstance(e.payload, FailSlowConvicted)]
 
-    def run(self, seconds: int, generations: dict[str, int], slow: dict[str, float] | None = None) -> None:
+    def run(self, seconds: int, generations: dict[str, int], slow: dict[str, float] | None = None,
+            stepping: bool = True) -> None:
         """``seconds`` of heartbeats from the nodes in ``generations`` (each reporting that generation;
-        compute 0.1 s, ``slow[node]`` times more), a v2 tick after each."""
+        compute 0.1 s, ``slow[node]`` times more; none while not ``stepping``: the ranks' setup), a v2 tick
+        after each."""
         for _ in range(seconds // 2):
             self.now += timedelta(seconds=2)
             for node, generation in generations.items():
                 rank = NODES.index(node)
                 compute = 0.1 * (1 + (slow or {}).get(node, 0.0)) * (1 + 0.001 * rank)
                 self.feed(NodeHeartbeat(node_id=node, ranks_alive=1, ranks_expected=1, generation=generation,
-                                        rank_compute_time_p50_s={rank: compute}), f"node/{node}")
+                                        rank_compute_time_p50_s={rank: compute} if stepping else {}),
+                          f"node/{node}")
             self.feed(TimerTicked(now=self.now, interval_s=2.0), "clock/j", producer=CLOCK_PRODUCER)
 
 
@@ -122,3 +125,18 @@ def test_the_jobs_first_steps_are_a_warm_up_too_and_last_policy_warmup() -> None
     short.run(32, dict.fromkeys(NODES, 0), slow={"n0": 1.3})
     short.run(60, dict.fromkeys(NODES, 0))
     assert [c.group_nodes for c in short.convictions] == [["n0"]]  # what one interval of warm-up did
+
+
+def test_the_warm_up_counts_from_the_first_step_not_the_first_heartbeat() -> None:
+    """CI: the ranks spent about 20 s in setup (imports, rendezvous) while their agents heartbeat, so a
+    warm-up counted from the first heartbeat ended 10 s into the steps, and rank 0's slow first steps
+    convicted its healthy node. The warm-up now starts with the generation's first step samples."""
+    job = Analyzer()
+    job.run(20, dict.fromkeys(NODES, 0), stepping=False)  # setup: heartbeats without step samples
+    job.run(36, dict.fromkeys(NODES, 0), slow={"n0": 1.3})  # the first steps: n0 slower (under load, for longer)
+    job.run(60, dict.fromkeys(NODES, 0))
+    assert job.convictions == []
+    slow_for_good = Analyzer()
+    slow_for_good.run(20, dict.fromkeys(NODES, 1), stepping=False)
+    slow_for_good.run(100, dict.fromkeys(NODES, 1), slow={"n0": 1.3})
+    assert slow_for_good.convictions and slow_for_good.convictions[0].group_nodes == ["n0"]

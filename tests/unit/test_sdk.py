@@ -144,6 +144,31 @@ def test_an_injected_hang_stops_the_rank_inside_its_next_collective(agent: tuple
     assert max(r.collective_wait_s for r in inside) >= 0.2
 
 
+def test_a_hang_for_a_phase_passes_the_collectives_of_other_phases(agent: tuple[str, socket.socket], short_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``params.phase``: a hang that arrived late, with an eval between it and the next step, still stops in
+    the step's collective (and one for ``eval`` passes the step's collectives and stops in the eval's)."""
+    path, _ = agent
+    for phase, stops_in in (("step", "dp_all_reduce"), ("eval", "eval_all_reduce")):
+        stopped: list[str] = []
+        monkeypatch.setattr(session_mod, "_stop_or_block", stopped.append)
+        fault_file = short_dir / f"fault-{phase}.json"
+        fault_file.write_text(json.dumps({"id": f"h-{phase}", "kind": "hang", "rank": None,
+                                          "params": {"at_step": 1, "phase": phase}}))
+        session = Session(_config(agent_socket=path, fault_file=str(fault_file)))
+        entered: list[str] = []
+        with session.phase("step"):
+            with session.waiting("dp_all_reduce"):
+                pass
+            session.step_done(0)  # armed here
+            for name, in_phase in (("eval_all_reduce", "eval"), ("dp_all_reduce", "step"), ("eval_all_reduce", "eval")):
+                with session.phase(in_phase), session.waiting(name):
+                    if stopped and not entered:
+                        entered.append(name)
+        session.close()
+        assert stopped == ["hang"] and entered == [stops_in], (phase, entered)
+
+
 def test_a_hang_in_a_loop_that_marks_no_collectives_stops_at_the_step_boundary(
         agent: tuple[str, socket.socket], short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path, _ = agent
@@ -243,6 +268,8 @@ def test_parse_fault_accepts_the_documented_shape() -> None:
         ('{"id": "x", "kind": "explode"}', "unknown kind 'explode'"),
         ('{"id": "x", "kind": "crash", "rank": "3"}', "'rank'"),
         ('{"id": "x", "kind": "slow", "params": {"fraction": -1}}', "fraction"),
+        ('{"id": "x", "kind": "hang", "params": {"phase": "lunch"}}', "params.phase"),
+        ('{"id": "x", "kind": "crash", "params": {"phase": "step"}}', "params.phase .* for crash"),
         ('{"id": "x", "kind": "nan", "params": {"at_step": "soon"}}', "at_step"),
     ],
 )

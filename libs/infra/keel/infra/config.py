@@ -425,7 +425,8 @@ class AnalyzerSettings(_Section):
     (or its modified z-score says so, and it is at least 5 % slower)."""
     failslow_warmup: Duration = parse_duration("30s")
     """A generation's first steps (after the job's start or a restart) that no round judges (at least one
-    interval): the first steps after a start or a restore run slower on some ranks than on others."""
+    interval), counted from its first step: the first steps after a start or a restore run slower on some
+    ranks than on others."""
     metric_spike_factor: float = Field(5.0, gt=1)
     """Metric anomalies (checked by each node agent): a loss or gradient norm above this many times the
     median of its previous ``metric_spike_window`` values is a spike."""

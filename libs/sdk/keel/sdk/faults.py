@@ -9,7 +9,10 @@ The agent writes ``$KEEL_FAULT_FILE`` (replacing it whole, e.g. write-then-renam
 
 Common params: ``at_step`` (int, optional) is the first step that does not complete normally; without
 it the fault takes effect at the next ``Session.step_done``. Per kind: ``slow`` takes ``fraction``
-(float > 0, default 0.3: each step becomes 30 % slower). The others take no params.
+(float > 0, default 0.3: each step becomes 30 % slower); ``hang`` and ``hang_stopped`` take ``phase``
+(``step``, ``eval``, ``checkpoint`` or ``setup``, optional): the rank stops inside the next collective it
+enters in that phase, so where the hang lands does not depend on when the fault arrived (without it, the
+next collective of any phase). The others take no params.
 
 What each does (``keel.sdk.session``): ``crash`` raises; ``oom`` allocates up to 256 MiB and raises a
 Python ``MemoryError`` (an exception, not a kill); ``oom_kernel`` moves the rank into its own memory
@@ -43,6 +46,7 @@ from keel.checkpoint.owned import UntrustedPathError, read_owned_text
 __all__ = ["FAULT_KINDS", "FaultFileError", "InjectedFault", "FaultFileWatcher", "parse_fault"]
 
 FAULT_KINDS = frozenset({"crash", "hang", "hang_stopped", "slow", "nan", "oom", "oom_kernel"})
+HANG_PHASES = ("step", "eval", "checkpoint", "setup")
 
 _log = logging.getLogger("keel.sdk")
 
@@ -63,6 +67,12 @@ class InjectedFault:
     def at_step(self) -> int | None:
         value = self.params.get("at_step")
         return None if value is None else int(value)
+
+    @property
+    def phase(self) -> str | None:
+        """For a hang: the phase whose next collective it stops in (None: the next collective of any)."""
+        value = self.params.get("phase")
+        return None if value is None else str(value)
 
     def targets(self, rank: int, generation: int) -> bool:
         """Whether a process of global ``rank`` in restart ``generation`` should apply this fault."""
@@ -93,6 +103,10 @@ def parse_fault(text: str) -> InjectedFault:
     at_step = params.get("at_step")
     if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int)):
         raise FaultFileError(f"fault {fault_id}: params.at_step must be an integer, got {at_step!r}")
+    phase = params.get("phase")
+    if phase is not None and (kind not in ("hang", "hang_stopped") or phase not in HANG_PHASES):
+        raise FaultFileError(f"fault {fault_id}: params.phase is for hang and hang_stopped, one of "
+                             f"{', '.join(HANG_PHASES)}; got {phase!r} for {kind}")
     if kind == "slow":
         fraction = params.get("fraction", 0.3)
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:

@@ -271,8 +271,9 @@ class Session:
         self._collective_name = name
         self._collective_entered_s = started
         try:
-            if self._armed_hang is not None:
-                self._hang_in_collective(self._armed_hang, name)
+            armed = self._armed_hang
+            if armed is not None and (armed.phase is None or armed.phase == self.current_phase):
+                self._hang_in_collective(armed, name)
             yield
         finally:
             self._collective_entered_s = None
@@ -426,7 +427,8 @@ class Session:
                 print(f"keel injected {fault.kind} (at the step boundary: the loop marks no collectives): {where}",
                       file=sys.stderr, flush=True)
                 _stop_or_block(fault.kind)
-            print(f"keel injected {fault.kind}: {where}; the rank stops inside its next collective",
+            in_phase = f" of phase {fault.phase}" if fault.phase else ""
+            print(f"keel injected {fault.kind}: {where}; the rank stops inside its next collective{in_phase}",
                   file=sys.stderr, flush=True)
             self._armed_hang = fault
         if fault.kind == "oom_kernel":

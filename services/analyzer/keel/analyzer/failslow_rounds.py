@@ -15,8 +15,8 @@ Inputs, per job:
 ``FailSlowConvicted`` (this decider's own event, folded back) starts the count afresh.
 
 Samples are of one generation (``NodeHeartbeat.generation``): the first heartbeat of a newer generation
-(a restart; the job's first generation too) drops every older sample and round and starts a warm-up of
-``warmup`` (at least one ``interval``) whose samples are not judged: the first steps after a start or a
+(a restart; the job's first generation too) drops every older sample and round, and its first step
+samples start a warm-up of ``warmup`` (at least one ``interval``) whose samples are not judged: the first steps after a start or a
 restore run slower on some ranks than on others (measured on the local cluster: rank 0 computed 2.3x
 its peers' time for about 15 s after each start, which once convicted a healthy node), and the medians the
 agents report need their steps. So no round compares ranks across a restart, and no conviction's window
@@ -82,20 +82,27 @@ class JobFailSlow:
     """The newest generation a heartbeat reported: only its samples are judged (None: none reported one)."""
     warm_until: datetime | None = None
     """Samples of ``generation`` dated before this are its warm-up, not judged."""
+    stepping: bool = False
+    """Whether a heartbeat of ``generation`` carried step samples yet: the first one starts the warm-up."""
 
 
 def observe_heartbeat(job: JobFailSlow, node_id: str, compute: Mapping[int, float], at: datetime,
                       policy: FailSlowPolicy, generation: int | None = None) -> JobFailSlow:
     """``job`` with a heartbeat's compute times dated ``at``. A newer ``generation`` than any seen starts
-    afresh (no sample, round or evidence of an older one is kept) with a warm-up (``policy.warmup``, at least
-    one interval); an older
-    one is ignored (the module docstring says why)."""
+    afresh (no sample, round or evidence of an older one is kept); its first compute times start a warm-up
+    (``policy.warmup``, at least one interval); an older one is ignored (the module docstring says why)."""
     if generation is not None and job.generation is not None and generation < job.generation:
         return job
     if generation is not None and (job.generation is None or generation > job.generation):
         job = replace(job, rounds=policy.fresh_rounds(), samples={}, evidence=(), generation=generation,
-                      warm_until=at + max(policy.interval, policy.warmup))
-    if not compute or (job.warm_until is not None and at < job.warm_until):
+                      warm_until=None, stepping=False)
+    if not compute:
+        return job
+    if not job.stepping and job.generation is not None:  # (heartbeats without one: no warm-up, as before v4)
+        # The warm-up counts from the generation's first step, not its first heartbeat: a start that spent
+        # 20 s importing and meeting its peers (CI saw it) must not use up the warm-up its steps need.
+        job = replace(job, stepping=True, warm_until=at + max(policy.interval, policy.warmup))
+    if job.warm_until is not None and at < job.warm_until:
         return job
     samples = dict(job.samples)
     for rank, value in compute.items():
