@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -685,6 +685,42 @@ class NotifierSettings(_Section):
         return value
 
 
+class ApiTokenSettings(_Section):
+    """One bearer token of the HTTP API (``api.tokens``): its name, scope and SHA-256 digest, never the token."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
+    """Who holds it (a person or a tool): the API's log names the caller by it."""
+    scope: Literal["read", "operator"] = "read"
+    """``read``: every query. ``operator``: the queries and the actions (approvals, cordons) once the API serves them."""
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    """The token's SHA-256 digest in hex (``keel-api --new-token NAME`` makes a token and prints its entry)."""
+
+
+class ApiSettings(_Section):
+    """The HTTP API (``keel-api``): read-only queries over the event store behind bearer tokens."""
+
+    listen_host: str = "127.0.0.1"
+    """The address it listens on (only this machine by default: put a TLS proxy in front to serve others)."""
+    listen_port: int = Field(8380, ge=1, le=65535)
+    """Its TCP port."""
+    tokens: list[ApiTokenSettings] = Field(default_factory=list)
+    """Who may call it. None: every request but ``/healthz`` is refused, saying so."""
+    max_page: int = Field(1000, ge=1, le=100_000)
+    """The most events or audit rows one request returns (``limit`` is capped at it)."""
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens_from_text(cls, value: Any) -> Any:
+        # From the environment a list comes as text: JSON (KEEL_API__TOKENS='[{"name": ..., "sha256": ...}]').
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except ValueError:
+                raise ValueError('give the tokens as a JSON list of objects, e.g. [{"name": "oncall", "scope": "read", '
+                                 '"sha256": "<64 hex digits>"}]') from None
+        return value
+
+
 class SnapshotSettings(_Section):
     """Deciders' snapshots (``keel.kernel.snapshot``): a cold start folds the newest one plus the log after it."""
 
@@ -737,6 +773,7 @@ class Settings(_Section):
     actuator: ActuatorSettings = ActuatorSettings()
     """The actuator service: which kind of machines it acts on, and that kind's settings."""
     notifier: NotifierSettings = NotifierSettings()
+    api: ApiSettings = ApiSettings()
     inspector: dict[str, Any] = Field(default_factory=dict)
     """Overrides of the node agent's ``InspectorPolicy`` (e.g. ``step_timeout_floor: 25s``), checked
     by the agent at start: an unknown key or a value without its unit stops it with the reason."""

@@ -1,0 +1,249 @@
+"""The API's routes (adapter): FastAPI over the event store, read as the ``auditor`` role.
+
+Every route answers what a reporting command answers, from the same functions (``keel.cli.incidents``,
+``keel.cli.audit``), so the API and the CLI cannot disagree:
+
+=====================================  ==============================  ===========================
+route                                  what                            the command
+=====================================  ==============================  ===========================
+``GET /healthz``                       liveness (no token)             -
+``GET /v1/jobs``                       jobs in the log, first / last   ``keel ettr`` (its jobs)
+``GET /v1/incidents``                  the controller's incidents      ``keel incidents --json``
+``GET /v1/incidents/{ref}/timeline``   one incident, every event       ``keel timeline --json``
+``GET /v1/jobs/{job}/ettr``            cumulative and window ETTR      ``keel ettr --job --json``
+``GET /v1/audit/<view>``               an audit view, filtered         ``keel audit --format json``
+``GET /v1/nodes``                      each node's last known health   -
+``GET /v1/events``                     the log, paged by position      ``keel events``
+=====================================  ==============================  ===========================
+
+Errors are JSON ``{"detail": ...}``: 401 without a known token, 403 for a token whose scope does not
+allow the route, 404 for an id or job the log does not hold, 422 for a parameter that cannot be used (with
+the reason). Nothing is written: the operator scope's actions (approvals, cordons) are not served yet.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from enum import Enum
+from typing import Annotated, Any
+
+import sqlalchemy as sa
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import keel.events.types  # noqa: F401 - registers the event types the store decodes
+from keel.api.auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
+from keel.cli.audit import VIEWS, AuditInputError, AuditQuery, rows_json
+from keel.cli.incidents import (
+    BadInput,
+    LookupFailed,
+    ettr_json,
+    incidents_json,
+    load_ettr,
+    load_incidents,
+    load_job_spans,
+    load_timeline,
+    timeline_json,
+)
+from keel.events.envelope import JOB_ID_RE, REGISTRY
+from keel.events.units import parse_duration
+from keel.infra.store import EventStore, node_status_table
+
+log = logging.getLogger("keel.api")
+
+API_VERSION = "1"
+_ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"detail": {}}}}}}
+ERRORS: dict[int | str, dict[str, Any]] = {401: {"description": "no known token", **_ERROR},
+                                           403: {"description": "the token's scope does not allow this", **_ERROR},
+                                           422: {"description": "a parameter cannot be used: the reason", **_ERROR}}
+NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "the log holds no such thing", **_ERROR}}
+
+DURATION_PATTERN = r"^0{0,3}[1-9][0-9]{0,4}(\.[0-9]{1,3})?(ms|s|m|h|d)$"
+"""A positive duration with its unit, as ``keel.events.units.parse_duration`` reads it (at most 99,999 units)."""
+MAX_POSITION = 2**63 - 1
+"""The largest log position (a PostgreSQL ``bigint``)."""
+EventType = Enum("EventType", {name: name for name in REGISTRY.names()}, type=str)  # type: ignore[misc]
+
+PRINTABLE = r"^[^\x00-\x1f\x7f]{1,200}$"
+"""Free text filters: no control characters (PostgreSQL text holds no NUL), at most 200 characters."""
+JobFilter = Annotated[str | None, Query(pattern=JOB_ID_RE.pattern, description="one training job")]
+NodeFilter = Annotated[str | None, Query(pattern=PRINTABLE, description="one node (incidents: its node or one it "
+                                                                        "evicted)")]
+KindFilter = Annotated[str | None, Query(pattern=PRINTABLE, description="an incident's kind (crash, hang, ...), else "
+                                                                        "the event type")]
+Since = Annotated[datetime | None, Query(description="from this time (RFC 3339; UTC when it names no zone)")]
+Until = Annotated[datetime | None, Query(description="until this time, exclusive")]
+Last = Annotated[str | None, Query(pattern=DURATION_PATTERN, description="only the last 7d, 12h, ... (with since: "
+                                                                          "the later of the two)")]
+Limit = Annotated[int, Query(ge=1, le=100_000, description="at most this many (capped at api.max_page)")]
+
+
+def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int = 1000) -> FastAPI:
+    """The API over ``engine`` (the event store, as the auditor), for callers holding one of ``tokens``."""
+    app = FastAPI(title="Keel API", version=API_VERSION, docs_url=None, redoc_url=None,
+                  description="Incidents, timelines, ETTR, audit views and the event log of Keel, read-only.")
+    store = EventStore(engine)
+    bearer = HTTPBearer(auto_error=False, description="a token of api.tokens (keel-api --new-token NAME makes one)")
+
+    bearer_credentials = Depends(bearer)
+
+    def caller(needed: str) -> Callable[..., ApiToken]:
+        # Default-value style: these annotations are strings (``from __future__``) that FastAPI resolves in the
+        # module's globals, where the local ``bearer`` is not.
+        def check(credentials: HTTPAuthorizationCredentials | None = bearer_credentials) -> ApiToken:
+            try:
+                token = authenticate(credentials.credentials if credentials else None, tokens)
+                authorize(token, needed)
+            except Unauthorized as exc:
+                raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
+            except Forbidden as exc:
+                raise HTTPException(403, str(exc)) from None
+            return token
+        return check
+
+    reader = Depends(caller(READ))  # every route's token check: a read scope at least
+
+    async def answer(work: Awaitable[Any]) -> Any:
+        """Run a query; the reporting functions' lookup and input errors become 404 and 422."""
+        try:
+            return await work
+        except LookupFailed as exc:
+            raise HTTPException(404, str(exc)) from None
+        except (BadInput, AuditInputError) as exc:
+            raise HTTPException(422, str(exc)) from None
+
+    @app.exception_handler(sa.exc.SQLAlchemyError)
+    async def store_unavailable(request: Request, exc: sa.exc.SQLAlchemyError) -> JSONResponse:
+        log.error("%s %s: the event store failed: %s", request.method, request.url.path, exc.__class__.__name__)
+        return JSONResponse({"detail": "the event store could not answer; try again"}, status_code=503)
+
+    @app.get("/healthz", summary="liveness: the process answers (no token needed, nothing read)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/jobs", responses=ERRORS, summary="the training jobs in the log, with their first and last event")
+    async def jobs(_: ApiToken = reader) -> dict[str, Any]:
+        spans = await load_job_spans(engine)
+        return {"jobs": [{"job_id": job, "first_event_at": first.isoformat(), "last_event_at": last.isoformat()}
+                         for job, first, last in spans]}
+
+    @app.get("/v1/incidents", responses=ERRORS, summary="the controller's incidents, oldest first")
+    async def incidents(job: JobFilter = None, _: ApiToken = reader) -> dict[str, Any]:
+        return incidents_json(await load_incidents(store, job))
+
+    @app.get("/v1/incidents/{ref}/timeline", responses={**ERRORS, **NOT_FOUND},
+             summary="every event of one incident (its id or a unique prefix of 6+ characters), with the reasons")
+    async def timeline(ref: Annotated[str, Path(pattern=r"^[0-9a-fA-F-]{6,36}$", description="the incident's id or a "
+                                                "prefix of 6 or more of its characters")], job: JobFilter = None,
+                       _: ApiToken = reader) -> dict[str, Any]:
+        return timeline_json(await answer(load_timeline(store, ref, job)))
+
+    @app.get("/v1/jobs/{job_id}/ettr", responses={**ERRORS, **NOT_FOUND},
+             summary="the job's ETTR: cumulative, the sliding window, lost time by incident and phase")
+    async def ettr(job_id: Annotated[str, Path(pattern=JOB_ID_RE.pattern)],
+                   window: Annotated[str, Query(pattern=DURATION_PATTERN,
+                                                description="the sliding window, with its unit: 1h, 30m")] = "1h",
+                   _: ApiToken = reader) -> dict[str, Any]:
+        width = _duration(window, "window")
+        [(_name, report)] = await answer(load_ettr(store, job_id, width))
+        if report is None:
+            return {"job_id": job_id, "cumulative": None, "window": None}
+        return ettr_json(report)
+
+    async def audit_rows(view: str, since: datetime | None, until: datetime | None, last: str | None, job: str | None,
+                         node: str | None, kind: str | None, limit: int) -> dict[str, Any]:
+        now = datetime.now(UTC)
+        starts = [_aware(since)] if since else []
+        if last is not None:
+            starts.append(now - _duration(last, "last"))
+        begin, end = (max(starts) if starts else None), (_aware(until) if until else None)
+        if begin is not None and end is not None and begin >= end:
+            return {**rows_json(view, []), "truncated": False}  # an empty window holds nothing
+        try:
+            query = AuditQuery(view=view, job=job, node=node, kind=kind, limit=min(limit, max_page), since=begin, until=end)
+        except AuditInputError as exc:
+            raise HTTPException(422, str(exc)) from None
+        text, params = query.sql()
+        async with engine.connect() as conn:
+            result = await conn.execute(sa.text(text), params)
+            columns = list(result.keys())
+            rows = [dict(zip(columns, row, strict=True)) for row in result.all()]
+        return {**rows_json(view, rows), "truncated": len(rows) == query.limit}
+
+    # One route per audit view, each declaring only the filters its view has (the spec says exactly what works).
+    for view, spec in VIEWS.items():
+        summary = f"the {view} audit view ({spec.relation}), oldest first: ``keel audit {view}``"
+        if spec.node is not None and spec.kind is not None:
+            async def with_node_and_kind(since: Since = None, until: Until = None, last: Last = None, job: JobFilter = None,
+                                         node: NodeFilter = None, kind: KindFilter = None, limit: Limit = 100,
+                                         _: ApiToken = reader, view: str = view) -> dict[str, Any]:
+                return await audit_rows(view, since, until, last, job, node, kind, limit)
+            route: Callable[..., Awaitable[dict[str, Any]]] = with_node_and_kind
+        elif spec.node is not None:
+            async def with_node(since: Since = None, until: Until = None, last: Last = None, job: JobFilter = None,
+                                node: NodeFilter = None, limit: Limit = 100, _: ApiToken = reader,
+                                view: str = view) -> dict[str, Any]:
+                return await audit_rows(view, since, until, last, job, node, None, limit)
+            route = with_node
+        else:
+            async def with_kind(since: Since = None, until: Until = None, last: Last = None, job: JobFilter = None,
+                                kind: KindFilter = None, limit: Limit = 100, _: ApiToken = reader,
+                                view: str = view) -> dict[str, Any]:
+                return await audit_rows(view, since, until, last, job, None, kind, limit)
+            route = with_kind
+        _hide_parameter(route, "view")
+        app.get(f"/v1/audit/{view}", responses=ERRORS, summary=summary, name=f"audit_{view}")(route)
+
+    @app.get("/v1/nodes", responses=ERRORS, summary="each node's last known health, from the recorder's read model")
+    async def nodes(job: JobFilter = None, _: ApiToken = reader) -> dict[str, Any]:
+        t = node_status_table.c
+        query = sa.select(t.job_id, t.node_id, t.health, t.detail, t.evicted, t.updated_at).order_by(t.job_id, t.node_id)
+        if job is not None:
+            query = query.where(t.job_id == job)
+        async with engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return {"nodes": [{"job_id": r.job_id, "node_id": r.node_id, "health": r.health, "detail": r.detail,
+                           "evicted": r.evicted, "updated_at": r.updated_at.isoformat()} for r in rows]}
+
+    @app.get("/v1/events", responses=ERRORS,
+             summary="the log in position order, paged: pass the answer's next_after to get the next page")
+    async def events(job: JobFilter = None,
+                     type: Annotated[list[EventType] | None, Query(description="event types (repeat for several)")] = None,
+                     after: Annotated[int, Query(ge=0, le=MAX_POSITION, description="only events after this position")] = 0,
+                     limit: Limit = 100, _: ApiToken = reader) -> dict[str, Any]:
+        page = min(limit, max_page)
+        types = [t.value for t in type] if type else None
+        rows = [r async for r in store.read(job_id=job, after_position=after, types=types, limit=page)]
+        return {"events": [{"position": r.position, **r.event.to_wire()} for r in rows],
+                "next_after": rows[-1].position if len(rows) == page else None}
+
+    return app
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+def _hide_parameter(route: Callable[..., Any], name: str) -> None:
+    """Drop ``name`` (a loop variable bound as a default) from the signature FastAPI reads: not a query parameter."""
+    signature = inspect.signature(route)
+    route.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for p in signature.parameters.values() if p.name != name])
+
+
+def _duration(text: str, name: str) -> timedelta:
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise HTTPException(422, f"{name}: {exc}") from None
+    if value <= timedelta(0):
+        raise HTTPException(422, f"{name} must be longer than 0 s, got {text!r}")
+    return value
+
+
+__all__ = ["API_VERSION", "create_app"]
