@@ -593,6 +593,17 @@ class ActuatorSettings(_Section):
         return value
 
 
+def _json_list_from_text(value: Any, what: str, example: str) -> Any:
+    """From the environment a list of objects comes as text: JSON (``KEEL_API__TOKENS='[{...}]'``). Anything else
+    is passed on as it is, to be validated as the list it should be."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ValueError(f"give {what} as a JSON list of objects, e.g. {example}") from None
+    return value
+
+
 class NotifierDestinationSettings(_Section):
     """One place notifications go (``notifier.destinations``)."""
 
@@ -675,14 +686,8 @@ class NotifierSettings(_Section):
     @field_validator("destinations", mode="before")
     @classmethod
     def _from_text(cls, value: Any) -> Any:
-        # From the environment a list comes as text: JSON (KEEL_NOTIFIER__DESTINATIONS='[{"name": ...}]').
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except ValueError:
-                raise ValueError('give the destinations as a JSON list of objects, e.g. [{"name": "hook", '
-                                 '"kind": "webhook", "url": "https://...", "secret_file": "/etc/keel/hook.secret"}]') from None
-        return value
+        return _json_list_from_text(value, 'the destinations', '[{"name": "hook", "kind": "webhook", "url": '
+                                    '"https://...", "secret_file": "/etc/keel/hook.secret"}]')
 
 
 class ApiTokenSettings(_Section):
@@ -711,14 +716,7 @@ class ApiSettings(_Section):
     @field_validator("tokens", mode="before")
     @classmethod
     def _tokens_from_text(cls, value: Any) -> Any:
-        # From the environment a list comes as text: JSON (KEEL_API__TOKENS='[{"name": ..., "sha256": ...}]').
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except ValueError:
-                raise ValueError('give the tokens as a JSON list of objects, e.g. [{"name": "oncall", "scope": "read", '
-                                 '"sha256": "<64 hex digits>"}]') from None
-        return value
+        return _json_list_from_text(value, "the tokens", '[{"name": "oncall", "scope": "read", "sha256": "<64 hex digits>"}]')
 
 
 class SnapshotSettings(_Section):
