@@ -19,9 +19,19 @@ controller would (signed with the controller's key).
   incidents keep coming; then it accepts again. Lost = incidents published minus incidents received (each counted
   once, by its event id), once the notifier has drained. Target: 0. ``outage_drain_s``: from the receiver's
   return to the last delivery. ``outage_deliveries_retried``: deliveries that took more than one attempt.
-- ``api_p99_ms``: the HTTP API is not built yet: null, with the reason.
+- ``api_p99_ms``: the HTTP API (``keel-api``, a process of its own, read as the auditor) over a log of
+  ``api_log_events`` events (1,000,000 in the full run; 200,000 in ``--quick``, so the figure is labelled with
+  its log size) of which ``api_incidents`` are incidents with their decisions, the rest node heartbeats from
+  1,200 nodes. A second process (this module's ``--load``, ``api_clients`` threads with a kept-alive connection
+  each, the equivalent of ``wrk -c``) asks for the incident list (``/v1/incidents?job=``: every incident of the
+  job) and random incidents' timelines, half each, for ``api_seconds``. ``api_p99_ms`` is the worse p99 of the two
+  routes, from the client's side (request sent to the whole answer read). Target ≤ 100 ms. Also
+  ``api_list_p99_ms``, ``api_timeline_p99_ms``, ``api_audit_p99_ms`` (the paged audit view, the first 100) and
+  ``api_requests_per_s``.
 
-``--smoke`` runs it in seconds (the tests run it); ``--quick`` under three minutes (a 20 s outage). Results carry
+``--smoke`` runs it in seconds (the tests run it); ``--quick`` under three minutes (a 20 s outage).
+On this 2-core machine the API, PostgreSQL and the load process share two cores: the latencies include that
+contention (reported as measured, not corrected). Results carry
 their provenance (``bench._provenance``). Exits 0 even when a target is missed (it is a benchmark); misses are
 printed as FAIL.
 """
@@ -36,9 +46,7 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +57,7 @@ if str(REPO) not in sys.path:
 from bench._provenance import provenance  # noqa: E402
 from bench._servers import Servers, scratch_dir  # noqa: E402
 from bench.bus import KeelSlice  # noqa: E402
+from keel.notifier.receiver import WebhookReceiver  # noqa: E402
 
 SECRET = "whsec_" + base64.b64encode(b"bench-ops-webhook-secret-0123456").decode()
 SIZES = {  # incidents at a steady rate, then incidents during the outage
@@ -56,59 +65,6 @@ SIZES = {  # incidents at a steady rate, then incidents during the outage
     "quick": {"steady": 200, "rate_per_s": 20.0, "outage_s": 20.0, "outage_rate_per_s": 2.0},
     "full": {"steady": 1000, "rate_per_s": 20.0, "outage_s": 60.0, "outage_rate_per_s": 2.0},
 }
-
-
-class WebhookReceiver:
-    """A Standard Webhooks receiver: verifies each request, notes the first arrival of each event id; while
-    ``failing`` it answers 503 (and counts the refusals)."""
-
-    def __init__(self) -> None:
-        from keel.events.envelope import now_utc
-        from keel.notifier.core import verify_standard_webhook
-
-        self.arrived: dict[str, float] = {}
-        self.arrived_wall: dict[str, float] = {}
-        self.bad_signatures = 0
-        self.refused = 0
-        self.failing = False
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                at = time.monotonic()
-                if receiver.failing:
-                    with receiver.lock:
-                        receiver.refused += 1
-                    self._answer(503)
-                    return
-                if verify_standard_webhook(dict(self.headers.items()), body, SECRET, now_utc()) is not None:
-                    with receiver.lock:
-                        receiver.bad_signatures += 1
-                    self._answer(401)
-                    return
-                event_id = json.loads(body)["data"]["event_id"]
-                with receiver.lock:
-                    receiver.arrived.setdefault(event_id, at)
-                    receiver.arrived_wall.setdefault(event_id, time.time())
-                self._answer(200)
-
-            def _answer(self, status: int) -> None:
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/keel"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 class NotifierProcess:
@@ -164,6 +120,184 @@ class NotifierProcess:
             self.proc.wait()
 
 
+API_SIZES = {
+    "smoke": {"events": 3_000, "incidents": 20, "seconds": 3.0, "clients": 2},
+    "quick": {"events": 200_000, "incidents": 1_000, "seconds": 20.0, "clients": 4},
+    "full": {"events": 1_000_000, "incidents": 1_000, "seconds": 60.0, "clients": 4},
+}
+API_JOB = "bench-api"
+API_ROUTES = ("list", "timeline", "audit")
+
+
+def api_log(total: int, incidents: int) -> tuple[list[Any], list[str]]:
+    """``total`` events of one job: ``incidents`` incidents (opened, restart decided, resolved: a timeline of three
+    plus its evidence) spread through node heartbeats from 1,200 nodes, a second apart. Returns the events and the
+    incident ids."""
+    from datetime import timedelta
+
+    from keel.events.envelope import Event, now_utc
+    from keel.events.types import IncidentOpened, IncidentResolved, NodeHeartbeat, RestartDecided
+
+    beats = max(total - 3 * incidents, incidents)
+    start = now_utc() - timedelta(seconds=beats)
+    events: list[Any] = []
+    ids: list[str] = []
+    every = max(1, beats // max(1, incidents))
+    for index in range(beats):
+        at = start + timedelta(seconds=index)
+        node = f"n{index % 1200:04d}"
+        beat = Event.create(NodeHeartbeat(node_id=node, ranks_alive=8, ranks_expected=8, last_step=index),
+                            job_id=API_JOB, subject=f"node/{node}", producer="node-agent", occurred_at=at)
+        events.append(beat)
+        if index % every == every - 1 and len(ids) < incidents:
+            opened = Event.create(IncidentOpened(kind="crash", node_id=node, generation=len(ids), reason="bench crash",
+                                                 evidence=[str(beat.id)]),
+                                  job_id=API_JOB, subject=f"job/{API_JOB}", producer="controller", occurred_at=at)
+            incident = str(opened.id)
+            decided = Event.create(RestartDecided(incident_id=incident, rung=2, generation=len(ids) + 1,
+                                                  reason="bench restart"), job_id=API_JOB, subject=f"job/{API_JOB}",
+                                   producer="controller", occurred_at=at, correlation_id=opened.id)
+            resolved = Event.create(IncidentResolved(incident_id=incident, outcome="recovered", rung=2,
+                                                     generation=len(ids) + 1, reason="bench resumed"),
+                                    job_id=API_JOB, subject=f"job/{API_JOB}", producer="controller",
+                                    occurred_at=at + timedelta(milliseconds=500), correlation_id=opened.id)
+            events += [opened, decided, resolved]
+            ids.append(incident)
+    return events, ids
+
+
+async def seed_api_log(database_url: str, schema: str, events: list[Any]) -> float:
+    """Append ``events`` to the slice's store in batches; returns the seconds it took."""
+    from keel.infra.store import append_events, create_engine, event_row
+
+    started = time.monotonic()
+    engine = create_engine(database_url, schema)
+    try:
+        for first in range(0, len(events), 5_000):
+            async with engine.begin() as conn:
+                await append_events(conn, [event_row(e, None) for e in events[first:first + 5_000]])
+    finally:
+        await engine.dispose()
+    return time.monotonic() - started
+
+
+def load_api(base: str, token: str, incidents: list[str], seconds: float, clients: int) -> dict[str, list[float]]:
+    """The load (run in a process of its own: ``--load``): ``clients`` threads, each with one kept-alive HTTP
+    connection, alternating the incident list and a random incident's timeline (and every 10th request the paged
+    audit view) for ``seconds``. Returns each route's latencies in seconds; a non-200 answer raises."""
+    import http.client
+    import random
+    import threading
+    from urllib.parse import urlsplit
+
+    where = urlsplit(base)
+    latencies: dict[str, list[float]] = {route: [] for route in API_ROUTES}
+    errors: list[str] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+        headers = {"Authorization": f"Bearer {token}"}
+        count = 0
+        while time.monotonic() < deadline and not errors:
+            count += 1
+            if count % 10 == 0:
+                route, path = "audit", f"/v1/audit/incidents?job={API_JOB}&limit=100"
+            elif count % 2:
+                route, path = "list", f"/v1/incidents?job={API_JOB}"
+            else:
+                route, path = "timeline", f"/v1/incidents/{rng.choice(incidents)}/timeline?job={API_JOB}"
+            sent = time.monotonic()
+            conn.request("GET", path, headers=headers)
+            response = conn.getresponse()
+            body = response.read()
+            took = time.monotonic() - sent
+            if response.status != 200:
+                with lock:
+                    errors.append(f"{path}: HTTP {response.status} {body[:300]!r}")
+                return
+            with lock:
+                latencies[route].append(took)
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(errors[0])
+    return latencies
+
+
+async def measure_api(servers: Servers, home: Path, size: dict[str, float]) -> dict[str, Any]:
+    import secrets
+
+    from keel.api.auth import READ, TOKEN_BYTES, new_token
+    from keel.infra.embedded import free_port
+
+    events, incidents = api_log(int(size["events"]), int(size["incidents"]))
+    async with KeelSlice(servers, servers.nats_url, home) as ks:
+        seed_s = await seed_api_log(servers.database_url, ks.piece.schema, events)
+        token, entry = new_token("bench", READ, secrets.token_bytes(TOKEN_BYTES))
+        port = free_port()
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}, **servers.service_env,
+               "KEEL_NATS_URL": servers.nats_url, "KEEL_DATABASE_URL": servers.database_url, "KEEL_HOME": str(home),
+               "KEEL_DB_SCHEMA": ks.piece.schema, "KEEL_API__LISTEN_PORT": str(port),
+               "KEEL_API__TOKENS": json.dumps([{"name": entry.name, "scope": entry.scope, "sha256": entry.sha256}])}
+        log_path = home / "api.log"
+        with open(log_path, "wb") as out:
+            api = subprocess.Popen([sys.executable, "-m", "keel.api.main"], env=env, cwd=REPO, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await wait_healthy(base, api, log_path)
+            spec = {"base": base, "token": token, "incidents": incidents, "seconds": size["seconds"],
+                    "clients": int(size["clients"])}
+            loaded = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "bench.ops", "--load"],
+                                             input=json.dumps(spec), capture_output=True, text=True, cwd=REPO,
+                                             timeout=size["seconds"] + 300)
+            if loaded.returncode != 0:
+                raise RuntimeError(f"the load process failed: {loaded.stderr[-3000:]}")
+            latencies: dict[str, list[float]] = json.loads(loaded.stdout)
+        finally:
+            api.send_signal(signal.SIGTERM)
+            try:
+                api.wait(15)
+            except subprocess.TimeoutExpired:
+                api.kill()
+                api.wait()
+    p99 = {route: percentile([t * 1000 for t in latencies[route]], 99) for route in API_ROUTES}
+    total = sum(len(v) for v in latencies.values())
+    worst = [p99[r] for r in ("list", "timeline") if p99[r] is not None]
+    return {"api_p99_ms": max(worst) if worst else None, "api_list_p99_ms": p99["list"],
+            "api_timeline_p99_ms": p99["timeline"], "api_audit_p99_ms": p99["audit"],
+            "api_list_p50_ms": percentile([t * 1000 for t in latencies["list"]], 50),
+            "api_timeline_p50_ms": percentile([t * 1000 for t in latencies["timeline"]], 50),
+            "api_requests": total, "api_requests_per_s": total / size["seconds"], "api_clients": int(size["clients"]),
+            "api_seconds": size["seconds"], "api_log_events": len(events), "api_incidents": len(incidents),
+            "api_seed_s": seed_s}
+
+
+async def wait_healthy(base: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"keel-api exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/healthz", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"keel-api did not answer within {timeout_s} s:\n{log_path.read_text()[-3000:]}")
+
+
 def percentile(values: list[float], pct: float) -> float | None:
     if not values:
         return None
@@ -193,9 +327,8 @@ async def publish_incidents(bus: Any, count: int, rate_per_s: float, job: str) -
 async def wait_arrived(receiver: WebhookReceiver, ids: set[str], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with receiver.lock:
-            if ids <= set(receiver.arrived):
-                return True
+        if ids <= set(receiver.first_arrivals()):
+            return True
         await asyncio.sleep(0.1)
     return False
 
@@ -219,13 +352,13 @@ async def since_recorded(ks: KeelSlice, receiver: WebhookReceiver, ids: set[str]
             await asyncio.sleep(0.2)
     finally:
         await conn.close()
-    with receiver.lock:
-        return [receiver.arrived_wall[str(r["event_id"])] - r["recorded_at"].timestamp() for r in rows
-                if str(r["event_id"]) in receiver.arrived_wall]
+    arrived = receiver.first_arrivals()
+    return [arrived[str(r["event_id"])].at_wall - r["recorded_at"].timestamp() for r in rows
+            if str(r["event_id"]) in arrived]
 
 
 async def measure_notify(servers: Servers, home: Path, size: dict[str, float]) -> dict[str, Any]:
-    receiver = WebhookReceiver()
+    receiver = WebhookReceiver(SECRET)
     try:
         async with KeelSlice(servers, servers.nats_url, home) as ks:
             await ks.start_recorder()
@@ -235,7 +368,8 @@ async def measure_notify(servers: Servers, home: Path, size: dict[str, float]) -
                 await notifier.wait_ready(ks.bus)
                 steady = await publish_incidents(ks.bus, int(size["steady"]), size["rate_per_s"], "bench-ops")
                 drained = await wait_arrived(receiver, set(steady), 60)
-                latencies = [receiver.arrived[i] - at for i, at in steady.items() if i in receiver.arrived]
+                first = receiver.first_arrivals()
+                latencies = [first[i].at_monotonic - at for i, at in steady.items() if i in first]
                 from_recorded = await since_recorded(ks, receiver, set(steady))
 
                 receiver.failing = True
@@ -246,9 +380,8 @@ async def measure_notify(servers: Servers, home: Path, size: dict[str, float]) -
                 receiver.failing = False
                 back = time.monotonic()
                 await wait_arrived(receiver, set(during), 120)
-                with receiver.lock:
-                    arrived = dict(receiver.arrived)
-                got = [arrived[i] for i in during if i in arrived]
+                arrived = receiver.first_arrivals()
+                got = [arrived[i].at_monotonic for i in during if i in arrived]
                 log = (home / "notifier.log").read_text(errors="replace")
             finally:
                 await asyncio.to_thread(notifier.stop)
@@ -273,6 +406,7 @@ async def run(mode: str) -> dict[str, Any]:
     home = scratch_dir("keel-bench-ops-")
     try:
         notify = await measure_notify(servers, home, SIZES[mode])
+        api = await measure_api(servers, home, API_SIZES[mode])
     finally:
         servers.stop()
     failures = []
@@ -282,8 +416,9 @@ async def run(mode: str) -> dict[str, Any]:
         failures.append(f"notify_lost {notify['notify_lost']} != 0")
     if notify["bad_signatures"]:
         failures.append(f"{notify['bad_signatures']} webhook(s) with a bad signature")
-    return {"mode": mode, **notify, "api_p99_ms": None,
-            "api_p99_ms_reason": "the HTTP API (issue 20, item 4) is not built yet", "failures": failures}
+    if api["api_p99_ms"] is None or api["api_p99_ms"] > 100.0:
+        failures.append(f"api_p99_ms {api['api_p99_ms']} > 100 ms (over {api['api_log_events']} events)")
+    return {"mode": mode, **notify, **api, "failures": failures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,12 +428,22 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--quick", action="store_true", help="under three minutes (a 20 s outage)")
     size.add_argument("--smoke", action="store_true", help="seconds: a check that it works")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the results there")
+    parser.add_argument("--load", action="store_true", help="(internal) be the API's load process: a JSON spec on "
+                                                           "stdin, the latencies as JSON on stdout")
     args = parser.parse_args(argv)
+    if args.load:
+        spec = json.loads(sys.stdin.read())
+        print(json.dumps(load_api(spec["base"], spec["token"], spec["incidents"], spec["seconds"], spec["clients"])))
+        return 0
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     results = {**provenance(argv, "bench.ops"), **asyncio.run(run(mode))}
     print(f"notify p50 {results['notify_p50_s']} s, p99 {results['notify_p99_s']} s over {results['notify_count']} "
           f"incidents at {results['notify_rate_per_s']}/s; outage {results['outage_s']} s: {results['outage_incidents']} "
           f"incidents, {results['notify_lost']} lost, drained {results['outage_drain_s']} s after the receiver's return")
+    print(f"api p99 {results['api_p99_ms']} ms (list {results['api_list_p99_ms']} ms, timeline "
+          f"{results['api_timeline_p99_ms']} ms, audit {results['api_audit_p99_ms']} ms) over "
+          f"{results['api_log_events']} events, {results['api_requests_per_s']:.1f} requests/s from "
+          f"{results['api_clients']} clients")
     for failure in results["failures"]:
         print(f"FAIL {failure}")
     if args.json:

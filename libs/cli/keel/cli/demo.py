@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     # Imported where the demo runs: every `keel` command imports this module to build its parser, and
     # the store (SQLAlchemy) is most of a second of start-up.
     from keel.infra.store import EventStore
+    from keel.notifier.receiver import WebhookReceiver
 
 # A job id of its own per run: the log keeps every earlier run's jobs (and their final state), and a
 # rerun under a reused id would be decided on top of them.
@@ -446,47 +447,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     return run_demo(settings, config=args.config, keep=args.keep, hosts=args.hosts, sharding=args.sharding)
 
 
-class WebhookInbox:
-    """A local Standard Webhooks receiver for the demo's notifier: it checks each signature and keeps what came."""
-
-    def __init__(self, secret: str) -> None:
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from keel.events.envelope import now_utc
-        from keel.notifier.core import verify_standard_webhook
-
-        self.secret, self.bad = secret, 0
-        self.received: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        inbox = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                ok = verify_standard_webhook(dict(self.headers.items()), body, inbox.secret, now_utc()) is None
-                with inbox.lock:
-                    if ok:
-                        inbox.received.append(json.loads(body))
-                    else:
-                        inbox.bad += 1
-                self.send_response(200 if ok else 401)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/keel"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _notifier_env(scratch: Path, inbox: WebhookInbox) -> dict[str, str]:
+def _notifier_env(scratch: Path, inbox: WebhookReceiver) -> dict[str, str]:
     """The demo's notifier destination: the local inbox, every severity, its secret in a private file."""
     secret_file = scratch / "webhook.secret"
     secret_file.write_text(inbox.secret)
@@ -500,14 +461,16 @@ def run_demo(settings: Settings, config: str | None = None, keep: bool = False, 
     import base64
     import secrets
 
-    inbox = WebhookInbox("whsec_" + base64.b64encode(secrets.token_bytes(32)).decode())
+    from keel.notifier.receiver import WebhookReceiver
+
+    inbox = WebhookReceiver("whsec_" + base64.b64encode(secrets.token_bytes(32)).decode())
     try:
         return _run_demo(settings, inbox, config=config, keep=keep, hosts=hosts, sharding=sharding)
     finally:
         inbox.close()
 
 
-def _run_demo(settings: Settings, inbox: WebhookInbox, config: str | None = None, keep: bool = False,
+def _run_demo(settings: Settings, inbox: WebhookReceiver, config: str | None = None, keep: bool = False,
               hosts: str = "flat", sharding: str | None = None) -> int:
     notifier_home = settings.home / "demo-notifier"
     notifier_home.mkdir(parents=True, exist_ok=True)
@@ -578,8 +541,7 @@ def _run_demo(settings: Settings, inbox: WebhookInbox, config: str | None = None
         for rung, (step, tiers) in result["restores"].items():
             print(f"{rung}: the evicted nodes' ranks resumed after step {step} "
                   f"({', '.join(tiers) if step >= 0 else 'a fresh start: no step every rank holds survived'})")
-        with inbox.lock:
-            received = list(inbox.received)
+        received = inbox.payloads()
         kinds: dict[str, int] = {}
         for message in received:
             kind = str(message["type"]).removeprefix("keel.")
@@ -588,8 +550,8 @@ def _run_demo(settings: Settings, inbox: WebhookInbox, config: str | None = None
         told = {str(opened.id) for opened, _ in result["incidents"]} <= announced
         counts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         print(f"notifier: {len(received)} signed webhooks to the local receiver ({counts}); every incident of the "
-              f"main job announced: {told}; refused signatures: {inbox.bad}")
-        ok = ok and told and inbox.bad == 0
+              f"main job announced: {told}; refused signatures: {inbox.bad_signatures}")
+        ok = ok and told and inbox.bad_signatures == 0
         if "sharded" in result:
             sharded = result["sharded"]
             sharded_same = (sharded["losses"] == sharded["reference"]
