@@ -235,7 +235,7 @@ def load_api(base: str, token: str, incidents: list[str], seconds: float, client
 async def measure_api(servers: Servers, home: Path, size: dict[str, float]) -> dict[str, Any]:
     import secrets
 
-    from keel.api.auth import READ, TOKEN_BYTES, new_token
+    from keel.infra.api_auth import READ, TOKEN_BYTES, new_token
     from keel.infra.embedded import free_port
 
     events, incidents = api_log(int(size["events"]), int(size["incidents"]))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from keel.api.auth import READ, new_token
+from keel.infra.api_auth import READ, new_token
 from keel.infra.embedded import free_port
 from keel.infra.store import append_events, event_row
 from tests.integration.test_agent_rejoin import stop_process

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,7 @@ def cli_env(home: Path) -> dict[str, str]:
         KEEL_NATS__PORT=str(free_port()),
         KEEL_NATS__MONITOR_PORT=str(free_port()),
         KEEL_POSTGRES__PORT=str(free_port()),
+        KEEL_API__LISTEN_PORT="0",  # a free port: `keel up` prints the one the API got
     )
     return env
 
@@ -52,6 +55,30 @@ def pid_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def assert_the_api_serves_the_log(up: dict, status: dict) -> None:
+    """The API `keel up` supervises: on the URL it printed, behind the local operator token it made (0600),
+    serving what the recorder stored; no token, no answer."""
+    api = up["api"]
+    assert api == status["api"] and api["url"].startswith("http://127.0.0.1:"), api
+    token_file = Path(api["token_file"])
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+
+    def get(path: str, token: str | None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(api["url"] + path, headers=headers), timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    assert get("/v1/jobs", None)[0] == 401
+    code, jobs = get("/v1/jobs", token)
+    assert code == 200 and "job1" in json.dumps(jobs), jobs
+    code, events = get("/v1/events?job=job1", token)
+    assert code == 200 and {e["type"] for e in events["events"]} >= {"NodeRegistered", "NodeEvicted"}, events
 
 
 def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) -> None:
@@ -95,11 +122,14 @@ def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) ->
 
         count, reports, users = asyncio.run(publish_and_read())
         assert count == 4
-        assert users == {"keel_recorder", "keel_decider"}, users  # each its own role; never the superuser
+        # Each its own role, never the superuser; the API (if its pool holds a connection yet) reads as the auditor.
+        assert {"keel_recorder", "keel_decider"} <= users <= {"keel_recorder", "keel_decider", "keel_auditor"}, users
         # No local cluster runs under this home: the actuator says so instead of pretending.
         assert [(r.outcome, "no local cluster" in r.detail) for r in reports] == [("failed", True)], reports
         status = json.loads(keel(env, "status").stdout)
         assert status["services"]["recorder"]["running"] and status["runtime"]["nats"]["running"]
+        assert_the_api_serves_the_log(state, status)
+        pids.append(status["services"]["api"]["pid"])
     finally:
         down = keel(env, "down")
     assert down.returncode == 0, down.stderr

@@ -41,10 +41,17 @@ def _launch(args: list[str], env_extra: dict[str, str], log_dir: Path, world: in
     return procs
 
 
-
-
-
-
+def _newest_complete_payload(node_dir: Path, rank: int) -> bytes:
+    """The verified payload of the rank's newest COMPLETE slot. A SIGKILL may land while one of the two slots is
+    being rewritten (marked WRITING, payload length 0), so which slot holds the newest step depends on the kill."""
+    complete = []
+    for index in range(2):
+        try:
+            complete.append(ckpt_slots.read_payload(ckpt_slots.slot_path(node_dir, rank, index)))
+        except ckpt_slots.SlotError:
+            continue
+    assert complete, f"rank {rank} has no complete slot under {node_dir}"
+    return max(complete, key=lambda header_payload: header_payload[0].step)[1]
 
 
 @pytest.mark.parametrize("sharding", ["fsdp2", "zero2", "zero1"])
@@ -75,12 +82,7 @@ def test_a_sharded_job_sigkilled_mid_run_resumes_bitwise_from_its_slots(shm: Pat
     assert f"sharding {sharding} sharded {not zero1} zero {zero1}" in killed, killed[-2000:]
     assert f"step {kill_after} " in killed and "done steps" not in killed, (kill_after, killed[-2000:])
 
-    trees = []
-    for rank in range(2):
-        slot = ckpt_slots.slot_path(shm / "node", rank, 0)
-        header = ckpt_slots.parse_header(slot.read_bytes(), str(slot))
-        trees.append(decode_shard(slot.read_bytes()[ckpt_slots.HEADER_BYTES:
-                                                   ckpt_slots.HEADER_BYTES + header.payload_len])[1])
+    trees = [decode_shard(_newest_complete_payload(shm / "node", rank))[1] for rank in range(2)]
     if zero1:
         # Every rank holds the whole model, and the AdamW state of its own partition only.
         held = [len(tree["optimizer"]["state"]) for tree in trees]

@@ -1,4 +1,4 @@
-"""The API's bearer tokens (``keel.api.auth``): digests, scopes, and every refusal with its reason."""
+"""The API's bearer tokens (``keel.infra.api_auth``): digests, scopes, and every refusal with its reason."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from keel.api.auth import (
+from keel.api.main import main
+from keel.infra.api_auth import (
     OPERATOR,
     READ,
     ApiToken,
@@ -17,7 +18,6 @@ from keel.api.auth import (
     new_token,
     token_digest,
 )
-from keel.api.main import main
 from keel.infra.config import ApiSettings
 
 ALICE, ALICE_ENTRY = new_token("alice", READ, bytes(range(32)))

@@ -456,6 +456,29 @@ def _notifier_env(scratch: Path, inbox: WebhookReceiver) -> dict[str, str]:
                                                         "secret_file": str(secret_file), "min_severity": "info"}])}
 
 
+def _api_check(config: str | None, env: dict[str, str], driven: set[str]) -> tuple[bool, str]:
+    """Ask the API ``keel up`` started for the main job's incidents, with the local operator token, as a user
+    would (the URL and the token's file from ``keel status``): it must list every incident the demo drove."""
+    import urllib.request
+
+    status = json.loads(_keel(config, "status", env=env).stdout)
+    api = status.get("api") or {}
+    if not api.get("url"):
+        return False, f"API: not running ({status.get('services', {}).get('api')})"
+    token = Path(api["token_file"]).read_text().strip()
+    request = urllib.request.Request(f"{api['url']}/v1/incidents?job={JOB}",
+                                     headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            served = {str(i["id"]) for i in json.loads(response.read())["incidents"]}
+    except OSError as exc:
+        return False, f"API: {api['url']} did not answer: {exc}"
+    return driven <= served, (f"API: {api['url']}/v1/incidents?job={JOB} served {len(served)} incident(s), "
+                              f"{len(driven & served)} of the {len(driven)} driven (the token is in "
+                              f"{api['token_file']}; docs/api.md lists the routes; `make demo DEMO_ARGS=--keep` "
+                              f"leaves the stack up to browse)")
+
+
 def run_demo(settings: Settings, config: str | None = None, keep: bool = False, hosts: str = "flat",
              sharding: str | None = None) -> int:
     import base64
@@ -552,6 +575,9 @@ def _run_demo(settings: Settings, inbox: WebhookReceiver, config: str | None = N
         print(f"notifier: {len(received)} signed webhooks to the local receiver ({counts}); every incident of the "
               f"main job announced: {told}; refused signatures: {inbox.bad_signatures}")
         ok = ok and told and inbox.bad_signatures == 0
+        api_ok, api_line = _api_check(config, env, {str(opened.id) for opened, _ in result["incidents"]})
+        print(api_line)
+        ok = ok and api_ok
         if "sharded" in result:
             sharded = result["sharded"]
             sharded_same = (sharded["losses"] == sharded["reference"]

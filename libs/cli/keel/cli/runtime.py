@@ -20,6 +20,10 @@ session, with its pid in ``<home>/services/NAME.pid`` and its output in ``NAME.l
 that exits (``keel.infra.supervisor``: back-off, crash-loop give-up, ``ServiceRestarted`` events). ``keel
 up`` returns once every service has written its ready file (``KEEL_SERVICE_READY_FILE``: it consumes
 live) or fails with the log tail of one that died while starting.
+
+It also supervises the HTTP API (``python -m keel.api.main``, unless ``api.serve_with_up`` is off) on
+``api.listen_host:listen_port``, with the configured tokens and a local operator token that the first ``keel up``
+makes (``<credentials>/api-operator.token``, 0600); ``keel up`` and ``keel status`` print its URL and that path.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from keel.cli.common import CliError, Subparsers, endpoints, login_name
 from keel.cluster.local import cluster_dir
+from keel.infra.api_auth import ApiToken
 from keel.infra.config import Settings, credentials_path
 from keel.infra.dbroles import MIGRATE, service_role
 from keel.infra.dburl import redact
@@ -46,6 +51,16 @@ if TYPE_CHECKING:
     from keel.infra.embedded import EmbeddedRuntime
 
 SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update", "notifier")
+API = "api"
+"""The HTTP API (``keel-api``, ``services/api``), which ``keel up`` supervises beside the services when
+``api.serve_with_up`` (run as its own program: ``keel.api`` sits above the CLI)."""
+API_TOKEN_FILE = "api-operator.token"
+"""The local operator's API token, in the credentials folder (0600): made by the first ``keel up``."""
+
+
+def supervised_names(settings: Settings) -> tuple[str, ...]:
+    """What ``keel up`` runs under its supervisor: every service, and the API unless turned off."""
+    return (*SERVICES, API) if settings.api.serve_with_up else SERVICES
 """The services ``keel up`` supervises."""
 
 
@@ -275,7 +290,7 @@ def _wait_until_ready(settings: Settings, supervisor: int, exited: Callable[[], 
     line is not yet ``keel``'s while it starts)."""
     services_dir = settings.home / "services"
     deadline = time.monotonic() + timeout_s
-    waiting = set(SERVICES)
+    waiting = set(supervised_names(settings))
     while waiting:
         if exited():
             log_tail = (services_dir / "supervisor.log").read_text(errors="replace")[-2000:]
@@ -295,11 +310,19 @@ def _wait_until_ready(settings: Settings, supervisor: int, exited: Callable[[], 
         time.sleep(0.05)
 
 
+def _api_url(settings: Settings) -> str | None:
+    """The URL the supervised API got (it writes it once listening), or None before then."""
+    try:
+        return (settings.home / "services" / "api.url").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _status(settings: Settings, runtime_state: dict[str, Any] | None = None) -> dict[str, Any]:
     supervisor = _supervisor_pid(settings)
     supervised = _supervisor_state(settings).get("services", {}) if supervisor else {}
     services = {}
-    for service in SERVICES:
+    for service in supervised_names(settings):
         pid = _service_pid(settings, service)
         services[service] = {"running": pid is not None, "pid": pid}
         if service in supervised:
@@ -309,6 +332,9 @@ def _status(settings: Settings, runtime_state: dict[str, Any] | None = None) -> 
                                                                    "reason") if key in entry})
     result: dict[str, Any] = {"supervisor": {"running": supervisor is not None, "pid": supervisor},
                               "services": services}
+    if settings.api.serve_with_up:
+        result["api"] = {"url": _api_url(settings) if services[API]["running"] else None,
+                         "token_file": str(api_token_path(settings))}
     if not (settings.nats_url and settings.database_url):
         result["runtime"] = runtime_state or runtime_for(settings).status()
     return result
@@ -325,7 +351,7 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
         if _pid_alive(supervisor):
             os.kill(supervisor, signal.SIGKILL)
     (settings.home / "services" / "supervisor.pid").unlink(missing_ok=True)
-    for service in SERVICES:
+    for service in (*SERVICES, API):
         pid = _service_pid(settings, service)
         if pid:
             os.kill(pid, signal.SIGTERM)
@@ -362,11 +388,55 @@ def cmd_supervise(args: argparse.Namespace, settings: Settings) -> int:
     services_dir.mkdir(parents=True, exist_ok=True)
     env = _service_env(settings, nats_url)
     specs = [ServiceSpec(service, [*_keel_command(args), "service", service], env) for service in SERVICES]
+    if settings.api.serve_with_up:
+        specs.append(ServiceSpec(API, _api_command(args), _api_env(settings, env)))
     supervisor = Supervisor(specs, services_dir, policy_from_settings(settings.supervisor), nats_url=nats_url,
                             bus_settings=bus_settings_for(settings, SUPERVISOR),
                             stop_timeout_s=settings.supervisor.stop_timeout.total_seconds())
     run_supervisor(supervisor, pid_file=services_dir / "supervisor.pid")
     return 0
+
+
+def _api_command(args: argparse.Namespace) -> list[str]:
+    command = [sys.executable, "-m", "keel.api.main"]
+    if getattr(args, "config", None):
+        command += ["--config", args.config]
+    return command
+
+
+def _api_env(settings: Settings, env: dict[str, str]) -> dict[str, str]:
+    """The API's environment under ``keel up``: its configured tokens plus the local operator's
+    (``ensure_api_token``), as ``KEEL_API__TOKENS``: a digest each, never a token."""
+    token = ensure_api_token(settings)
+    entries = [{"name": t.name, "scope": t.scope, "sha256": t.sha256} for t in settings.api.tokens]
+    entries.append({"name": token.name, "scope": token.scope, "sha256": token.sha256})
+    return {**env, "KEEL_API__TOKENS": json.dumps(entries)}
+
+
+def api_token_path(settings: Settings) -> Path:
+    return credentials_path(settings) / API_TOKEN_FILE
+
+
+def ensure_api_token(settings: Settings) -> ApiToken:
+    """The local operator's API token entry (scope ``operator``, named after the operator); the token itself is
+    made once, kept 0600 in the credentials folder, and read by whoever may read that folder."""
+    import secrets as random_source
+
+    from keel.infra.api_auth import OPERATOR, TOKEN_BYTES, new_token, token_digest
+    from keel.infra.secrets import InsecurePathError, read_secret, write_secret
+    from keel.infra.signing import operator_name
+
+    path = api_token_path(settings)
+    name = f"{operator_name(settings, login_name())}-local"
+    try:
+        try:
+            token = read_secret(path).decode().strip()
+        except FileNotFoundError:
+            token, _ = new_token(name, OPERATOR, random_source.token_bytes(TOKEN_BYTES))
+            write_secret(path, f"{token}\n".encode())
+    except (InsecurePathError, UnicodeDecodeError) as exc:
+        raise CliError(f"the local API token {path}: {exc}") from None
+    return ApiToken(name, OPERATOR, token_digest(token))
 
 
 def cmd_service(args: argparse.Namespace, settings: Settings) -> int:

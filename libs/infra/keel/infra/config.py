@@ -706,8 +706,10 @@ class ApiSettings(_Section):
 
     listen_host: str = "127.0.0.1"
     """The address it listens on (only this machine by default: put a TLS proxy in front to serve others)."""
-    listen_port: int = Field(8380, ge=1, le=65535)
-    """Its TCP port."""
+    listen_port: int = Field(8380, ge=0, le=65535)
+    """Its TCP port; 0: a free one, chosen at start (``keel up`` prints the URL it got)."""
+    serve_with_up: bool = True
+    """``keel up`` starts the API with the services, with a local operator token (``keel up`` prints where)."""
     tokens: list[ApiTokenSettings] = Field(default_factory=list)
     """Who may call it. None: every request but ``/healthz`` is refused, saying so."""
     max_page: int = Field(1000, ge=1, le=100_000)

@@ -37,7 +37,6 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import keel.events.types  # noqa: F401 - registers the event types the store decodes
-from keel.api.auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
 from keel.cli.audit import VIEWS, AuditInputError, AuditQuery, rows_json
 from keel.cli.incidents import (
     BadInput,
@@ -52,6 +51,7 @@ from keel.cli.incidents import (
 )
 from keel.events.envelope import JOB_ID_RE, REGISTRY
 from keel.events.units import parse_duration
+from keel.infra.api_auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
 from keel.infra.store import EventStore, node_status_table
 
 log = logging.getLogger("keel.api")

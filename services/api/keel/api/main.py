@@ -11,19 +11,25 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import secrets
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from keel.api.app import create_app
-from keel.api.auth import READ, SCOPES, TOKEN_BYTES, ApiToken, new_token
+from keel.infra.api_auth import READ, SCOPES, TOKEN_BYTES, ApiToken, new_token
 from keel.infra.config import ConfigError, Settings, load_settings, resolve_endpoints
 from keel.infra.dbroles import AUDITOR
+from keel.infra.service import ALIVE_INTERVAL_S, READY_FILE_ENV
 from keel.infra.store import SchemaNotCurrent, check_schema_current, create_engine
 
 log = logging.getLogger("keel.api")
+
+URL_FILE = "api.url"
+"""Written beside the ready file once listening: the URL the API really serves on."""
 
 
 def tokens_of(settings: Settings) -> list[ApiToken]:
@@ -31,7 +37,11 @@ def tokens_of(settings: Settings) -> list[ApiToken]:
 
 
 async def serve(settings: Settings, database_url: str) -> None:
-    """Serve until uvicorn is told to stop (SIGTERM, SIGINT); the engine is closed whatever happens."""
+    """Serve until uvicorn is told to stop (SIGTERM, SIGINT); the engine is closed whatever happens.
+
+    Under a supervisor (``$KEEL_SERVICE_READY_FILE``, as ``keel up`` runs it): once listening, write the bound
+    URL beside the ready file (``api.url``; ``api.listen_port: 0`` takes a free port), then the ready file (this
+    pid), and touch it every ``ALIVE_INTERVAL_S`` while serving, as every Keel service does."""
     import uvicorn
 
     engine = create_engine(database_url, settings.db_schema)
@@ -43,11 +53,43 @@ async def serve(settings: Settings, database_url: str) -> None:
         app = create_app(engine, tokens, max_page=settings.api.max_page)
         config = uvicorn.Config(app, host=settings.api.listen_host, port=settings.api.listen_port, log_level="info",
                                 access_log=False, server_header=False, proxy_headers=False)
-        log.info("api: serving on http://%s:%d (%d token(s))", settings.api.listen_host, settings.api.listen_port,
-                 len(tokens))
-        await uvicorn.Server(config).serve()
+        server = uvicorn.Server(config)
+        announce = asyncio.create_task(_announce_when_listening(server, len(tokens)))
+        try:
+            await server.serve()
+        finally:
+            announce.cancel()
     finally:
         await engine.dispose()
+
+
+def bound_url(server: Any) -> str:
+    """``http://HOST:PORT`` of a started uvicorn server's first socket (the port it really got)."""
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+async def _announce_when_listening(server: Any, token_count: int) -> None:
+    while not server.started:
+        if server.should_exit:
+            return
+        await asyncio.sleep(0.02)
+    url = bound_url(server)
+    log.info("api: serving on %s (%d token(s))", url, token_count)
+    ready_file = os.environ.get(READY_FILE_ENV)
+    if not ready_file:
+        return
+    ready = Path(ready_file)
+    url_file, partial = ready.with_name(URL_FILE), ready.with_name(f".{URL_FILE}.partial")
+    partial.write_text(f"{url}\n")
+    os.replace(partial, url_file)  # a reader sees the whole URL or none
+    ready.write_text(f"{os.getpid()}\n")
+    while True:
+        await asyncio.sleep(ALIVE_INTERVAL_S)
+        try:
+            ready.touch()
+        except OSError as exc:  # a probe reads it; serving does not depend on it
+            log.warning("cannot touch the ready file %s: %s", ready, exc)
 
 
 def print_new_token(name: str, scope: str) -> int:
