@@ -15,7 +15,7 @@ STAMP  := $(VENV)/.installed
 # always be satisfied by a path given here, never by the index.
 DISTS := libs/events libs/kernel libs/rules libs/protocol libs/checkpoint migrations libs/infra libs/cluster \
          libs/sdk libs/workload services/recorder services/controller services/checkpoint_broker \
-         services/analyzer services/hot_update services/actuator services/notifier services/agent libs/cli \
+         services/analyzer services/hot_update services/actuator services/notifier services/agent libs/sim libs/cli \
          services/api
 PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
 DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'torchdata==0.11.0' 'lightning==2.6.6' 'transformers==5.25.0' 'accelerate==1.16.0' 'grpcio-tools==1.85.1' 'schemathesis==4.32.5' \
@@ -51,10 +51,10 @@ test: lint system-deps
 
 # Debian's packages the tests run for real: Slurm (slurmctld, slurmd, munge) for the Slurm actuator; podman
 # (with runc, netavark, aardvark-dns and the iptables netavark sets bridges up with) and debootstrap for the compose scenario's images and containers;
-# prometheus, which scrapes `keel metrics --serve`. As root and only when missing (apt-get reaches Debian's registry); otherwise say what
+# prometheus, which scrapes `keel metrics --serve`; chromium-headless-shell, which renders the API's page. As root and only when missing (apt-get reaches Debian's registry); otherwise say what
 # the tests will lack.
-SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch podman runc debootstrap iptables prometheus
-SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge podman runc netavark aardvark-dns iptables debootstrap prometheus
+SYSTEM_PROGRAMS := slurmctld slurmd munged scontrol sbatch podman runc debootstrap iptables prometheus chromium-headless-shell
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge podman runc netavark aardvark-dns iptables debootstrap prometheus chromium-headless-shell
 system-deps:
 	@missing=""; for p in $(SYSTEM_PROGRAMS); do command -v $$p >/dev/null 2>&1 || [ -x /usr/sbin/$$p ] || missing="$$missing $$p"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \

@@ -408,6 +408,26 @@ def test_the_slow_steps_before_a_fail_slow_conviction_are_charged_and_the_evicti
     assert report.to_json()["fail_slow"][0]["lost_s"] == 150.0
 
 
+def test_the_series_ends_on_the_report_and_its_window_and_charges_each_instant_what_was_lost_by_then() -> None:
+    report = compute_ettr(crash_log())  # [0, 200]; the incident lost 100..114
+    assert report is not None
+    series = report.series(5, timedelta(seconds=95))  # at 0, 50, 100, 150, 200
+    assert [p.at for p in series] == [at(0), at(50), at(100), at(150), at(200)]
+    assert series[-1].cumulative == report.ettr and series[-1].window == report.window(timedelta(seconds=95)).ettr
+    assert [p.cumulative for p in series[:3]] == [1.0, 1.0, 1.0]  # nothing lost before the fault
+    assert series[3].cumulative == pytest.approx(1 - 14 / 150)
+    assert series[3].window == pytest.approx(1 - 14 / 95)  # [55, 150] holds the whole incident
+    slow = compute_ettr(fail_slow_log())  # 150 s of fail-slow overhead spread over [300, 600], then 11 s
+    assert slow is not None
+    assert slow.lost_between(slow.started_at, slow.ended_at) == slow.lost
+    [point] = [p for p in slow.series(8, timedelta(seconds=100)) if p.at == at(400)]
+    assert point.cumulative == pytest.approx(1 - 50 / 400) and point.window == pytest.approx(1 - 50 / 100)
+    with pytest.raises(ValueError, match="at least 2 points"):
+        report.series(1, timedelta(hours=1))
+    with pytest.raises(ValueError, match="longer than 0 s"):
+        report.series(10, timedelta(0))
+
+
 def test_a_fail_slow_conviction_without_a_baseline_is_not_charged_and_says_why() -> None:
     report = compute_ettr(fail_slow_log(baseline=False))
     assert report is not None

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
     from keel.infra.config import Settings
-    from keel.infra.store import EventStore
+    from keel.infra.store import EventStore, RecordedEvent
 
 MIN_PREFIX = 6
 """The shortest id prefix accepted for an incident or an approval request."""
@@ -597,9 +597,13 @@ async def load_ettr(store: EventStore, job_id: str | None, window: timedelta) ->
 
 async def load_timeline(store: EventStore, ref: str, job_id: str | None = None) -> Timeline:
     """The timeline of the incident ``ref`` names (id or unique prefix)."""
-    opened = {r.event.id: r async for r in store.read(job_id=job_id, types=["IncidentOpened"])}
-    chosen = resolve_id(ref, opened, "incident")
-    head = opened[chosen]
+    head = await _incident_by_full_id(store, ref, job_id)
+    if head is None:  # a prefix: among the incidents' ids
+        opened = {r.event.id: r async for r in store.read(job_id=job_id, types=["IncidentOpened"])}
+        chosen = resolve_id(ref, opened, "incident")
+        head = opened[chosen]
+    else:
+        chosen = head.event.id
     related: list[tuple[int, Event]] = [(r.position, r.event) async for r in store.read(correlation_id=chosen)]
     for evidence in payload_of(head.event, IncidentOpened).evidence:
         try:
@@ -609,6 +613,19 @@ async def load_timeline(store: EventStore, ref: str, job_id: str | None = None) 
         if recorded is not None:
             related.append((recorded.position, recorded.event))
     return build_timeline((head.position, head.event), related)
+
+
+async def _incident_by_full_id(store: EventStore, ref: str, job_id: str | None) -> RecordedEvent | None:
+    """The ``IncidentOpened`` that a whole id names, looked up by id (not by reading every incident), or None
+    when ``ref`` is no whole id or names no incident (of ``job_id``): the caller then resolves it as a prefix."""
+    try:
+        event_id = uuid.UUID(ref)
+    except ValueError:
+        return None
+    recorded = await store.get(event_id)
+    if recorded is None or recorded.event.type != "IncidentOpened" or job_id not in (None, recorded.event.job_id):
+        return None
+    return recorded
 
 
 async def load_open_request(store: EventStore, ref: str, now: datetime, job_id: str | None = None) -> Event:

@@ -94,7 +94,7 @@ from keel.events.types import (
     RankStarted,
 )
 
-__all__ = ["EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "Measure", "OVERHEAD_KINDS", "Overhead", "PHASES",
+__all__ = ["EttrPoint", "EttrReport", "EttrWindow", "INPUT_TYPES", "Incident", "Measure", "OVERHEAD_KINDS", "Overhead", "PHASES",
            "PROCESS_LEVEL_NOTE", "compute_ettr"]
 
 Measure = Literal["step", "process"]
@@ -298,6 +298,30 @@ class EttrReport:
             restart_requests=sum(1 for at, _ in self.restart_requests if start <= at <= end),
         )
 
+    def lost_between(self, start: datetime, end: datetime) -> timedelta:
+        """Every second lost inside ``[start, end]``: each incident from its start to its recovery (or the end of
+        the log), each overhead pro rata. Over the whole log it is ``lost``; over the last ``length``,
+        ``window(length).lost``."""
+        incidents = sum((_overlap(i.started_at, i.recovered_at or self.ended_at, start, end) for i in self.incidents),
+                        timedelta(0))
+        return incidents + sum((o.within(start, end) for o in self.overheads), timedelta(0))
+
+    def series(self, points: int, length: timedelta) -> list[EttrPoint]:
+        """ETTR at ``points`` instants spread evenly from the start of the log to its end (the last one is the
+        end): at each, the cumulative figure since the start and the figure over the ``length`` before it (never
+        before the start), both as the log reads now (an incident recovered later counts up to each instant)."""
+        if points < 2:
+            raise ValueError(f"an ETTR series needs at least 2 points, got {points}")
+        if length <= timedelta(0):
+            raise ValueError(f"an ETTR window must be longer than 0 s, got {length}")
+        out = []
+        for k in range(points):
+            at = self.started_at + self.wall * (k / (points - 1)) if k < points - 1 else self.ended_at
+            since = max(self.started_at, at - length)
+            out.append(EttrPoint(at=at, cumulative=_ratio(self.lost_between(self.started_at, at), at - self.started_at),
+                                 window=_ratio(self.lost_between(since, at), at - since)))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"started_at": self.started_at.isoformat(), "ended_at": self.ended_at.isoformat(),
                 "wall_s": self.wall.total_seconds(), "lost_s": self.lost.total_seconds(), "ettr": self.ettr,
@@ -352,6 +376,24 @@ class EttrWindow:
                 "lost_by_incident_s": [{"incident": i, "lost_s": t.total_seconds()} for i, t in self.lost_by_incident],
                 "lost_by_phase_s": {k: v.total_seconds() for k, v in self.lost_by_phase.items()},
                 "generation_changes": self.generation_changes, "restart_requests": self.restart_requests}
+
+
+@dataclass(frozen=True)
+class EttrPoint:
+    """One instant of an ETTR series: the cumulative figure and the sliding window's, both in [0, 1]."""
+
+    at: datetime
+    cumulative: float
+    window: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at.isoformat(), "cumulative": self.cumulative, "window": self.window}
+
+
+def _ratio(lost: timedelta, wall: timedelta) -> float:
+    """ETTR of ``wall`` with ``lost`` of it lost: 1 for an empty span, never below 0."""
+    seconds = wall.total_seconds()
+    return 1.0 if seconds <= 0 else max(0.0, 1.0 - lost.total_seconds() / seconds)
 
 
 def _overlap(a: datetime, b: datetime, start: datetime, end: datetime) -> timedelta:

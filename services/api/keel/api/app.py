@@ -11,6 +11,7 @@ route                                  what                            the comma
 ``GET /v1/incidents``                  the controller's incidents      ``keel incidents --json``
 ``GET /v1/incidents/{ref}/timeline``   one incident, every event       ``keel timeline --json``
 ``GET /v1/jobs/{job}/ettr``            cumulative and window ETTR      ``keel ettr --job --json``
+``GET /v1/jobs/{job}/ettr/series``     both over time (a chart's)      -
 ``GET /v1/audit/<view>``               an audit view, filtered         ``keel audit --format json``
 ``GET /v1/nodes``                      each node's last known health   -
 ``GET /v1/events``                     the log, paged by position      ``keel events``
@@ -28,11 +29,12 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from enum import Enum
+from importlib import resources
 from typing import Annotated, Any
 
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -65,6 +67,8 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "the log hold
 
 DURATION_PATTERN = r"^0{0,3}[1-9][0-9]{0,4}(\.[0-9]{1,3})?(ms|s|m|h|d)$"
 """A positive duration with its unit, as ``keel.events.units.parse_duration`` reads it (at most 99,999 units)."""
+MAX_SERIES_POINTS = 2000
+"""The most instants one ETTR series holds (each costs a pass over the job's incidents)."""
 MAX_POSITION = 2**63 - 1
 """The largest log position (a PostgreSQL ``bigint``)."""
 EventType = Enum("EventType", {name: name for name in REGISTRY.names()}, type=str)  # type: ignore[misc]
@@ -122,6 +126,17 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
         log.error("%s %s: the event store failed: %s", request.method, request.url.path, exc.__class__.__name__)
         return JSONResponse({"detail": "the event store could not answer; try again"}, status_code=503)
 
+    # The page (no data in it: its script reads the routes below with the tab's token). Not in the spec.
+    @app.get("/", include_in_schema=False)
+    async def page() -> Response:
+        return _page_file("index.html", "text/html; charset=utf-8")
+
+    @app.get("/ui/{name}", include_in_schema=False)
+    async def page_asset(name: str) -> Response:
+        if name not in PAGE_ASSETS:
+            raise HTTPException(404, f"no page asset {name!r}")
+        return _page_file(name, PAGE_ASSETS[name])
+
     @app.get("/healthz", summary="liveness: the process answers (no token needed, nothing read)")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -154,6 +169,19 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
         if report is None:
             return {"job_id": job_id, "cumulative": None, "window": None}
         return ettr_json(report)
+
+    @app.get("/v1/jobs/{job_id}/ettr/series", responses={**ERRORS, **NOT_FOUND},
+             summary="the job's ETTR over time: cumulative and the sliding window at evenly spread instants")
+    async def ettr_series(job_id: Annotated[str, Path(pattern=JOB_ID_RE.pattern)],
+                          window: Annotated[str, Query(pattern=DURATION_PATTERN,
+                                                       description="the sliding window, with its unit: 1h, 30m")] = "1h",
+                          points: Annotated[int, Query(ge=2, le=MAX_SERIES_POINTS,
+                                                       description="how many instants, the first and last included")] = 200,
+                          _: ApiToken = reader) -> dict[str, Any]:
+        width = _duration(window, "window")
+        [(_name, report)] = await answer(load_ettr(store, job_id, width))
+        series = [] if report is None else [p.to_json() for p in report.report.series(points, width)]
+        return {"job_id": job_id, "window_s": width.total_seconds(), "points": series}
 
     async def audit_rows(view: str, since: datetime | None, until: datetime | None, last: str | None, job: str | None,
                          node: str | None, kind: str | None, limit: int) -> dict[str, Any]:
@@ -223,6 +251,23 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
                 "next_after": rows[-1].position if len(rows) == page else None}
 
     return app
+
+
+PAGE_ASSETS = {"page.js": "text/javascript; charset=utf-8", "page.css": "text/css; charset=utf-8"}
+PAGE_HEADERS = {
+    # Only this origin's script and style, fetches to this origin only, no framing, no inline code: a value in
+    # the log that looks like markup stays text (the script sets text only).
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _page_file(name: str, media_type: str) -> Response:
+    body = resources.files("keel.api").joinpath("page", name).read_bytes()
+    return Response(body, media_type=media_type, headers=PAGE_HEADERS)
 
 
 def _aware(moment: datetime) -> datetime:
