@@ -142,7 +142,7 @@ async def test_schemathesis_finds_no_server_error_and_no_answer_outside_the_spec
         tried = await asyncio.to_thread(fuzz_every_operation, base)
     finally:
         stop_process(process)
-    assert len(tried) == 13 and min(n for label, n in tried.items() if label != "GET /healthz") >= 5, tried
+    assert len(tried) == 14 and min(n for label, n in tried.items() if label != "GET /healthz") >= 5, tried
 
 
 def fuzz_every_operation(base: str) -> dict[str, int]:
@@ -151,7 +151,7 @@ def fuzz_every_operation(base: str) -> dict[str, int]:
 
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 13, [op.label for op in operations]
+    assert len(operations) == 14, [op.label for op in operations]
     tried: dict[str, int] = {}
     for operation in operations:
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
