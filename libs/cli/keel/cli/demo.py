@@ -474,9 +474,9 @@ def _api_check(config: str | None, env: dict[str, str], driven: set[str]) -> tup
     except OSError as exc:
         return False, f"API: {api['url']} did not answer: {exc}"
     return driven <= served, (f"API: {api['url']}/v1/incidents?job={JOB} served {len(served)} incident(s), "
-                              f"{len(driven & served)} of the {len(driven)} driven (the token is in "
-                              f"{api['token_file']}; docs/api.md lists the routes; `make demo DEMO_ARGS=--keep` "
-                              f"leaves the stack up to browse)")
+                              f"{len(driven & served)} of the {len(driven)} driven; the page: {api['url']}/?job={JOB} "
+                              f"(its token is in {api['token_file']}; `make demo DEMO_ARGS=--keep` leaves the stack "
+                              f"up to browse)")
 
 
 def run_demo(settings: Settings, config: str | None = None, keep: bool = False, hosts: str = "flat",
