@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from keel.infra.embedded import EmbeddedRuntime
 
 SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer", "hot-update", "notifier")
+"""The services ``keel up`` supervises (``keel service NAME``)."""
 API = "api"
 """The HTTP API (``keel-api``, ``services/api``), which ``keel up`` supervises beside the services when
 ``api.serve_with_up`` (run as its own program: ``keel.api`` sits above the CLI)."""
@@ -61,7 +63,6 @@ API_TOKEN_FILE = "api-operator.token"
 def supervised_names(settings: Settings) -> tuple[str, ...]:
     """What ``keel up`` runs under its supervisor: every service, and the API unless turned off."""
     return (*SERVICES, API) if settings.api.serve_with_up else SERVICES
-"""The services ``keel up`` supervises."""
 
 
 def register(sub: Subparsers) -> None:
@@ -427,7 +428,8 @@ def ensure_api_token(settings: Settings) -> ApiToken:
     from keel.infra.signing import operator_name
 
     path = api_token_path(settings)
-    name = f"{operator_name(settings, login_name())}-local"
+    # A token's name allows fewer characters than a login name may hold.
+    name = re.sub(r"[^A-Za-z0-9_.@-]", "_", operator_name(settings, login_name()))[:58] + "-local"
     try:
         try:
             token = read_secret(path).decode().strip()
