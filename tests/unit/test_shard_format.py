@@ -97,6 +97,30 @@ def test_every_supported_type_round_trips_exactly() -> None:
     assert _bits(out["n"]) == _bits(weird_nan)
 
 
+def test_decoding_without_copies_gives_views_of_the_buffer_with_the_same_values() -> None:
+    g = torch.Generator().manual_seed(1)
+    tree = {"model": {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16)},
+            "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3, generator=g)}}},
+            "empty": torch.empty(0, 2), "transposed": torch.randn(3, 5, generator=g).t(),
+            "array": np.arange(6, dtype=np.int16).reshape(2, 3)}
+    buf = bytearray(_encode(tree))
+    _, out = decode_shard(buf, copy=False)
+    _assert_same(tree, out)
+    assert out["transposed"].is_contiguous() and out["transposed"].shape == (5, 3)
+    # Views, not copies: a byte changed in the buffer shows in the tensor (which is what makes a restore
+    # copy each byte once, from the mapped file into its final place).
+    w = out["model"]["w"]
+    assert w.untyped_storage().nbytes() == len(buf), "every view shares the payload's one storage"
+    offset = w.storage_offset() * w.element_size()
+    assert bytes(buf[offset : offset + w.nbytes]) == w.numpy().tobytes()
+    before = w.flatten()[0].item()
+    buf[offset] ^= 1
+    assert w.flatten()[0].item() != before
+    # A read-only buffer cannot be viewed safely: the tensors are copies then.
+    _, copied = decode_shard(bytes(buf), copy=False)
+    assert copied["model"]["w"].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+
+
 def test_rng_states_restore_the_same_streams() -> None:
     py, npy = random.Random(3), np.random.RandomState(3)
     _, out = decode_shard(_encode({"py": py.getstate(), "np": npy.get_state(), "torch": torch.get_rng_state()}))

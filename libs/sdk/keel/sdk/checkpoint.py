@@ -248,21 +248,73 @@ class _CudaStager:
         return sources, events
 
 
-def _own_copy(obj: Any) -> Any:
-    """``obj`` with every tensor and array copied: for state that may change before the copy thread reads it."""
+def _map_tree(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` with its dicts, lists and tuples rebuilt and every other value replaced by ``leaf(value)``."""
+    if isinstance(obj, dict):
+        return {k: _map_tree(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tree(v, leaf) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_map_tree(v, leaf) for v in obj)
+    return leaf(obj)
+
+
+def _own_leaf(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, shard.ShardedTensor):
         return dataclasses.replace(obj, local=obj.local.detach().clone())
     if isinstance(obj, np.ndarray):
         return obj.copy()
-    if isinstance(obj, dict):
-        return {k: _own_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_own_copy(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_own_copy(v) for v in obj)
     return obj
+
+
+def _own_copy(obj: Any) -> Any:
+    """``obj`` with every tensor and array copied: for state that may change before the copy thread reads it."""
+    return _map_tree(obj, _own_leaf)
+
+
+class _BackgroundCopy:
+    """``_own_copy`` of a tree, its bytes copied on a thread while the caller goes on (with the model's load).
+
+    ``tree`` is the copy's tree at once: every plain CPU tensor a new tensor of its own (filled by the
+    thread: ``Tensor.copy_`` releases the GIL), every other leaf an ordinary ``_own_copy``. ``result()``
+    waits for the copy and returns the tree, raising what the copy raised; nobody may read ``tree``'s
+    tensors before it returns.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def target(o: Any) -> Any:
+            if type(o) is torch.Tensor and o.device.type == "cpu" and not o.requires_grad:
+                # Allocated here, each on its own: the allocator's free lists serve tensors of these sizes
+                # again (one buffer for all, or a huge-page mapping, measured slower on the benchmark's VM,
+                # where every fresh page costs a fault, every restore).
+                pairs.append((o, torch.empty_like(o)))
+                return pairs[-1][1]
+            return _own_leaf(o)
+
+        self.tree = _map_tree(obj, target)
+        self._error: BaseException | None = None
+
+        def copy_all() -> None:
+            try:
+                with torch.no_grad():
+                    for src, dst in pairs:
+                        dst.copy_(src)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=copy_all, name="keel-restore-copy", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        """The copied tree, once every byte is in place."""
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"copying the restored state failed: {self._error!r}") from self._error
+        return self.tree
 
 
 def _diff_sharded(key: str, old: Any, now: Any) -> list[str]:
@@ -1031,10 +1083,13 @@ class Checkpointer:
         if self.sharded:
             self._apply_sharded(tree, source)
         else:
+            # The optimizer's copy runs on a thread while the model loads here: two copies at once, on two
+            # cores where there are (the restore is the only work the rank has).
+            optimizer_copy = _BackgroundCopy(tree["optimizer"]) if self.optimizer is not None else None
             if self.model is not None:
                 parts.append(("model", self.model, tree["model"]))
-            if self.optimizer is not None:  # before the scheduler, which reads and sets the groups' lr
-                parts.append(("optimizer", self._local_optimizer, _own_copy(tree["optimizer"])))
+            if optimizer_copy is not None:  # before the scheduler, which reads and sets the groups' lr
+                parts.append(("optimizer", self._local_optimizer, optimizer_copy))
         for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler),
                           ("loader", self.loader)):
             if obj is not None:
@@ -1047,7 +1102,7 @@ class Checkpointer:
             parts.append((f"extra[{name!r}]", obj, _own_copy(tree["extra"][name])))
         for name, obj, state in parts:
             try:
-                obj.load_state_dict(state)
+                obj.load_state_dict(state.result() if isinstance(state, _BackgroundCopy) else state)
             except (ValueError, RuntimeError, KeyError, TypeError) as exc:
                 raise CheckpointMismatchError(f"{source}: loading {name} failed: {exc}") from exc
             if name == "optimizer" and self.zero:

@@ -21,9 +21,9 @@ back (never applied again: versions are content-addressed, a fix is another vers
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Literal, TypeVar
 
 from keel.controller.guardrails import CrashLoopBreaker, EvictionBreaker
 from keel.controller.policy import ControllerPolicy
@@ -79,6 +79,28 @@ Stage = Literal["observing", "capturing", "diagnosing", "replaying", "recovering
 # -- views ---------------------------------------------------------------------------------------------
 
 
+_V = TypeVar("_V")
+
+
+def replace(view: _V, /, **changes: object) -> _V:
+    """``dataclasses.replace`` for this module's views, an order of magnitude cheaper: the fold makes
+    several per event, and on a fleet of 1,200 machines the generic one (which walks every field through
+    ``__init__``) took most of the controller's time. A view here has no ``__post_init__``, no ``InitVar``
+    and no ``init=False`` field, so a copy of its ``__dict__`` with the changes is what ``__init__``
+    would build. An unknown field is refused, as ``dataclasses.replace`` refuses it."""
+    fields = type(view).__dataclass_fields__  # type: ignore[attr-defined]
+    for name in changes:
+        if name not in fields:
+            raise TypeError(f"{type(view).__name__} has no field {name!r}")
+    copied = object.__new__(type(view))
+    state = copied.__dict__
+    state.update(view.__dict__)
+    state.update(changes)
+    return copied
+
+
+
+
 @dataclass(frozen=True)
 class BlockedNode:
     """A heartbeat in which every rank of the node was inside a collective: since when all of them were (the
@@ -108,6 +130,9 @@ class NodeView:
     standby: bool = False
     ranks: frozenset[int] = frozenset()
     """The ranks it runs in ``generation``, its newest."""
+    ranks_before: frozenset[int] = frozenset()
+    """The ranks it ran in the generation before ``generation``: a rank it starts again has not moved, so
+    no other node can hold it (the fold need not look at every node)."""
     generation: int = -1
     evicted: bool = False
     eviction_pending: str | None = None
@@ -438,12 +463,20 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         view = job.node(p.node_id)
         if p.generation < view.generation:
             return job
-        ranks = view.ranks | {p.rank} if p.generation == view.generation else frozenset({p.rank})
-        job = job.with_node(replace(view, ranks=frozenset(ranks), generation=p.generation, standby=False,
-                                    promoting=False, heard_at=at if legacy else view.heard_at))
-        for other in list(job.nodes.values()):  # a rank moved here (a promotion) left its old node
-            if other.node_id != p.node_id and p.rank in other.ranks and other.generation < p.generation:
-                job = job.with_node(replace(other, ranks=other.ranks - {p.rank}))
+        if p.generation == view.generation:
+            ranks, ranks_before = view.ranks | {p.rank}, view.ranks_before
+        else:
+            ranks, ranks_before = frozenset({p.rank}), view.ranks
+        job = job.with_node(replace(view, ranks=frozenset(ranks), ranks_before=ranks_before, generation=p.generation,
+                                    standby=False, promoting=False, heard_at=at if legacy else view.heard_at))
+        # A rank moved here (a promotion) left its old node. A rank is held by at most one node of an older
+        # generation (this branch keeps it so): when this node ran it already, nobody else does, and the
+        # scan of every node (O(machines) per rank started) is only made for a rank that moved. In generation
+        # 0 none has: an older generation's node would hold no ranks.
+        if p.generation > 0 and p.rank not in view.ranks and p.rank not in ranks_before:
+            for other in list(job.nodes.values()):
+                if other.node_id != p.node_id and p.rank in other.ranks and other.generation < p.generation:
+                    job = job.with_node(replace(other, ranks=other.ranks - {p.rank}))
         job = replace(job, generation=max(job.generation, p.generation), world_size=max(job.world_size, p.world_size))
         incident = job.incident
         if incident is not None and incident.stage == "observing" and incident.target_generation is None \
@@ -490,7 +523,7 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         view = job.node(p.node_id)
         fence = {} if view.fenced else {"fenced_by": str(event.id), "fenced_generation": max(0, job.generation),
                                         "fenced_incident": str(event.correlation_id or ""), "fence_reported": False}
-        return replace(job.with_node(replace(view, eviction_pending=str(event.id), **fence)),  # type: ignore[arg-type]
+        return replace(job.with_node(replace(view, eviction_pending=str(event.id), **fence)),
                        evictions=job.evictions.record(at), node_failures=job.node_failures + 1)
     if isinstance(p, NodeFenced):
         return job.with_node(replace(job.node(p.node_id), fence_reported=True))
