@@ -70,7 +70,16 @@ async def test_the_api_answers_what_the_cli_answers_and_refuses_what_it_cannot_u
         # The same answers as the CLI's JSON, from the same functions.
         status, incidents, _ = await asyncio.to_thread(get, base, "/v1/incidents")
         cli = json.loads((await keel(env, "incidents", "--json")).stdout)
-        assert status == 200 and incidents["incidents"] == cli["incidents"] and len(incidents["incidents"]) == 2
+        assert len(cli["incidents"]) == 2
+        assert status == 200 and incidents == {"incidents": cli["incidents"][::-1], "total": 2, "next_before": None}
+        # A page at a time, newest first: the pages together are the whole list, each incident summarized alike.
+        status, first, _ = await asyncio.to_thread(get, base, "/v1/incidents?limit=1")
+        assert status == 200 and first["incidents"] == cli["incidents"][-1:] and first["total"] == 2
+        assert isinstance(first["next_before"], int)
+        status, second, _ = await asyncio.to_thread(get, base, f"/v1/incidents?limit=1&before={first['next_before']}")
+        assert status == 200 and second == {"incidents": cli["incidents"][:1], "total": 2, "next_before": None}
+        status, refused, _ = await asyncio.to_thread(get, base, "/v1/incidents?before=0")
+        assert status == 422 and "before" in json.dumps(refused)
         crash = str(named["crash"].id)
         status, timeline, _ = await asyncio.to_thread(get, base, f"/v1/incidents/{crash[:8]}/timeline")
         assert status == 200 and timeline == json.loads((await keel(env, "timeline", crash, "--json")).stdout)

@@ -97,9 +97,9 @@ async def test_the_page_shows_what_the_api_answers_and_asks_for_a_token_it_lacks
         dom = await asyncio.to_thread(render, url, scratch_dir, scratch_dir / "keel-page-job2.png")
         assert state(dom) == "ready", dom[-3000:]
         shown = rows(dom, "incidents")
-        # Newest first, each with its kind and reason, exactly the API's incidents.
-        assert [r[1] for r in shown] == [i["kind"] for i in reversed(incidents["incidents"])]
-        assert [r[6] for r in shown] == [i["reason"] for i in reversed(incidents["incidents"])]
+        # Newest first (as the API pages them), each with its kind and reason, exactly the API's incidents.
+        assert [r[1] for r in shown] == [i["kind"] for i in incidents["incidents"]]
+        assert [r[6] for r in shown] == [i["reason"] for i in incidents["incidents"]]
         assert '<img src=x onerror="document.title=1">rank exited' in [r[6] for r in shown]
         assert "<img" not in re.sub(r"&lt;img", "", dom.split('id="incidents"')[1].split("</section>")[0]) \
             and "<title>Keel</title>" in dom

@@ -12,9 +12,9 @@ from datetime import timedelta
 
 import pytest
 
-from keel.cli.incidents import LookupFailed, load_ettr, load_timeline
+from keel.cli.incidents import LookupFailed, load_ettr, load_incident_page, load_incidents, load_timeline
 from keel.events.envelope import Event, now_utc
-from keel.events.types import ApprovalRequested, IncidentOpened, NodeRegistered
+from keel.events.types import ApprovalRequested, IncidentOpened, IncidentResolved, NodeRegistered
 from keel.infra.store import append_events, event_row
 from keel.rules.ettr import compute_ettr
 from tests.incident_factories import JOB, at, incident_log
@@ -121,6 +121,33 @@ async def test_the_store_adapters_read_only_what_they_need_and_get_the_same_repo
     assert [e.position for e in timeline.entries] == sorted(e.position for e in timeline.entries)
     with pytest.raises(LookupFailed):
         await load_timeline(keel_env.store, "ffffff")
+
+
+async def test_a_page_of_incidents_reads_only_its_incidents_and_summarizes_them_as_the_whole_list(keel_env) -> None:
+    logs = [incident_log(start_s=600.0 * i) for i in range(5)]
+    events = [e for log in logs for e in log.events] + incident_log("job2", start_s=30.0).events
+    # An incident resolved by an event naming it only in its payload (no correlation id): found all the same.
+    bare = Event.create(IncidentOpened(kind="hang", node_id="n1", generation=9, reason="a hang"), job_id=JOB,
+                        subject=f"job/{JOB}", producer="controller", occurred_at=at(5000.0))
+    resolved = Event.create(IncidentResolved(incident_id=str(bare.id), outcome="recovered", rung=1, generation=10,
+                                             reason="stepping again"), job_id=JOB, subject=f"job/{JOB}",
+                            producer="controller", occurred_at=at(5010.0))
+    await append(keel_env, [*events, bare, resolved])
+    whole = await load_incidents(keel_env.store, JOB)
+    assert len(whole) == 6 and whole[-1].outcome == "recovered"
+    pages, before = [], None
+    while True:
+        page = await load_incident_page(keel_env.store, JOB, limit=4, before=before)
+        assert page.total == 6
+        pages.append(page.incidents)
+        if page.next_before is None:
+            break
+        before = page.next_before
+    assert [len(p) for p in pages] == [4, 2]
+    assert [i for p in pages for i in p] == whole[::-1], "newest first, each summarized as in the whole list"
+    assert (await load_incident_page(keel_env.store, "job2")).incidents == await load_incidents(keel_env.store, "job2")
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        await load_incident_page(keel_env.store, JOB, limit=0)
 
 
 async def wait_for_type(keel_env, event_type: str, count: int, timeout_s: float = 20.0) -> list[Event]:  # type: ignore[no-untyped-def]

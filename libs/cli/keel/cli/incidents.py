@@ -576,6 +576,43 @@ async def load_incidents(store: EventStore, job_id: str | None = None) -> list[I
     return summarize_incidents(events)
 
 
+@dataclass(frozen=True)
+class IncidentPage:
+    """One page of a job's incidents, newest first (``load_incident_page``)."""
+
+    incidents: list[IncidentSummary]
+    total: int
+    """Every incident the log holds (of the job), on every page."""
+    next_before: int | None
+    """Pass as ``before`` for the next (older) page; None on the last page."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**incidents_json(self.incidents), "total": self.total, "next_before": self.next_before}
+
+
+async def load_incident_page(store: EventStore, job_id: str | None = None, *, limit: int = 100,
+                             before: int | None = None) -> IncidentPage:
+    """The newest ``limit`` incidents opened before log position ``before``, summarized as ``summarize_incidents``
+    does, newest first. It reads only that page's incidents: their ``IncidentOpened`` walking the index backwards,
+    and their decisions by correlation id (every decision of the controller carries its incident's; an
+    ``IncidentResolved`` naming its incident only in its payload is found too). The cost of a page does not grow
+    with the log, nor with the number of incidents before it."""
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    opened = await store.read_newest("IncidentOpened", job_id=job_id, before_position=before,
+                                     limit=limit + 1)
+    more, opened = len(opened) > limit, opened[:limit]
+    decisions = await store.read_correlated([r.event.id for r in opened],
+                                            types=[t for t in SUMMARY_TYPES if t != "IncidentOpened"],
+                                            by_payload_incident_id=["IncidentResolved"])
+    in_order = sorted([*opened, *decisions], key=lambda r: r.position)
+    incidents = summarize_incidents(r.event for r in in_order)
+    incidents.reverse()
+    total = len(opened) if before is None and not more else await store.count_of(types=["IncidentOpened"],
+                                                                                   job_id=job_id)
+    return IncidentPage(incidents, total, opened[-1].position if more else None)
+
+
 async def load_incidents_and_clocks(store: EventStore, job_id: str | None = None
                                     ) -> tuple[list[IncidentSummary], list[SkewedClock]]:
     incidents = await load_incidents(store, job_id)
@@ -604,14 +641,14 @@ async def load_timeline(store: EventStore, ref: str, job_id: str | None = None) 
         head = opened[chosen]
     else:
         chosen = head.event.id
-    related: list[tuple[int, Event]] = [(r.position, r.event) async for r in store.read(correlation_id=chosen)]
-    for evidence in payload_of(head.event, IncidentOpened).evidence:
+    related: list[tuple[int, Event]] = [(r.position, r.event) for r in await store.read_correlated([chosen])]
+    evidence: list[uuid.UUID] = []
+    for text in payload_of(head.event, IncidentOpened).evidence:
         try:
-            recorded = await store.get(uuid.UUID(evidence))
+            evidence.append(uuid.UUID(text))
         except ValueError:
             continue
-        if recorded is not None:
-            related.append((recorded.position, recorded.event))
+    related += [(r.position, r.event) for r in await store.get_many(evidence)]
     return build_timeline((head.position, head.event), related)
 
 

@@ -44,9 +44,8 @@ from keel.cli.incidents import (
     BadInput,
     LookupFailed,
     ettr_json,
-    incidents_json,
     load_ettr,
-    load_incidents,
+    load_incident_page,
     load_job_spans,
     load_timeline,
     timeline_json,
@@ -147,16 +146,24 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
         return {"jobs": [{"job_id": job, "first_event_at": first.isoformat(), "last_event_at": last.isoformat()}
                          for job, first, last in spans]}
 
-    @app.get("/v1/incidents", responses=ERRORS, summary="the controller's incidents, oldest first")
-    async def incidents(job: JobFilter = None, _: ApiToken = reader) -> dict[str, Any]:
-        return incidents_json(await load_incidents(store, job))
+    # The two routes an on-call person's page polls answer with their JSON as built (plain values already): FastAPI's
+    # own encoding of the returned dict walked every value again (7 ms for a page of 100 incidents, here).
+    @app.get("/v1/incidents", responses=ERRORS, response_model=dict[str, Any],
+             summary="the controller's incidents, newest first, paged: pass the answer's next_before for older ones")
+    async def incidents(job: JobFilter = None,
+                        before: Annotated[int | None, Query(ge=1, le=MAX_POSITION,
+                                                            description="only incidents opened before this log "
+                                                                        "position (a page's next_before)")] = None,
+                        limit: Limit = 100, _: ApiToken = reader) -> Response:
+        page = await load_incident_page(store, job, limit=min(limit, max_page), before=before)
+        return JSONResponse(page.to_json())
 
-    @app.get("/v1/incidents/{ref}/timeline", responses={**ERRORS, **NOT_FOUND},
+    @app.get("/v1/incidents/{ref}/timeline", responses={**ERRORS, **NOT_FOUND}, response_model=dict[str, Any],
              summary="every event of one incident (its id or a unique prefix of 6+ characters), with the reasons")
     async def timeline(ref: Annotated[str, Path(pattern=r"^[0-9a-fA-F-]{6,36}$", description="the incident's id or a "
                                                 "prefix of 6 or more of its characters")], job: JobFilter = None,
-                       _: ApiToken = reader) -> dict[str, Any]:
-        return timeline_json(await answer(load_timeline(store, ref, job)))
+                       _: ApiToken = reader) -> Response:
+        return JSONResponse(timeline_json(await answer(load_timeline(store, ref, job))))
 
     @app.get("/v1/jobs/{job_id}/ettr", responses={**ERRORS, **NOT_FOUND},
              summary="the job's ETTR: cumulative, the sliding window, lost time by incident and phase")

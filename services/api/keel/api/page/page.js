@@ -135,7 +135,7 @@ function drawLost(tbody, cumulative) {
 
 async function showTimeline(incident, row) {
   document.querySelectorAll("#incidents tr.selected").forEach((r) => r.classList.remove("selected"));
-  row.classList.add("selected");
+  if (row) row.classList.add("selected");
   const timeline = await api(`/v1/incidents/${encodeURIComponent(incident.id)}/timeline`);
   $("#timeline").hidden = false;
   $("#timeline-title").textContent = `${incident.kind} ${incident.id.slice(0, 8)}`;
@@ -150,26 +150,12 @@ async function showTimeline(incident, row) {
   }
 }
 
-async function showJob(job) {
-  const [ettr, series, incidents, nodes] = await Promise.all([
-    api(`/v1/jobs/${encodeURIComponent(job)}/ettr?window=1h`),
-    api(`/v1/jobs/${encodeURIComponent(job)}/ettr/series?window=1h&points=240`),
-    api(`/v1/incidents?job=${encodeURIComponent(job)}`),
-    api(`/v1/nodes?job=${encodeURIComponent(job)}`),
-  ]);
-  const dl = $("#ettr-figures");
-  while (dl.firstChild) dl.removeChild(dl.firstChild);
-  const cumulative = ettr.cumulative;
-  figure(dl, "cumulative", percent(cumulative && cumulative.ettr));
-  figure(dl, "last hour", percent(ettr.window && ettr.window.ettr));
-  figure(dl, "lost", seconds(cumulative ? cumulative.lost_s : 0));
-  figure(dl, "incidents", String(incidents.incidents.length));
-  drawChart($("#ettr-chart"), series.points);
-  if (cumulative) drawLost($("#lost tbody"), cumulative);
+const PAGE = 100;  // incidents a page of the list holds (the API's default)
 
+// Rows for one page of incidents (newest first), then an "older" button while the API has more.
+function addIncidents(job, page) {
   const tbody = $("#incidents tbody");
-  clear(tbody);
-  for (const incident of incidents.incidents.slice().reverse()) {  // newest first
+  for (const incident of page.incidents) {
     const row = tbody.insertRow();
     row.className = "incident";
     row.dataset.id = incident.id;
@@ -182,6 +168,35 @@ async function showJob(job) {
     cell(row, incident.reason);
     row.addEventListener("click", () => showTimeline(incident, row).catch(showError));
   }
+  const older = $("#older");
+  older.hidden = page.next_before === null;
+  older.onclick = page.next_before === null ? null : () => {
+    older.disabled = true;
+    api(`/v1/incidents?job=${encodeURIComponent(job)}&limit=${PAGE}&before=${page.next_before}`)
+      .then((next) => addIncidents(job, next), showError)
+      .finally(() => { older.disabled = false; });
+  };
+}
+
+async function showJob(job) {
+  const [ettr, series, incidents, nodes] = await Promise.all([
+    api(`/v1/jobs/${encodeURIComponent(job)}/ettr?window=1h`),
+    api(`/v1/jobs/${encodeURIComponent(job)}/ettr/series?window=1h&points=240`),
+    api(`/v1/incidents?job=${encodeURIComponent(job)}&limit=${PAGE}`),
+    api(`/v1/nodes?job=${encodeURIComponent(job)}`),
+  ]);
+  const dl = $("#ettr-figures");
+  while (dl.firstChild) dl.removeChild(dl.firstChild);
+  const cumulative = ettr.cumulative;
+  figure(dl, "cumulative", percent(cumulative && cumulative.ettr));
+  figure(dl, "last hour", percent(ettr.window && ettr.window.ettr));
+  figure(dl, "lost", seconds(cumulative ? cumulative.lost_s : 0));
+  figure(dl, "incidents", String(incidents.total));
+  drawChart($("#ettr-chart"), series.points);
+  if (cumulative) drawLost($("#lost tbody"), cumulative);
+
+  clear($("#incidents tbody"));
+  addIncidents(job, incidents);
   const nodeRows = $("#nodes tbody");
   clear(nodeRows);
   for (const node of nodes.nodes) {
@@ -212,7 +227,8 @@ async function start() {
     // ?incident=<id>: a link straight to one incident's timeline (what a page to the on-call person carries).
     const linked = new URLSearchParams(location.search).get("incident");
     const row = linked && document.querySelector(`#incidents tr[data-id="${CSS.escape(linked)}"]`);
-    if (row) await showTimeline({ id: linked, kind: row.cells[1].textContent }, row);
+    // An incident older than the first page has no row: its timeline opens all the same.
+    if (linked) await showTimeline({ id: linked, kind: row ? row.cells[1].textContent : "incident" }, row || null);
     document.body.dataset.state = "ready";
   } catch (error) {
     if (error instanceof ApiError && error.status === 401) {
