@@ -23,11 +23,14 @@ controller would (signed with the controller's key).
   ``api_log_events`` events (1,000,000 in the full run; 200,000 in ``--quick``, so the figure is labelled with
   its log size) of which ``api_incidents`` are incidents with their decisions, the rest node heartbeats from
   1,200 nodes. A second process (this module's ``--load``, ``api_clients`` threads with a kept-alive connection
-  each, the equivalent of ``wrk -c``) asks for the incident list (``/v1/incidents?job=&limit=100``: the newest
-  100 of the job's incidents, the first page, as the web page asks for it) and random incidents' timelines, half each, for ``api_seconds``. ``api_p99_ms`` is the worse p99 of the two
-  routes, from the client's side (request sent to the whole answer read). Target ≤ 100 ms. Also
-  ``api_list_p99_ms``, ``api_timeline_p99_ms``, ``api_audit_p99_ms`` (the paged audit view, the first 100) and
-  ``api_requests_per_s``.
+  each, the equivalent of ``wrk -c``) asks for the incident list and random incidents' timelines, half each, for
+  ``api_seconds``. Half the list requests ask for the first page (``/v1/incidents?job=&limit=100``: the newest
+  100, as the web page asks; the API keeps a page while nothing newer it summarizes is logged, and the log does
+  not change during the load, so these are answered from what it kept), the other half for an older page at a
+  random position (``&before=``): pages never asked for before, read from the store. ``api_p99_ms`` is the worst
+  p99 of the three (first page, older page, timeline), from the client's side (request sent to the whole answer
+  read). Target ≤ 100 ms. Also ``api_list_p99_ms`` (first page), ``api_list_older_p99_ms``,
+  ``api_timeline_p99_ms``, ``api_audit_p99_ms`` (the paged audit view, the first 100) and ``api_requests_per_s``.
 
 ``--smoke`` runs it in seconds (the tests run it); ``--quick`` under three minutes (a 20 s outage).
 On this 2-core machine the API, PostgreSQL and the load process share two cores: the latencies include that
@@ -126,7 +129,7 @@ API_SIZES = {
     "full": {"events": 1_000_000, "incidents": 1_000, "seconds": 60.0, "clients": 4},
 }
 API_JOB = "bench-api"
-API_ROUTES = ("list", "timeline", "audit")
+API_ROUTES = ("list", "list_older", "timeline", "audit")
 
 
 def api_log(total: int, incidents: int) -> tuple[list[Any], list[str]]:
@@ -181,10 +184,12 @@ async def seed_api_log(database_url: str, schema: str, events: list[Any]) -> flo
     return time.monotonic() - started
 
 
-def load_api(base: str, token: str, incidents: list[str], seconds: float, clients: int) -> dict[str, list[float]]:
+def load_api(base: str, token: str, incidents: list[str], seconds: float, clients: int,
+             log_size: int) -> dict[str, list[float]]:
     """The load (run in a process of its own: ``--load``): ``clients`` threads, each with one kept-alive HTTP
     connection, alternating the incident list and a random incident's timeline (and every 10th request the paged
-    audit view) for ``seconds``. Returns each route's latencies in seconds; a non-200 answer raises."""
+    audit view) for ``seconds``. Every other list request asks for an older page (``before`` a random position of
+    the log): a page the API has not answered before, so it is read from the store, not kept. Returns each route's latencies in seconds; a non-200 answer raises."""
     import http.client
     import random
     import threading
@@ -205,8 +210,10 @@ def load_api(base: str, token: str, incidents: list[str], seconds: float, client
             count += 1
             if count % 10 == 0:
                 route, path = "audit", f"/v1/audit/incidents?job={API_JOB}&limit=100"
-            elif count % 2:
+            elif count % 4 == 1:
                 route, path = "list", f"/v1/incidents?job={API_JOB}&limit=100"
+            elif count % 4 == 3:
+                route, path = "list_older", f"/v1/incidents?job={API_JOB}&limit=100&before={rng.randint(2, log_size)}"
             else:
                 route, path = "timeline", f"/v1/incidents/{rng.choice(incidents)}/timeline?job={API_JOB}"
             sent = time.monotonic()
@@ -255,7 +262,7 @@ async def measure_api(servers: Servers, home: Path, size: dict[str, float]) -> d
         try:
             await wait_healthy(base, api, log_path)
             spec = {"base": base, "token": token, "incidents": incidents, "seconds": size["seconds"],
-                    "clients": int(size["clients"])}
+                    "clients": int(size["clients"]), "log_size": len(events)}
             loaded = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "bench.ops", "--load"],
                                              input=json.dumps(spec), capture_output=True, text=True, cwd=REPO,
                                              timeout=size["seconds"] + 300)
@@ -271,8 +278,10 @@ async def measure_api(servers: Servers, home: Path, size: dict[str, float]) -> d
                 api.wait()
     p99 = {route: percentile([t * 1000 for t in latencies[route]], 99) for route in API_ROUTES}
     total = sum(len(v) for v in latencies.values())
-    worst = [p99[r] for r in ("list", "timeline") if p99[r] is not None]
+    worst = [p99[r] for r in ("list", "list_older", "timeline") if p99[r] is not None]
     return {"api_p99_ms": max(worst) if worst else None, "api_list_p99_ms": p99["list"],
+            "api_list_older_p99_ms": p99["list_older"],
+            "api_list_older_p50_ms": percentile([t * 1000 for t in latencies["list_older"]], 50),
             "api_timeline_p99_ms": p99["timeline"], "api_audit_p99_ms": p99["audit"],
             "api_list_p50_ms": percentile([t * 1000 for t in latencies["list"]], 50),
             "api_timeline_p50_ms": percentile([t * 1000 for t in latencies["timeline"]], 50),
@@ -433,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.load:
         spec = json.loads(sys.stdin.read())
-        print(json.dumps(load_api(spec["base"], spec["token"], spec["incidents"], spec["seconds"], spec["clients"])))
+        print(json.dumps(load_api(spec["base"], spec["token"], spec["incidents"], spec["seconds"], spec["clients"],
+                                  spec["log_size"])))
         return 0
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     results = {**provenance(argv, "bench.ops"), **asyncio.run(run(mode))}

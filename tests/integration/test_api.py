@@ -5,7 +5,10 @@ unusable parameters with the reason, pages the log, and survives schemathesis fu
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +20,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from keel.events.envelope import Event, now_utc
+from keel.events.types import IncidentOpened, IncidentResolved
 from keel.infra.api_auth import READ, new_token
 from keel.infra.embedded import free_port
 from keel.infra.store import append_events, event_row
@@ -80,6 +85,24 @@ async def test_the_api_answers_what_the_cli_answers_and_refuses_what_it_cannot_u
         assert status == 200 and second == {"incidents": cli["incidents"][:1], "total": 2, "next_before": None}
         status, refused, _ = await asyncio.to_thread(get, base, "/v1/incidents?before=0")
         assert status == 422 and "before" in json.dumps(refused)
+        # A page is kept while the log holds nothing newer of what it summarizes: an incident opened now, then its
+        # resolution, show at the next request (the kept page is not served past them).
+        newer = Event.create(IncidentOpened(kind="hang", node_id="n1", generation=7, reason="a later hang"),
+                             job_id="job2", subject="job/job2", producer="controller", occurred_at=now_utc())
+        async with keel_env.engine.begin() as conn:
+            await append_events(conn, [event_row(newer, None)])
+        status, again, _ = await asyncio.to_thread(get, base, "/v1/incidents")
+        assert again["total"] == 3 and again["incidents"][0]["id"] == str(newer.id)
+        assert again["incidents"][0]["outcome"] == "open" and again["incidents"][1:] == incidents["incidents"]
+        closed = Event.create(IncidentResolved(incident_id=str(newer.id), outcome="recovered", rung=1, generation=8,
+                                               reason="stepping"), job_id="job2", subject="job/job2",
+                              producer="controller", occurred_at=now_utc(), correlation_id=newer.id)
+        async with keel_env.engine.begin() as conn:
+            await append_events(conn, [event_row(closed, None)])
+        status, last, _ = await asyncio.to_thread(get, base, "/v1/incidents?job=job2")
+        assert last["incidents"][0]["outcome"] == "recovered"
+        status, last, _ = await asyncio.to_thread(get, base, "/v1/incidents")
+        assert last["incidents"][0]["outcome"] == "recovered"
         crash = str(named["crash"].id)
         status, timeline, _ = await asyncio.to_thread(get, base, f"/v1/incidents/{crash[:8]}/timeline")
         assert status == 200 and timeline == json.loads((await keel(env, "timeline", crash, "--json")).stdout)
@@ -171,3 +194,64 @@ def fuzz_every_operation(base: str) -> dict[str, int]:
 
         fuzz()
     return tried
+
+
+def workers_of(process: subprocess.Popen) -> list[int]:
+    """The pids of the API's worker processes (its children)."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # ended, not reaped yet
+            return True
+        time.sleep(0.1)
+    return False
+
+
+async def test_two_processes_serve_the_port_and_the_api_stops_whole_when_either_ends(keel_env, scratch_dir: Path) -> None:
+    # Two processes by default here (api.workers 0, two CPUs): both answer; SIGTERM stops both.
+    process, base = await asyncio.to_thread(start_api, keel_env, scratch_dir)
+    try:
+        [worker] = workers_of(process)
+        assert all(get(base, "/v1/jobs")[0] == 200 for _ in range(20))
+        # Answers go out at once on a kept-alive connection (TCP_NODELAY on the shared socket's connections): without
+        # it each waited for the client's delayed ACK, 40 ms, whatever the load.
+        conn = http.client.HTTPConnection("127.0.0.1", int(base.rsplit(":", 1)[1]), timeout=30)
+        took = []
+        for _ in range(21):
+            began = time.monotonic()
+            conn.request("GET", "/healthz")
+            conn.getresponse().read()
+            took.append(time.monotonic() - began)
+        conn.close()
+        assert sorted(took)[10] < 0.025, f"median /healthz {1000 * sorted(took)[10]:.0f} ms on a kept-alive connection"
+        process.terminate()
+        assert await asyncio.to_thread(process.wait, 30) == 0
+        assert wait_gone(worker), "the worker was stopped with the API"
+    finally:
+        stop_process(process)
+    # A worker killed: the API stops with status 1 (its supervisor then restarts it whole), naming what happened.
+    process, base = await asyncio.to_thread(start_api, keel_env, scratch_dir)
+    try:
+        [worker] = workers_of(process)
+        os.kill(worker, signal.SIGKILL)
+        assert await asyncio.to_thread(process.wait, 30) == 1
+        assert f"api worker {worker} ended" in (scratch_dir / "api.log").read_text()
+    finally:
+        stop_process(process)
+    # The API's own process killed: its worker does not go on serving the port alone.
+    process, base = await asyncio.to_thread(start_api, keel_env, scratch_dir)
+    try:
+        [worker] = workers_of(process)
+        process.kill()
+        process.wait(10)
+        assert await asyncio.to_thread(wait_gone, worker), "the worker outlived the API's process"
+    finally:
+        stop_process(process)

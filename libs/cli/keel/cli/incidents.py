@@ -591,12 +591,13 @@ class IncidentPage:
 
 
 async def load_incident_page(store: EventStore, job_id: str | None = None, *, limit: int = 100,
-                             before: int | None = None) -> IncidentPage:
+                             before: int | None = None, total: int | None = None) -> IncidentPage:
     """The newest ``limit`` incidents opened before log position ``before``, summarized as ``summarize_incidents``
     does, newest first. It reads only that page's incidents: their ``IncidentOpened`` walking the index backwards,
     and their decisions by correlation id (every decision of the controller carries its incident's; an
     ``IncidentResolved`` naming its incident only in its payload is found too). The cost of a page does not grow
-    with the log, nor with the number of incidents before it."""
+    with the log, nor with the number of incidents before it. ``total``: the job's incident count when the caller
+    knows it (it is counted otherwise)."""
     if limit < 1:
         raise ValueError(f"limit must be at least 1, not {limit}")
     opened = await store.read_newest("IncidentOpened", job_id=job_id, before_position=before,
@@ -608,8 +609,9 @@ async def load_incident_page(store: EventStore, job_id: str | None = None, *, li
     in_order = sorted([*opened, *decisions], key=lambda r: r.position)
     incidents = summarize_incidents(r.event for r in in_order)
     incidents.reverse()
-    total = len(opened) if before is None and not more else await store.count_of(types=["IncidentOpened"],
-                                                                                   job_id=job_id)
+    if total is None:
+        total = len(opened) if before is None and not more else await store.count_of(types=["IncidentOpened"],
+                                                                                       job_id=job_id)
     return IncidentPage(incidents, total, opened[-1].position if more else None)
 
 

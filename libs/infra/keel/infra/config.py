@@ -714,6 +714,9 @@ class ApiSettings(_Section):
     """Who may call it. None: every request but ``/healthz`` is refused, saying so."""
     max_page: int = Field(1000, ge=1, le=100_000)
     """The most events or audit rows one request returns (``limit`` is capped at it)."""
+    workers: int = Field(0, ge=0, le=64)
+    """Processes serving requests on the one port (each reads the store on its own); 0: two, or one on a machine
+    of one CPU. A request is Python work in one process: a second lets a slow page not hold up the rest."""
 
     @field_validator("tokens", mode="before")
     @classmethod

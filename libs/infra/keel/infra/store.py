@@ -552,6 +552,19 @@ class EventStore:
         rows = await self._fetch(("count", job_id is None), build, {"types": list(types), "job_id": job_id})
         return int(rows[0][0])
 
+    async def newest_position(self, *, types: Sequence[str], job_id: str | None = None) -> int:
+        """The position of the newest event of ``types`` (of ``job_id``), 0 when there is none: one backward step
+        through the index per type. A reader's cheap test of whether anything it summarized has changed."""
+
+        def build() -> Any:
+            job = "" if job_id is None else "AND events.job_id = :job_id "
+            return sa.text("SELECT coalesce(max(newest.position), 0) FROM unnest(CAST(:types AS text[])) AS wanted(type) "
+                           "CROSS JOIN LATERAL (SELECT events.position FROM events WHERE events.type = wanted.type "
+                           f"{job}ORDER BY events.position DESC LIMIT 1) AS newest")
+
+        rows = await self._fetch(("newest_position", job_id is None), build, {"types": list(types), "job_id": job_id})
+        return int(rows[0][0])
+
     async def get_many(self, event_ids: Sequence[uuid.UUID]) -> list[RecordedEvent]:
         """The events with these ids that the log holds, in log order (unknown ids are left out)."""
         if not event_ids:

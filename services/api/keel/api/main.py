@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,31 +37,60 @@ def tokens_of(settings: Settings) -> list[ApiToken]:
     return [ApiToken(t.name, t.scope, t.sha256) for t in settings.api.tokens]
 
 
-async def serve(settings: Settings, database_url: str) -> None:
+async def serve(settings: Settings, database_url: str, sock: socket.socket | None = None, *, announce: bool = True,
+                workers: Sequence[int] = ()) -> None:
     """Serve until uvicorn is told to stop (SIGTERM, SIGINT); the engine is closed whatever happens.
 
-    Under a supervisor (``$KEEL_SERVICE_READY_FILE``, as ``keel up`` runs it): once listening, write the bound
-    URL beside the ready file (``api.url``; ``api.listen_port: 0`` takes a free port), then the ready file (this
-    pid), and touch it every ``ALIVE_INTERVAL_S`` while serving, as every Keel service does."""
+    ``sock``: a listening socket to serve on (shared with the other worker processes), else uvicorn binds the
+    configured address. ``announce`` (one process does): under a supervisor (``$KEEL_SERVICE_READY_FILE``, as
+    ``keel up`` runs it), once listening, write the bound URL beside the ready file (``api.url``;
+    ``api.listen_port: 0`` takes a free port), then the ready file (this pid), and touch it every
+    ``ALIVE_INTERVAL_S`` while serving, as every Keel service does. ``workers``: the other processes' pids: when
+    one ends, this one stops too (``WorkerLost``), so the supervisor restarts the whole API, not half of it."""
     import uvicorn
 
     engine = create_engine(database_url, settings.db_schema)
     try:
         await check_schema_current(engine, settings.db_schema)
         tokens = tokens_of(settings)
-        if not tokens:
+        if not tokens and announce:
             log.warning("api: no tokens configured (api.tokens): every request but /healthz is refused")
         app = create_app(engine, tokens, max_page=settings.api.max_page)
         config = uvicorn.Config(app, host=settings.api.listen_host, port=settings.api.listen_port, log_level="info",
                                 access_log=False, server_header=False, proxy_headers=False)
         server = uvicorn.Server(config)
-        announce = asyncio.create_task(_announce_when_listening(server, len(tokens)))
+        tasks = [asyncio.create_task(_announce_when_listening(server, len(tokens), len(workers) + 1))] if announce else []
+        lost: list[str] = []
+        if workers:
+            tasks.append(asyncio.create_task(_watch_workers(server, workers, lost)))
         try:
-            await server.serve()
+            await server.serve(sockets=[sock] if sock is not None else None)
         finally:
-            announce.cancel()
+            for task in tasks:
+                task.cancel()
+        if lost:
+            raise WorkerLost(lost[0])
     finally:
         await engine.dispose()
+
+
+class WorkerLost(RuntimeError):
+    """A worker process of the API ended while the API was serving."""
+
+
+async def _watch_workers(server: Any, workers: Sequence[int], lost: list[str]) -> None:
+    while not server.should_exit:
+        for pid in workers:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                lost.append(f"api worker {pid} ended (status {status}); stopping the API so it restarts whole")
+                log.error("%s", lost[0])
+                server.should_exit = True
+                return
+        await asyncio.sleep(0.5)
 
 
 def bound_url(server: Any) -> str:
@@ -69,13 +99,13 @@ def bound_url(server: Any) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-async def _announce_when_listening(server: Any, token_count: int) -> None:
+async def _announce_when_listening(server: Any, token_count: int, processes: int) -> None:
     while not server.started:
         if server.should_exit:
             return
         await asyncio.sleep(0.02)
     url = bound_url(server)
-    log.info("api: serving on %s (%d token(s))", url, token_count)
+    log.info("api: serving on %s (%d token(s), %d process(es))", url, token_count, processes)
     ready_file = os.environ.get(READY_FILE_ENV)
     if not ready_file:
         return
@@ -126,12 +156,95 @@ def main(argv: Sequence[str] | None = None) -> int:
     # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again under the handler found at start:
     # with this one the process ends with status 0 after a graceful stop, as every Keel service does.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    processes = settings.api.workers or min(2, os.cpu_count() or 1)
+    if processes == 1:
+        return _serve_here(settings, database_url)
     try:
-        asyncio.run(serve(settings, database_url))
+        sock = listening_socket(settings.api.listen_host, settings.api.listen_port)
+    except OSError as exc:
+        print(f"keel-api: cannot listen on {settings.api.listen_host}:{settings.api.listen_port}: {exc}",
+              file=sys.stderr)
+        return 1
+    workers = []
+    for _ in range(processes - 1):
+        pid = os.fork()  # no thread and no event loop exists yet: the child starts clean
+        if pid == 0:
+            _die_with_parent()
+            os._exit(_serve_here(settings, database_url, sock, announce=False))
+        workers.append(pid)
+    try:
+        return _serve_here(settings, database_url, sock, workers=workers)
+    finally:
+        for pid in workers:
+            _stop_worker(pid)
+
+
+def _serve_here(settings: Settings, database_url: str, sock: socket.socket | None = None, *, announce: bool = True,
+                workers: Sequence[int] = ()) -> int:
+    try:
+        asyncio.run(serve(settings, database_url, sock, announce=announce, workers=workers))
     except SchemaNotCurrent as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
+    except WorkerLost as exc:
+        print(f"keel-api: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port) and listening, for every worker process to accept on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY on accepted connections only then (without it every answer
+    # waited for the client's delayed ACK, 40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGTERM when the process that forked it dies (even by SIGKILL), so no worker is left
+    serving the port alone."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the parent's stop still ends it
+        pass
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(1)
+
+
+def _stop_worker(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM a worker and reap it: SIGKILL if it has not stopped within ``grace_s``."""
+    import time
+
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":
