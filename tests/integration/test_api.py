@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from keel.events.envelope import Event, now_utc
 from keel.events.types import IncidentOpened, IncidentResolved
 from keel.infra.api_auth import READ, new_token
 from keel.infra.embedded import free_port
+from keel.infra.service import READY_FILE_ENV
 from keel.infra.store import append_events, event_row
 from tests.integration.test_agent_rejoin import stop_process
 from tests.integration.test_audit import audited_log, keel
@@ -43,10 +45,14 @@ def get(base: str, path: str, token: str | None = TOKEN) -> tuple[int, dict[str,
         return exc.code, json.loads(exc.read()), dict(exc.headers)
 
 
-def start_api(keel_env, scratch: Path) -> tuple[subprocess.Popen, str]:  # type: ignore[no-untyped-def]
+def start_api(keel_env, scratch: Path, *, without_nats: bool = False,  # type: ignore[no-untyped-def]
+              extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**service_env(keel_env.settings), "KEEL_API__LISTEN_PORT": str(port),
-           "KEEL_API__TOKENS": json.dumps([{"name": ENTRY.name, "scope": ENTRY.scope, "sha256": ENTRY.sha256}])}
+           "KEEL_API__TOKENS": json.dumps([{"name": ENTRY.name, "scope": ENTRY.scope, "sha256": ENTRY.sha256}]),
+           **(extra_env or {})}
+    if without_nats:
+        env.pop("KEEL_NATS_URL", None)
     log = open(scratch / "api.log", "ab")  # noqa: SIM115 - the child holds it
     process = subprocess.Popen([sys.executable, "-m", "keel.api.main"], env=env, stdout=log, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL)
@@ -216,9 +222,18 @@ def wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
 
 
 async def test_two_processes_serve_the_port_and_the_api_stops_whole_when_either_ends(keel_env, scratch_dir: Path) -> None:
-    # Two processes by default here (api.workers 0, two CPUs): both answer; SIGTERM stops both.
-    process, base = await asyncio.to_thread(start_api, keel_env, scratch_dir)
+    # Two processes by default here (api.workers 0, two CPUs): both answer; SIGTERM stops both. It needs the store
+    # only: no NATS URL is given.
+    # As a supervisor runs it: the URL it serves on is written beside its ready file, and withdrawn when it stops.
+    ready = scratch_dir / "services" / "api.ready"
+    ready.parent.mkdir(parents=True, exist_ok=True)
+    process, base = await asyncio.to_thread(partial(start_api, without_nats=True,
+                                                    extra_env={READY_FILE_ENV: str(ready)}), keel_env, scratch_dir)
     try:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert (scratch_dir / "services" / "api.url").read_text().strip() == base
         [worker] = workers_of(process)
         assert all(get(base, "/v1/jobs")[0] == 200 for _ in range(20))
         # Answers go out at once on a kept-alive connection (TCP_NODELAY on the shared socket's connections): without
@@ -235,6 +250,7 @@ async def test_two_processes_serve_the_port_and_the_api_stops_whole_when_either_
         process.terminate()
         assert await asyncio.to_thread(process.wait, 30) == 0
         assert wait_gone(worker), "the worker was stopped with the API"
+        assert not (scratch_dir / "services" / "api.url").exists(), "a stopped API leaves no URL behind"
     finally:
         stop_process(process)
     # A worker killed: the API stops with status 1 (its supervisor then restarts it whole), naming what happened.

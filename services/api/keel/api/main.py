@@ -22,7 +22,7 @@ from typing import Any
 
 from keel.api.app import create_app
 from keel.infra.api_auth import READ, SCOPES, TOKEN_BYTES, ApiToken, new_token
-from keel.infra.config import ConfigError, Settings, load_settings, resolve_endpoints
+from keel.infra.config import ConfigError, Settings, database_url_for, load_settings
 from keel.infra.dbroles import AUDITOR
 from keel.infra.service import ALIVE_INTERVAL_S, READY_FILE_ENV
 from keel.infra.store import SchemaNotCurrent, check_schema_current, create_engine
@@ -59,7 +59,9 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
         config = uvicorn.Config(app, host=settings.api.listen_host, port=settings.api.listen_port, log_level="info",
                                 access_log=False, server_header=False, proxy_headers=False)
         server = uvicorn.Server(config)
-        tasks = [asyncio.create_task(_announce_when_listening(server, len(tokens), len(workers) + 1))] if announce else []
+        announced: list[Path] = []
+        tasks = ([asyncio.create_task(_announce_when_listening(server, len(tokens), len(workers) + 1, announced))]
+                 if announce else [])
         lost: list[str] = []
         if workers:
             tasks.append(asyncio.create_task(_watch_workers(server, workers, lost)))
@@ -68,6 +70,8 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
         finally:
             for task in tasks:
                 task.cancel()
+            for written in announced:  # stopped: nothing serves that URL any more (a restart writes its own)
+                written.unlink(missing_ok=True)
         if lost:
             raise WorkerLost(lost[0])
     finally:
@@ -99,7 +103,7 @@ def bound_url(server: Any) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-async def _announce_when_listening(server: Any, token_count: int, processes: int) -> None:
+async def _announce_when_listening(server: Any, token_count: int, processes: int, announced: list[Path]) -> None:
     while not server.started:
         if server.should_exit:
             return
@@ -113,6 +117,7 @@ async def _announce_when_listening(server: Any, token_count: int, processes: int
     url_file, partial = ready.with_name(URL_FILE), ready.with_name(f".{URL_FILE}.partial")
     partial.write_text(f"{url}\n")
     os.replace(partial, url_file)  # a reader sees the whole URL or none
+    announced.append(url_file)
     ready.write_text(f"{os.getpid()}\n")
     while True:
         await asyncio.sleep(ALIVE_INTERVAL_S)
@@ -149,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load_settings(Path(args.config) if args.config else None)
-        _, database_url = resolve_endpoints(settings, AUDITOR)
+        database_url = database_url_for(settings, AUDITOR)  # the store only: the API needs no NATS
     except ConfigError as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
