@@ -309,6 +309,10 @@ class _BackgroundCopy:
         self._thread = threading.Thread(target=copy_all, name="keel-restore-copy", daemon=True)
         self._thread.start()
 
+    def wait(self) -> None:
+        """Until the copy has ended (its outcome left to ``result``)."""
+        self._thread.join()
+
     def result(self) -> Any:
         """The copied tree, once every byte is in place."""
         self._thread.join()
@@ -1080,12 +1084,14 @@ class Checkpointer:
         optimizer adopts its state tensors), so it gets its own copy (``_own_copy``), made here once.
         """
         parts: list[tuple[str, Any, Any]] = []
+        optimizer_copy: _BackgroundCopy | None = None
         if self.sharded:
             self._apply_sharded(tree, source)
         else:
             # The optimizer's copy runs on a thread while the model loads here: two copies at once, on two
             # cores where there are (the restore is the only work the rank has).
-            optimizer_copy = _BackgroundCopy(tree["optimizer"]) if self.optimizer is not None else None
+            if self.optimizer is not None:
+                optimizer_copy = _BackgroundCopy(tree["optimizer"])
             if self.model is not None:
                 parts.append(("model", self.model, tree["model"]))
             if optimizer_copy is not None:  # before the scheduler, which reads and sets the groups' lr
@@ -1105,6 +1111,9 @@ class Checkpointer:
                 obj.load_state_dict(state.result() if isinstance(state, _BackgroundCopy) else state)
             except (ValueError, RuntimeError, KeyError, TypeError) as exc:
                 raise CheckpointMismatchError(f"{source}: loading {name} failed: {exc}") from exc
+            finally:
+                if optimizer_copy is not None:  # a failed load leaves no copy running on behind the error
+                    optimizer_copy.wait()
             if name == "optimizer" and self.zero:
                 # The wrapper's groups are what a scheduler reads and sets, and what its step copies into the
                 # local optimizer's: they get the restored hyperparameters (groups correspond one to one).

@@ -99,8 +99,6 @@ def replace(view: _V, /, **changes: object) -> _V:
     return copied
 
 
-
-
 @dataclass(frozen=True)
 class BlockedNode:
     """A heartbeat in which every rank of the node was inside a collective: since when all of them were (the
@@ -456,6 +454,7 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         return job.with_node(replace(view, standby=p.standby, evicted=False, eviction_pending=None,
                                      promoting=False, checked=None if p.standby else view.checked,
                                      ranks=frozenset() if p.standby else view.ranks,
+                                     ranks_before=frozenset() if p.standby else view.ranks_before,
                                      heard_at=at if legacy else view.heard_at, clock_skewed=False,
                                      fenced_by="", fenced_generation=-1, fenced_incident="",
                                      fence_reported=False, addresses=tuple(p.addresses)))
