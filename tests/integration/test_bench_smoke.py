@@ -105,10 +105,12 @@ def ops_sane(r: dict[str, Any]) -> None:
     assert r["notify_received"] == r["notify_count"] == 10 and 0 < r["notify_p50_s"] <= r["notify_p99_s"] <= 2
     # The receiver refused during the outage, the notifier retried, and every incident arrived in the end.
     assert r["outage_refusals"] >= 1 and r["outage_deliveries_retried"] >= 1 and r["notify_lost"] == 0
-    # The API answered every request of the load process (a non-200 fails the run) on both routes.
+    # The API answered every request of the load process (a non-200 fails the run) on every route: the first page of
+    # incidents, older pages (read from the store) and timelines; the figure is the worst of the three.
     assert r["api_log_events"] == 3000 and r["api_incidents"] == 20 and r["api_requests"] > 10
     assert 0 < r["api_list_p50_ms"] <= r["api_list_p99_ms"] and 0 < r["api_timeline_p50_ms"] <= r["api_timeline_p99_ms"]
-    assert r["api_p99_ms"] == max(r["api_list_p99_ms"], r["api_timeline_p99_ms"])
+    assert 0 < r["api_list_older_p50_ms"] <= r["api_list_older_p99_ms"]
+    assert r["api_p99_ms"] == max(r["api_list_p99_ms"], r["api_list_older_p99_ms"], r["api_timeline_p99_ms"])
 
 
 CASES: list[tuple[list[str], tuple[str, ...], Callable[[dict[str, Any]], None]]] = [
