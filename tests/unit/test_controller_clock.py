@@ -266,9 +266,9 @@ def test_a_node_that_registers_again_gets_its_skew_reported_again() -> None:
     """A restarted agent learns how far its clock is off only from a new report (it judges commands'
     expiries net of it)."""
     job = Clocked(skews={"n0": TEN_MIN})
-    job.run(10)
+    job.run(12)  # two heartbeats' windows confirmed (``SKEW_SIGHTINGS``)
     job.feed(NodeRegistered(node_id="n0", host="n0"), "node/n0", node="n0")
-    job.run(5)
+    job.run(12)  # again: a new agent's clock is judged afresh
     assert [(e.payload.node_id, e.payload.skewed) for e in job.of("NodeClockSkewed")] == [("n0", True), ("n0", True)]
 
 
@@ -338,3 +338,33 @@ def test_a_tick_sent_late_after_a_partition_makes_no_clock_look_skewed() -> None
     assert [p.node_id for p in reports if p.skewed] in ([], ["n2"]), reports  # n2 once, if not already reported
     assert not [p for p in reports if p.node_id != "n2"], reports
     assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+def test_one_event_that_arrives_late_is_no_skewed_clock_and_a_clock_off_in_two_windows_is() -> None:
+    """A node's heartbeat stamped 31 s before it reached the stream (held in its outbox, or sent after its agent's
+    loop stalled), its only event in that window: its clock is not reported skewed (the agent would judge its
+    commands' expiries net of a skew it does not have), and the next window shows its clock as it is. A clock
+    that is off is off in every window: reported at its second one, and at the first tick after it."""
+    job = Clocked(nodes=3, skews={"n2": -TEN_MIN})
+    job.run(10)
+    job.feed(NodeHeartbeat(node_id="n1", ranks_alive=1, ranks_expected=1, last_step=job.step), "node/n1",
+             node="n1", at=job.now - timedelta(seconds=31))
+    decided = job.run(20)
+    reports = [e.payload for e in decided if e.type == "NodeClockSkewed"]
+    assert [p.node_id for p in reports] == ["n2"], reports
+    assert reports[0].skewed and -601 <= reports[0].skew_s <= -599
+    assert job.session.state.job("job1").node("n1").skew_sightings == 0
+    # n2's report came at the tick that confirmed its second window: heartbeats every 5 s, so by 11 s.
+    [first] = [e for e in job.log if e.type == "NodeClockSkewed"]
+    assert first.occurred_at - T0 <= timedelta(seconds=11), first.occurred_at - T0
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean
+
+
+@pytest.mark.parametrize(("sightings", "skew_s", "expected"), [
+    (0, 6.0, 1), (1, 6.0, 2), (-2, 6.0, 1), (0, -6.0, -1), (-1, -6.0, -2), (3, -6.0, -1), (2, 4.9, 0), (-2, 0.0, 0),
+])
+def test_skew_sightings_count_windows_beyond_the_allowance_in_one_direction(sightings: int, skew_s: float,
+                                                                           expected: int) -> None:
+    from keel.controller.state import next_skew_sightings
+
+    assert next_skew_sightings(sightings, skew_s, 5.0) == expected

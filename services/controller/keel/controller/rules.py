@@ -75,6 +75,10 @@ FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
 HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost", "collective_stuck", "process_stopped"})
 """A rank's health checks that mean it hangs (rung 3, else rung 2)."""
 SDC_VERDICT_GRACE = timedelta(seconds=30)
+
+SKEW_SIGHTINGS = 2
+"""Confirmed windows in a row (of those a node was heard in) with its newest timestamp beyond the allowance, in
+the same direction, before its clock is reported skewed: one event that arrived late is no clock."""
 """How long past a replay round's timeout the controller waits for the analyzer's verdict."""
 
 
@@ -625,9 +629,12 @@ def evict_peer_reported(plan: ActionPlan, now: datetime) -> bool:
 
 
 def report_skews(plan: ActionPlan, now: datetime) -> None:
-    """A node whose newest timestamp in the window the tick closed lies further outside it than the
-    allowance is reported (``NodeClockSkewed``), once per crossing; back within half the allowance in an
-    unbroken run of ticks, the report is withdrawn. Reported only: nothing is decided on a producer's clock."""
+    """A node whose newest timestamp lies further outside the window than the allowance, in ``SKEW_SIGHTINGS``
+    confirmed windows in a row that it was heard in (``NodeView.skew_sightings``), is reported
+    (``NodeClockSkewed``), once per crossing; back within half the allowance in an unbroken run of ticks, the
+    report is withdrawn. One late event (held in an outbox, or sent after a stalled loop) is seen in one window
+    only, and is no skewed clock: the agent would judge its commands' expiries net of a skew it does not have.
+    Reported only: nothing is decided on a producer's clock."""
     job, allowance = plan.job, plan.policy.clock_skew_allowance.total_seconds()
     unbroken = job.clock_since is not None and job.clock_since < now
     for node_id, skew in sorted(job.skews.items()):
@@ -635,7 +642,7 @@ def report_skews(plan: ActionPlan, now: datetime) -> None:
         if node is None or node.evicted or node.fenced:
             continue
         way = "ahead of" if skew > 0 else "behind"
-        if abs(skew) > allowance and not node.clock_skewed:
+        if abs(skew) > allowance and not node.clock_skewed and abs(node.skew_sightings) >= SKEW_SIGHTINGS:
             why = (f"{node_id}'s clock is at least {abs(skew):.1f} s {way} the controller's recorded clock "
                    f"(allowance {allowance:g} s{'' if skew > 0 else '; or its events arrive that late'}): "
                    f"reported, not acted on (liveness and expiry go by arrival)")

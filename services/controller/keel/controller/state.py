@@ -147,6 +147,11 @@ class NodeView:
     clock_skewed: bool = False
     """The node's clock is off the recorded clock by more than the allowance (``NodeClockSkewed``)."""
     skew_s: float = 0.0
+    skew_sightings: int = 0
+    """In how many confirmed windows in a row (of those the node was heard in) its newest timestamp lay beyond the
+    allowance: + ahead, - behind, 0 within. A skew is reported at ``SKEW_SIGHTINGS`` (``rules.report_skews``):
+    a clock that is off is off in every window, while one event that arrived late (an outbox that held it, a
+    loop that stalled before sending it) is seen once."""
     fenced_by: str = ""
     """Id of the eviction decision that fenced the node out of the job ("" : not fenced). It holds whatever
     the actuator reports (a partitioned host cannot be drained): until the node offers itself back as a
@@ -456,6 +461,7 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
                                      ranks=frozenset() if p.standby else view.ranks,
                                      ranks_before=frozenset() if p.standby else view.ranks_before,
                                      heard_at=at if legacy else view.heard_at, clock_skewed=False,
+                                     skew_sightings=0,
                                      fenced_by="", fenced_generation=-1, fenced_incident="",
                                      fence_reported=False, addresses=tuple(p.addresses)))
     if isinstance(p, RankStarted):
@@ -702,6 +708,14 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
             skews[node_id] = 0.0
         if node_id in nodes:
             nodes[node_id] = replace(nodes[node_id], heard_at=now)
+    if unbroken:  # the window before this tick's is confirmed: count its sightings beyond the allowance
+        allowance = job.clock_allowance.total_seconds()
+        for node_id, skew in job.window_skews.items():
+            view = nodes.get(node_id)
+            if view is not None:
+                sightings = next_skew_sightings(view.skew_sightings, skew, allowance)
+                if sightings != view.skew_sightings:
+                    nodes[node_id] = replace(view, skew_sightings=sightings)
     incident = job.incident
     if incident is not None and previous is not None and not unbroken and now - previous > interval:
         incident = past_gap(incident, now - previous - interval)
@@ -710,6 +724,17 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
     return replace(job, nodes=nodes, clock_at=now, clock_interval=interval, incident=incident,
                    clock_since=job.clock_since if unbroken else now, heard={},
                    skews=job.window_skews if unbroken else {}, window_skews=skews)
+
+
+def next_skew_sightings(sightings: int, skew_s: float, allowance_s: float) -> int:
+    """``NodeView.skew_sightings`` after a confirmed window in which the node's newest timestamp lay ``skew_s``
+    outside it (pure): one more in the same direction beyond ``allowance_s``, a new count on a change of
+    direction, 0 within."""
+    if skew_s > allowance_s:
+        return max(sightings, 0) + 1
+    if skew_s < -allowance_s:
+        return min(sightings, 0) - 1
+    return 0
 
 
 def past_gap(incident: OpenIncident, gap: timedelta) -> OpenIncident:
