@@ -150,6 +150,48 @@ async def test_a_page_of_incidents_reads_only_its_incidents_and_summarizes_them_
         await load_incident_page(keel_env.store, JOB, limit=0)
 
 
+async def test_a_page_read_without_a_checkout_test_survives_its_connection_ended_by_the_server(keel_env) -> None:
+    """The API reads pages through a pool that does not test a connection on checkout (three round trips with
+    asyncpg): a read whose pooled connection the server ended meanwhile (a restart, an idle timeout) retries once
+    on a new one and answers the same page."""
+    from keel.infra.store import EventStore, create_engine
+
+    await append(keel_env, [e for i in range(3) for e in incident_log(start_s=600.0 * i).events])
+    settings = keel_env.settings
+    engine = create_engine(settings.database_url, settings.db_schema, pool_size=1, pre_ping=False)
+    store = EventStore(engine)
+    try:
+        first = await load_incident_page(store, JOB, limit=2)
+        async with engine.connect() as conn:  # the pool's one connection: its server process
+            pid = (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one()
+        async with keel_env.engine.connect() as admin:
+            assert (await admin.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")).scalar_one()
+        again = await load_incident_page(store, JOB, limit=2)
+        assert again == first and len(first.incidents) == 2
+        async with engine.connect() as conn:
+            assert (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one() != pid
+    finally:
+        await engine.dispose()
+
+
+async def test_the_store_keeps_parsed_events_by_their_stored_text_and_bounded(keel_env) -> None:
+    """Listing reads keep their parsed events (the page and timelines read the same ones again): an event read
+    again is the same object, and the bound holds (the least recently read is parsed again)."""
+    from keel.infra.store import EventStore
+
+    log = incident_log(start_s=0.0).events
+    await append(keel_env, log)
+    store = EventStore(keel_env.engine)
+    store.parsed_kept = 3
+    ids = [e.id for e in log[:5]]
+    first = await store.get_many(ids)
+    assert [r.event for r in first] == log[:5] and len(store._parsed) == 3
+    again = await store.get_many(ids[-2:])
+    assert all(a.event is b.event for a, b in zip(again, first[-2:], strict=True)), "kept, not parsed again"
+    [oldest] = await store.get_many(ids[:1])  # dropped from the kept three: parsed again, equal
+    assert oldest.event == first[0].event and oldest.event is not first[0].event
+
+
 async def wait_for_type(keel_env, event_type: str, count: int, timeout_s: float = 20.0) -> list[Event]:  # type: ignore[no-untyped-def]
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:

@@ -717,6 +717,9 @@ class ApiSettings(_Section):
     workers: int = Field(0, ge=0, le=64)
     """Processes serving requests on the one port (each reads the store on its own); 0: two, or one on a machine
     of one CPU. A request is Python work in one process: a second lets a slow page not hold up the rest."""
+    parsed_events_kept: int = Field(5_000, ge=0, le=1_000_000)
+    """Events each process keeps parsed for the listings and timelines (the least recently read dropped first; a
+    few KB each): the page polls the same incidents, and a page of 100 costs about 300 parses otherwise. 0: none."""
 
     @field_validator("tokens", mode="before")
     @classmethod

@@ -29,6 +29,7 @@ import asyncio
 import json
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -196,13 +197,17 @@ def engine_options(dsn: str) -> tuple[str, dict[str, Any]]:
     return sqlalchemy_url(url), ({} if tls is None else {"ssl": tls})
 
 
-def create_engine(dsn: str, schema: str = "public", *, pool_size: int = 5) -> AsyncEngine:
-    """An async engine whose connections use ``schema`` (tests give each test its own schema)."""
+def create_engine(dsn: str, schema: str = "public", *, pool_size: int = 5, pre_ping: bool = True) -> AsyncEngine:
+    """An async engine whose connections use ``schema`` (tests give each test its own schema).
+
+    ``pre_ping``: test each pooled connection as it is checked out (three round trips with asyncpg: a transaction
+    begun, ``;``, rolled back). A reader whose queries go through ``EventStore``'s listing reads only can turn it off:
+    those retry once, on a new connection, a query whose connection turns out to be gone."""
     url, connect_args = engine_options(dsn)
     return create_async_engine(
         url,
         pool_size=pool_size,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         connect_args={**connect_args, "server_settings": {"search_path": schema, "synchronous_commit": "on"}},
     )
 
@@ -396,10 +401,17 @@ _DATETIME: TypeAdapter[datetime] = TypeAdapter(datetime)
 class EventStore:
     """Reads over the event log (audit queries, replay, cold starts)."""
 
+    parsed_kept = 5_000
+    """Events the listing reads keep parsed (``_recorded``), the least recently read dropped first."""
+
     def __init__(self, engine: AsyncEngine, registry: EventRegistry = REGISTRY) -> None:
         self.engine = engine
         self.registry = registry
         self._statements: dict[tuple[Any, ...], tuple[str, tuple[str, ...], dict[str, Any]]] = {}
+        self._parsed: OrderedDict[str, Event] = OrderedDict()
+        """Parsed events by their envelope as stored: the on-call page and the timelines read the same incidents'
+        events again and again, and parsing one costs about 15 us (300 to a page of incidents). Keyed by the text,
+        not the position, so a log reset under a running reader cannot hand it another event's parse."""
 
     async def read(
         self,
@@ -581,25 +593,45 @@ class EventStore:
         """The rows of the query ``build()`` makes (one per ``shape``: compiled once, its SQL then reused, so the
         driver's prepared statement is too) with ``params``. A listing's page then costs its rows, not SQLAlchemy
         compiling a statement for every request (about 3 ms each here)."""
-        async with self.engine.connect() as conn:
-            statement = self._statements.get(shape)
-            if statement is None:
-                compiled = build().compile(dialect=conn.dialect)
-                # The statement's own literals (the envelope's key names) are bound parameters too: kept here.
-                statement = self._statements[shape] = (str(compiled), tuple(compiled.positiontup or ()),
-                                                       dict(compiled.params))
-            sql, order, literals = statement
-            raw = (await conn.get_raw_connection()).driver_connection
-            assert raw is not None
-            return list(await raw.fetch(sql, *(params[name] if name in params else literals[name] for name in order)))
+        for attempt in (1, 2):
+            async with self.engine.connect() as conn:
+                statement = self._statements.get(shape)
+                if statement is None:
+                    compiled = build().compile(dialect=conn.dialect)
+                    # The statement's own literals (the envelope's key names) are bound parameters too: kept here.
+                    statement = self._statements[shape] = (str(compiled), tuple(compiled.positiontup or ()),
+                                                           dict(compiled.params))
+                sql, order, literals = statement
+                raw = (await conn.get_raw_connection()).driver_connection
+                assert raw is not None
+                try:
+                    return list(await raw.fetch(sql, *(params[name] if name in params else literals[name]
+                                                       for name in order)))
+                except Exception:
+                    # The server ended this pooled connection (restarted, or a timeout killed it) while it idled:
+                    # asyncpg then finds it closed (and raises one of several errors). Nothing was read, so once
+                    # more on a new one. Any other error, or a second failure, is the store's, and raises.
+                    if attempt == 2 or not raw.is_closed():
+                        raise
+                    await conn.invalidate()
+        raise AssertionError("unreachable")
 
     async def _recorded(self, shape: tuple[Any, ...], build: Callable[[], Any],
                         params: Mapping[str, Any]) -> list[RecordedEvent]:
         """``_fetch`` of a query selecting (position, js_seq, recorded_at, type, schema_version, envelope): the rows
         as recorded events."""
-        parse = self.registry.parse_envelope_json
-        return [RecordedEvent(row[0], row[1], row[2], parse(row[3], row[4], row[5]))
-                for row in await self._fetch(shape, build, params)]
+        parse, kept, out = self.registry.parse_envelope_json, self._parsed, []
+        for row in await self._fetch(shape, build, params):
+            text = row[5]
+            event = kept.get(text)
+            if event is None:
+                event = kept[text] = parse(row[3], row[4], text)  # the text holds the type and version too
+                if len(kept) > self.parsed_kept:
+                    kept.popitem(last=False)
+            else:
+                kept.move_to_end(text)
+            out.append(RecordedEvent(row[0], row[1], row[2], event))
+        return out
 
     async def get(self, event_id: uuid.UUID) -> RecordedEvent | None:
         found = await self.get_many([event_id])

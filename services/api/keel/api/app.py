@@ -91,11 +91,15 @@ Last = Annotated[str | None, Query(pattern=DURATION_PATTERN, description="only t
 Limit = Annotated[int, Query(ge=1, le=100_000, description="at most this many (capped at api.max_page)")]
 
 
-def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int = 1000) -> FastAPI:
-    """The API over ``engine`` (the event store, as the auditor), for callers holding one of ``tokens``."""
+def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int = 1000,
+               store_engine: AsyncEngine | None = None, parsed_events_kept: int = 5_000) -> FastAPI:
+    """The API over ``engine`` (the event store, as the auditor), for callers holding one of ``tokens``.
+    ``store_engine``: the engine of the ``EventStore`` reads (listings, timelines), when not ``engine``.
+    ``parsed_events_kept``: ``EventStore.parsed_kept`` (``api.parsed_events_kept``)."""
     app = FastAPI(title="Keel API", version=API_VERSION, docs_url=None, redoc_url=None,
                   description="Incidents, timelines, ETTR, audit views and the event log of Keel, read-only.")
-    store = EventStore(engine)
+    store = EventStore(store_engine or engine)
+    store.parsed_kept = parsed_events_kept
     bearer = HTTPBearer(auto_error=False, description="a token of api.tokens (keel-api --new-token NAME makes one)")
 
     bearer_credentials = Depends(bearer)

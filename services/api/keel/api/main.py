@@ -50,12 +50,16 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     import uvicorn
 
     engine = create_engine(database_url, settings.db_schema)
+    # The listing and timeline routes' reads (``EventStore``): a pool without a test on checkout, which costs three
+    # round trips to PostgreSQL per query; those reads retry once on a new connection instead.
+    reads = create_engine(database_url, settings.db_schema, pre_ping=False)
     try:
         await check_schema_current(engine, settings.db_schema)
         tokens = tokens_of(settings)
         if not tokens and announce:
             log.warning("api: no tokens configured (api.tokens): every request but /healthz is refused")
-        app = create_app(engine, tokens, max_page=settings.api.max_page)
+        app = create_app(engine, tokens, max_page=settings.api.max_page, store_engine=reads,
+                         parsed_events_kept=settings.api.parsed_events_kept)
         config = uvicorn.Config(app, host=settings.api.listen_host, port=settings.api.listen_port, log_level="info",
                                 access_log=False, server_header=False, proxy_headers=False)
         server = uvicorn.Server(config)
@@ -75,6 +79,7 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
         if lost:
             raise WorkerLost(lost[0])
     finally:
+        await reads.dispose()
         await engine.dispose()
 
 
