@@ -15,6 +15,7 @@ handlers together, so a new command or flag touches one module):
     keel.cli.approvals     approve, deny, cordon, uncordon      human input, published as events
     keel.cli.audit         audit VIEW                           the audit views: incidents, evictions, actions...
     keel.cli.metrics_cmd   metrics                              Prometheus metrics from the log (print, file, serve)
+    keel.cli.sim_cmd       sim                                  ETTR on a simulated fleet (no servers needed)
     keel.cli.versions      deploy, versions                     code versions for hot-update
     keel.cli.demo          demo                                 the end-to-end demonstration behind `make demo`
 
@@ -50,13 +51,14 @@ from keel.cli import (
     metrics_cmd,
     replay,
     runtime,
+    sim_cmd,
     versions,
 )
 from keel.cli.common import CliError, settings_from_args
 from keel.infra.config import ConfigError
 
 COMMAND_MODULES = (runtime, credentials_cmd, replay, events_cmd, dlq, agent_cmd, cluster_cmd, checkpoints, incidents, audit,
-                   metrics_cmd, approvals, versions, demo)
+                   metrics_cmd, sim_cmd, approvals, versions, demo)
 """Every command module, in the order ``keel --help`` lists their commands."""
 
 
