@@ -246,7 +246,10 @@ async def test_two_processes_serve_the_port_and_the_api_stops_whole_when_either_
             conn.getresponse().read()
             took.append(time.monotonic() - began)
         conn.close()
-        assert sorted(took)[10] < 0.025, f"median /healthz {1000 * sorted(took)[10]:.0f} ms on a kept-alive connection"
+        # The lower quartile: with the stall every answer takes 40 ms or more, and a busy machine (a CI run beside
+        # other work) slows some answers, not the fastest quarter.
+        assert sorted(took)[5] < 0.025, (f"lower quartile of /healthz {1000 * sorted(took)[5]:.0f} ms on a kept-alive "
+                                         f"connection: {sorted(round(1000 * t) for t in took)} ms")
         process.terminate()
         assert await asyncio.to_thread(process.wait, 30) == 0
         assert wait_gone(worker), "the worker was stopped with the API"

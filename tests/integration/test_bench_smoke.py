@@ -113,7 +113,7 @@ def ops_sane(r: dict[str, Any]) -> None:
     assert r["api_p99_ms"] == max(r["api_list_p99_ms"], r["api_list_older_p99_ms"], r["api_timeline_p99_ms"])
     # And again with no parsed events kept (``api.parsed_events_kept: 0``): every route answered there too.
     assert r["api_unkept_requests_per_s"] > 0 and 0 < r["api_unkept_list_older_p50_ms"] <= r["api_unkept_list_older_p99_ms"]
-    assert r["api_unkept_p99_ms"] >= r["api_unkept_list_older_p99_ms"] and r["api_unkept_timeline_p99_ms"] > 0
+    assert r["api_unkept_timeline_p99_ms"] > 0
 
 
 CASES: list[tuple[list[str], tuple[str, ...], Callable[[dict[str, Any]], None]]] = [

@@ -150,28 +150,41 @@ async def test_a_page_of_incidents_reads_only_its_incidents_and_summarizes_them_
         await load_incident_page(keel_env.store, JOB, limit=0)
 
 
-async def test_a_page_read_without_a_checkout_test_survives_its_connection_ended_by_the_server(keel_env) -> None:
+async def test_a_page_read_without_a_checkout_test_survives_its_pools_connections_ended_by_the_server(keel_env) -> None:
     """The API reads pages through a pool that does not test a connection on checkout (three round trips with
-    asyncpg): a read whose pooled connection the server ended meanwhile (a restart, an idle timeout) retries once
-    on a new one and answers the same page."""
+    asyncpg): after the server ended every connection of that pool (a restart, an idle timeout), a read drops
+    each closed one it is handed and answers the same page on a new one; other reads keep their own engine."""
     from keel.infra.store import EventStore, create_engine
 
     await append(keel_env, [e for i in range(3) for e in incident_log(start_s=600.0 * i).events])
     settings = keel_env.settings
-    engine = create_engine(settings.database_url, settings.db_schema, pool_size=1, pre_ping=False)
-    store = EventStore(engine)
+    reads = create_engine(settings.database_url, settings.db_schema, pool_size=3, pre_ping=False)
+    store = EventStore(keel_env.engine, fetch_engine=reads)
     try:
         first = await load_incident_page(store, JOB, limit=2)
-        async with engine.connect() as conn:  # the pool's one connection: its server process
-            pid = (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one()
+        async with reads.connect() as a, reads.connect() as b, reads.connect() as c:  # the pool's three connections
+            pids = [(await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one() for conn in (a, b, c)]
+        assert len(set(pids)) == 3
         async with keel_env.engine.connect() as admin:
-            assert (await admin.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")).scalar_one()
+            for pid in pids:
+                assert (await admin.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")).scalar_one()
+        await asyncio.sleep(0.2)
         again = await load_incident_page(store, JOB, limit=2)
         assert again == first and len(first.incidents) == 2
-        async with engine.connect() as conn:
-            assert (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one() != pid
+        async with reads.connect() as conn:
+            assert (await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one() not in pids
+        # Nothing to take: every connection the server closes at once, each time, is given up on, with the reason.
+        store.stale_connections_dropped = 0
+        async with reads.connect() as a, reads.connect() as b, reads.connect() as c:
+            pids = [(await conn.exec_driver_sql("SELECT pg_backend_pid()")).scalar_one() for conn in (a, b, c)]
+        async with keel_env.engine.connect() as admin:
+            for pid in pids:
+                await admin.exec_driver_sql(f"SELECT pg_terminate_backend({int(pid)})")
+        await asyncio.sleep(0.2)
+        with pytest.raises(ConnectionError, match="closed by the server"):
+            await load_incident_page(store, JOB, limit=2)
     finally:
-        await engine.dispose()
+        await reads.dispose()
 
 
 async def test_the_store_keeps_parsed_events_by_their_stored_text_and_bounded(keel_env) -> None:

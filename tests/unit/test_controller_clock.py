@@ -368,3 +368,18 @@ def test_skew_sightings_count_windows_beyond_the_allowance_in_one_direction(sigh
     from keel.controller.state import next_skew_sightings
 
     assert next_skew_sightings(sightings, skew_s, 5.0) == expected
+
+
+def test_windows_on_either_side_of_a_gap_in_the_clock_are_not_in_a_row() -> None:
+    """Late events cluster around partitions: one before a gap in the clock and one after it are two sightings
+    of lateness, not of a clock, so the count starts again after the gap."""
+    job = Clocked(nodes=3)
+    job.run(10)
+    job.feed(NodeHeartbeat(node_id="n1", ranks_alive=1, ranks_expected=1, last_step=job.step), "node/n1",
+             node="n1", at=job.now - timedelta(seconds=31))
+    job.run(2)
+    assert job.session.state.job("job1").node("n1").skew_sightings == -1
+    job.run(60, ticking=False, silent=frozenset({"n1"}))  # the clock host cut off, and n1 not heard meanwhile
+    job.run(1, silent=frozenset({"n1"}))
+    assert job.session.state.job("job1").node("n1").skew_sightings == 0
+    assert verify(ControllerDecider(ControllerPolicy(node_silence_timeout=SILENCE)), job.log).clean

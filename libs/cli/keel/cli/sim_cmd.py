@@ -11,7 +11,8 @@ It prints one line per system (ETTR, the worst 1-hour window, hours lost) and, w
 run (lost time by mechanism and phase, incidents by rung, standby use).
 
 ``--log PATH`` runs Keel once more with its log recorded (every input and decision, one JSON envelope per line,
-as the bus carries them); ``--verify`` folds that log through a fresh controller with the simulation's policy, as
+as the bus carries them); ``--verify`` folds that log (read back from the file, with ``--log``) through a fresh
+controller with the simulation's policy, as
 ``keel replay --verify`` folds a stored log, and exits 1 when any decision differs. A recorded log holds every
 event of the run: keep the fleet small for these (32 machines for 3 days is about a thousand events).
 
@@ -83,6 +84,7 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
 def _recorded_run(args: argparse.Namespace, mix: FailureMix, cal: Calibration) -> int:
     """Keel's run once more, recorded: its log written (``--log``) and replayed (``--verify``)."""
     from keel.controller.decider import ControllerDecider
+    from keel.events.envelope import REGISTRY
     from keel.kernel.replay import verify
     from keel.sim.engine import VARIANTS, KeelSim
     from keel.sim.trace import generate
@@ -90,15 +92,18 @@ def _recorded_run(args: argparse.Namespace, mix: FailureMix, cal: Calibration) -
     sim = KeelSim(generate(mix, nodes=args.nodes, days=args.days, seed=args.seed), cal, variant=VARIANTS["keel"],
                   seed=args.seed, record=True)
     sim.run()
+    log = sim.log
     if args.log is not None:
         args.log.parent.mkdir(parents=True, exist_ok=True)
         with open(args.log, "wb") as out:
-            for event in sim.log:
+            for event in log:
                 out.write(event.to_json() + b"\n")
-        print(f"wrote {len(sim.log):,} events of Keel's run to {args.log}")
+        print(f"wrote {len(log):,} events of Keel's run to {args.log}")
+        if args.verify:  # what is replayed is what was written, read back as any log would be
+            log = [REGISTRY.parse_envelope(json.loads(line)) for line in args.log.read_bytes().splitlines()]
     if not args.verify:
         return 0
-    report = verify(ControllerDecider(sim.policy), sim.log)
+    report = verify(ControllerDecider(sim.policy), log)
     print(f"replay of Keel's recorded log: {report.summary()}")
     if not report.clean:
         print(report.details())

@@ -201,8 +201,8 @@ def create_engine(dsn: str, schema: str = "public", *, pool_size: int = 5, pre_p
     """An async engine whose connections use ``schema`` (tests give each test its own schema).
 
     ``pre_ping``: test each pooled connection as it is checked out (three round trips with asyncpg: a transaction
-    begun, ``;``, rolled back). A reader whose queries go through ``EventStore``'s listing reads only can turn it off:
-    those retry once, on a new connection, a query whose connection turns out to be gone."""
+    begun, ``;``, rolled back). An ``EventStore``'s ``fetch_engine`` can do without: its listing reads drop a
+    connection the server closed and take another."""
     url, connect_args = engine_options(dsn)
     return create_async_engine(
         url,
@@ -404,8 +404,18 @@ class EventStore:
     parsed_kept = 5_000
     """Events the listing reads keep parsed (``_recorded``), the least recently read dropped first."""
 
-    def __init__(self, engine: AsyncEngine, registry: EventRegistry = REGISTRY) -> None:
+    stale_connections_dropped = 32
+    """How many closed pooled connections one listing read drops before it gives up (after a server restart
+    every idle connection of the pool is closed; each is found so, dropped and replaced in turn)."""
+
+    def __init__(self, engine: AsyncEngine, registry: EventRegistry = REGISTRY, *,
+                 fetch_engine: AsyncEngine | None = None) -> None:
+        """``fetch_engine``: the engine of the listing reads (``read_newest``, ``read_correlated``, ``get_many``,
+        ``count_of``, ``newest_position``), when not ``engine``: one without a test on checkout
+        (``create_engine(pre_ping=False)``) saves three round trips a query, as those reads drop a connection the
+        server closed and take another. Every other read goes through ``engine``."""
         self.engine = engine
+        self.fetch_engine = fetch_engine or engine
         self.registry = registry
         self._statements: dict[tuple[Any, ...], tuple[str, tuple[str, ...], dict[str, Any]]] = {}
         self._parsed: OrderedDict[str, Event] = OrderedDict()
@@ -593,8 +603,9 @@ class EventStore:
         """The rows of the query ``build()`` makes (one per ``shape``: compiled once, its SQL then reused, so the
         driver's prepared statement is too) with ``params``. A listing's page then costs its rows, not SQLAlchemy
         compiling a statement for every request (about 3 ms each here)."""
-        for attempt in (1, 2):
-            async with self.engine.connect() as conn:
+        dropped = 0
+        while True:
+            async with self.fetch_engine.connect() as conn:
                 statement = self._statements.get(shape)
                 if statement is None:
                     compiled = build().compile(dialect=conn.dialect)
@@ -605,16 +616,20 @@ class EventStore:
                 raw = (await conn.get_raw_connection()).driver_connection
                 assert raw is not None
                 try:
-                    return list(await raw.fetch(sql, *(params[name] if name in params else literals[name]
-                                                       for name in order)))
+                    if not raw.is_closed():
+                        return list(await raw.fetch(sql, *(params[name] if name in params else literals[name]
+                                                           for name in order)))
                 except Exception:
-                    # The server ended this pooled connection (restarted, or a timeout killed it) while it idled:
-                    # asyncpg then finds it closed (and raises one of several errors). Nothing was read, so once
-                    # more on a new one. Any other error, or a second failure, is the store's, and raises.
-                    if attempt == 2 or not raw.is_closed():
-                        raise
-                    await conn.invalidate()
-        raise AssertionError("unreachable")
+                    if not raw.is_closed():
+                        raise  # the store's own error: the connection is fine
+                # The server ended this pooled connection (restarted, or a timeout killed it) while it idled: asyncpg
+                # found it closed, before the query or raising one of several errors on it. Nothing was read (these
+                # are SELECTs), so the connection is dropped from the pool and the read taken again on another.
+                await conn.invalidate()
+                dropped += 1
+                if dropped > self.stale_connections_dropped:
+                    raise ConnectionError(f"{dropped} connections to the event store in a row were closed by the "
+                                          "server; is PostgreSQL up?")
 
     async def _recorded(self, shape: tuple[Any, ...], build: Callable[[], Any],
                         params: Mapping[str, Any]) -> list[RecordedEvent]:

@@ -94,11 +94,12 @@ Limit = Annotated[int, Query(ge=1, le=100_000, description="at most this many (c
 def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int = 1000,
                store_engine: AsyncEngine | None = None, parsed_events_kept: int = 5_000) -> FastAPI:
     """The API over ``engine`` (the event store, as the auditor), for callers holding one of ``tokens``.
-    ``store_engine``: the engine of the ``EventStore`` reads (listings, timelines), when not ``engine``.
+    ``store_engine``: the engine of the ``EventStore``'s listing reads (``EventStore.fetch_engine``: pages and
+    timelines), when not ``engine``.
     ``parsed_events_kept``: ``EventStore.parsed_kept`` (``api.parsed_events_kept``)."""
     app = FastAPI(title="Keel API", version=API_VERSION, docs_url=None, redoc_url=None,
                   description="Incidents, timelines, ETTR, audit views and the event log of Keel, read-only.")
-    store = EventStore(store_engine or engine)
+    store = EventStore(engine, fetch_engine=store_engine)
     store.parsed_kept = parsed_events_kept
     bearer = HTTPBearer(auto_error=False, description="a token of api.tokens (keel-api --new-token NAME makes one)")
 
@@ -130,6 +131,7 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
             raise HTTPException(422, str(exc)) from None
 
     @app.exception_handler(sa.exc.SQLAlchemyError)
+    @app.exception_handler(ConnectionError)  # the store's every pooled connection closed (EventStore._fetch)
     @app.exception_handler(asyncpg.PostgresError)
     @app.exception_handler(asyncpg.InterfaceError)
     async def store_unavailable(request: Request, exc: Exception) -> JSONResponse:

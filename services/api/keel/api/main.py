@@ -50,8 +50,8 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     import uvicorn
 
     engine = create_engine(database_url, settings.db_schema)
-    # The listing and timeline routes' reads (``EventStore``): a pool without a test on checkout, which costs three
-    # round trips to PostgreSQL per query; those reads retry once on a new connection instead.
+    # The listing reads of pages and timelines (``EventStore.fetch_engine``): a pool without a test on checkout,
+    # which costs three round trips to PostgreSQL per query; those reads drop a closed connection and take another.
     reads = create_engine(database_url, settings.db_schema, pre_ping=False)
     try:
         await check_schema_current(engine, settings.db_schema)

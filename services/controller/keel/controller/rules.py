@@ -75,11 +75,11 @@ FAILURE_CLASSES = frozenset({"user_code", "infrastructure", "unknown"})
 HANG_CHECKS = frozenset({"no_progress", "heartbeat_lost", "collective_stuck", "process_stopped"})
 """A rank's health checks that mean it hangs (rung 3, else rung 2)."""
 SDC_VERDICT_GRACE = timedelta(seconds=30)
-
-SKEW_SIGHTINGS = 2
-"""Confirmed windows in a row (of those a node was heard in) with its newest timestamp beyond the allowance, in
-the same direction, before its clock is reported skewed: one event that arrived late is no clock."""
 """How long past a replay round's timeout the controller waits for the analyzer's verdict."""
+SKEW_SIGHTINGS = 2
+"""Confirmed windows in a row (of those a node was heard in, in one unbroken run of ticks) with its newest
+timestamp beyond the allowance, in the same direction, before its clock is reported skewed: one event that
+arrived late is no clock."""
 
 
 # -- rung 1 and hangs ----------------------------------------------------------------------------------

@@ -447,8 +447,11 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
         return replace(job, world_size=job.world_size or p.world_size)
     if isinstance(p, NodeRegistered):
         view = job.node(p.node_id)
-        # A new agent: its predecessor's reports about peers are not its own.
+        # A new agent: its predecessor's reports about peers are not its own, nor is the window its predecessor's
+        # clock was last measured in.
         job = replace(job, peer_reports=tuple(r for r in job.peer_reports if r.reporter != p.node_id))
+        if p.node_id in job.window_skews:
+            job = replace(job, window_skews={k: v for k, v in job.window_skews.items() if k != p.node_id})
         # A node registering (again) is a new agent: a repaired or replacement machine, or a restarted
         # one. It holds no ranks until it starts some; a human's cordon stays until a human lifts it. Its
         # clock is judged afresh (the new agent learns its skew from a new ``NodeClockSkewed``).
@@ -716,6 +719,10 @@ def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
                 sightings = next_skew_sightings(view.skew_sightings, skew, allowance)
                 if sightings != view.skew_sightings:
                     nodes[node_id] = replace(view, skew_sightings=sightings)
+    else:  # a gap: windows on either side of it are not "in a row" (late events cluster around partitions)
+        for node_id, view in job.nodes.items():
+            if view.skew_sightings:
+                nodes[node_id] = replace(nodes[node_id], skew_sightings=0)
     incident = job.incident
     if incident is not None and previous is not None and not unbroken and now - previous > interval:
         incident = past_gap(incident, now - previous - interval)
