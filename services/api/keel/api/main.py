@@ -38,7 +38,7 @@ def tokens_of(settings: Settings) -> list[ApiToken]:
 
 
 async def serve(settings: Settings, database_url: str, sock: socket.socket | None = None, *, announce: bool = True,
-                workers: Sequence[int] = ()) -> None:
+                workers: Sequence[int] = (), parent: int | None = None) -> None:
     """Serve until uvicorn is told to stop (SIGTERM, SIGINT); the engine is closed whatever happens.
 
     ``sock``: a listening socket to serve on (shared with the other worker processes), else uvicorn binds the
@@ -46,7 +46,8 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     ``keel up`` runs it), once listening, write the bound URL beside the ready file (``api.url``;
     ``api.listen_port: 0`` takes a free port), then the ready file (this pid), and touch it every
     ``ALIVE_INTERVAL_S`` while serving, as every Keel service does. ``workers``: the other processes' pids: when
-    one ends, this one stops too (``WorkerLost``), so the supervisor restarts the whole API, not half of it."""
+    one ends, this one stops too (``WorkerLost``), so the supervisor restarts the whole API, not half of it.
+    ``parent`` (a worker's): the API's process that forked it; the worker stops when that one is gone."""
     import uvicorn
 
     engine = create_engine(database_url, settings.db_schema)
@@ -69,6 +70,8 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
         lost: list[str] = []
         if workers:
             tasks.append(asyncio.create_task(_watch_workers(server, workers, lost)))
+        if parent is not None:
+            tasks.append(asyncio.create_task(_watch_parent(server, parent)))
         try:
             await server.serve(sockets=[sock] if sock is not None else None)
         finally:
@@ -81,6 +84,18 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     finally:
         await reads.dispose()
         await engine.dispose()
+
+
+async def _watch_parent(server: Any, parent: int) -> None:
+    """A worker's: stop when the API's process that forked it is gone. Its parent-death signal alone can be lost:
+    one that comes before uvicorn installs its handlers meets the no-op SIGTERM handler inherited from the parent
+    (seen in CI: the worker outlived a killed API and went on serving the port alone)."""
+    while not server.should_exit:
+        if os.getppid() != parent:
+            log.error("api worker %d: the API's process %d is gone; stopping", os.getpid(), parent)
+            server.should_exit = True
+            return
+        await asyncio.sleep(0.2)
 
 
 class WorkerLost(RuntimeError):
@@ -179,8 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(processes - 1):
         pid = os.fork()  # no thread and no event loop exists yet: the child starts clean
         if pid == 0:
+            parent = os.getppid()
             _die_with_parent()
-            os._exit(_serve_here(settings, database_url, sock, announce=False))
+            os._exit(_serve_here(settings, database_url, sock, announce=False, parent=parent))
         workers.append(pid)
     try:
         return _serve_here(settings, database_url, sock, workers=workers)
@@ -190,9 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve_here(settings: Settings, database_url: str, sock: socket.socket | None = None, *, announce: bool = True,
-                workers: Sequence[int] = ()) -> int:
+                workers: Sequence[int] = (), parent: int | None = None) -> int:
     try:
-        asyncio.run(serve(settings, database_url, sock, announce=announce, workers=workers))
+        asyncio.run(serve(settings, database_url, sock, announce=announce, workers=workers, parent=parent))
     except SchemaNotCurrent as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
