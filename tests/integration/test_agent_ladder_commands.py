@@ -164,12 +164,26 @@ def test_promotion_takes_the_slice_and_refuses_what_it_cannot_do(agents, scratch
     assert not standby.spec.standby and standby.spec.node_rank == 1 and standby.generation == 3
     started = emitted(standby, "RankStarted")
     assert sorted(e.payload.rank for e in started) == [2, 3] and {e.payload.generation for e in started} == {3}
-    env = (Path("/proc") / str(standby.supervisor.ranks[2].pid) / "environ").read_bytes().split(b"\0")
+    env = rank_environ(standby, 2)
     assert b"RANK=2" in env and b"GROUP_RANK=1" in env and b"WORLD_SIZE=6" in env and b"KEEL_GENERATION=3" in env
     assert promote(1, [2, 3], generation=4).payload.outcome == "not_standby"
 
 
+def exec_argv(pid: int, timeout_s: float = 10.0) -> list[bytes]:
+    """The argv ``pid`` runs once its exec is done. A rank just spawned may still be between fork and exec
+    (``/proc/PID/cmdline`` shows this test's own) or inside exec (the new image's memory is in place but its
+    arguments are not yet: ``cmdline`` reads empty, as a CI run once saw); poll until neither holds."""
+    own = (Path("/proc") / str(os.getpid()) / "cmdline").read_bytes()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        if (argv and argv != own) or time.monotonic() > deadline:
+            return argv.split(b"\0")
+        time.sleep(0.01)
+
+
 def rank_environ(agent: NodeAgent, rank: int) -> list[bytes]:
+    exec_argv(agent.supervisor.ranks[rank].pid)  # its exec is done: its environ is the rank's
     return (Path("/proc") / str(agent.supervisor.ranks[rank].pid) / "environ").read_bytes().split(b"\0")
 
 
@@ -227,7 +241,7 @@ def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agent
     for process in agent.supervisor.alive():  # no zygote here: fresh interpreters, argv visible
         proc = Path("/proc") / str(process.pid)
         assert Path(os.readlink(proc / "cwd")) == version
-        assert (proc / "cmdline").read_bytes().split(b"\0")[1:5] == [b"-u", str(version / "train.py").encode(), b"--lr", b"1"]
+        assert exec_argv(process.pid)[1:5] == [b"-u", str(version / "train.py").encode(), b"--lr", b"1"]
         env = (proc / "environ").read_bytes().split(b"\0")
         assert f"KEEL_CODE_VERSION={v1.version_id}".encode() in env and f"KEEL_CODE_DIR={version}".encode() in env
         assert b"PYTHONDONTWRITEBYTECODE=1" in env  # nothing written into the read-only store
@@ -237,6 +251,7 @@ def test_a_restart_or_a_promotion_carrying_a_code_version_runs_it_in_place(agent
     [back] = [e for e in emitted(agent, "CodeVersionApplied") if e.payload.generation == 2]
     assert back.payload.version_id == "launch" and back.payload.path == ""
     for process in agent.supervisor.alive():
+        exec_argv(process.pid)  # its exec is done: its environ is the new one
         env = (Path("/proc") / str(process.pid) / "environ").read_bytes().split(b"\0")
         assert b"KEEL_CODE_VERSION=launch" in env and not any(e.startswith(b"KEEL_CODE_DIR=") for e in env)
 

@@ -41,6 +41,25 @@ def _launch(args: list[str], env_extra: dict[str, str], log_dir: Path, world: in
     return procs
 
 
+def _kill_after_step(victim: list[subprocess.Popen[str]], kill_after: int, timeout_s: float = 120) -> str:
+    """Rank 0's output up to its line for step ``kill_after``, when every rank is SIGKILLed (mid-run: a copy may be
+    in flight, the ranks may be a step apart); a watchdog kills them after ``timeout_s`` whatever happens."""
+    watchdog = threading.Timer(timeout_s, kill_ranks, [victim])
+    watchdog.start()
+    lines = []
+    try:
+        assert victim[0].stdout is not None
+        for line in victim[0].stdout:
+            lines.append(line)
+            if line.startswith(f"step {kill_after} "):
+                kill_ranks(victim)
+                break
+    finally:
+        watchdog.cancel()
+        kill_ranks(victim)
+    return "".join(lines)
+
+
 def _newest_complete_payload(node_dir: Path, rank: int) -> bytes:
     """The verified payload of the rank's newest COMPLETE slot. A SIGKILL may land while one of the two slots is
     being rewritten (marked WRITING, payload length 0), so which slot holds the newest step depends on the kill."""
@@ -64,20 +83,7 @@ def test_a_sharded_job_sigkilled_mid_run_resumes_bitwise_from_its_slots(shm: Pat
              "--sharding", sharding]
     reference = _launch([*train, "--save-final", str(shm / "ref")], {}, shm)
     victim = _launch(train, {"KEEL_CKPT_DIR": str(shm / "node"), "KEEL_FAULT_FILE": str(fault)}, shm)
-    watchdog = threading.Timer(120, kill_ranks, [victim])
-    watchdog.start()
-    killed_lines = []
-    try:
-        assert victim[0].stdout is not None
-        for line in victim[0].stdout:
-            killed_lines.append(line)
-            if line.startswith(f"step {kill_after} "):
-                kill_ranks(victim)  # mid-run: a copy may be in flight, the ranks may be a step apart
-                break
-    finally:
-        watchdog.cancel()
-        kill_ranks(victim)
-    killed = "".join(killed_lines)
+    killed = _kill_after_step(victim, kill_after)
     zero1 = sharding == "zero1"
     assert f"sharding {sharding} sharded {not zero1} zero {zero1}" in killed, killed[-2000:]
     assert f"step {kill_after} " in killed and "done steps" not in killed, (kill_after, killed[-2000:])
@@ -121,7 +127,14 @@ def test_another_layout_is_refused_and_the_sharded_edge_cases_hold(shm: Path) ->
     assert results["tied->tied"] is None  # a weight under two names, in two FSDP units
     assert results["before-first-step"] is None  # no zero-gradient optimizer.step() behind the user's back
     assert "laid out [S(0)] on mesh (2,)" in results["fsdp->hsdp"]
-    assert "[R, S(0)] on mesh (1, 2) (local [16, 16]) now: resharding is not supported yet" in results["fsdp->hsdp"]
+    assert "[R, S(0)] on mesh (1, 2) (local [16, 16]) now (another layout)" in results["fsdp->hsdp"]
+    assert results["fsdp->hsdp"].endswith("...: load every saved rank's shard with Checkpointer.load_resharded to reshard")
+    # ... which loads each of them bitwise: another mesh, sharded from replicated, replicated from sharded.
+    assert results["fsdp=>hsdp resharded"] is None
+    assert results["plain=>fsdp resharded"] is None
+    assert results["fsdp=>plain resharded"] is None
+    assert results["tied=>tied resharded"] is None
+    assert "a checkpoint of 2 ranks was saved without its mesh coordinate" in results["hsdp without coordinates"]
     assert "a plain tensor in the checkpoint, sharded (DTensor) now" in results["plain->fsdp"]
     assert "sharded ([S(0)] on mesh (2,)) in the checkpoint, a plain tensor now" in results["fsdp->plain"]
 
@@ -143,3 +156,69 @@ def test_zero1_state_loads_into_its_partition_and_other_shardings_are_refused(tm
     assert "sharded as nothing (every rank holds all) in the checkpoint, as zero1 over 1 ranks now" in \
         results["plain->zero"]["error"], results["plain->zero"]
     assert "overlap_with_ddp=True" in results["overlap_with_ddp"]["error"], results["overlap_with_ddp"]
+
+
+def _common_slots(node_dir: Path, world: int) -> tuple[int, list[Path]]:
+    """The newest step every rank holds in a COMPLETE slot, and those slots (rank order)."""
+    held: dict[int, dict[int, Path]] = {}
+    for rank in range(world):
+        for index in range(2):
+            path = ckpt_slots.slot_path(node_dir, rank, index)
+            try:
+                header = ckpt_slots.read_header(path)
+            except ckpt_slots.SlotError:
+                continue
+            if header.complete:
+                held.setdefault(header.step, {})[rank] = path
+    common = [step for step, ranks in held.items() if len(ranks) == world]
+    assert common, f"no step held by all {world} ranks: {sorted(held)}"
+    step = max(common)
+    return step, [held[step][rank] for rank in range(world)]
+
+
+def test_a_job_killed_on_4_ranks_resumes_on_2_resharded_from_its_slots_exactly_as_dcp_reshards(shm: Path) -> None:
+    """Issue 19's resharding: an FSDP2 job on 4 ranks is SIGKILLed at a random step, as after an eviction with no
+    standby; the job goes on with 2 ranks from the 4 ranks' shared-memory slots of the newest step they all hold
+    (``--reshard-from``: ``Checkpointer.load_resharded``). The reference is PyTorch's own path: the same 4-rank job
+    saves that step synchronously with ``torch.distributed.checkpoint`` and a 2-rank job loads it (DCP reshards).
+    Both 2-rank continuations print the same loss at every step, bitwise, and end in the same state."""
+    kill_after = random.Random().randint(3, 8)
+    fault = shm / "fault.json"
+    fault.write_text(json.dumps({"id": "stop", "kind": "hang", "rank": 1, "params": {"at_step": 11}}))
+    train = ["-m", "keel.workload.fsdp", "--steps", str(_STEPS), "--batch", "2", "--lr", "1e-2", "--seed", "5"]
+    victim = _launch(train, {"KEEL_CKPT_DIR": str(shm / "node"), "KEEL_FAULT_FILE": str(fault)}, shm, world=4)
+    killed = _kill_after_step(victim, kill_after, timeout_s=150)
+    assert "world 4 sharding fsdp2" in killed and f"step {kill_after} " in killed, killed[-2000:]
+    step, slots = _common_slots(shm / "node", 4)
+    assert kill_after - 2 <= step <= kill_after + 1, (kill_after, step)
+
+    dcp_dir = shm / "dcp"
+    saver = finish_ranks(_launch([*train, "--dcp-save-at", str(step), "--dcp-dir", str(dcp_dir)], {}, shm, world=4),
+                         timeout_s=150)
+    assert {s: loss for s, loss in step_losses(saver).items() if s <= kill_after} == step_losses(killed)  # same run
+    keel = _launch([*train, "--reshard-from", *map(str, slots), "--save-final", str(shm / "keel")], {}, shm)
+    keel_out = finish_ranks(keel, timeout_s=150)
+    reference = finish_ranks(_launch([*train, "--dcp-load", "--dcp-dir", str(dcp_dir), "--save-final",
+                                      str(shm / "dcp-ref")], {}, shm), timeout_s=150)
+    assert f"restored step {step} from 4 shards of step {step}" in keel_out and "resharded from 4 ranks to 2" in keel_out
+    assert "world 2 sharding fsdp2" in keel_out and f"restored step {step} from torch.distributed.checkpoint" in reference
+    keel_losses, ref_losses = step_losses(keel_out), step_losses(reference)
+    assert sorted(ref_losses) == list(range(step + 1, _STEPS))
+    assert keel_losses == ref_losses, (kill_after, step)
+    for rank in range(2):
+        ours, theirs = decode_shard(Path(f"{shm / 'keel'}.rank{rank}").read_bytes())[1], \
+            decode_shard(Path(f"{shm / 'dcp-ref'}.rank{rank}").read_bytes())[1]
+        for part in ("model", "optimizer", "scheduler", "sampler"):
+            assert _same(ours[part], theirs[part]), f"rank {rank}'s final {part} differs (killed after {kill_after})"
+
+
+def _same(a: object, b: object) -> bool:
+    from keel.sdk.reshard import equal_states
+
+    if isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor):
+        return (a.shape, a.placements, a.mesh_shape) == (b.shape, b.placements, b.mesh_shape) and equal_states(a.local, b.local)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return equal_states(a, b)

@@ -30,8 +30,9 @@ initialised), or nothing. A checkpoint of another rank, topology or model is ref
 Sharded models (FSDP2's ``fully_shard``, tensor parallelism: parameters that are ``DTensor``s) are read and
 loaded through ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict``: each
 rank's slot holds its local shards with their global layout (``keel.sdk.shard.ShardedTensor``) and the
-optimizer state keyed by parameter name. A restore needs the same layout (device mesh shape and
-placements); another one is refused, naming the difference.
+optimizer state keyed by parameter name. ``restore()`` needs the same layout (device mesh shape and
+placements); another one is refused, naming the difference. ``load_resharded`` loads every saved rank's shard
+of another world size or layout and cuts this rank's part out of them (``keel.sdk.reshard``).
 
 ZeRO-1 (``torch.distributed.optim.ZeroRedundancyOptimizer``): each rank's slot holds the state of its own
 partition only (the wrapped local optimizer's ``state_dict``, by reference like any optimizer state), never the
@@ -321,15 +322,17 @@ class _BackgroundCopy:
         return self.tree
 
 
+_RESHARD_HINT = "load every saved rank's shard with Checkpointer.load_resharded to reshard"
+
+
 def _diff_sharded(key: str, old: Any, now: Any) -> list[str]:
     """How a saved ``ShardedTensor`` and a live DTensor differ (shape, dtype, layout), or one is not sharded."""
     if old is None:
         return []  # a missing key is reported by the caller
     if not isinstance(old, shard.ShardedTensor):
-        return [f"{key}: a plain tensor in the checkpoint, sharded (DTensor) now: resharding is not supported yet"]
+        return [f"{key}: a plain tensor in the checkpoint, sharded (DTensor) now (another layout)"]
     if not shard.is_dtensor(now):
-        return [f"{key}: sharded ({old.layout_text()}) in the checkpoint, a plain tensor now: resharding is not "
-                "supported yet"]
+        return [f"{key}: sharded ({old.layout_text()}) in the checkpoint, a plain tensor now (another layout)"]
     live = shard.ShardedTensor.of(now)
     problems = []
     if old.shape != live.shape or old.local.dtype != live.local.dtype:
@@ -337,7 +340,7 @@ def _diff_sharded(key: str, old: Any, now: Any) -> list[str]:
                         f"{str(live.local.dtype).removeprefix('torch.')}{list(live.shape)} now")
     elif (old.placements, old.mesh_shape) != (live.placements, live.mesh_shape) or old.local.shape != live.local.shape:
         problems.append(f"{key}: laid out {old.layout_text()} (local {list(old.local.shape)}) in the checkpoint, "
-                        f"{live.layout_text()} (local {list(live.local.shape)}) now: resharding is not supported yet")
+                        f"{live.layout_text()} (local {list(live.local.shape)}) now (another layout)")
     return problems
 
 
@@ -780,6 +783,221 @@ class Checkpointer:
         """Load a slot file or a shard file (verified against ``digest`` if given); returns its step."""
         return self._load_verified(Path(path), digest, trusted=False)
 
+    def load_resharded(self, sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> int:
+        """Load a checkpoint that another layout saved (another world size, another device mesh): every saved
+        rank's shard is read, verified and cut into the part this rank holds now. Returns the step.
+
+        ``sources``: a persistent-tier step directory (``manifest.json`` and its ``rank-*.shard`` files, each
+        checked against the manifest's SHA-256), or every saved rank's slot or shard file (a slot is checked
+        against its own digest; a plain shard file is not checked). What is resharded, and how:
+
+        - sharded parameters and optimizer state (FSDP2 / DTensor): the new local chunk is copied from the
+          saved chunks that overlap it (``keel.sdk.reshard``), bitwise;
+        - replicated model and optimizer state (DDP: every rank holds all of it): saved rank 0's;
+        - the scheduler, scaler, sampler, loader and extra objects: their state if every saved rank's is equal,
+          else the object's ``reshard_state_dict(states)`` (one state per saved rank, in rank order), else refused;
+        - RNG states: saved rank ``r``'s for rank ``r`` where the old layout had one; a rank beyond it keeps its own.
+
+        Refused with ``CheckpointMismatchError`` before anything is loaded: a checkpoint that misses a rank's
+        shard or mixes steps, another model or set of components, ZeRO-1 state (its partition follows the world
+        size), pipeline or tensor-parallel groups that change which parameters a rank holds, a placement that
+        cannot be cut (``Partial``).
+        """
+        from keel.sdk import reshard
+
+        saved, where = self._read_every_rank(sources)
+        source = f"{len(saved)} shards of step {saved[0][0]['step']} ({where})"
+        try:
+            tree = self._resharded_tree(saved, source)
+        except reshard.ReshardError as exc:
+            raise CheckpointMismatchError(f"{source} cannot be resharded for rank {self.rank} of "
+                                          f"{self.world_size}: {exc}") from None
+        self._apply(tree, source)
+        step = int(saved[0][0]["step"])
+        old_world = int(saved[0][0]["world_size"])
+        self.restored_from = f"{source}, resharded from {old_world} ranks to {self.world_size}"
+        self._refused = None
+        _log.info("keel restore: rank %d loaded step %d from %s", self.rank, step, self.restored_from)
+        self.inexact = inexact_resume_reasons(self.model, self.world_size)
+        return self._restored(step)
+
+    @staticmethod
+    def _read_every_rank(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+                         ) -> tuple[list[tuple[dict[str, Any], Any]], str]:
+        """Every saved rank's (meta, tree), in rank order, each verified before it is decoded; and where from."""
+        entries: list[tuple[Path, str | None]]
+        if isinstance(sources, (str, os.PathLike)) and Path(sources).is_dir():
+            directory = Path(sources)
+            try:
+                manifest = json.loads((directory / "manifest.json").read_bytes())
+                entries = [(directory / str(e["file"]), str(e["sha256"])) for e in manifest["shards"]]
+                bad = [str(e["file"]) for e in manifest["shards"] if "/" in str(e["file"]) or str(e["file"]).startswith(".")]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{directory}: no readable manifest.json (a step directory is a checkpoint only "
+                                      f"once its manifest is written): {exc}") from None
+            if bad:
+                raise CheckpointError(f"{directory}/manifest.json names files outside the directory: {bad}")
+            where = str(directory)
+        else:
+            paths = [Path(sources)] if isinstance(sources, (str, os.PathLike)) else [Path(p) for p in sources]
+            entries = [(p, None) for p in paths]
+            where = f"{paths[0].parent}" if paths else "no files"
+        if not entries:
+            raise CheckpointError("load_resharded: no shards given")
+        decoded = []
+        for path, digest in entries:
+            try:
+                with open(path, "rb") as f:
+                    prefix = f.read(8)
+                if prefix == ckpt_slots.MAGIC:
+                    _, payload = ckpt_slots.read_payload(path, verify=True)
+                else:
+                    payload = path.read_bytes()
+                    if digest is not None and ckpt_slots.sha256_hex(payload) != digest:
+                        raise CheckpointCorruptError(f"shard {path}: SHA-256 is not the manifest's {digest[:12]}: "
+                                                     "the checkpoint is corrupt")
+                decoded.append(shard.decode_shard(payload, copy=False))
+            except ckpt_slots.SlotError as exc:
+                raise CheckpointCorruptError(f"slot {path}: {exc}") from None
+            except shard.ShardFormatError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            except OSError as exc:
+                raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+        decoded.sort(key=lambda item: int(item[0]["rank"]))
+        ranks = [int(m["rank"]) for m, _ in decoded]
+        worlds = {int(m["world_size"]) for m, _ in decoded}
+        steps = {int(m["step"]) for m, _ in decoded}
+        if len(worlds) != 1 or ranks != list(range(next(iter(worlds)))):
+            raise CheckpointMismatchError(f"{where}: the shards are ranks {ranks} of world sizes "
+                                          f"{sorted(worlds)}: resharding needs every rank of one checkpoint")
+        if len(steps) != 1:
+            raise CheckpointMismatchError(f"{where}: the shards hold different steps {sorted(steps)}")
+        return decoded, where
+
+    def _resharded_tree(self, saved: list[tuple[dict[str, Any], Any]], source: str) -> dict[str, Any]:
+        """This rank's state tree on the live layout, cut from every saved rank's (see ``load_resharded``)."""
+        from keel.sdk import reshard
+
+        def refuse(what: str) -> None:
+            raise CheckpointMismatchError(f"{source} does not fit this run: {what}")
+
+        metas = [m for m, _ in saved]
+        trees = [t for _, t in saved]
+        old_world = len(saved)
+        if self.zero or any(((m.get("structure") or {}).get("optimizer") or {}).get("sharding") for m in metas):
+            refuse("ZeroRedundancyOptimizer state is partitioned by the world size it was saved with; resharding it "
+                   "is not supported (save with FSDP2, or restore on the same world size)")
+        for meta in metas:
+            saved_groups = (meta.get("topology") or {}).get("groups") or {}
+            for kind in ("pp", "tp"):
+                if len(saved_groups.get(kind) or [meta["rank"]]) != len(self.groups.get(kind) or [self.rank]):
+                    refuse(f"{kind} groups of {len(saved_groups.get(kind) or [])} ranks in the checkpoint, "
+                           f"{len(self.groups.get(kind) or [])} now: which parameters a rank holds changes; only a "
+                           "change of the data-parallel (sharding) width is resharded")
+        components = sorted(self._components())
+        for rank, tree in enumerate(trees):
+            if not isinstance(tree, dict) or sorted(k for k in tree if k != "rng") != components:
+                refuse(f"rank {rank}'s shard has components {sorted(k for k in tree if k != 'rng') if isinstance(tree, dict) else tree!r}, "
+                       f"this run registers {components}")
+        out: dict[str, Any] = {}
+        live_sd: dict[str, Any] = {}
+        if self.model is not None:
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+                live_sd = get_model_state_dict(self.model)
+            else:
+                live_sd = self.model.state_dict()
+            missing = sorted(set(live_sd) - set(trees[0]["model"]))
+            unexpected = sorted(set(trees[0]["model"]) - set(live_sd))
+            if missing or unexpected:
+                refuse(f"model differs: missing in checkpoint {missing[:5]}, not in this model {unexpected[:5]}")
+            out["model"] = {key: self._cut(key, live, [t["model"][key] for t in trees], old_world)
+                            for key, live in live_sd.items()}
+        if self.optimizer is not None:
+            optims = [t["optimizer"] for t in trees]
+            plain_now = not self.sharded
+            plain_then = not any(isinstance(v, shard.ShardedTensor) for st in (optims[0].get("state") or {}).values()
+                                 for v in st.values()) and all(
+                isinstance(i, int) for g in optims[0].get("param_groups") or [] for i in g.get("params", []))
+            if plain_now and plain_then:
+                out["optimizer"] = optims[0]  # replicated then and now: every rank saved the same
+            else:
+                names = self._optimizer_param_names()
+                optims = [_optimizer_by_name(o, names) for o in optims]
+                state: dict[str, Any] = {}
+                for fqn, entry in (optims[0].get("state") or {}).items():
+                    live_param = live_sd.get(fqn)
+                    if live_param is None:
+                        refuse(f"optimizer state for {fqn!r}, which this model does not have")
+                    state[fqn] = {k: (self._cut(f"{fqn}.{k}", live_param, [o["state"][fqn][k] for o in optims], old_world)
+                                      if _is_parameter_shaped(v, live_param) else v)
+                                  for k, v in entry.items()}
+                groups = reshard.merge_rank_states("optimizer's parameter groups",
+                                                   [o.get("param_groups") for o in optims], None)
+                by_name = {**optims[0], "state": state, "param_groups": groups}
+                out["optimizer"] = _optimizer_by_index(by_name, names) if plain_now else by_name
+        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler), ("sampler", self.sampler),
+                          ("loader", self.loader)):
+            if obj is not None:
+                out[name] = reshard.merge_rank_states(name, [t[name] for t in trees],
+                                                      getattr(obj, "reshard_state_dict", None))
+        if self.extra:
+            out["extra"] = {name: reshard.merge_rank_states(f"extra object {name!r}", [t["extra"][name] for t in trees],
+                                                            getattr(obj, "reshard_state_dict", None))
+                            for name, obj in self.extra.items()}
+        if self.rank < old_world:
+            out["rng"] = trees[self.rank].get("rng") or {}
+        return out
+
+    def _optimizer_param_names(self) -> list[str]:
+        """The model's name of each parameter the optimizer holds, in the optimizer's order (what a plain
+        ``state_dict``'s integer keys index): the bridge between a plain and a sharded optimizer state."""
+        assert self.model is not None and self.optimizer is not None
+        by_id = {id(p): name for name, p in self.model.named_parameters()}
+        names = []
+        for group in self._local_optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in by_id:
+                    raise CheckpointMismatchError("an optimizer parameter is not one of the model's: its state cannot "
+                                                  "be matched by name for resharding")
+                names.append(by_id[id(param)])
+        return names
+
+    @staticmethod
+    def _cut(key: str, live: Any, chunks: Sequence[Any], old_world: int) -> Any:
+        """``live``'s part (its local chunk if a DTensor, else the whole tensor) of the saved ``chunks`` (one per
+        saved rank), as the tree ``_apply`` loads: a ``ShardedTensor`` on the live layout, or a tensor."""
+        from keel.sdk import reshard
+
+        if not any(isinstance(c, shard.ShardedTensor) for c in chunks):
+            if not shard.is_dtensor(live):
+                return chunks[0]  # replicated then and now: every rank saved all of it
+            whole = chunks[0]  # replicated then, sharded now: the live chunk is cut from rank 0's copy
+            if not isinstance(whole, torch.Tensor):
+                raise reshard.ReshardError(f"{key}: saved as {type(whole).__name__}, a sharded tensor now")
+            global_shape, dtype = tuple(whole.shape), whole.dtype
+            pieces = [(reshard.Box((0,) * whole.dim(), global_shape), whole)]
+        elif not all(isinstance(c, shard.ShardedTensor) for c in chunks):
+            raise reshard.ReshardError(f"{key}: sharded on some saved ranks, not on others")
+        else:
+            global_shape, dtype = chunks[0].shape, chunks[0].local.dtype
+            if any(c.shape != global_shape for c in chunks):
+                raise reshard.ReshardError(f"{key}: the saved ranks disagree on its global shape")
+            pieces = [(reshard.saved_box(c, r, old_world), c.local) for r, c in enumerate(chunks)]
+        if not shard.is_dtensor(live):
+            whole = reshard.Box((0,) * len(global_shape), tuple(global_shape))
+            return reshard.assemble(whole, pieces, dtype=dtype, what=key)
+        if tuple(live.shape) != tuple(global_shape) or live.dtype != dtype:
+            raise reshard.ReshardError(f"{key}: {str(dtype).removeprefix('torch.')}{list(global_shape)} in the "
+                                       f"checkpoint, {str(live.dtype).removeprefix('torch.')}{list(live.shape)} now")
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        layout = shard.ShardedTensor.of(live, ("model", key))
+        sizes, offsets = compute_local_shape_and_global_offset(live.shape, live.device_mesh, live.placements)
+        local = reshard.assemble(reshard.Box(tuple(offsets), tuple(sizes)), pieces, dtype=dtype, what=key)
+        return dataclasses.replace(layout, local=local)
+
     def _load_verified(self, path: Path, digest: str | None, *, trusted: bool, owned: bool = False) -> int:
         """Load ``path`` (a slot or a shard file), memory-mapped, checking its digest while it loads.
 
@@ -1044,7 +1262,7 @@ class Checkpointer:
         if meta["rank"] != self.rank:
             refuse(f"it is rank {meta['rank']}'s shard, this is rank {self.rank}")
         if meta["world_size"] != self.world_size:
-            refuse(f"world size {meta['world_size']} in the checkpoint, {self.world_size} now")
+            refuse(f"world size {meta['world_size']} in the checkpoint, {self.world_size} now: {_RESHARD_HINT}")
         saved_groups = (meta.get("topology") or {}).get("groups") or {}
         diffs = [f"{k} {saved_groups.get(k)} -> {v}" for k, v in self.groups.items() if saved_groups.get(k) != v]
         if diffs:
@@ -1063,7 +1281,8 @@ class Checkpointer:
                 live_sd = self.model.state_dict()
             problems = _diff_tensors(tree["model"], live_sd)
             if problems:
-                refuse("model differs: " + "; ".join(problems))
+                relaid = any(" now (another layout)" in p for p in problems)
+                refuse("model differs: " + "; ".join(problems) + (f": {_RESHARD_HINT}" if relaid else ""))
         if self.optimizer is not None:
             saved_opt = ((meta.get("structure") or {}).get("optimizer")) or {}
             now_opt = self._structure()["optimizer"]
@@ -1180,6 +1399,40 @@ class Checkpointer:
                         group.update({k: v for k, v in saved_group.items() if k != "params"})
         except (ValueError, RuntimeError, KeyError, TypeError) as exc:
             raise CheckpointMismatchError(f"{source}: loading the sharded model and optimizer failed: {exc}") from exc
+
+
+def _optimizer_by_name(optim_sd: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A plain optimizer ``state_dict`` (state and group params keyed by index) keyed by parameter name, as DCP
+    keys a sharded one; a name-keyed one unchanged. ``CheckpointMismatchError`` for an index beyond ``names``."""
+    groups = optim_sd.get("param_groups") or []
+    if not any(isinstance(i, int) for g in groups for i in g.get("params", [])):
+        return optim_sd
+
+    def name(index: int) -> str:
+        if not 0 <= index < len(names):
+            raise CheckpointMismatchError(f"optimizer state for parameter {index}; this optimizer holds {len(names)}")
+        return names[index]
+
+    return {**optim_sd, "state": {name(int(k)): v for k, v in (optim_sd.get("state") or {}).items()},
+            "param_groups": [{**g, "params": [name(int(i)) for i in g.get("params", [])]} for g in groups]}
+
+
+def _optimizer_by_index(optim_sd: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """``_optimizer_by_name`` undone: what a plain optimizer's ``load_state_dict`` takes."""
+    index = {n: i for i, n in enumerate(names)}
+    try:
+        return {**optim_sd, "state": {index[k]: v for k, v in (optim_sd.get("state") or {}).items()},
+                "param_groups": [{**g, "params": [index[n] for n in g.get("params", [])]}
+                                 for g in optim_sd.get("param_groups") or []]}
+    except KeyError as exc:
+        raise CheckpointMismatchError(f"optimizer state for {exc.args[0]!r}, which this optimizer does not hold") from None
+
+
+def _is_parameter_shaped(value: Any, live_param: Any) -> bool:
+    """Whether an optimizer state entry is laid out like its parameter (a moment), not a scalar (a step count)."""
+    if isinstance(value, shard.ShardedTensor):
+        return True
+    return isinstance(value, torch.Tensor) and shard.is_dtensor(live_param) and tuple(value.shape) == tuple(live_param.shape)
 
 
 def _is_zero_redundancy(optimizer: object) -> bool:

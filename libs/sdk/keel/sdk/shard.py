@@ -22,7 +22,8 @@ dict can never be confused with an encoding:
   ``{"t": "bytes" | "bytearray", "v": base64}``; ``{"t": "np", "dtype": ..., "v": base64}`` (a NumPy
   scalar); ``{"t": "tensor" | "ndarray", "i": index into tensors}``;
   ``{"t": "dtensor", "i": index of the local shard, "shape": global shape, "stride": global stride,
-  "placements": ["S(0)" | "R" | "P(sum)", ...], "mesh": mesh shape, "mesh_dims": names or null}``: a
+  "placements": ["S(0)" | "R" | "P(sum)", ...], "mesh": mesh shape, "mesh_dims": names or null,
+  "coord": this rank's coordinate in the mesh (absent in shards written before resharding existed)}``: a
   ``torch.distributed.tensor.DTensor`` (FSDP2, tensor parallel) as this rank holds it, its local shard
   stored like any tensor; it decodes to a ``ShardedTensor`` (the reader knows the live device mesh).
 
@@ -112,8 +113,9 @@ class ShardedTensor:
     """A DTensor as a shard holds it: this rank's ``local`` shard and the global layout it belongs to.
 
     ``placements`` are texts (``"S(0)"``: sharded on dim 0, ``"R"``: replicated, ``"P(sum)"``: partial)
-    over a device mesh of shape ``mesh_shape``. ``to_dtensor(mesh)`` rebuilds the DTensor on a live mesh
-    of the same shape (no copy of ``local``)."""
+    over a device mesh of shape ``mesh_shape``, in which the rank that held it sits at ``coord`` (what says
+    which part of the global tensor ``local`` is; ``None`` in a shard written before it was recorded).
+    ``to_dtensor(mesh)`` rebuilds the DTensor on a live mesh of the same shape (no copy of ``local``)."""
 
     local: torch.Tensor
     shape: tuple[int, ...]
@@ -121,6 +123,7 @@ class ShardedTensor:
     placements: tuple[str, ...]
     mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...] | None
+    coord: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, dt: Any, path: Path = ()) -> ShardedTensor:
@@ -133,8 +136,10 @@ class ShardedTensor:
         texts = _PLACEMENT_TEXTS.get(placements)
         if texts is None:
             texts = _PLACEMENT_TEXTS[placements] = tuple(placement_text(p, path) for p in placements)
+        coord = mesh.get_coordinate()  # cached by the mesh: cheap per tensor per step
         return cls(local=local, shape=tuple(dt.shape), stride=tuple(dt.stride()), placements=texts,
-                   mesh_shape=tuple(mesh.shape), mesh_dim_names=tuple(names) if names else None)
+                   mesh_shape=tuple(mesh.shape), mesh_dim_names=tuple(names) if names else None,
+                   coord=tuple(coord) if coord is not None else None)
 
     def layout_text(self) -> str:
         """E.g. ``[S(0)] on mesh (4,)``: what a mismatch message shows."""
@@ -303,7 +308,8 @@ def capture_state(tree: Any) -> CapturedState:
             ref = leaf(obj.local, _torch_spec(obj.local, path), path, "dtensor")
             return {**ref, "shape": list(obj.shape), "stride": list(obj.stride), "placements": list(obj.placements),
                     "mesh": list(obj.mesh_shape),
-                    "mesh_dims": list(obj.mesh_dim_names) if obj.mesh_dim_names is not None else None}
+                    "mesh_dims": list(obj.mesh_dim_names) if obj.mesh_dim_names is not None else None,
+                    **({"coord": list(obj.coord)} if obj.coord is not None else {})}
         if isinstance(obj, torch.Tensor):
             return leaf(obj, _torch_spec(obj, path), path, "tensor")
         if isinstance(obj, np.ndarray):
@@ -660,6 +666,7 @@ def _dec_sharded(obj: dict[str, Any], local: Any, path: Path) -> ShardedTensor:
     shape, stride = _int_list(obj["shape"], "shape", path, 0), _int_list(obj["stride"], "stride", path, 0)
     mesh = _int_list(obj["mesh"], "mesh", path, 1)
     placements, dims = obj["placements"], obj["mesh_dims"]
+    coord = _int_list(obj["coord"], "coord", path, 0) if "coord" in obj else None
     problem = None
     if len(stride) != len(shape):
         problem = f"stride {list(stride)} and shape {list(shape)} differ in length"
@@ -671,6 +678,8 @@ def _dec_sharded(obj: dict[str, Any], local: Any, path: Path) -> ShardedTensor:
         problem = f"mesh_dims {dims!r:.80} are not one name per mesh dimension"
     elif local.dim() != len(shape) or any(n > g for n, g in zip(local.shape, shape, strict=True)):
         problem = f"the local shard {list(local.shape)} does not fit the global shape {list(shape)}"
+    elif coord is not None and (len(coord) != len(mesh) or any(c >= n for c, n in zip(coord, mesh, strict=True))):
+        problem = f"coordinate {list(coord)} is not in the mesh {list(mesh)}"
     if problem is not None:
         raise ShardFormatError(f"corrupt shard: {_path_text(path)}: DTensor layout: {problem}")
     for text in placements:
@@ -679,7 +688,7 @@ def _dec_sharded(obj: dict[str, Any], local: Any, path: Path) -> ShardedTensor:
             raise ShardFormatError(f"corrupt shard: {_path_text(path)}: placement {text} shards dimension {dim} of a "
                                    f"{len(shape)}-dimensional tensor")
     return ShardedTensor(local=local, shape=shape, stride=stride, placements=tuple(placements), mesh_shape=mesh,
-                         mesh_dim_names=tuple(dims) if dims is not None else None)
+                         mesh_dim_names=tuple(dims) if dims is not None else None, coord=coord)
 
 
 def _bad(path: Path, obj: Any) -> Any:

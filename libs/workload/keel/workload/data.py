@@ -82,6 +82,12 @@ class ShardedSampler:
     (a short last batch is dropped). ``position`` counts the batches this rank has taken in the
     current epoch. ``state_dict()`` after ``n`` calls to ``next_indices()``, loaded into a fresh
     sampler, makes it return exactly what call ``n + 1`` would have returned.
+
+    Seen globally, batch ``p`` of every rank together is the block of ``d * batch_size`` permuted positions
+    starting at ``offset + p * d * batch_size``, rank ``r`` taking every ``d``-th from ``r``. ``offset`` is the
+    samples of the epoch consumed before this sharding began (0 unless resharded), which is what lets
+    ``reshard_state_dict`` move a position to another number of ranks: every sample of the epoch is still
+    taken exactly once.
     """
 
     def __init__(self, num_samples: int, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:
@@ -94,6 +100,7 @@ class ShardedSampler:
         self.seed = seed
         self.epoch = 0
         self.position = 0
+        self.offset = 0
         self.batches_per_epoch = (num_samples // dp_size) // batch_size
         if self.batches_per_epoch < 1:
             raise ValueError(f"{num_samples} samples over {dp_size} DP ranks do not fill one batch of {batch_size}")
@@ -102,19 +109,42 @@ class ShardedSampler:
     def _epoch_shard(self) -> np.ndarray:
         if self._shard is None:
             perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_samples)
-            self._shard = perm[self.dp_rank :: self.dp_size]
+            self._shard = perm[self.offset + self.dp_rank :: self.dp_size]
         return self._shard
+
+    def _batches_left_in_epoch(self) -> int:
+        """Whole global blocks left after ``offset`` (for offset 0, ``batches_per_epoch``)."""
+        usable = (self.num_samples // self.dp_size) * self.dp_size - self.offset
+        return max(0, usable // (self.dp_size * self.batch_size))
 
     def next_indices(self) -> list[int]:
         """The next batch of ``batch_size`` sample indices; moves to the next epoch when one runs out."""
-        if self.position >= self.batches_per_epoch:
+        if self.position >= self._batches_left_in_epoch():
             self.epoch += 1
             self.position = 0
+            self.offset = 0
             self._shard = None
         start = self.position * self.batch_size
         batch = self._epoch_shard()[start : start + self.batch_size]
         self.position += 1
         return [int(i) for i in batch]
+
+    def reshard_state_dict(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """This sampler's state, continuing where the saved ranks (``states``, one per saved DP rank in rank order)
+        stopped, on this sampler's number of ranks: the epoch's samples consumed so far stay consumed, the next
+        ones are dealt to the new ranks. Raises ``ValueError`` unless the saved ranks are one complete set at the
+        same position of the same epoch and seed (what ranks that step together hold)."""
+        if [s.get("dp_rank") for s in states] != list(range(len(states))) or any(
+                s.get("dp_size") != len(states) for s in states):
+            raise ValueError(f"the saved states are DP ranks {[s.get('dp_rank') for s in states]} of "
+                             f"{sorted({str(s.get('dp_size')) for s in states})}, not one complete set")
+        where = {(s["epoch"], s["position"], s.get("offset", 0), s["seed"], s["batch_size"]) for s in states}
+        if len(where) != 1:
+            raise ValueError(f"the saved ranks are at different positions (epoch, batches, offset, seed, batch): "
+                             f"{sorted(where)}")
+        epoch, position, offset, seed, batch = where.pop()
+        return {"epoch": epoch, "position": 0, "offset": offset + position * len(states) * batch, "seed": seed,
+                "dp_rank": self.dp_rank, "dp_size": self.dp_size, "batch_size": self.batch_size}
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable position: ``epoch``, ``position`` (batches taken this epoch), ``seed`` and
@@ -122,6 +152,7 @@ class ShardedSampler:
         return {
             "epoch": self.epoch,
             "position": self.position,
+            "offset": self.offset,
             "seed": self.seed,
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
@@ -136,4 +167,5 @@ class ShardedSampler:
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.offset = int(state.get("offset", 0))
         self._shard = None

@@ -58,7 +58,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "optimizer state (DDP + ZeroRedundancyOptimizer)")
     p.add_argument("--save-final", default=None, metavar="PATH",
                    help="write the final state as a shard file PATH.rank<R> (for bitwise comparisons)")
-    return p.parse_args(argv)
+    p.add_argument("--reshard-from", nargs="+", default=None, metavar="PATH",
+                   help="resume from a checkpoint that another layout (world size) saved: a persistent-tier step "
+                        "directory, or every saved rank's slot or shard file (Checkpointer.load_resharded)")
+    p.add_argument("--dcp-save-at", type=int, default=None, metavar="STEP",
+                   help="after STEP, save the model and optimizer synchronously with torch.distributed.checkpoint "
+                        "into --dcp-dir, the scheduler's and sampler's state as JSON beside them: the reference a "
+                        "resharded restore is compared against")
+    p.add_argument("--dcp-load", action="store_true",
+                   help="resume from --dcp-dir on this run's layout, resharded by torch.distributed.checkpoint")
+    p.add_argument("--dcp-dir", default=None, metavar="DIR", help="the folder of --dcp-save-at and --dcp-load")
+    args = p.parse_args(argv)
+    if (args.dcp_save_at is not None or args.dcp_load) and not args.dcp_dir:
+        p.error("--dcp-save-at and --dcp-load need --dcp-dir")
+    if sum(bool(x) for x in (args.reshard_from, args.dcp_load)) > 1:
+        p.error("--reshard-from and --dcp-load are two ways to resume: pick one")
+    return args
+
+
+def dcp_save(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: ShardedSampler) -> None:
+    """A synchronous torch.distributed.checkpoint save of the model and optimizer (every rank writes its
+    shards, a collective), the scheduler's and this rank's sampler's state as JSON (``extra-rank<R>.json``)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    extra = {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict()}
+    with open(os.path.join(directory, f"extra-rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(extra, f)
+
+
+def dcp_load(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, sampler: ShardedSampler) -> int:
+    """Load ``dcp_save``'s folder on this run's layout (DCP reshards the model and optimizer; the sampler follows
+    ``ShardedSampler.reshard_state_dict``, as under Keel). Returns the step it holds."""
+    import glob
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)  # in place, into these dicts
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    files = sorted(glob.glob(os.path.join(directory, "extra-rank*.json")), key=lambda f: int(f.rsplit("rank", 1)[1][:-5]))
+    extras = [json.loads(open(f).read()) for f in files]  # noqa: SIM115 - small files, read once
+    scheduler.load_state_dict(extras[0]["scheduler"])
+    sampler.load_state_dict(sampler.reshard_state_dict([e["sampler"] for e in extras]))
+    return int(extras[0]["scheduler"]["last_epoch"]) - 1
 
 
 def shard_model(model: GPT, *, reshard_after_forward: bool = True) -> GPT:
@@ -107,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = Checkpointer(session, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                             groups={"dp": list(range(world)), "pp": [rank], "tp": [rank]}, rank=rank, world_size=world,
                             ckpt_dir=args.ckpt_dir or os.environ.get("KEEL_CKPT_DIR") or None)
-        restored = ckpt.restore()
+        if args.reshard_from:
+            sources = args.reshard_from[0] if len(args.reshard_from) == 1 else args.reshard_from
+            restored = ckpt.load_resharded(sources)
+        elif args.dcp_load:
+            restored = dcp_load(args.dcp_dir, model, optimizer, scheduler, sampler)
+            ckpt.restored_from = f"torch.distributed.checkpoint {args.dcp_dir}"
+        else:
+            restored = ckpt.restore()
     if rank == 0:
         print(f"keel.workload.fsdp: size {args.size} world {world} sharding {args.sharding} sharded {ckpt.sharded} "
               f"zero {ckpt.zero} "
@@ -131,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             scheduler.step()
             ckpt.snapshot(step)
+            if step == args.dcp_save_at:
+                dcp_save(args.dcp_dir, model, optimizer, scheduler, sampler)
             last_step = step
             # The step line goes out before the pacing sleep, as in keel.workload.train.
             worked_s = time.monotonic() - t0
