@@ -196,6 +196,23 @@ def test_a_job_killed_on_4_ranks_resumes_on_2_resharded_from_its_slots_exactly_a
     saver = finish_ranks(_launch([*train, "--dcp-save-at", str(step), "--dcp-dir", str(dcp_dir)], {}, shm, world=4),
                          timeout_s=150)
     assert {s: loss for s, loss in step_losses(saver).items() if s <= kill_after} == step_losses(killed)  # same run
+    # Users are not locked in: plain DCP reads the 4 ranks' slots (keel.sdk.dcp.KeelStorageReader) into the very
+    # tensors it reads from its own synchronous save of the same step.
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from keel.sdk.dcp import KeelStorageReader
+
+    tensors = {k: m for k, m in dcp.FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    assert any(k.startswith("optim.state.") for k in tensors) and any(k.startswith("model.") for k in tensors)
+    theirs_full = {k: torch.full(tuple(m.size), float("nan"), dtype=m.properties.dtype) for k, m in tensors.items()}
+    ours_full = {k: torch.full(tuple(m.size), float("nan"), dtype=m.properties.dtype) for k, m in tensors.items()}
+    dcp.load(theirs_full, storage_reader=dcp.FileSystemReader(str(dcp_dir)))
+    dcp.load(ours_full, storage_reader=KeelStorageReader(slots, names={"model": "model", "optimizer": "optim"}))
+    assert [k for k in tensors if not torch.equal(ours_full[k], theirs_full[k])] == []
+
     keel = _launch([*train, "--reshard-from", *map(str, slots), "--save-final", str(shm / "keel")], {}, shm)
     keel_out = finish_ranks(keel, timeout_s=150)
     reference = finish_ranks(_launch([*train, "--dcp-load", "--dcp-dir", str(dcp_dir), "--save-final",

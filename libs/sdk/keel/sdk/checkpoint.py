@@ -76,6 +76,7 @@ __all__ = [
     "Stateful",
     "CheckpointError",
     "CheckpointMismatchError",
+    "read_checkpoint_ranks",
     "CheckpointCorruptError",
     "CheckpointStats",
     "Checkpointer",
@@ -805,7 +806,7 @@ class Checkpointer:
         """
         from keel.sdk import reshard
 
-        saved, where = self._read_every_rank(sources)
+        saved, where = read_checkpoint_ranks(sources)
         source = f"{len(saved)} shards of step {saved[0][0]['step']} ({where})"
         try:
             tree = self._resharded_tree(saved, source)
@@ -820,59 +821,6 @@ class Checkpointer:
         _log.info("keel restore: rank %d loaded step %d from %s", self.rank, step, self.restored_from)
         self.inexact = inexact_resume_reasons(self.model, self.world_size)
         return self._restored(step)
-
-    @staticmethod
-    def _read_every_rank(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
-                         ) -> tuple[list[tuple[dict[str, Any], Any]], str]:
-        """Every saved rank's (meta, tree), in rank order, each verified before it is decoded; and where from."""
-        entries: list[tuple[Path, str | None]]
-        if isinstance(sources, (str, os.PathLike)) and Path(sources).is_dir():
-            directory = Path(sources)
-            try:
-                manifest = json.loads((directory / "manifest.json").read_bytes())
-                entries = [(directory / str(e["file"]), str(e["sha256"])) for e in manifest["shards"]]
-                bad = [str(e["file"]) for e in manifest["shards"] if "/" in str(e["file"]) or str(e["file"]).startswith(".")]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{directory}: no readable manifest.json (a step directory is a checkpoint only "
-                                      f"once its manifest is written): {exc}") from None
-            if bad:
-                raise CheckpointError(f"{directory}/manifest.json names files outside the directory: {bad}")
-            where = str(directory)
-        else:
-            paths = [Path(sources)] if isinstance(sources, (str, os.PathLike)) else [Path(p) for p in sources]
-            entries = [(p, None) for p in paths]
-            where = f"{paths[0].parent}" if paths else "no files"
-        if not entries:
-            raise CheckpointError("load_resharded: no shards given")
-        decoded = []
-        for path, digest in entries:
-            try:
-                with open(path, "rb") as f:
-                    prefix = f.read(8)
-                if prefix == ckpt_slots.MAGIC:
-                    _, payload = ckpt_slots.read_payload(path, verify=True)
-                else:
-                    payload = path.read_bytes()
-                    if digest is not None and ckpt_slots.sha256_hex(payload) != digest:
-                        raise CheckpointCorruptError(f"shard {path}: SHA-256 is not the manifest's {digest[:12]}: "
-                                                     "the checkpoint is corrupt")
-                decoded.append(shard.decode_shard(payload, copy=False))
-            except ckpt_slots.SlotError as exc:
-                raise CheckpointCorruptError(f"slot {path}: {exc}") from None
-            except shard.ShardFormatError as exc:
-                raise CheckpointError(f"{path}: {exc}") from None
-            except OSError as exc:
-                raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
-        decoded.sort(key=lambda item: int(item[0]["rank"]))
-        ranks = [int(m["rank"]) for m, _ in decoded]
-        worlds = {int(m["world_size"]) for m, _ in decoded}
-        steps = {int(m["step"]) for m, _ in decoded}
-        if len(worlds) != 1 or ranks != list(range(next(iter(worlds)))):
-            raise CheckpointMismatchError(f"{where}: the shards are ranks {ranks} of world sizes "
-                                          f"{sorted(worlds)}: resharding needs every rank of one checkpoint")
-        if len(steps) != 1:
-            raise CheckpointMismatchError(f"{where}: the shards hold different steps {sorted(steps)}")
-        return decoded, where
 
     def _resharded_tree(self, saved: list[tuple[dict[str, Any], Any]], source: str) -> dict[str, Any]:
         """This rank's state tree on the live layout, cut from every saved rank's (see ``load_resharded``)."""
@@ -1399,6 +1347,64 @@ class Checkpointer:
                         group.update({k: v for k, v in saved_group.items() if k != "params"})
         except (ValueError, RuntimeError, KeyError, TypeError) as exc:
             raise CheckpointMismatchError(f"{source}: loading the sharded model and optimizer failed: {exc}") from exc
+
+
+def read_checkpoint_ranks(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+                      ) -> tuple[list[tuple[dict[str, Any], Any]], str]:
+    """Every saved rank's ``(meta, tree)`` of one checkpoint, in rank order, and where they came from.
+
+    ``sources``: a persistent-tier step directory (each shard checked against ``manifest.json``'s SHA-256) or every
+    rank's slot or shard file (a slot checked against its own digest). Each is verified before it is decoded;
+    the trees' tensors are views of the bytes read. ``CheckpointMismatchError`` unless they are every rank of one
+    world size and one step; ``CheckpointCorruptError`` / ``CheckpointError`` for bytes that fail or cannot be read."""
+    entries: list[tuple[Path, str | None]]
+    if isinstance(sources, (str, os.PathLike)) and Path(sources).is_dir():
+        directory = Path(sources)
+        try:
+            manifest = json.loads((directory / "manifest.json").read_bytes())
+            entries = [(directory / str(e["file"]), str(e["sha256"])) for e in manifest["shards"]]
+            bad = [str(e["file"]) for e in manifest["shards"] if "/" in str(e["file"]) or str(e["file"]).startswith(".")]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{directory}: no readable manifest.json (a step directory is a checkpoint only "
+                                  f"once its manifest is written): {exc}") from None
+        if bad:
+            raise CheckpointError(f"{directory}/manifest.json names files outside the directory: {bad}")
+        where = str(directory)
+    else:
+        paths = [Path(sources)] if isinstance(sources, (str, os.PathLike)) else [Path(p) for p in sources]
+        entries = [(p, None) for p in paths]
+        where = f"{paths[0].parent}" if paths else "no files"
+    if not entries:
+        raise CheckpointError("load_resharded: no shards given")
+    decoded = []
+    for path, digest in entries:
+        try:
+            with open(path, "rb") as f:
+                prefix = f.read(8)
+            if prefix == ckpt_slots.MAGIC:
+                _, payload = ckpt_slots.read_payload(path, verify=True)
+            else:
+                payload = path.read_bytes()
+                if digest is not None and ckpt_slots.sha256_hex(payload) != digest:
+                    raise CheckpointCorruptError(f"shard {path}: SHA-256 is not the manifest's {digest[:12]}: "
+                                                 "the checkpoint is corrupt")
+            decoded.append(shard.decode_shard(payload, copy=False))
+        except ckpt_slots.SlotError as exc:
+            raise CheckpointCorruptError(f"slot {path}: {exc}") from None
+        except shard.ShardFormatError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    decoded.sort(key=lambda item: int(item[0]["rank"]))
+    ranks = [int(m["rank"]) for m, _ in decoded]
+    worlds = {int(m["world_size"]) for m, _ in decoded}
+    steps = {int(m["step"]) for m, _ in decoded}
+    if len(worlds) != 1 or ranks != list(range(next(iter(worlds)))):
+        raise CheckpointMismatchError(f"{where}: the shards are ranks {ranks} of world sizes "
+                                      f"{sorted(worlds)}: resharding needs every rank of one checkpoint")
+    if len(steps) != 1:
+        raise CheckpointMismatchError(f"{where}: the shards hold different steps {sorted(steps)}")
+    return decoded, where
 
 
 def _optimizer_by_name(optim_sd: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
