@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     from keel.agent.checkpointing import complete_slots
 
     slot = next(path for path, header in complete_slots(args.shm_dir, rank) if header.step == last_step)
-    keel_restores, dcp_restores = [], []
 
     def full_state(m: Any, opt: Any) -> list[Any]:
         """Every parameter and optimizer tensor (AdamW moments, step counts) as full tensors, in order."""
@@ -176,25 +175,51 @@ def main(argv: list[str] | None = None) -> int:
         got = full_state(m, opt)
         return len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
 
-    same_keel = same_dcp = True
-    for _ in range(args.restore_repeats):
-        fresh, fresh_opt = build(7)
-        restorer = Checkpointer(model=fresh, optimizer=fresh_opt, rank=rank, world_size=world,
-                                groups={"dp": list(range(world)), "pp": [rank], "tp": [rank]})
-        dist.barrier()
-        t0 = time.perf_counter()
-        restorer.load_file(slot)
-        keel_restores.append(time.perf_counter() - t0)
-        same_keel &= same(fresh, fresh_opt)
-        fresh, fresh_opt = build(7)
-        dist.barrier()
-        t0 = time.perf_counter()
-        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(dcp_dir))
-        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        dcp_restores.append(time.perf_counter() - t0)
-        same_dcp &= same(fresh, fresh_opt)
+    def restores(build_fresh: Any, keel_load: Any) -> tuple[list[float], list[float], bool, bool]:
+        """``args.restore_repeats`` restores of the saved step into fresh models from ``build_fresh``: Keel's
+        (``keel_load(checkpointer)``) and DCP's (``dcp.load`` + ``set_state_dict``), each timed and checked bitwise."""
+        keel_s, dcp_s, keel_same, dcp_same = [], [], True, True
+        for _ in range(args.restore_repeats):
+            fresh, fresh_opt = build_fresh(7)
+            restorer = Checkpointer(model=fresh, optimizer=fresh_opt, rank=rank, world_size=world,
+                                    groups={"dp": list(range(world)), "pp": [rank], "tp": [rank]})
+            dist.barrier()
+            t0 = time.perf_counter()
+            keel_load(restorer)
+            keel_s.append(time.perf_counter() - t0)
+            keel_same &= same(fresh, fresh_opt)
+            fresh, fresh_opt = build_fresh(7)
+            dist.barrier()
+            t0 = time.perf_counter()
+            model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(dcp_dir))
+            set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            dcp_s.append(time.perf_counter() - t0)
+            dcp_same &= same(fresh, fresh_opt)
+        return keel_s, dcp_s, keel_same, dcp_same
+
+    keel_restores, dcp_restores, same_keel, same_dcp = restores(build, lambda ckpt: ckpt.load_file(slot))
+
+    # Restores with resharding: the same step into a fresh model on another layout (HSDP, a (1, world) mesh: the
+    # same ranks, a different mesh), which needs every rank's shard: Keel's load_resharded of every rank's slot,
+    # against DCP's load of its own save (DCP reshards too). One world size here (the bench is one gloo group);
+    # the 4 -> 2 case is the integration test's.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    every_slot = [next(path for path, header in complete_slots(args.shm_dir, r) if header.step == last_step)
+                  for r in range(world)]
+    hsdp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+
+    def build_hsdp(seed: int) -> tuple[Any, Any]:
+        m = build_model(cfg, seed)
+        for unit in m.blocks:
+            fully_shard(unit, mesh=hsdp_mesh)
+        fully_shard(m, mesh=hsdp_mesh)
+        return m, torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1)
+
+    keel_reshards, dcp_reshards, same_keel_reshard, same_dcp_reshard = restores(
+        build_hsdp, lambda ckpt: ckpt.load_resharded(every_slot))
 
     def every_rank(values: list[float]) -> list[list[float]]:
         """Each rank's samples (the same count on every rank), rank by rank."""
@@ -217,12 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         "restore_s_dcp_fsdp": slowest(statistics.median(dcp_restores)),
         "blocking_ms_keel_fsdp_median": 1e3 * slowest(statistics.median(keel_blocking)),
         "blocking_ms_dcp_async_fsdp_median": 1e3 * slowest(statistics.median(dcp_blocking)),
+        "restore_s_reshard": slowest(statistics.median(keel_reshards)),
+        "restore_s_dcp_reshard": slowest(statistics.median(dcp_reshards)),
+        "restore_reshard_bitwise_keel": bool(slowest(0.0 if same_keel_reshard else 1.0) == 0.0),
+        "restore_reshard_bitwise_dcp": bool(slowest(0.0 if same_dcp_reshard else 1.0) == 0.0),
         "restore_fsdp_bitwise_keel": bool(slowest(0.0 if same_keel else 1.0) == 0.0),
         "restore_fsdp_bitwise_dcp": bool(slowest(0.0 if same_dcp else 1.0) == 0.0),
         "measured_by_rank": {"keel_blocking_s": every_rank(keel_blocking), "dcp_blocking_s": every_rank(dcp_blocking),
                              "keel_overhead_s": every_rank(overhead["keel"]),
                              "dcp_overhead_s": every_rank(overhead["dcp_async"]),
-                             "keel_restore_s": every_rank(keel_restores), "dcp_restore_s": every_rank(dcp_restores)},
+                             "keel_restore_s": every_rank(keel_restores), "dcp_restore_s": every_rank(dcp_restores),
+                             "keel_reshard_s": every_rank(keel_reshards), "dcp_reshard_s": every_rank(dcp_reshards)},
     }
     out["restore_fsdp_bitwise"] = out["restore_fsdp_bitwise_keel"] and out["restore_fsdp_bitwise_dcp"]
     if rank == 0:

@@ -53,8 +53,9 @@ def test_checkpoint_bench_smoke_runs_and_reports_verified_restores(tmp_path: Pat
     assert fig["blocking_ratio_vs_dcp_async_fsdp"] == fig["blocking_ms_dcp_async_fsdp"] / fig["blocking_ms_keel_fsdp"]
     assert fig["restore_s_keel_fsdp"] > 0 and fig["restore_s_dcp_fsdp"] > 0
     assert fig["restore_fsdp_bitwise_keel"] is True and fig["restore_fsdp_bitwise_dcp"] is True
+    assert fig["restore_reshard_bitwise_keel"] is True and fig["restore_reshard_bitwise_dcp"] is True
+    assert fig["restore_s_reshard"] > 0 and fig["restore_s_dcp_reshard"] > 0
     assert fig["blocking_ms_keel_fsdp_median"] > 0 and len(fig["fsdp_measured_by_rank"]["keel_blocking_s"]) == 2
-    assert fig["restore_s_reshard"] is None  # resharding is not built: reported as not measured, never invented
 
     if importlib.util.find_spec("dlrover") is None:
         assert "dlrover" in fig["skipped"] and "DLRover is not installed" in proc.stdout

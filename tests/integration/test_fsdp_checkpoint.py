@@ -135,6 +135,9 @@ def test_another_layout_is_refused_and_the_sharded_edge_cases_hold(shm: Path) ->
     assert results["fsdp=>plain resharded"] is None
     assert results["tied=>tied resharded"] is None
     assert "a checkpoint of 2 ranks was saved without its mesh coordinate" in results["hsdp without coordinates"]
+    with_optimizer, without = results["plain=>plain float64 optimizer=True"], results["plain=>plain float64 optimizer=False"]
+    assert "optimizer parameters differ" in with_optimizer and with_optimizer.endswith("untouched=True")
+    assert "float32[32, 16] in the checkpoint, float64[32, 16] now" in without and without.endswith("untouched=True")
     assert "a plain tensor in the checkpoint, sharded (DTensor) now" in results["plain->fsdp"]
     assert "sharded ([S(0)] on mesh (2,)) in the checkpoint, a plain tensor now" in results["fsdp->plain"]
 

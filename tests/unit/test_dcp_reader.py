@@ -74,3 +74,15 @@ def test_a_part_not_offered_or_a_corrupt_shard_is_refused(saved) -> None:
     shard.write_bytes(bytes(data))
     with pytest.raises((CheckpointException, CheckpointError), match="SHA-256 is not the manifest's"):
         dcp.load({"model": {"w": torch.zeros(5, 3)}}, storage_reader=KeelStorageReader(step_dir))
+
+
+def test_a_checkpoint_of_a_model_that_is_not_sharded_has_its_optimizer_refused_with_the_reason(tmp_path: Path) -> None:
+    w = torch.randn(4, 2)
+    trees = [{"model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": w.clone()}},
+                                               "param_groups": [{"lr": 0.1, "params": [0]}]}}]
+    _write_step(tmp_path / "step", trees)
+    with pytest.raises((CheckpointException, CheckpointError), match="keys its optimizer state by parameter index"):
+        dcp.load({"model": {"w": torch.zeros(4, 2)}}, storage_reader=KeelStorageReader(tmp_path / "step"))
+    target = {"model": {"w": torch.zeros(4, 2)}}
+    dcp.load(target, storage_reader=KeelStorageReader(tmp_path / "step", names={"model": "model"}))
+    assert torch.equal(target["model"]["w"], w)

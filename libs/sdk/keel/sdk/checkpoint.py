@@ -806,6 +806,7 @@ class Checkpointer:
         """
         from keel.sdk import reshard
 
+        self._restore_called = True
         saved, where = read_checkpoint_ranks(sources)
         source = f"{len(saved)} shards of step {saved[0][0]['step']} ({where})"
         try:
@@ -813,13 +814,23 @@ class Checkpointer:
         except reshard.ReshardError as exc:
             raise CheckpointMismatchError(f"{source} cannot be resharded for rank {self.rank} of "
                                           f"{self.world_size}: {exc}") from None
-        self._apply(tree, source)
+        try:
+            self._apply(tree, source)
+        except BaseException as exc:
+            # Everything was checked first; a part that still fails (a user object's load_state_dict) leaves the
+            # others loaded: this state is no checkpoint's, so it must not be snapshotted as one.
+            self._refused = f"{source}: loading failed part-way: {exc}"
+            self.restored_from = None
+            raise
         step = int(saved[0][0]["step"])
         old_world = int(saved[0][0]["world_size"])
         self.restored_from = f"{source}, resharded from {old_world} ranks to {self.world_size}"
         self._refused = None
         _log.info("keel restore: rank %d loaded step %d from %s", self.rank, step, self.restored_from)
         self.inexact = inexact_resume_reasons(self.model, self.world_size)
+        for reason in self.inexact:
+            _log.warning("keel restore: rank %d: the resumed run may differ from an uninterrupted one: %s",
+                         self.rank, reason)
         return self._restored(step)
 
     def _resharded_tree(self, saved: list[tuple[dict[str, Any], Any]], source: str) -> dict[str, Any]:
@@ -847,6 +858,19 @@ class Checkpointer:
             if not isinstance(tree, dict) or sorted(k for k in tree if k != "rng") != components:
                 refuse(f"rank {rank}'s shard has components {sorted(k for k in tree if k != 'rng') if isinstance(tree, dict) else tree!r}, "
                        f"this run registers {components}")
+            if "model" in tree and set(tree["model"]) != set(trees[0]["model"]):
+                refuse(f"rank {rank}'s shard holds other model entries than rank 0's")
+            missing_extra = sorted(set(self.extra) - set(tree.get("extra") or {}))
+            if missing_extra:
+                refuse(f"rank {rank}'s shard has no state for extra objects {missing_extra}")
+        if self.optimizer is not None:
+            saved_opt = ((metas[0].get("structure") or {}).get("optimizer")) or {}
+            now_opt = self._structure()["optimizer"]
+            if saved_opt and (saved_opt.get("group_sizes"), saved_opt.get("params_fingerprint")) != (
+                    now_opt["group_sizes"], now_opt["params_fingerprint"]):
+                refuse(f"optimizer parameters differ: checkpoint groups {saved_opt.get('group_sizes')} (shapes "
+                       f"{str(saved_opt.get('params_fingerprint'))[:12]}), now {now_opt['group_sizes']} "
+                       f"(shapes {now_opt['params_fingerprint'][:12]})")
         out: dict[str, Any] = {}
         live_sd: dict[str, Any] = {}
         if self.model is not None:
@@ -902,7 +926,9 @@ class Checkpointer:
         """The model's name of each parameter the optimizer holds, in the optimizer's order (what a plain
         ``state_dict``'s integer keys index): the bridge between a plain and a sharded optimizer state."""
         assert self.model is not None and self.optimizer is not None
-        by_id = {id(p): name for name, p in self.model.named_parameters()}
+        # DCP's names leave out the wrappers activation checkpointing and torch.compile insert.
+        by_id = {id(p): name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                 for name, p in self.model.named_parameters()}
         names = []
         for group in self._local_optimizer.param_groups:
             for param in group["params"]:
@@ -920,7 +946,11 @@ class Checkpointer:
 
         if not any(isinstance(c, shard.ShardedTensor) for c in chunks):
             if not shard.is_dtensor(live):
-                return chunks[0]  # replicated then and now: every rank saved all of it
+                saved = chunks[0]  # replicated then and now: every rank saved all of it
+                if isinstance(live, torch.Tensor) and not (
+                        isinstance(saved, torch.Tensor) and saved.shape == live.shape and saved.dtype == live.dtype):
+                    raise reshard.ReshardError(f"{key}: {_describe(saved)} in the checkpoint, {_describe(live)} now")
+                return saved
             whole = chunks[0]  # replicated then, sharded now: the live chunk is cut from rank 0's copy
             if not isinstance(whole, torch.Tensor):
                 raise reshard.ReshardError(f"{key}: saved as {type(whole).__name__}, a sharded tensor now")
@@ -934,6 +964,9 @@ class Checkpointer:
                 raise reshard.ReshardError(f"{key}: the saved ranks disagree on its global shape")
             pieces = [(reshard.saved_box(c, r, old_world), c.local) for r, c in enumerate(chunks)]
         if not shard.is_dtensor(live):
+            if not isinstance(live, torch.Tensor) or tuple(live.shape) != tuple(global_shape) or live.dtype != dtype:
+                raise reshard.ReshardError(f"{key}: {str(dtype).removeprefix('torch.')}{list(global_shape)} in the "
+                                           f"checkpoint, {_describe(live)} now")
             whole = reshard.Box((0,) * len(global_shape), tuple(global_shape))
             return reshard.assemble(whole, pieces, dtype=dtype, what=key)
         if tuple(live.shape) != tuple(global_shape) or live.dtype != dtype:
@@ -1390,7 +1423,8 @@ def read_checkpoint_ranks(sources: str | os.PathLike[str] | Sequence[str | os.Pa
                                                  "the checkpoint is corrupt")
             decoded.append(shard.decode_shard(payload, copy=False))
         except ckpt_slots.SlotError as exc:
-            raise CheckpointCorruptError(f"slot {path}: {exc}") from None
+            corrupt = "digest mismatch" in str(exc)  # else not complete, torn or unreadable: not known to be bad bytes
+            raise (CheckpointCorruptError if corrupt else CheckpointError)(f"slot {path}: {exc}") from None
         except shard.ShardFormatError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         except OSError as exc:
@@ -1405,6 +1439,12 @@ def read_checkpoint_ranks(sources: str | os.PathLike[str] | Sequence[str | os.Pa
     if len(steps) != 1:
         raise CheckpointMismatchError(f"{where}: the shards hold different steps {sorted(steps)}")
     return decoded, where
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return type(value).__name__
 
 
 def _optimizer_by_name(optim_sd: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
@@ -1427,8 +1467,10 @@ def _optimizer_by_index(optim_sd: dict[str, Any], names: Sequence[str]) -> dict[
     """``_optimizer_by_name`` undone: what a plain optimizer's ``load_state_dict`` takes."""
     index = {n: i for i, n in enumerate(names)}
     try:
+        # load_state_dict pairs a group's saved params with the live group's by position: the live order, which
+        # the indices follow (the structure check made the groups hold the same parameters).
         return {**optim_sd, "state": {index[k]: v for k, v in (optim_sd.get("state") or {}).items()},
-                "param_groups": [{**g, "params": [index[n] for n in g.get("params", [])]}
+                "param_groups": [{**g, "params": sorted(index[n] for n in g.get("params", []))}
                                  for g in optim_sd.get("param_groups") or []]}
     except KeyError as exc:
         raise CheckpointMismatchError(f"optimizer state for {exc.args[0]!r}, which this optimizer does not hold") from None

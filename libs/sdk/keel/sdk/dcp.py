@@ -1,5 +1,8 @@
-"""Keel checkpoints for ``torch.distributed.checkpoint``: a ``StorageReader`` over Keel's shards, so that a job
-that leaves Keel loads its newest checkpoint with plain DCP, on any layout DCP can reshard to.
+"""Keel checkpoints for ``torch.distributed.checkpoint``: a ``StorageReader`` over Keel's shards, so that a sharded
+job (FSDP2 / DTensor) that leaves Keel loads its newest checkpoint with plain DCP, on any layout DCP can reshard
+to. A checkpoint of a model that is not sharded (DDP) keys its optimizer state by index, as a plain optimizer
+does, not by name as DCP does: the reader refuses its optimizer part (its model part loads, under the names
+``model.state_dict()`` gave, ``module.`` included for DDP).
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     import torch.distributed.checkpoint as dcp
@@ -41,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from keel.sdk.checkpoint import read_checkpoint_ranks
+from keel.sdk.checkpoint import CheckpointError, read_checkpoint_ranks
 from keel.sdk.reshard import Box, saved_box
 from keel.sdk.shard import ShardedTensor
 
@@ -118,6 +121,13 @@ class KeelStorageReader(StorageReader):
         world = len(saved)
         self._chunks, self._values = {}, {}
         entries: dict[str, Any] = {}
+        optimizer = saved[0][1].get("optimizer") if "optimizer" in self.names else None
+        if isinstance(optimizer, dict) and any(isinstance(i, int) for g in optimizer.get("param_groups") or []
+                                               for i in g.get("params", [])):
+            raise CheckpointError(f"{self.path}: a checkpoint of a model that is not sharded (DDP) keys its optimizer "
+                                  "state by parameter index, which DCP's state dicts do not: this reader is for sharded "
+                                  "(FSDP2 / DTensor) checkpoints; load it with keel.sdk.Checkpointer (load_file, "
+                                  "load_resharded), or leave the optimizer out (names={'model': ...})")
         for rank, (_, tree) in enumerate(saved):
             parts = {self.names[part]: value for part, value in tree.items() if part in self.names}
             flat, _ = flatten_state_dict(parts)

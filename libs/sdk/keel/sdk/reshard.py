@@ -158,10 +158,11 @@ def equal_states(a: Any, b: Any) -> bool:
 def merge_rank_states(name: str, states: Sequence[Any], reshard: Callable[[list[Any]], Any] | None) -> Any:
     """One object's state for a rank of the new layout, from every saved rank's (ordered by saved rank).
 
-    Equal on every saved rank (a scheduler, a scaler, optimizer hyperparameters): that state. Otherwise the
-    object's own rule, ``reshard(states)`` (``reshard_state_dict`` on the object: a sampler knows how its position
-    maps onto another number of ranks); without one, ``ReshardError``: Keel does not guess a data position."""
-    if all(equal_states(states[0], s) for s in states[1:]):
+    The object's own rule when it has one, ``reshard(states)`` (``reshard_state_dict`` on the object: a sampler
+    knows how its position maps onto another number of ranks, even from one saved rank). Without one: the state,
+    if equal on every saved rank (a scheduler, a scaler, optimizer hyperparameters); else ``ReshardError``: Keel
+    does not guess a data position."""
+    if reshard is None and all(equal_states(states[0], s) for s in states[1:]):
         return states[0]
     if reshard is None:
         raise ReshardError(f"the {name}'s state differs between the saved ranks and it has no reshard_state_dict(states) "

@@ -114,8 +114,8 @@ class ShardedSampler:
 
     def _batches_left_in_epoch(self) -> int:
         """Whole global blocks left after ``offset`` (for offset 0, ``batches_per_epoch``)."""
-        usable = (self.num_samples // self.dp_size) * self.dp_size - self.offset
-        return max(0, usable // (self.dp_size * self.batch_size))
+        # At offset 0, N // (d * b) == (N // d) // b: batches_per_epoch, as before offsets existed.
+        return max(0, (self.num_samples - self.offset) // (self.dp_size * self.batch_size))
 
     def next_indices(self) -> list[int]:
         """The next batch of ``batch_size`` sample indices; moves to the next epoch when one runs out."""
@@ -133,11 +133,21 @@ class ShardedSampler:
         """This sampler's state, continuing where the saved ranks (``states``, one per saved DP rank in rank order)
         stopped, on this sampler's number of ranks: the epoch's samples consumed so far stay consumed, the next
         ones are dealt to the new ranks. Raises ``ValueError`` unless the saved ranks are one complete set at the
-        same position of the same epoch and seed (what ranks that step together hold)."""
-        if [s.get("dp_rank") for s in states] != list(range(len(states))) or any(
-                s.get("dp_size") != len(states) for s in states):
+        same position of the same epoch and seed (what ranks that step together hold). Ranks of one DP rank in
+        other pipeline stages or tensor-parallel groups hold the same state and count once."""
+        if not states:
+            raise ValueError("no saved states: not one complete set of DP ranks")
+        by_dp_rank: dict[Any, dict[str, Any]] = {}
+        for state in states:
+            first = by_dp_rank.setdefault(state.get("dp_rank"), state)
+            if first != state:
+                raise ValueError(f"two saved ranks of DP rank {state.get('dp_rank')} are at different positions")
+        dp_size = len(by_dp_rank)
+        if set(by_dp_rank) != set(range(dp_size)) or any(
+                s.get("dp_size") != dp_size for s in by_dp_rank.values()):
             raise ValueError(f"the saved states are DP ranks {[s.get('dp_rank') for s in states]} of "
                              f"{sorted({str(s.get('dp_size')) for s in states})}, not one complete set")
+        states = [by_dp_rank[r] for r in range(dp_size)]
         where = {(s["epoch"], s["position"], s.get("offset", 0), s["seed"], s["batch_size"]) for s in states}
         if len(where) != 1:
             raise ValueError(f"the saved ranks are at different positions (epoch, batches, offset, seed, batch): "
