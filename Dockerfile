@@ -1,7 +1,8 @@
 # Keel control-plane image: the control-plane distributions as plain wheels in a virtual environment (no
 # editable install, no source tree), without torch. One console script per role:
 #   keel-migrate, keel-recorder, keel-controller, keel-checkpoint-broker, keel-actuator, keel-analyzer,
-#   keel-hot-update, keel-notifier, and keel-credentials (a deployment's NATS identities, signing keys and NATS TLS certificate).
+#   keel-hot-update, keel-notifier, keel-api (the HTTP API and its page), and keel-credentials (a deployment's NATS
+#   identities, signing keys and NATS TLS certificate).
 #
 #   make images                               wheels, then this image and the node agent's (infra/images/)
 #   docker run --rm keel:local keel-controller --help
@@ -20,7 +21,8 @@ FROM ${BASE_IMAGE} AS install
 COPY dist/wheels/control /wheels
 RUN python3 -m venv /opt/keel \
  && /opt/keel/bin/pip install --no-cache-dir --disable-pip-version-check --no-index --find-links /wheels \
-        keel-recorder keel-controller keel-checkpoint-broker keel-actuator keel-analyzer keel-hot-update keel-notifier
+        keel-recorder keel-controller keel-checkpoint-broker keel-actuator keel-analyzer keel-hot-update keel-notifier \
+        keel-api
 
 FROM ${BASE_IMAGE}
 COPY --from=install /opt/keel /opt/keel

@@ -15,8 +15,8 @@ STAMP  := $(VENV)/.installed
 # always be satisfied by a path given here, never by the index.
 DISTS := libs/events libs/kernel libs/rules libs/protocol libs/checkpoint migrations libs/infra libs/cluster \
          libs/sdk libs/workload services/recorder services/controller services/checkpoint_broker \
-         services/analyzer services/hot_update services/actuator services/notifier services/agent libs/sim libs/cli \
-         services/api
+         services/analyzer services/hot_update services/actuator services/notifier services/agent libs/sim libs/reports \
+         libs/cli services/api
 PYPROJECTS := $(addsuffix /pyproject.toml,$(DISTS))
 DEV_TOOLS := 'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'hypothesis>=6.100' 'torchdata==0.11.0' 'lightning==2.6.6' 'transformers==5.25.0' 'accelerate==1.16.0' 'grpcio-tools==1.85.1' 'schemathesis==4.32.5' \
              'import-linter>=2.1' 'ruff>=0.8' 'mypy>=1.13' 'types-PyYAML'

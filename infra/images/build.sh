@@ -24,7 +24,7 @@ fi
 
 control="./libs/events ./libs/kernel ./libs/rules ./libs/checkpoint ./migrations ./libs/infra ./libs/protocol \
 ./libs/cluster ./services/recorder ./services/controller ./services/checkpoint_broker ./services/analyzer \
-./services/hot_update ./services/actuator ./services/notifier"
+./services/hot_update ./services/actuator ./services/notifier ./libs/reports ./services/api"
 node="$control ./services/agent ./libs/sdk ./libs/workload ./libs/sim ./libs/cli"
 rm -f dist/wheels/control/keel_* dist/wheels/agent/keel_*  # Keel's own wheels are always built afresh
 wheels() {  # wheels SET PACKAGES...: Keel's wheels and every dependency's into dist/wheels/SET

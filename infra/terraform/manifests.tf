@@ -45,4 +45,9 @@ module "manifests" {
   nats_authorization_file = var.nats_authorization_file
   agent_bundles_dir       = coalesce(var.agent_bundles_dir, "${pathexpand(var.credentials_dir)}/agents")
   job                     = var.job
+
+  api_tokens       = var.api_tokens
+  api_replicas     = var.api_replicas
+  api_resources    = var.api_resources
+  api_client_cidrs = var.api_client_cidrs
 }

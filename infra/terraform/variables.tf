@@ -351,3 +351,43 @@ variable "job" {
     error_message = "a node is either a worker (job.nodes) or a spare (job.standby_nodes), not both."
   }
 }
+
+variable "api_tokens" {
+  description = "Who may call the HTTP API (keel-api): each token's name, scope (read or operator) and SHA-256, as `keel-api --new-token NAME [--scope operator]` prints them; the tokens themselves stay with their holders. Empty: every request but /healthz is refused."
+  type        = list(object({ name = string, scope = string, sha256 = string }))
+  default     = []
+
+  validation {
+    condition     = alltrue([for t in var.api_tokens : contains(["read", "operator"], t.scope) && can(regex("^[0-9a-f]{64}$", t.sha256))])
+    error_message = "every api_tokens entry needs scope read or operator and sha256 as 64 lowercase hex digits (what keel-api --new-token prints)."
+  }
+}
+
+variable "api_replicas" {
+  description = "HTTP API pods (stateless: they serve side by side behind the keel-api Service)."
+  type        = number
+  default     = 1
+}
+
+variable "api_resources" {
+  description = "Resource requests and limits of the HTTP API container."
+  type = object({
+    requests = map(string)
+    limits   = map(string)
+  })
+  default = {
+    requests = { cpu = "100m", memory = "256Mi" }
+    limits   = { memory = "512Mi" }
+  }
+}
+
+variable "api_client_cidrs" {
+  description = "Networks outside the cluster's pods allowed to reach the HTTP API's port (8380), e.g. the operators' VPN. Pods labelled keel.dev/api-client=true (a TLS proxy, a dashboard) reach it whatever this says."
+  type        = list(string)
+  default     = []
+
+  validation {
+    condition     = alltrue([for cidr in var.api_client_cidrs : can(cidrhost(cidr, 0))])
+    error_message = "api_client_cidrs must be CIDRs (10.40.0.0/16)."
+  }
+}

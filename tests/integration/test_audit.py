@@ -19,10 +19,10 @@ import pytest
 import sqlalchemy as sa
 
 import tests.unit.test_controller_clock as clock
-from keel.cli.incidents import approval_answer, cordon_event
 from keel.events.envelope import Event, now_utc
 from keel.events.types import ApprovalRequested, NodeEvicted, RollbackDecided
 from keel.infra.store import append_events, create_engine, event_row
+from keel.reports.incidents import approval_answer, cordon_event
 from tests.conftest import TEST_OPERATOR
 from tests.incident_factories import incident_log
 from tests.integration.test_crashes import service_env

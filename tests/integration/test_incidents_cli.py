@@ -12,10 +12,10 @@ from datetime import timedelta
 
 import pytest
 
-from keel.cli.incidents import LookupFailed, load_ettr, load_incident_page, load_incidents, load_timeline
 from keel.events.envelope import Event, now_utc
 from keel.events.types import ApprovalRequested, IncidentOpened, IncidentResolved, NodeRegistered
 from keel.infra.store import append_events, event_row
+from keel.reports.incidents import LookupFailed, load_ettr, load_incident_page, load_incidents, load_timeline
 from keel.rules.ettr import compute_ettr
 from tests.incident_factories import JOB, at, incident_log
 from tests.integration.test_crashes import service_env

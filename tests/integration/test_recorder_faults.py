@@ -187,7 +187,7 @@ async def test_recorder_lag_is_an_event_and_a_metric(keel_env) -> None:
     assert REGISTRY.gauge("keel_recorder_lag_seconds", "").value() < 1.0
     text = REGISTRY.render()
     assert "# TYPE keel_recorder_lag_seconds gauge" in text and "keel_recorder_batch_seconds_count" in text
-    from keel.cli.incidents import load_job_spans
+    from keel.reports.incidents import load_job_spans
 
     assert SYSTEM_JOB not in [job for job, _, _ in await load_job_spans(keel_env.engine)]  # no training job
     assert [job for job, _, _ in await load_job_spans(keel_env.engine, SYSTEM_JOB)] == [SYSTEM_JOB]

@@ -57,6 +57,10 @@ def _terraform(folder: Path, *args: str, check: bool = True) -> subprocess.Compl
     return result
 
 
+API_TOKEN_ENTRY = {"name": "oncall", "scope": "read", "sha256": "ab" * 32}
+"""An ``api_tokens`` entry as ``keel-api --new-token`` prints it."""
+
+
 def _credentials(scratch: Path) -> Path:
     """A credentials folder as the operator makes it (terraform/README.md), and every node's agent bundle."""
     master = scratch / "credentials"
@@ -84,6 +88,8 @@ def _variables(master: Path, **overrides: Any) -> dict[str, Any]:
         "nats_authorization_file": str(master.parent / "nats-server/authorization.conf"),
         "checkpoint_volume_claim": "keel-checkpoints",
         "image_pull_secrets": ["registry"],
+        "api_tokens": [API_TOKEN_ENTRY],
+        "api_client_cidrs": ["10.40.0.0/16"],
         "job": {"id": JOB, "nodes": WORKERS, "standby_nodes": SPARES, "node_selector": {"keel.dev/pool": "llm"},
                 "standby_selector": {"keel.dev/pool": "spare"}, "nproc_per_node": 8, "gpus_per_node": 8,
                 "command": ["python", "-m", "llm.train", "--config", "70b.yaml"], "rdzv_endpoint": "10.30.0.11:29400",
@@ -224,11 +230,35 @@ def test_bad_inputs_are_refused_with_their_reason(rendered: dict[str, Any]) -> N
         "a node is either a worker": {"job": {**_variables(rendered["master"])["job"], "standby_nodes": ["gpu-001"]}},
         "nats_client_cidrs must list the training nodes": {"nats_client_cidrs": []},
         "database_url must say how it uses TLS": {"database_url": "postgresql://keel_migrate:pw@db:5432/keel"},
+        "every api_tokens entry needs scope read or operator": {"api_tokens": [{**API_TOKEN_ENTRY, "scope": "admin"}]},
     }
     for message, override in cases.items():
         (folder / "bad.tfvars.json").write_text(json.dumps(_variables(rendered["master"], **override)))
         result = _terraform(folder, "plan", "-var-file=bad.tfvars.json", check=False)
         assert result.returncode != 0 and message in " ".join(result.stderr.split()), (message, result.stderr[-1500:])
+
+
+def test_the_http_api_runs_as_the_auditor_behind_its_tokens_and_only_its_clients_reach_it(rendered: dict[str, Any]) -> None:
+    objects = rendered["objects"]
+    deployment = objects["Deployment/keel-api"]
+    [container] = _pod_spec(deployment)["containers"]
+    assert container["command"] == ["keel-api"] and container["envFrom"] == [{"secretRef": {"name": "keel-database-auditor"}}]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert json.loads(env["KEEL_API__TOKENS"]) == [API_TOKEN_ENTRY]  # the digest only: no token in the cluster
+    assert env["KEEL_API__LISTEN_PORT"] == "8380" and "KEEL_NATS_URL" not in env
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    assert "initContainers" not in _pod_spec(deployment)  # no NATS identity to install
+    auditor = base64.b64decode(rendered["secrets"]["Secret/keel-database-auditor"]["data"]["KEEL_DATABASE_URL"]).decode()
+    assert auditor.startswith("postgresql://keel_auditor:auditor-pw@")
+    service = objects["Service/keel-api"]["spec"]
+    assert _selects(service["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    assert service["ports"] == [{"name": "http", "port": 8380, "protocol": "TCP", "targetPort": "http"}]
+    policy = next(o["spec"] for o in objects.values() if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "keel-api")
+    assert _selects(policy["podSelector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+    [rule] = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"keel.dev/api-client": "true"}}},
+                            {"ipBlock": {"cidr": "10.40.0.0/16"}}] and rule["ports"] == [{"port": 8380, "protocol": "TCP"}]
 
 
 def test_the_node_agent_daemonset_has_what_the_agent_needs(rendered: dict[str, Any]) -> None:

@@ -9,17 +9,21 @@ identity and shard-store certificate issued by ``keel-credentials issue-agent`` 
 control-plane image (the NATS server reloads to learn them), ``keel run`` with two ranks per node. A rank
 crashes; the containerised controller restarts the ranks from the in-memory checkpoints, the job finishes
 bitwise equal to an uninterrupted run, and ``keel replay --verify`` on the host is clean against the
-containerised store (as the auditor role, through the loopback-published port).
+containerised store (as the auditor role, through the loopback-published port). The API, in its container,
+lists the incident as recovered to a token made with ``keel-api --new-token`` and refuses a request without one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,10 +79,16 @@ def project(images: None, scratch_dir: Path) -> Iterator[ComposeProject]:
     secrets = scratch_dir / "secrets"
     subprocess.run(["sh", str(REPO / "infra/postgres/make-secrets.sh"), str(secrets / "postgres")], check=True,
                    capture_output=True)
+    # A read token for the API, made as docker-compose.yml says (keel-api --new-token in the image): the token to
+    # the caller, its entry (name, scope, SHA-256) into KEEL_API__TOKENS.
+    token, entry = podman("run", "--rm", "--network", "none", "keel:local", "keel-api", "--new-token",
+                          "compose-test").stdout.strip().splitlines()
+    (scratch_dir / "api.token").write_text(token)
     variables = {"KEEL_IMAGE": "keel:local", "KEEL_NATS_IMAGE": "keel-nats:local",
                  "KEEL_POSTGRES_IMAGE": "keel-postgres:local", "KEEL_SECRETS_DIR": str(secrets),
                  "KEEL_NATS_PORT": str(free_port()), "KEEL_NATS_MONITOR_PORT": str(free_port()),
-                 "KEEL_POSTGRES_PORT": str(free_port()), "KEEL_BUS__MAX_BYTES": "256MiB"}
+                 "KEEL_POSTGRES_PORT": str(free_port()), "KEEL_BUS__MAX_BYTES": "256MiB",
+                 "KEEL_API_PORT": str(free_port()), "KEEL_API__TOKENS": f"[{entry}]"}
     compose = ComposeProject(REPO / "docker-compose.yml", f"keel{uuid.uuid4().hex[:6]}", variables, PODMAN_ENV)
     try:
         yield compose
@@ -170,6 +180,24 @@ class ComposeJob:
                               env=env, capture_output=True, text=True, timeout=300)
 
 
+def api_get(url: str, token: str | None, timeout_s: float = 60) -> dict:
+    """GET ``url`` as JSON with ``token`` as the bearer (None: none); the API may still be starting (its
+    container starts with the others, and nothing waits for it): connection failures are retried until
+    ``timeout_s``, HTTP errors are raised."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError:
+            raise
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 async def test_compose_runs_the_whole_control_plane_in_containers_and_a_job_recovers_a_crash_bitwise(
         project: ComposeProject, scratch_dir: Path) -> None:
     reference = asyncio.create_task(asyncio.to_thread(reference_run, scratch_dir / "reference"))
@@ -208,6 +236,14 @@ async def test_compose_runs_the_whole_control_plane_in_containers_and_a_job_reco
     resolved = await job.wait_for(["IncidentResolved"], lambda e: e.payload.incident_id == str(opened.id), 180,
                                   "the incident's resolution")
     assert resolved.payload.outcome == "recovered", resolved.payload
+    # The API in its container answers as `keel incidents` would, behind its token, on the host's loopback.
+    api = f"http://127.0.0.1:{project.variables['KEEL_API_PORT']}"
+    token = (scratch_dir / "api.token").read_text()
+    listed = await asyncio.to_thread(api_get, f"{api}/v1/incidents?job={JOB}", token)
+    assert [i["outcome"] for i in listed["incidents"] if i["id"] == str(opened.id)] == ["recovered"], listed
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        await asyncio.to_thread(api_get, f"{api}/v1/incidents", None)
+    assert refused.value.code == 401
     [restart] = [e for e in await job.events(["RestartDecided"]) if e.correlation_id == opened.id]
     assert restart.payload.evict == [], restart.payload  # a crash restarts in place: no machine changes
     plans = [e for e in await job.events(["CheckpointRestorePlanned"])
@@ -226,7 +262,7 @@ async def test_compose_runs_the_whole_control_plane_in_containers_and_a_job_reco
     await assert_equal_to_reference(scratch_dir, list(job.node_dir("node-0").glob("logs/rank0.g*.stdout")))
 
     # Nothing decides any more once the services stop: the log is complete, and replays to the same decisions.
-    for name in [*NODES, *SERVICES]:
+    for name in [*NODES, *SERVICES, "api"]:
         podman("stop", "-t", "30", project.container(name), timeout_s=120)
     verified = await asyncio.to_thread(job.replay_verify)
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-2000:]

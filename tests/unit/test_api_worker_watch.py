@@ -25,3 +25,27 @@ def test_a_worker_whose_parent_is_gone_is_told_to_stop_and_one_whose_parent_live
         await asyncio.wait_for(task, 5)
 
     asyncio.run(watch_a_while())
+
+
+def test_a_worker_of_an_api_that_is_pid_1_lives_and_one_whose_parent_died_before_it_armed_exits() -> None:
+    """In a container the API is PID 1: its worker's parent being PID 1 is no orphan (a compose run caught the API
+    killing every worker it forked, over and over). Run as PID 1 of a new PID namespace."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os\n"
+        "from keel.api.main import _die_with_parent\n"
+        "assert os.getpid() == 1\n"
+        "api = os.getpid()\n"
+        "for expected, status in ((api, 0), (api + 12345, 1)):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        _die_with_parent(expected)\n"
+        "        os._exit(0)\n"
+        "    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == status, (expected, status)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                           sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from keel.cli.audit import VIEWS, AuditInputError, AuditQuery, parse_moment, rows_csv, rows_table
+from keel.reports.audit import VIEWS, AuditInputError, AuditQuery, parse_moment, rows_csv, rows_table
 
 NOW = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
 

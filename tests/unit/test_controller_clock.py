@@ -237,7 +237,7 @@ def test_a_commands_age_is_taken_from_the_agents_clock_only_when_plausible() -> 
 
 
 def test_keel_incidents_lists_the_clocks_still_off() -> None:
-    from keel.cli.incidents import format_skewed_clocks, skewed_clocks
+    from keel.reports.incidents import format_skewed_clocks, skewed_clocks
 
     job = Clocked(skews={"n0": TEN_MIN, "n1": -TEN_MIN})
     job.run(20)

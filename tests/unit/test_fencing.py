@@ -242,7 +242,7 @@ def test_a_node_evicted_then_started_again_under_its_id_is_planned_from_in_the_n
 
 
 def test_keel_incidents_lists_the_fenced_nodes() -> None:
-    from keel.cli.incidents import format_fences
+    from keel.reports.incidents import format_fences
 
     job, eviction = lost_and_replaced()
     from_agent(job, NodeHeartbeat(node_id="n2", ranks_alive=2, ranks_expected=2, last_step=30), "node/n2")

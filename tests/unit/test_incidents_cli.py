@@ -1,4 +1,4 @@
-"""The pure half of ``keel.cli.incidents``: incident summaries, timelines, ETTR tables, approvals and
+"""The pure half of ``keel.reports.incidents``: incident summaries, timelines, ETTR tables, approvals and
 cordons, against the hand-written incident log of ``tests/incident_factories.py``."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from keel.cli.incidents import (
+from keel.cli.main import main
+from keel.events.envelope import Event
+from keel.events.types import ActionHeld, ApprovalGiven, ApprovalRequested, IncidentOpened, JobStopDecided
+from keel.reports.incidents import (
     BadInput,
     LookupFailed,
     approval_answer,
@@ -30,9 +33,6 @@ from keel.cli.incidents import (
     summarize_incidents,
     timeline_json,
 )
-from keel.cli.main import main
-from keel.events.envelope import Event
-from keel.events.types import ActionHeld, ApprovalGiven, ApprovalRequested, IncidentOpened, JobStopDecided
 from keel.rules.ettr import compute_ettr
 from tests.incident_factories import JOB, at, incident_log
 

@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import pytest
 
-from keel.cli.incidents import IncidentSummary, JobEttr, ettr_json, format_ettr, format_incidents, job_ettr
 from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
 from keel.events.envelope import Event, decode_event
@@ -23,6 +22,7 @@ from keel.events.types import (
     TimerTicked,
 )
 from keel.kernel.replay import verify
+from keel.reports.incidents import IncidentSummary, JobEttr, ettr_json, format_ettr, format_incidents, job_ettr
 from keel.rules.ettr import PROCESS_LEVEL_NOTE, compute_ettr
 from tests.unit.test_controller import Job, of
 from tests.unit.test_ettr import at, crash_log, ev

@@ -9,9 +9,11 @@
 #   NATS JetStream: a StatefulSet of var.nats_replicas servers (TLS, Keel's identities), its Services and PDB
 #   migrate Job; one Deployment per control-plane service, each with startup, readiness and liveness probes
 #   the actuator's ServiceAccount and RBAC (exactly the Kubernetes API calls keel.actuator.kubernetes makes)
+#   the HTTP API (keel-api: read-only, as the auditor role, behind var.api_tokens) and its Service
 #   the node-agent DaemonSet and the standby Deployment of the job (var.job), when one is given
 #   NetworkPolicies: ingress denied by default; NATS only from Keel's pods (and var.nats_client_cidrs); the
-#   managed PostgreSQL only from the pods that use it; the Kubernetes API only from the actuator
+#   managed PostgreSQL only from the pods that use it; the Kubernetes API only from the actuator; the HTTP API
+#   only from pods labelled keel.dev/api-client and var.api_client_cidrs
 
 locals {
   ns = var.namespace
@@ -174,7 +176,7 @@ locals {
       role => replace(var.database_url, "/^(postgres(ql)?://)[^@/]*@/", "$${1}keel_${role}:${password}@")
     },
   )
-  database_secrets = { for role in ["migrate", "recorder", "decider"] : role => { KEEL_DATABASE_URL = base64encode(local.database_urls[role]) } }
+  database_secrets = { for role in ["migrate", "recorder", "decider", "auditor"] : role => { KEEL_DATABASE_URL = base64encode(local.database_urls[role]) } }
 
   # Changing a Secret or the settings rolls the pods that read them (env and the credentials copy are read at
   # start only). A digest of a secret is no secret.
@@ -584,6 +586,79 @@ locals {
   }
 }
 
+# -- the HTTP API ---------------------------------------------------------------------------------------
+
+locals {
+  # Read-only over the event store as keel_auditor; no NATS identity, no settings of the services (it reads
+  # none of them): its own few settings below. Stateless: var.api_replicas of it may serve side by side.
+  api_port = 8380
+  api_labels = merge(local.common_labels, local.database_client,
+  { "app.kubernetes.io/name" = "keel-api", "app.kubernetes.io/component" = "api" })
+  api_client = { "keel.dev/api-client" = "true" }
+  api_probe  = { httpGet = { path = "/healthz", port = "http" } }
+
+  api_manifests = {
+    "Deployment/keel-api" = {
+      apiVersion = "apps/v1", kind = "Deployment"
+      metadata   = { name = "keel-api", namespace = local.ns, labels = local.api_labels }
+      spec = {
+        replicas             = var.api_replicas
+        revisionHistoryLimit = 5
+        selector             = { matchLabels = { "app.kubernetes.io/name" = "keel-api" } }
+        template = {
+          metadata = {
+            labels = local.api_labels
+            annotations = {
+              "checksum/keel-database"   = local.database_checksums["auditor"]
+              "checksum/keel-api-tokens" = sha256(jsonencode(var.api_tokens))
+            }
+          }
+          spec = merge(
+            {
+              automountServiceAccountToken  = false
+              enableServiceLinks            = false
+              terminationGracePeriodSeconds = 30
+              securityContext               = local.pod_security
+              containers = [{
+                name            = "api"
+                image           = var.images.control_plane
+                imagePullPolicy = var.image_pull_policy
+                command         = ["keel-api"]
+                ports           = [{ name = "http", containerPort = local.api_port, protocol = "TCP" }]
+                envFrom         = [{ secretRef = { name = "keel-database-auditor" } }]
+                env = [for key, value in {
+                  KEEL_DB_SCHEMA        = var.db_schema
+                  KEEL_HOME             = "/tmp/keel"
+                  KEEL_API__LISTEN_HOST = "0.0.0.0"
+                  KEEL_API__LISTEN_PORT = tostring(local.api_port)
+                  # Only each token's name, scope and SHA-256: no token is in the cluster.
+                  KEEL_API__TOKENS = jsonencode(var.api_tokens)
+                } : { name = key, value = value }]
+                resources       = var.api_resources
+                securityContext = local.container_security
+                volumeMounts    = [{ name = "tmp", mountPath = "/tmp" }]
+                startupProbe    = merge(local.api_probe, { periodSeconds = 5, failureThreshold = 60 })
+                readinessProbe  = merge(local.api_probe, { periodSeconds = 10, failureThreshold = 3 })
+                livenessProbe   = merge(local.api_probe, { periodSeconds = 20, timeoutSeconds = 5, failureThreshold = 3 })
+              }]
+              volumes = [{ name = "tmp", emptyDir = {} }]
+            },
+            local.pod_placement,
+          )
+        }
+      }
+    }
+    "Service/keel-api" = {
+      apiVersion = "v1", kind = "Service"
+      metadata   = { name = "keel-api", namespace = local.ns, labels = local.api_labels }
+      spec = {
+        selector = { "app.kubernetes.io/name" = "keel-api" }
+        ports    = [{ name = "http", port = local.api_port, targetPort = "http", protocol = "TCP" }]
+      }
+    }
+  }
+}
+
 # -- the actuator's RBAC: exactly the calls keel.actuator.kubernetes makes --------------------------------
 
 locals {
@@ -859,6 +934,22 @@ locals {
           to    = [for cidr in var.database_cidrs : { ipBlock = { cidr = cidr } }]
           ports = [{ protocol = "TCP", port = var.database_port }]
         }]
+      }
+    }
+    # The HTTP API: reached from pods labelled keel.dev/api-client (a TLS proxy, a dashboard) and from
+    # var.api_client_cidrs; it reaches DNS (and the database, by the policy above) only.
+    "NetworkPolicy/keel-api" = {
+      apiVersion = "networking.k8s.io/v1", kind = "NetworkPolicy"
+      metadata   = { name = "keel-api", namespace = local.ns, labels = local.common_labels }
+      spec = {
+        podSelector = { matchLabels = { "app.kubernetes.io/name" = "keel-api" } }
+        policyTypes = ["Ingress", "Egress"]
+        ingress = [{
+          from = concat([{ podSelector = { matchLabels = local.api_client } }],
+          [for cidr in var.api_client_cidrs : { ipBlock = { cidr = cidr } }])
+          ports = [{ protocol = "TCP", port = local.api_port }]
+        }]
+        egress = [local.dns_egress]
       }
     }
     # The Kubernetes API: the actuator only.

@@ -25,8 +25,8 @@ output "migrate" {
 }
 
 output "workloads" {
-  description = "The control-plane Deployments and the job's node agents and standbys, by \"Kind/name\"."
-  value       = merge(local.service_manifests, local.agent_manifests)
+  description = "The control-plane Deployments, the HTTP API and its Service, and the job's node agents and standbys, by \"Kind/name\"."
+  value       = merge(local.service_manifests, local.api_manifests, local.agent_manifests)
 }
 
 output "nats_url" {

@@ -158,3 +158,19 @@ variable "job" {
     }))
   })
 }
+
+variable "api_tokens" {
+  type = list(object({ name = string, scope = string, sha256 = string }))
+}
+
+variable "api_replicas" {
+  type = number
+}
+
+variable "api_resources" {
+  type = object({ requests = map(string), limits = map(string) })
+}
+
+variable "api_client_cidrs" {
+  type = list(string)
+}

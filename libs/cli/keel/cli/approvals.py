@@ -5,7 +5,7 @@
     keel uncordon NODE [--by NAME] [--job J]                           ... or puts it back
 
 Each command looks up what it answers in the event store, builds one event with the pure builders of
-``keel.cli.incidents`` (``approval_answer``, ``cordon_event``) and publishes it on the bus. An unknown,
+``keel.reports.incidents`` (``approval_answer``, ``cordon_event``) and publishes it on the bus. An unknown,
 ambiguous, already answered or expired request is exit status 1; unusable input is 2.
 """
 
@@ -16,7 +16,9 @@ import sys
 from typing import Any
 
 from keel.cli.common import CliError, Subparsers, on_store, operator_identity, publish
-from keel.cli.incidents import (
+from keel.events.envelope import now_utc
+from keel.infra.config import Settings
+from keel.reports.incidents import (
     BadInput,
     approval_answer,
     choose_job,
@@ -25,8 +27,6 @@ from keel.cli.incidents import (
     load_open_request,
     short_id,
 )
-from keel.events.envelope import now_utc
-from keel.infra.config import Settings
 
 
 def register(sub: Subparsers) -> None:

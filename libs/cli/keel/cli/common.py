@@ -74,8 +74,8 @@ def nats_url_or_none(settings: Settings) -> str | None:
 
 def on_store(settings: Settings, use: Callable[[Any], Coroutine[Any, Any, Any]]) -> Any:
     """Run ``use(store)`` against the event store; lookup and usage errors become ``CliError``."""
-    from keel.cli.incidents import BadInput, LookupFailed
     from keel.infra.store import EventStore, create_engine
+    from keel.reports.incidents import BadInput, LookupFailed
 
     _, database_url = endpoints(settings)
 

@@ -55,7 +55,7 @@ SERVICES = ("recorder", "controller", "checkpoint-broker", "actuator", "analyzer
 """The services ``keel up`` supervises (``keel service NAME``)."""
 API = "api"
 """The HTTP API (``keel-api``, ``services/api``), which ``keel up`` supervises beside the services when
-``api.serve_with_up`` (run as its own program: ``keel.api`` sits above the CLI)."""
+``api.serve_with_up`` (run as its own program: ``keel.api`` is the CLI's sibling, not below it)."""
 API_TOKEN_FILE = "api-operator.token"
 """The local operator's API token, in the credentials folder (0600): made by the first ``keel up``."""
 

@@ -1,20 +1,14 @@
-"""Reporting and human input: ``keel ettr``, ``keel incidents``, ``keel timeline``, ``keel approve`` /
-``keel deny``, ``keel cordon`` / ``keel uncordon``.
+"""Reports from the event log: incidents, timelines, ETTR, approvals and cordons, shared by ``keel`` (the CLI's
+``keel ettr`` / ``keel incidents`` / ``keel timeline`` / ``keel approve`` ...) and ``keel-api``, so the two cannot
+disagree. Torch-free, like everything the API image holds.
 
-    keel ettr [--job J] [--window 1h] [--json]   cumulative and sliding-window ETTR, lost time by incident and phase
-    keel incidents [--job J] [--json]            the controller's incidents, one line each
-    keel timeline INCIDENT [--job J] [--json]    every event of one incident (id or a 6+ character prefix)
-
-The module has three parts:
+The module has two parts:
 
 - **pure** (no I/O, no clock): folds over events (``summarize_incidents``, ``build_timeline``,
   ``match_controller_incidents``, ``find_open_request``, ``resolve_id``), event builders for the human
   inputs (``approval_answer``, ``cordon_event``; the caller passes the time) and formatters that turn
   those into text or JSON-ready dicts (``format_*``, ``*_json``);
-- **adapters** (``load_*``): read the event store, nothing else (the CLI publishes the built events);
-- **commands** (``register``, ``cmd_*``): ``keel ettr``, ``keel incidents`` and ``keel timeline``.
-  The human-input commands (approve, deny, cordon, uncordon) are ``keel.cli.approvals``, on the
-  builders and adapters here.
+- **adapters** (``load_*``): read the event store, nothing else (the CLI publishes the built events).
 
 A controller incident is the ``IncidentOpened`` event: its id is the incident id, and every decision
 about it, and every event agents emit in answer to those, carries that id as ``correlation_id``.
@@ -26,14 +20,12 @@ Lookups that find nothing, or more than one thing, or a request already answered
 
 from __future__ import annotations
 
-import argparse
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-from keel.cli.common import CliError, Subparsers, on_store, print_json
 from keel.events.envelope import SUBJECT_RE, Event, payload_of
 from keel.events.types import (
     ApprovalGiven,
@@ -46,13 +38,11 @@ from keel.events.types import (
     NodeFenced,
 )
 from keel.events.units import format_duration as format_duration_spec
-from keel.events.units import parse_duration
 from keel.rules.ettr import INPUT_TYPES, OVERHEAD_KINDS, PHASES, EttrReport, EttrWindow, compute_ettr
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from keel.infra.config import Settings
     from keel.infra.store import EventStore, RecordedEvent
 
 MIN_PREFIX = 6
@@ -685,82 +675,50 @@ async def load_node_jobs(engine: AsyncEngine, node_id: str) -> list[str]:
         return [row[0] for row in (await conn.execute(query)).all()]
 
 
-
-# -- commands: keel ettr, keel incidents, keel timeline ----------------------------------------------
-
-
-def register(sub: Subparsers) -> None:
-    ettr = sub.add_parser("ettr", help="ETTR, cumulative and over a sliding window, lost time by incident and phase")
-    ettr.add_argument("--job", help="one job (default: every job in the log)")
-    ettr.add_argument("--window", default="1h", help="the sliding window: the last DURATION of the log (default 1h)")
-    ettr.add_argument("--json", action="store_true")
-    ettr.set_defaults(func=cmd_ettr)
-
-    incidents = sub.add_parser("incidents", help="the controller's incidents, one line each")
-    incidents.add_argument("--job")
-    incidents.add_argument("--json", action="store_true")
-    incidents.set_defaults(func=cmd_incidents)
-
-    timeline = sub.add_parser("timeline", help="every event of one incident, in log order")
-    timeline.add_argument("incident", help="the incident id (the IncidentOpened event's) or a prefix of 6+ characters")
-    timeline.add_argument("--job")
-    timeline.add_argument("--json", action="store_true")
-    timeline.set_defaults(func=cmd_timeline)
-
-
-def cmd_ettr(args: argparse.Namespace, settings: Settings) -> int:
-    try:
-        window = parse_duration(args.window)
-    except ValueError as exc:
-        raise CliError(f"--window: {exc}") from None
-    if window <= timedelta(0):
-        raise CliError(f"--window must be longer than 0 s, got {args.window!r}")
-    jobs = on_store(settings, lambda store: load_ettr(store, args.job, window))
-    if args.json:
-        print_json({"jobs": [ettr_json(job) if job else {"job_id": name, "cumulative": None, "window": None}
-                             for name, job in jobs]})
-        return 0
-    if not jobs:
-        print("keel: no events in the log")
-        return 0
-    blocks = [format_ettr(job) if job else f"job {name}: no rank has started yet: no ETTR" for name, job in jobs]
-    print("\n\n".join(blocks))
-    return 0
-
-
 async def load_fences(store: EventStore, job_id: str | None = None) -> list[Event]:
     return [r.event async for r in store.read(job_id=job_id, types=FENCE_TYPES)]
 
 
-def cmd_incidents(args: argparse.Namespace, settings: Settings) -> int:
-    incidents, clocks = on_store(settings, lambda store: load_incidents_and_clocks(store, args.job))
-    fences = on_store(settings, lambda store: load_fences(store, args.job))
-    if args.json:
-        print_json({**incidents_json(incidents), "skewed_clocks": [c.to_json() for c in clocks],
-                    "fenced": [{"job_id": e.job_id, **e.payload.model_dump(mode="json"),
-                                "at": e.occurred_at.isoformat(), "incident": str(e.correlation_id)} for e in fences]})
-    else:
-        print(format_incidents(incidents))
-        if clocks:
-            print("\n" + format_skewed_clocks(clocks))
-        if fences:
-            print("\n" + format_fences(fences))
-    return 0
-
-
-def cmd_timeline(args: argparse.Namespace, settings: Settings) -> int:
-    timeline = on_store(settings, lambda store: load_timeline(store, args.incident, args.job))
-    if args.json:
-        print_json(timeline_json(timeline))
-    else:
-        print(format_timeline(timeline))
-    return 0
-
-
 __all__ = [
-    "BadInput", "IncidentSummary", "JobEttr", "LookupFailed", "SUMMARY_TYPES", "Timeline", "TimelineEntry", "approval_answer",
-    "build_timeline", "choose_job", "cmd_ettr", "cmd_incidents", "cmd_timeline", "cordon_event", "describe", "ettr_json", "find_open_request", "format_duration",
-    "format_ettr", "format_incidents", "format_offset", "format_timeline", "incidents_json", "job_ettr",
-    "load_ettr", "load_incidents", "load_job_spans", "load_node_jobs", "load_open_request", "load_timeline",
-    "match_controller_incidents", "register", "resolve_id", "short_id", "summarize_incidents", "timeline_json",
+    "BadInput",
+    "FENCE_TYPES",
+    "IncidentPage",
+    "IncidentSummary",
+    "JobEttr",
+    "LookupFailed",
+    "SUMMARY_TYPES",
+    "SkewedClock",
+    "Timeline",
+    "TimelineEntry",
+    "approval_answer",
+    "build_timeline",
+    "choose_job",
+    "cordon_event",
+    "describe",
+    "ettr_json",
+    "find_open_request",
+    "format_duration",
+    "format_ettr",
+    "format_fences",
+    "format_incidents",
+    "format_offset",
+    "format_skewed_clocks",
+    "format_timeline",
+    "incidents_json",
+    "job_ettr",
+    "load_ettr",
+    "load_fences",
+    "load_incident_page",
+    "load_incidents",
+    "load_incidents_and_clocks",
+    "load_job_spans",
+    "load_node_jobs",
+    "load_open_request",
+    "load_timeline",
+    "match_controller_incidents",
+    "resolve_id",
+    "short_id",
+    "skewed_clocks",
+    "summarize_incidents",
+    "timeline_json",
 ]

@@ -1,7 +1,7 @@
 """The API's routes (adapter): FastAPI over the event store, read as the ``auditor`` role.
 
-Every route answers what a reporting command answers, from the same functions (``keel.cli.incidents``,
-``keel.cli.audit``), so the API and the CLI cannot disagree:
+Every route answers what a reporting command answers, from the same functions (``keel.reports.incidents``,
+``keel.reports.audit``), so the API and the CLI cannot disagree:
 
 =====================================  ==============================  ===========================
 route                                  what                            the command
@@ -41,8 +41,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import keel.events.types  # noqa: F401 - registers the event types the store decodes
-from keel.cli.audit import VIEWS, AuditInputError, AuditQuery, rows_json
-from keel.cli.incidents import (
+from keel.events.envelope import JOB_ID_RE, REGISTRY
+from keel.events.units import parse_duration
+from keel.infra.api_auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
+from keel.infra.store import EventStore, node_status_table
+from keel.reports.audit import VIEWS, AuditInputError, AuditQuery, rows_json
+from keel.reports.incidents import (
     SUMMARY_TYPES,
     BadInput,
     LookupFailed,
@@ -53,10 +57,6 @@ from keel.cli.incidents import (
     load_timeline,
     timeline_json,
 )
-from keel.events.envelope import JOB_ID_RE, REGISTRY
-from keel.events.units import parse_duration
-from keel.infra.api_auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
-from keel.infra.store import EventStore, node_status_table
 
 log = logging.getLogger("keel.api")
 

@@ -191,12 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     workers = []
+    api_pid = os.getpid()
     for _ in range(processes - 1):
         pid = os.fork()  # no thread and no event loop exists yet: the child starts clean
         if pid == 0:
-            parent = os.getppid()
-            _die_with_parent()
-            os._exit(_serve_here(settings, database_url, sock, announce=False, parent=parent))
+            _die_with_parent(api_pid)
+            os._exit(_serve_here(settings, database_url, sock, announce=False, parent=api_pid))
         workers.append(pid)
     try:
         return _serve_here(settings, database_url, sock, workers=workers)
@@ -235,9 +235,10 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _die_with_parent() -> None:
-    """Linux: this worker gets SIGTERM when the process that forked it dies (even by SIGKILL), so no worker is left
-    serving the port alone."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: this worker gets SIGTERM when ``parent``, the process that forked it, dies (even by SIGKILL), so no
+    worker is left serving the port alone. ``parent`` is taken before the fork: in a container the API is PID 1,
+    so a parent of PID 1 is no sign of an orphan; a parent other than ``parent`` is."""
     try:
         import ctypes
 
@@ -246,7 +247,7 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     except (OSError, AttributeError):  # not Linux: the parent's stop still ends it
         pass
-    if os.getppid() == 1:  # the parent died before the call above
+    if os.getppid() != parent:  # the parent died before the call above: reparented
         os._exit(1)
 
 
