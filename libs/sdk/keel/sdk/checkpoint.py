@@ -795,8 +795,9 @@ class Checkpointer:
         - sharded parameters and optimizer state (FSDP2 / DTensor): the new local chunk is copied from the
           saved chunks that overlap it (``keel.sdk.reshard``), bitwise;
         - replicated model and optimizer state (DDP: every rank holds all of it): saved rank 0's;
-        - the scheduler, scaler, sampler, loader and extra objects: their state if every saved rank's is equal,
-          else the object's ``reshard_state_dict(states)`` (one state per saved rank, in rank order), else refused;
+        - the scheduler, scaler, sampler, loader and extra objects: the object's ``reshard_state_dict(states)``
+          (one state per saved rank, in rank order) when it has one, else their state if every saved rank's is
+          equal, else refused;
         - RNG states: saved rank ``r``'s for rank ``r`` where the old layout had one; a rank beyond it keeps its own.
 
         Refused with ``CheckpointMismatchError`` before anything is loaded: a checkpoint that misses a rank's
