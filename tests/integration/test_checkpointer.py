@@ -28,7 +28,7 @@ from keel.checkpoint import slots as ckpt_slots
 from keel.infra.embedded import free_port
 from keel.protocol import node_local_pb2 as pb
 from keel.sdk import Checkpointer, CheckpointMismatchError, Session, SessionConfig
-from keel.sdk.checkpoint import CheckpointError
+from keel.sdk.checkpoint import CheckpointCorruptError, CheckpointError
 from keel.sdk.shard import decode_shard
 from keel.workload.data import ShardedSampler
 from tests.factories import finish_ranks, flip_byte, kill_ranks, step_losses
@@ -492,8 +492,6 @@ def test_fast_restore_loads_in_place_bitwise_and_owns_its_optimizer_state(shm: P
 
 def test_fast_restore_refuses_a_flipped_byte_clearly_and_blocks_snapshots(shm: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from keel.sdk.checkpoint import CheckpointCorruptError
-
     _run_with_slots(shm / "slots", 4)
     slot = ckpt_slots.slot_path(shm / "slots", 0, 1)
     header = ckpt_slots.read_header(slot)
@@ -557,3 +555,43 @@ def test_a_step_taken_again_rewrites_its_own_slot_and_only_the_newest_step_can_b
         assert ckpt_slots.read_payload(ckpt_slots.slot_path(tmp_path, 0, 0), verify=True)[0].step == 0
         with pytest.raises(CheckpointError, match="only the newest step can be taken again"):
             ckpt.snapshot(0, again=True)
+
+
+# -- (f) a persistent-tier step of another world size ----------------------------------------------------------
+
+
+def test_a_persistent_step_of_two_ranks_restores_into_one_and_trains_on_exactly(shm: Path) -> None:
+    """``restore(step_dir)``: every rank's shard of a committed step (each verified against the manifest), fitted to
+    this run's world size: a replicated model and optimizer come from rank 0, the sampler deals the epoch's rest,
+    and the run goes on bitwise as the saving one would have; a shard that fails its digest loads nothing."""
+    from keel.checkpoint import disk
+
+    saved = build(0)
+    train(saved, 0, 2)
+    root = shm / "persist"
+    written = []
+    for rank in range(2):
+        groups = {"dp": [0, 1], "pp": [rank], "tp": [rank]}
+        payload = (shm / f"r{rank}.shard")
+        saved.checkpointer(rank=rank, world_size=2, groups=groups).save_file(payload, step=1)
+        written.append(disk.write_shard(root, "job", 1, rank, payload.read_bytes()))
+    disk.write_manifest(root, "job", 1, 2, [{"rank": r, "bytes": w.bytes, "sha256": w.sha256} for r, w in enumerate(written)])
+    step_dir = disk.step_dir(root, "job", 1)
+    reference = train(saved, 2, 5)
+
+    resumed = build(7)
+    ckpt = resumed.checkpointer(rank=0, world_size=1)
+    with pytest.raises(CheckpointMismatchError, match="world size 2 in the checkpoint, 1 now: load every saved rank"):
+        ckpt.restore(step_dir / "rank-00000.shard")
+    assert ckpt.restore(step_dir) == 1 and "resharded from 2 ranks to 1" in str(ckpt.restored_from)
+    assert train(resumed, 2, 5) == reference
+
+    shard = step_dir / "rank-00001.shard"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = build(8)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+    with pytest.raises(CheckpointCorruptError, match="SHA-256 is not the manifest's"):
+        fresh.checkpointer(rank=0, world_size=1).restore(step_dir)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters(), strict=True))

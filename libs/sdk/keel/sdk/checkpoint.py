@@ -1098,7 +1098,7 @@ class Checkpointer:
 
         Sources in order: the plan file ``$KEEL_RESTORE_PLAN`` (waited for up to ``timeout``, default
         ``$KEEL_RESTORE_TIMEOUT`` or 120 s; its ``step = -1`` means fresh), then ``path`` (a slot or shard
-        file), then the newest COMPLETE slot of ``ckpt_dir`` whose digest verifies (with torch.distributed
+        file, or a persistent-tier step directory: ``load_resharded``), then the newest COMPLETE slot of ``ckpt_dir`` whose digest verifies (with torch.distributed
         initialised, the newest step that every rank holds: then a collective call), else fresh. A torn or
         corrupt slot is skipped with a warning. Raises ``CheckpointMismatchError`` for a checkpoint of
         another rank, topology or model, ``CheckpointError`` for a plan or file that cannot be used.
@@ -1109,7 +1109,9 @@ class Checkpointer:
             return self._restore_from_plan(Path(plan_path), timeout or _env_duration("KEEL_RESTORE_TIMEOUT",
                                                                                   DEFAULT_RESTORE_TIMEOUT))
         if path is not None:
-            return self.load_file(path)
+            # A persistent-tier step directory holds every rank's shard: loaded through load_resharded, which
+            # verifies each against the manifest and fits the step to this run's world size and layout.
+            return self.load_resharded(path) if Path(path).is_dir() else self.load_file(path)
         if self.ckpt_dir is not None:
             return self._restore_from_slots()
         return -1
