@@ -47,8 +47,8 @@ def saved(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
               "optimizer": {"state": {"w": {"exp_avg": _chunk(whole["exp_avg"], r, 2), "step": torch.tensor(7.0)}},
                             "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95), "params": ["w", "bias"]}]},
               "scheduler": {"last_epoch": 8}} for r in range(2)]
-    _write_step(tmp_path / "step-000000007", trees)
-    return tmp_path / "step-000000007", whole
+    _write_step(tmp_path / "j" / "step-000000007", trees)  # <root>/<job>/step-<s>, as the persistent tier lays it out
+    return tmp_path / "j" / "step-000000007", whole
 
 
 def test_dcp_loads_a_keel_checkpoint_into_full_tensors_bitwise(saved) -> None:
@@ -72,7 +72,7 @@ def test_a_part_not_offered_or_a_corrupt_shard_is_refused(saved) -> None:
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises((CheckpointException, CheckpointError), match="SHA-256 is not the manifest's"):
+    with pytest.raises((CheckpointException, CheckpointError), match="SHA-256 mismatch .*the checkpoint is corrupt"):
         dcp.load({"model": {"w": torch.zeros(5, 3)}}, storage_reader=KeelStorageReader(step_dir))
 
 
@@ -80,9 +80,10 @@ def test_a_checkpoint_of_a_model_that_is_not_sharded_has_its_optimizer_refused_w
     w = torch.randn(4, 2)
     trees = [{"model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": w.clone()}},
                                                "param_groups": [{"lr": 0.1, "params": [0]}]}}]
-    _write_step(tmp_path / "step", trees)
+    step_dir = tmp_path / "j" / "step-000000007"
+    _write_step(step_dir, trees)
     with pytest.raises((CheckpointException, CheckpointError), match="keys its optimizer state by parameter index"):
-        dcp.load({"model": {"w": torch.zeros(4, 2)}}, storage_reader=KeelStorageReader(tmp_path / "step"))
+        dcp.load({"model": {"w": torch.zeros(4, 2)}}, storage_reader=KeelStorageReader(step_dir))
     target = {"model": {"w": torch.zeros(4, 2)}}
-    dcp.load(target, storage_reader=KeelStorageReader(tmp_path / "step", names={"model": "model"}))
+    dcp.load(target, storage_reader=KeelStorageReader(step_dir, names={"model": "model"}))
     assert torch.equal(target["model"]["w"], w)

@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointInfo",
     "job_dir",
     "step_dir",
+    "locate_step",
     "shard_file",
     "manifest_path",
     "write_shard",
@@ -166,6 +167,16 @@ def step_dir(root: Path, job: str, step: int) -> Path:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return job_dir(root, job) / f"step-{step:09d}"
+
+
+def locate_step(directory: Path) -> tuple[Path, str, int]:
+    """``(root, job, step)`` of a step directory ``<root>/<job>/step-<s>``; ``CheckpointNotFound`` for a folder
+    that is not one."""
+    directory = Path(directory)
+    match = _STEP_DIR.match(directory.name)
+    if match is None or not directory.is_dir():
+        raise CheckpointNotFound(f"{directory} is not a step directory of the persistent tier (<root>/<job>/step-<9 digits>)")
+    return directory.parent.parent, directory.parent.name, int(match.group(1))
 
 
 def shard_file(root: Path, job: str, step: int, rank: int) -> Path:

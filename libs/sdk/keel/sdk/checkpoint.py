@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -1389,49 +1390,43 @@ def read_checkpoint_ranks(sources: str | os.PathLike[str] | Sequence[str | os.Pa
                       ) -> tuple[list[tuple[dict[str, Any], Any]], str]:
     """Every saved rank's ``(meta, tree)`` of one checkpoint, in rank order, and where they came from.
 
-    ``sources``: a persistent-tier step directory (each shard checked against ``manifest.json``'s SHA-256) or every
-    rank's slot or shard file (a slot checked against its own digest). Each is verified before it is decoded;
+    ``sources``: a persistent-tier step directory ``<root>/<job>/step-<s>`` (read by ``keel.checkpoint.disk``: each
+    shard checked against ``manifest.json``'s size and SHA-256) or every rank's slot or shard file (a slot checked
+    against its own digest). Each is verified before it is decoded;
     the trees' tensors are views of the bytes read. ``CheckpointMismatchError`` unless they are every rank of one
     world size and one step; ``CheckpointCorruptError`` / ``CheckpointError`` for bytes that fail or cannot be read."""
-    entries: list[tuple[Path, str | None]]
+    from keel.checkpoint import disk
+
+    payloads: list[tuple[Path, Callable[[], bytes]]]
     if isinstance(sources, (str, os.PathLike)) and Path(sources).is_dir():
-        directory = Path(sources)
+        # The persistent tier's own reader: the manifest parsed and checked, each shard's size and SHA-256 verified.
         try:
-            manifest = json.loads((directory / "manifest.json").read_bytes())
-            entries = [(directory / str(e["file"]), str(e["sha256"])) for e in manifest["shards"]]
-            bad = [str(e["file"]) for e in manifest["shards"] if "/" in str(e["file"]) or str(e["file"]).startswith(".")]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{directory}: no readable manifest.json (a step directory is a checkpoint only "
-                                  f"once its manifest is written): {exc}") from None
-        if bad:
-            raise CheckpointError(f"{directory}/manifest.json names files outside the directory: {bad}")
-        where = str(directory)
+            root, job, step = disk.locate_step(Path(sources))
+            manifest = disk.read_manifest(root, job, step)
+        except disk.CheckpointError as exc:
+            raise CheckpointError(f"{sources}: {exc}") from None
+        payloads = [(manifest.path.parent / e.file, functools.partial(disk.load_shard, root, job, step, e.rank))
+                    for e in manifest.shards]
+        where = str(sources)
     else:
-        paths = [Path(sources)] if isinstance(sources, (str, os.PathLike)) else [Path(p) for p in sources]
-        entries = [(p, None) for p in paths]
+        paths = [Path(p) for p in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]
+        payloads = [(p, functools.partial(_slot_or_shard_bytes, p)) for p in paths]
         where = f"{paths[0].parent}" if paths else "no files"
-    if not entries:
+    if not payloads:
         raise CheckpointError("load_resharded: no shards given")
     decoded = []
-    for path, digest in entries:
+    for path, read in payloads:
         try:
-            with open(path, "rb") as f:
-                prefix = f.read(8)
-            if prefix == ckpt_slots.MAGIC:
-                _, payload = ckpt_slots.read_payload(path, verify=True)
-            else:
-                payload = path.read_bytes()
-                if digest is not None and ckpt_slots.sha256_hex(payload) != digest:
-                    raise CheckpointCorruptError(f"shard {path}: SHA-256 is not the manifest's {digest[:12]}: "
-                                                 "the checkpoint is corrupt")
-            decoded.append(shard.decode_shard(payload, copy=False))
+            decoded.append(shard.decode_shard(read(), copy=False))
+        except disk.CheckpointCorrupt as exc:
+            raise CheckpointCorruptError(f"{exc}: the checkpoint is corrupt") from None
+        except (disk.CheckpointError, OSError) as exc:
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
         except ckpt_slots.SlotError as exc:
             corrupt = "digest mismatch" in str(exc)  # else not complete, torn or unreadable: not known to be bad bytes
             raise (CheckpointCorruptError if corrupt else CheckpointError)(f"slot {path}: {exc}") from None
         except shard.ShardFormatError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
-        except OSError as exc:
-            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
     decoded.sort(key=lambda item: int(item[0]["rank"]))
     ranks = [int(m["rank"]) for m, _ in decoded]
     worlds = {int(m["world_size"]) for m, _ in decoded}
@@ -1442,6 +1437,15 @@ def read_checkpoint_ranks(sources: str | os.PathLike[str] | Sequence[str | os.Pa
     if len(steps) != 1:
         raise CheckpointMismatchError(f"{where}: the shards hold different steps {sorted(steps)}")
     return decoded, where
+
+
+def _slot_or_shard_bytes(path: Path) -> bytes:
+    """A slot's verified payload (its own digest checked), or a shard file's bytes (nothing to check them by)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+    if prefix == ckpt_slots.MAGIC:
+        return ckpt_slots.read_payload(path, verify=True)[1]
+    return path.read_bytes()
 
 
 def _describe(value: Any) -> str:
