@@ -26,6 +26,7 @@ import os
 import random
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.dcp_save_at is not None or args.dcp_load) and not args.dcp_dir:
         p.error("--dcp-save-at and --dcp-load need --dcp-dir")
-    if sum(bool(x) for x in (args.reshard_from, args.dcp_load)) > 1:
+    if args.reshard_from and args.dcp_load:
         p.error("--reshard-from and --dcp-load are two ways to resume: pick one")
     return args
 
@@ -106,7 +107,7 @@ def dcp_load(directory: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)  # in place, into these dicts
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     files = sorted(glob.glob(os.path.join(directory, "extra-rank*.json")), key=lambda f: int(f.rsplit("rank", 1)[1][:-5]))
-    extras = [json.loads(open(f).read()) for f in files]  # noqa: SIM115 - small files, read once
+    extras = [json.loads(Path(f).read_text()) for f in files]
     scheduler.load_state_dict(extras[0]["scheduler"])
     sampler.load_state_dict(sampler.reshard_state_dict([e["sampler"] for e in extras]))
     return int(extras[0]["scheduler"]["last_epoch"]) - 1
