@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from keel.events.envelope import Event, EventPayload, EventTime, event_type, upcaster
 
@@ -317,13 +317,16 @@ LAUNCH_VERSION = "launch"
 """The version id of the code a job was launched with (before any deploy)."""
 
 
-@event_type("RanksRestartRequested", version=3, aggregate="node")
+@event_type("RanksRestartRequested", version=4, aggregate="node")
 class RanksRestartRequested(EventPayload):
     """A command: restart this node's ranks in place as ``generation``. Ignored after ``expires_at``.
 
     v2: ``code``, the version the restarted ranks run (None: whatever the node runs now).
     v3: ``master_addr``, the host that serves the ranks' rendezvous (``MASTER_ADDR``) from this generation
-    on ("": the one the node launched with): it moves with node rank 0 to another host."""
+    on ("": the one the node launched with): it moves with node rank 0 to another host.
+    v4: ``nnodes`` and ``node_rank``: the job goes on with fewer nodes (the controller's shrink, no standby
+    ready): this node runs node rank ``node_rank`` of ``nnodes`` from this generation on, and its ranks
+    restore the last step resharded from every old rank's shard (0 and -1: the layout stays)."""
 
     node_id: str
     generation: int = Field(ge=1)
@@ -331,6 +334,15 @@ class RanksRestartRequested(EventPayload):
     expires_at: EventTime
     code: CodeRef | None = None
     master_addr: str = Field(default="", max_length=255)
+    nnodes: int = Field(default=0, ge=0)
+    node_rank: int = Field(default=-1, ge=-1)
+
+    @model_validator(mode="after")
+    def _layout_whole(self) -> RanksRestartRequested:
+        if (self.nnodes > 0) != (self.node_rank >= 0) or (self.nnodes > 0 and self.node_rank >= self.nnodes):
+            raise ValueError(f"node_rank {self.node_rank} and nnodes {self.nnodes}: both set (0 <= node_rank < "
+                             f"nnodes) or neither")
+        return self
 
 
 @upcaster("RanksRestartRequested", from_version=1)
@@ -341,6 +353,11 @@ def _ranks_restart_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
 @upcaster("RanksRestartRequested", from_version=2)
 def _ranks_restart_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "master_addr": ""}  # v2 never moved the rendezvous
+
+
+@upcaster("RanksRestartRequested", from_version=3)
+def _ranks_restart_v3_to_v4(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "nnodes": 0, "node_rank": -1}  # v3 never changed the layout
 
 
 @event_type("RanksRestarted", version=1, aggregate="node")
@@ -532,7 +549,7 @@ class RejectedShard(EventPayload):
     reason: str
 
 
-@event_type("CheckpointInventoryReported", version=1, aggregate="node")
+@event_type("CheckpointInventoryReported", version=2, aggregate="node")
 class CheckpointInventoryReported(EventPayload):
     """Before a restart as ``generation``, a node lists the shards it holds in memory and for peers,
     each verified against its digest; ``rejected`` lists the ones that failed and why."""
@@ -544,6 +561,9 @@ class CheckpointInventoryReported(EventPayload):
     ranks: list[int] = Field(default_factory=list)
     """The ranks this node will run as ``generation`` (a replacement node names the ranks it takes
     over); empty: the broker uses ``RankStarted`` of that generation, else the last registration."""
+    world_size: int = Field(default=0, ge=0)
+    """v2: the job's world size as ``generation`` when a shrink changed it (0: unchanged). A plan for a
+    smaller world restores every old rank's shard to every node, to be resharded (``reshard_from``)."""
 
 
 class RestoreSource(EventPayload):
@@ -571,7 +591,7 @@ class CheckpointNodeRestorePlanned(EventPayload):
     parts: int = Field(default=1, ge=1)
 
 
-@event_type("CheckpointRestorePlanned", version=2, aggregate="job")
+@event_type("CheckpointRestorePlanned", version=3, aggregate="job")
 class CheckpointRestorePlanned(EventPayload):
     """The broker's plan for the ranks of ``generation``: resume after ``step`` (``-1``: start fresh),
     each rank's shard from the fastest tier that holds it verified.
@@ -591,6 +611,10 @@ class CheckpointRestorePlanned(EventPayload):
     """Ranks restored from each tier ("memory", "peer", "disk")."""
     node_parts: int = Field(default=0, ge=0)
     """``CheckpointNodeRestorePlanned`` events of this plan (every node's parts together)."""
+    reshard_from: int = Field(default=0, ge=0)
+    """v3: the world size the step was saved with, when the restarted job runs another (a shrink): every
+    saved rank's source is in ``sources``, every node stages them all, and each new rank loads its part
+    resharded (``Checkpointer.load_resharded``). 0: the same layout, each rank its own shard."""
 
 
 @upcaster("CheckpointRestorePlanned", from_version=1)
@@ -831,7 +855,7 @@ class Promotion(EventPayload):
     ranks: list[int] = Field(min_length=1)
 
 
-@event_type("RestartDecided", version=2, aggregate="job")
+@event_type("RestartDecided", version=3, aggregate="job")
 class RestartDecided(EventPayload):
     """The ladder's recovery for an incident: evict ``evict``, promote standbys into their ranks, roll
     back the code if ``rollback``, and restart every other node in place as ``generation``. The commands
@@ -852,11 +876,29 @@ class RestartDecided(EventPayload):
     code_version: str = ""
     code_changed: bool = False
     """The restart swaps the code the ranks run (a rollout or a rollback) rather than keeping it."""
+    world_size: int = Field(default=0, ge=0)
+    """v3: the job's world size from ``generation`` on when the restart shrinks the job (no standby was
+    ready and ``controller.shrink_without_standby`` is on); 0: unchanged."""
 
 
 @upcaster("RestartDecided", from_version=1)
 def _restart_decided_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {**payload, "code_version": "", "code_changed": False}
+
+
+@upcaster("RestartDecided", from_version=2)
+def _restart_decided_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "world_size": 0}  # v2 never shrank the job
+
+
+@upcaster("CheckpointInventoryReported", from_version=1)
+def _inventory_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "world_size": 0}
+
+
+@upcaster("CheckpointRestorePlanned", from_version=2)
+def _restore_planned_v2_to_v3(payload: dict[str, Any]) -> dict[str, Any]:
+    return {**payload, "reshard_from": 0}
 
 
 @event_type("DecisionRefused", version=1, aggregate="job")

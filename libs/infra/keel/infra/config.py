@@ -345,6 +345,14 @@ class ControllerSettings(_Section):
     """Keep at least this many warm standbys, whatever the binomial model says."""
     standby_replacement_window: Duration = parse_duration("1h")
     """How long a failed machine takes to come back: the window of the standby pool's binomial model."""
+    shrink_without_standby: bool = False
+    """No ready standby for an evicted node: go on with the nodes left as a smaller job, the checkpoint
+    resharded onto them, instead of waiting for the pool. Off by default: the training script must load
+    onto another world size (docs/checkpointing.md, "Shrink instead of stop")."""
+    shrink_min_nodes: int = Field(1, ge=1)
+    """A shrink never leaves fewer nodes than this (the job waits for a standby instead)."""
+    shrink_node_multiple: int = Field(1, ge=1)
+    """A shrink keeps the node count a multiple of this: the nodes one pipeline or tensor-parallel group spans."""
 
 
 class CheckpointSettings(_Section):

@@ -29,6 +29,7 @@ from typing import Literal
 
 from keel.controller.master import moved_rendezvous
 from keel.controller.policy import Action, ControllerPolicy
+from keel.controller.shrink import Shrink, plan_shrink
 from keel.controller.standby import failure_probability, plan_standby_pool
 from keel.controller.state import HeldPlan, JobView, evolve_job
 from keel.events.envelope import Event, EventPayload
@@ -308,8 +309,17 @@ class ActionPlan:
                                           expires_at=self.expires_at), subject=f"node/{node_id}")
         if len(standbys) < len(leaving):
             need = len(leaving) - len(standbys)
-            self.hold("promote", "no_standby", f"{reason}; no ready standby for {need} evicted node(s): the job "
-                      f"waits for the pool to refill", plan)
+            not_shrunk = ""
+            if policy.shrink_without_standby:
+                staying_nodes = [n for n in job.active if n.node_id not in evict]
+                shrink = plan_shrink(staying_nodes, leaving, min_nodes=policy.shrink_min_nodes,
+                                     node_multiple=policy.shrink_node_multiple)
+                if isinstance(shrink, Shrink):
+                    self._restart_shrunk(rung, to_evict, reason, rollback, shrink, need)
+                    return
+                not_shrunk = f"; no shrink: {shrink}"
+            self.hold("promote", "no_standby", f"{reason}; no ready standby for {need} evicted node(s){not_shrunk}: "
+                      f"the job waits for the pool to refill", plan)
             # ``target`` is the pool the actuator must bring up: the standbys ready now plus the shortfall
             # (a group eviction can need more than the pool's usual size).
             self.emit(StandbyRefillRequested(count=need, target=max(len(standbys) + need, job.pool_target or 0),
@@ -354,6 +364,47 @@ class ActionPlan:
                                                    f"generation {generation}"), subject=f"node/{node_id}")
         if promotions:
             self.size_pool()
+
+    def _restart_shrunk(self, rung: int, evicted: list[str], reason: str, rollback: bool, shrink: Shrink,
+                        need: int) -> None:
+        """``recover``'s way when no standby is ready and the policy allows it: restart the nodes that stay
+        as a smaller job (``shrink``), each told its new node rank and the new node count."""
+        incident = self.job.incident
+        assert incident is not None
+        fingerprint = incident.fingerprint or f"{incident.kind}@{','.join(sorted(evicted)) or 'none'}"
+        generation = self.job.generation + 1
+        code_version, code_text = self.code_for(rollback)
+        code = self.job.code_ref(code_version or self.job.code_current)
+        # Node rank 0 hosts the ranks' rendezvous: when the node that ran global rank 0 leaves, it moves to
+        # the new node rank 0 as it would to a standby taking that slice over.
+        first = shrink.nodes[0]
+        old_first = next((n.node_id for n in self.job.nodes.values() if 0 in n.ranks and n.node_id != first), "")
+        moved = moved_rendezvous([Promotion(standby_node_id=first, replaces_node_id=old_first, ranks=[0])]
+                                 if old_first else [], self.job.nodes)
+        master_addr = moved.address or self.job.master_addr
+        text = (f"no ready standby for {need} evicted node(s) and controller.shrink_without_standby is on: restart "
+                f"as generation {generation}, {shrink.reason}"
+                + (f"; {moved.reason}" if moved.address else "") + (f"; {code_text}" if code_text else ""))
+        self.note(reason)
+        self.note(text)
+        self.emit(RestartDecided(incident_id=incident.id, rung=rung, generation=generation, evict=evicted,
+                                 promotions=[], restart_nodes=list(shrink.nodes), rollback=rollback,
+                                 fingerprint=fingerprint, reason=f"{reason}; {text}", code_version=code_version,
+                                 code_changed=bool(code_version), world_size=shrink.world_size),
+                  key=f"restart/{generation}")
+        if rollback:
+            self.emit(RollbackDecided(incident_id=incident.id, reason=f"{reason}; {code_text}",
+                                      fingerprint=incident.fingerprint, to_version=code_version,
+                                      evidence=list(incident.evidence), expires_at=self.expires_at), key="rollback")
+        nnodes = len(shrink.nodes)
+        for node_rank, node_id in enumerate(shrink.nodes):
+            self.emit(RanksRestartRequested(
+                node_id=node_id, generation=generation, expires_at=self.expires_at, code=code, master_addr=master_addr,
+                nnodes=nnodes, node_rank=node_rank,
+                reason=f"incident {incident.id[:8]}, rung {rung}: no ready standby: restart as node rank {node_rank} of "
+                       f"{nnodes} (generation {generation}, {shrink.world_size} ranks), the checkpoint resharded"),
+                subject=f"node/{node_id}")
+        self.size_pool()
 
     def code_for(self, rollback: bool) -> tuple[str, str]:
         """The code version a restart switches to ("" : it keeps the code) and what to say about it."""

@@ -50,7 +50,8 @@ def decider_from_settings(settings: Settings) -> ControllerDecider:
         max_evictions=c.max_evictions, max_eviction_fraction=c.max_eviction_fraction,
         restart_window=c.restart_window, restart_budget=c.restart_budget, max_same_failure=c.max_same_failure,
         approval_required=frozenset(c.approval_required), standby_min=c.standby_min,
-        standby_replacement_window=c.standby_replacement_window))
+        standby_replacement_window=c.standby_replacement_window, shrink_without_standby=c.shrink_without_standby,
+        shrink_min_nodes=c.shrink_min_nodes, shrink_node_multiple=c.shrink_node_multiple))
 
 
 ROUTINE_INPUTS = frozenset({

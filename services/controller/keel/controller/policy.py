@@ -79,8 +79,21 @@ class ControllerPolicy:
     standby_prior_node_hours: float = 1000.0
     standby_min: int = 0
     """At least this many standbys, whatever the model says."""
+    shrink_without_standby: bool = False
+    """No ready standby for the nodes an incident evicts: go on with the nodes left, renumbered as fewer
+    node ranks, each rank restoring the last step resharded from every old rank's shard (memory, peers),
+    instead of waiting for the pool (``shrink.plan_shrink``). Off by default: the training script must be
+    able to load onto another world size (``Checkpointer.restore`` of a sharded or replicated model)."""
+    shrink_min_nodes: int = 1
+    """A shrink never leaves fewer nodes than this: below it the job waits for a standby as before."""
+    shrink_node_multiple: int = 1
+    """A shrink keeps the node count a multiple of this (the nodes one pipeline or tensor-parallel group
+    spans, whose width a restore cannot change); otherwise the job waits for a standby."""
 
     def __post_init__(self) -> None:
         unknown = set(self.approval_required) - ACTIONS
         if unknown:
             raise ValueError(f"approval_required: unknown action kind(s) {sorted(unknown)}; known: {sorted(ACTIONS)}")
+        if self.shrink_min_nodes < 1 or self.shrink_node_multiple < 1:
+            raise ValueError(f"shrink_min_nodes ({self.shrink_min_nodes}) and shrink_node_multiple "
+                             f"({self.shrink_node_multiple}) must be at least 1")

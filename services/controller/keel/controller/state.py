@@ -485,7 +485,9 @@ def evolve_job(job: JobView, event: Event) -> JobView:  # noqa: C901 - one branc
             for other in list(job.nodes.values()):
                 if other.node_id != p.node_id and p.rank in other.ranks and other.generation < p.generation:
                     job = job.with_node(replace(other, ranks=other.ranks - {p.rank}))
-        job = replace(job, generation=max(job.generation, p.generation), world_size=max(job.world_size, p.world_size))
+        # A rank of the newest generation says the world size (smaller after a shrink); older ones say nothing.
+        world_size = p.world_size if p.generation >= job.generation and p.world_size else job.world_size
+        job = replace(job, generation=max(job.generation, p.generation), world_size=world_size)
         incident = job.incident
         if incident is not None and incident.stage == "observing" and incident.target_generation is None \
                 and p.generation > incident.generation:
@@ -822,6 +824,7 @@ def _evolve_incident(job: JobView, event: Event) -> JobView:
                           code_rolled_back=job.code_rolled_back | {job.code_running} if p.rollback
                           else job.code_rolled_back)
         return replace(job, generation=max(job.generation, p.generation), crash_loop=crash_loop, restarted_at=at,
+                       world_size=p.world_size or job.world_size,
                        incident=replace(incident, stage="recovering", rung=max(incident.rung, p.rung),
                                         target_generation=p.generation, started=frozenset(), restore_step=-1,
                                         held=None, code_change=code_change, recovering_since=at,
