@@ -67,7 +67,7 @@ def test_every_golden_event_signed_then_sent_verifies_at_the_consumer(path: Path
     envelope = json.loads(path.read_text())["envelope"]
     _, event = decode_wire(json.dumps(envelope).encode(), max_bytes=MAX)
     roles = REQUIRED_SIGNER.get(event.type, frozenset({"controller"}))
-    signer = SigningKey("signer", sorted(roles)[0], Ed25519PrivateKey.generate())
+    signer = SigningKey("signer", sorted(roles - {"chatops"})[0], Ed25519PrivateKey.generate())  # chatops: its own test
     if event.type in ("ApprovalGiven", "NodeCordoned", "CodeVersionRegistered", "CodeVersionRejected"):
         event = event.model_copy(update={"payload": event.payload.model_copy(update={"by": "signer"})})
     as_sent, received = decode_wire(sign_event(event, signer).to_json(), max_bytes=MAX)

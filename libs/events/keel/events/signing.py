@@ -38,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from keel.events.envelope import Event
 
 Role = Literal["controller", "checkpoint-broker", "hot-update", "analyzer", "recorder", "actuator", "notifier", "agent",
-               "operator", "auditor"]
+               "operator", "auditor", "chatops"]
 ROLES: tuple[str, ...] = get_args(Role)
 
 SIGNATURE_CONTEXT = b"keel-event-signature-v1\n"
@@ -53,6 +53,8 @@ _ANALYZER = frozenset({"analyzer"})
 _HOT_UPDATE = frozenset({"hot-update"})
 _ACTUATOR = frozenset({"actuator"})
 _OPERATOR = frozenset({"operator"})
+_CHATOPS = frozenset({"chatops"})
+"""The API's chat-ops identity: it may sign a human's answer to an approval request, and nothing else."""
 
 REQUIRED_SIGNER: Mapping[str, frozenset[str]] = {
     # The controller's commands (agents and actuators carry them out) and its decisions (the other deciders
@@ -75,8 +77,9 @@ REQUIRED_SIGNER: Mapping[str, frozenset[str]] = {
     "CodeRolloutRequested": _HOT_UPDATE, "CodeVersionStable": _HOT_UPDATE,
     # The actuator's report of an eviction it carried out.
     "NodeEvicted": _ACTUATOR,
-    # Operator events: a human's approval, cordon, deploy.
-    "ApprovalGiven": _OPERATOR, "NodeCordoned": _OPERATOR, "CodeVersionRegistered": _OPERATOR,
+    # Operator events: a human's approval, cordon, deploy. An approval may also come through chat-ops (Slack's
+    # buttons, a signed callback): the API's chatops key signs it, naming the approver it mapped.
+    "ApprovalGiven": _OPERATOR | _CHATOPS, "NodeCordoned": _OPERATOR, "CodeVersionRegistered": _OPERATOR,
     # A rejection is an operator's (keel deploy's own checks) or hot-update's (a malformed registration).
     "CodeVersionRejected": _OPERATOR | _HOT_UPDATE,
     # Where a holder learns which node may send it each rank's backups (the shard store's authorization).
@@ -86,8 +89,10 @@ REQUIRED_SIGNER: Mapping[str, frozenset[str]] = {
 valid signature by a key of one of these roles; other types need none (one that carries a signature
 anyway is checked all the same)."""
 
-OPERATOR_TYPES = frozenset(name for name, roles in REQUIRED_SIGNER.items() if roles == _OPERATOR)
-"""Operator events: their payload's ``by`` must be the signer's identity (not a free-text name)."""
+OPERATOR_TYPES = frozenset(name for name, roles in REQUIRED_SIGNER.items() if roles in (_OPERATOR, _OPERATOR | _CHATOPS))
+"""Operator events: signed by an operator, their payload's ``by`` must be the signer's identity (not a free-text
+name). Signed by the chatops identity (an approval only), ``by`` is the approver chat-ops mapped the Slack user
+or callback to, and ``producer`` names the channel (``chatops-slack``, ``chatops-webhook``)."""
 
 
 class KeyringError(ValueError):
@@ -203,6 +208,9 @@ def verify_event(event: Event, keyring: Keyring, *, as_sent: Mapping[str, Any] |
         if by != signer.name:
             return Verdict(False, f"{what} says by={by!r} but is signed by {signer.name!r}: an operator event "
                                   "names the identity that signed it")
+    if signer.role == "chatops" and not event.producer.startswith("chatops"):
+        return Verdict(False, f"{what} is signed by chat-ops identity {signer.name!r} but its producer does not "
+                              "name a chat-ops channel (chatops-...)")
     return Verdict(True, f"signed by {signer.name!r} ({signer.role})")
 
 

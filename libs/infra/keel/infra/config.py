@@ -639,6 +639,9 @@ class NotifierDestinationSettings(_Section):
     """Only these training jobs; empty: all."""
     rate_per_minute: float = Field(30.0, gt=0)
     """At most this many deliveries a minute (bursts of 5); more wait their turn, none is dropped."""
+    approval_buttons: bool = False
+    """``slack``: an approval request's message carries Approve and Deny buttons. Turn it on once the Slack app's
+    interactivity points at the API's ``/v1/chatops/slack`` and ``api.chatops`` is set (docs/notifications.md)."""
 
     @field_validator("kind")
     @classmethod
@@ -709,6 +712,74 @@ class ApiTokenSettings(_Section):
     """The token's SHA-256 digest in hex (``keel-api --new-token NAME`` makes a token and prints its entry)."""
 
 
+class ChatOpsCallbackSettings(_Section):
+    """A tool that may answer approval requests through ``POST /v1/chatops/callback/<name>`` (``api.chatops.callbacks``),
+    signing each request per Standard Webhooks with its secret."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """The callback's name: its URL's last part and what the log records as the channel (``webhook:<name>``)."""
+    secret_file: Path
+    """A private file (0600) holding the signing secret (``whsec_<base64>``, or any string of 16 characters or more)."""
+    approvers: list[str] = Field(default_factory=list)
+    """The operator names this tool may answer as; a request naming anyone else is refused. Empty: none."""
+
+
+class ChatOpsSettings(_Section):
+    """Chat-ops approvals served by the API: Slack's buttons and signed callbacks answer held actions
+    (docs/api.md). Off unless a Slack signing secret or a callback is configured."""
+
+    slack_signing_secret_file: Path | None = None
+    """A private file (0600) holding the Slack app's signing secret (Basic Information, App Credentials): turns on
+    ``POST /v1/chatops/slack``."""
+    slack_approvers: dict[str, str] = Field(default_factory=dict)
+    """Slack user id -> the operator name an answer is recorded under (``{"U024BE7LH": "alice"}``). A press by
+    anyone else is refused and publishes nothing."""
+    slack_response_url_prefix: str = "https://hooks.slack.com/"
+    """The outcome is posted back to the message's ``response_url`` only when it starts with this."""
+    callbacks: list[ChatOpsCallbackSettings] = Field(default_factory=list)
+    """Signed generic callbacks (Standard Webhooks) for tools other than Slack."""
+    timestamp_tolerance: Duration = parse_duration("5m")
+    """A request whose signed timestamp is further than this from the API's clock is refused (expired or
+    replayed)."""
+    signing_identity: str = Field("chatops", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+    """The API's signing identity (role ``chatops``, which may sign ``ApprovalGiven`` only) and NATS identity
+    (which may publish it only). Its key is created on the first start, in ``<credentials>/signing/``."""
+
+    @field_validator("slack_approvers", mode="before")
+    @classmethod
+    def _approvers_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f'the Slack approvers as JSON, {{"U024BE7LH": "alice"}}: {exc}') from None
+        return value
+
+    @field_validator("callbacks", mode="before")
+    @classmethod
+    def _callbacks_from_text(cls, value: Any) -> Any:
+        return _json_list_from_text(value, "the callbacks", '[{"name": "pager", "secret_file": "/etc/keel/pager.secret", '
+                                    '"approvers": ["alice"]}]')
+
+    @model_validator(mode="after")
+    def _checked(self) -> ChatOpsSettings:
+        for user, name in self.slack_approvers.items():
+            if not re.fullmatch(r"[UW][A-Z0-9]{2,20}", user):
+                raise ValueError(f"slack_approvers: {user!r} is not a Slack user id (U... or W...)")
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}", name):
+                raise ValueError(f"slack_approvers: {name!r} is not an operator name")
+        if self.timestamp_tolerance.total_seconds() <= 0:
+            raise ValueError("timestamp_tolerance must be positive")
+        names = [c.name for c in self.callbacks]
+        if len(set(names)) != len(names):
+            raise ValueError("callbacks: two share a name")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.slack_signing_secret_file is not None or bool(self.callbacks)
+
+
 class ApiSettings(_Section):
     """The HTTP API (``keel-api``): read-only queries over the event store behind bearer tokens."""
 
@@ -728,6 +799,9 @@ class ApiSettings(_Section):
     parsed_events_kept: int = Field(5_000, ge=0, le=1_000_000)
     """Events each process keeps parsed for the listings and timelines (the least recently read dropped first; a
     few KB each): the page polls the same incidents, and a page of 100 costs about 300 parses otherwise. 0: none."""
+    chatops: ChatOpsSettings = Field(default_factory=ChatOpsSettings)
+    """Chat-ops approvals (Slack's buttons, signed callbacks): the API then also connects to NATS to publish the
+    answers."""
 
     @field_validator("tokens", mode="before")
     @classmethod

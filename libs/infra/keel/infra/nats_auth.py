@@ -19,6 +19,7 @@ Roles (``ROLES``) and what they may publish (``ROLE_EVENT_TYPES``; events are on
   own durable consumer (its exact name), so it cannot reconfigure another service's consumer.
 - ``operator``: approvals, cordons, code-version registration, fault injection.
 - ``auditor``: reads stream and consumer state; publishes nothing.
+- ``chatops``: the API's chat-ops approvals: ``ApprovalGiven`` only.
 
 Every identity has its own inbox prefix (``_INBOX.<user>``) and may subscribe only below it, so no
 client reads another's replies (JetStream deliveries of pull consumers go to inboxes).
@@ -62,12 +63,12 @@ log = logging.getLogger(__name__)
 ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE = (
     "admin", "recorder", "controller", "checkpoint-broker", "analyzer", "hot-update")
 ACTUATOR, SUPERVISOR, AGENT, OPERATOR, AUDITOR = "actuator", "supervisor", "agent", "operator", "auditor"
-NOTIFIER = "notifier"
+NOTIFIER, CHATOPS = "notifier", "chatops"
 ROLES = (ADMIN, RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, NOTIFIER, SUPERVISOR, AGENT, OPERATOR,
-         AUDITOR)
+         AUDITOR, CHATOPS)
 SERVICE_ROLES = (RECORDER, CONTROLLER, BROKER, ANALYZER, HOT_UPDATE, ACTUATOR, NOTIFIER, SUPERVISOR)
 """The roles with one identity each, named after the role (``<credentials>/nats/<role>.json``)."""
-STANDARD_IDENTITIES = (ADMIN, *SERVICE_ROLES, OPERATOR, AUDITOR)
+STANDARD_IDENTITIES = (ADMIN, *SERVICE_ROLES, OPERATOR, AUDITOR, CHATOPS)
 """The identities ``keel up`` (and every Keel-managed server) creates at start; agents get theirs per
 (job, node) from ``NatsAuthority.ensure_agent``."""
 
@@ -101,6 +102,7 @@ ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
     OPERATOR: (("job", "ApprovalGiven"), ("node", "NodeCordoned"), ("code", "CodeVersionRegistered"),
                ("code", "CodeVersionRejected"), ("node", "FaultInjected"), ("job", "JobRegistered")),
     AUDITOR: (),
+    CHATOPS: (("job", "ApprovalGiven"),),
 }
 AGENT_NODE_FACTS = (
     "NodeRegistered", "NodeHealthChanged", "NodeHeartbeat", "RanksRestarted", "CheckpointRanksRegistered",
@@ -246,7 +248,7 @@ def permissions(identity: NatsIdentity, scope: NatsScope) -> dict[str, dict[str,
     if role == AUDITOR:
         return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
     publish += _events(scope, ROLE_EVENT_TYPES.get(role, ()))
-    if role == OPERATOR:
+    if role in (OPERATOR, CHATOPS):  # people's answers: publish only, no consumer
         return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
     # The services: consumers of their own (any durable: they are trusted with each other's positions),
     # reading single messages (cold start checks the stream, keel.infra.runner) and dead-lettering what

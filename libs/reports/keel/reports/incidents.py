@@ -506,13 +506,14 @@ def find_open_request(ref: str, requests: Sequence[Event], answers: Sequence[Eve
 
 
 def approval_answer(request: Event, *, approved: bool, by: str, comment: str, now: datetime,
-                    event_id: uuid.UUID | None = None) -> Event:
+                    event_id: uuid.UUID | None = None, producer: str = PRODUCER) -> Event:
     """The ``ApprovalGiven`` event answering ``request``: same job, the request's incident as its
-    correlation, the request as its cause."""
+    correlation, the request as its cause. ``producer``: ``cli``, or the chat-ops channel that carried it
+    (``chatops-slack``, ``chatops-webhook``; the API's chat-ops routes)."""
     if not by.strip():
         raise BadInput("an approval needs a name: pass --by NAME")
     return Event.create(ApprovalGiven(request_id=str(request.id), approved=approved, by=by, comment=comment),
-                        job_id=request.job_id, subject=f"job/{request.job_id}", producer=PRODUCER, occurred_at=now,
+                        job_id=request.job_id, subject=f"job/{request.job_id}", producer=producer, occurred_at=now,
                         event_id=event_id, causation_id=request.id,
                         correlation_id=request.correlation_id or _incident_of(request))
 

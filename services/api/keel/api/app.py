@@ -15,11 +15,15 @@ route                                  what                            the comma
 ``GET /v1/audit/<view>``               an audit view, filtered         ``keel audit --format json``
 ``GET /v1/nodes``                      each node's last known health   -
 ``GET /v1/events``                     the log, paged by position      ``keel events``
+``POST /v1/chatops/slack``             Slack's Approve / Deny buttons  ``keel approve`` / ``deny``
+``POST /v1/chatops/callback/{name}``   a tool's signed answer          ``keel approve`` / ``deny``
 =====================================  ==============================  ===========================
 
 Errors are JSON ``{"detail": ...}``: 401 without a known token, 403 for a token whose scope does not
 allow the route, 404 for an id or job the log does not hold, 422 for a parameter that cannot be used (with
-the reason). Nothing is written: the operator scope's actions (approvals, cordons) are not served yet.
+the reason). Nothing is written to the store. The chat-ops routes (``keel.api.chatops``, served only when
+``api.chatops`` is configured) take no token: each request's signature authenticates it, and an answer is
+published on the bus signed by the API's ``chatops`` key.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import keel.events.types  # noqa: F401 - registers the event types the store decodes
+from keel.api.chatops import ChatOps
 from keel.events.envelope import JOB_ID_RE, REGISTRY
 from keel.events.units import parse_duration
 from keel.infra.api_auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
 from keel.infra.store import EventStore, node_status_table
+from keel.notifier.chatops import MAX_BODY_BYTES
 from keel.reports.audit import VIEWS, AuditInputError, AuditQuery, rows_json
 from keel.reports.incidents import (
     SUMMARY_TYPES,
@@ -92,11 +98,13 @@ Limit = Annotated[int, Query(ge=1, le=100_000, description="at most this many (c
 
 
 def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int = 1000,
-               store_engine: AsyncEngine | None = None, parsed_events_kept: int = 5_000) -> FastAPI:
+               store_engine: AsyncEngine | None = None, parsed_events_kept: int = 5_000,
+               chatops: Callable[[EventStore], ChatOps] | None = None) -> FastAPI:
     """The API over ``engine`` (the event store, as the auditor), for callers holding one of ``tokens``.
     ``store_engine``: the engine of the ``EventStore``'s listing reads (``EventStore.fetch_engine``: pages and
     timelines), when not ``engine``.
-    ``parsed_events_kept``: ``EventStore.parsed_kept`` (``api.parsed_events_kept``)."""
+    ``parsed_events_kept``: ``EventStore.parsed_kept`` (``api.parsed_events_kept``).
+    ``chatops``: makes the chat-ops approvals' handler over the store (``keel.api.chatops``); None: not served."""
     app = FastAPI(title="Keel API", version=API_VERSION, docs_url=None, redoc_url=None,
                   description="Incidents, timelines, ETTR, audit views and the event log of Keel, read-only.")
     store = EventStore(engine, fetch_engine=store_engine)
@@ -291,7 +299,45 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
         return {"events": [{"position": r.position, **r.event.to_wire()} for r in rows],
                 "next_after": rows[-1].position if len(rows) == page else None}
 
+    if chatops is not None:
+        _chatops_routes(app, chatops(store))
     return app
+
+
+CHATOPS_ANSWERS: dict[int | str, dict[str, Any]] = {
+    status: {"description": what, **_ERROR} for status, what in (
+        (401, "the signature or its timestamp does not verify (expired, or not signed with the secret)"),
+        (403, "the approver is not on the allow-list"), (404, "no such approval request (or callback)"),
+        (409, "a replayed request, or one already answered"), (410, "the approval request expired"),
+        (413, "the body is too large"), (422, "not a request chat-ops understands"),
+        (503, "the answer could not be published; try again"))}
+
+
+async def _body(request: Request) -> bytes:
+    """The raw body (what the signature covers), refused past ``MAX_BODY_BYTES`` without reading it all."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HTTPException(413, f"the body is over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _chatops_routes(app: FastAPI, handler: ChatOps) -> None:
+    """The chat-ops routes: no bearer token, the request's own signature authenticates it."""
+
+    @app.post("/v1/chatops/slack", responses=CHATOPS_ANSWERS, response_model=dict[str, Any],
+              summary="Slack's interactivity request (an Approve / Deny button), signed with the app's signing secret")
+    async def slack(request: Request) -> JSONResponse:
+        status, answer = await handler.slack(dict(request.headers), await _body(request))
+        return JSONResponse(answer, status_code=status)
+
+    @app.post("/v1/chatops/callback/{name}", responses=CHATOPS_ANSWERS, response_model=dict[str, Any],
+              summary="a tool's answer to an approval request, signed per Standard Webhooks with its secret")
+    async def callback(name: Annotated[str, Path(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], request: Request) -> JSONResponse:
+        status, answer = await handler.callback(name, dict(request.headers), await _body(request))
+        return JSONResponse(answer, status_code=status)
 
 
 PAGE_ASSETS = {"page.js": "text/javascript; charset=utf-8", "page.css": "text/css; charset=utf-8"}

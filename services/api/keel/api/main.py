@@ -16,16 +16,22 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from keel.api.app import create_app
+from keel.api.chatops import Callback, ChatOps, post_to_slack
+from keel.events.signing import KeyringError
 from keel.infra.api_auth import READ, SCOPES, TOKEN_BYTES, ApiToken, new_token
-from keel.infra.config import ConfigError, Settings, database_url_for, load_settings
+from keel.infra.bus import Bus
+from keel.infra.config import ConfigError, Settings, database_url_for, load_settings, resolve_endpoints
 from keel.infra.dbroles import AUDITOR
+from keel.infra.nats_auth import CHATOPS, bus_settings_for
+from keel.infra.secrets import InsecurePathError, read_secret
 from keel.infra.service import ALIVE_INTERVAL_S, READY_FILE_ENV
-from keel.infra.store import SchemaNotCurrent, check_schema_current, create_engine
+from keel.infra.signing import service_signing
+from keel.infra.store import EventStore, SchemaNotCurrent, check_schema_current, create_engine
 
 log = logging.getLogger("keel.api")
 
@@ -54,13 +60,16 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     # The listing reads of pages and timelines (``EventStore.fetch_engine``): a pool without a test on checkout,
     # which costs three round trips to PostgreSQL per query; those reads drop a closed connection and take another.
     reads = create_engine(database_url, settings.db_schema, pre_ping=False)
+    bus = None
     try:
         await check_schema_current(engine, settings.db_schema)
         tokens = tokens_of(settings)
         if not tokens and announce:
             log.warning("api: no tokens configured (api.tokens): every request but /healthz is refused")
+        bus = await connect_chatops(settings) if settings.api.chatops.enabled else None
         app = create_app(engine, tokens, max_page=settings.api.max_page, store_engine=reads,
-                         parsed_events_kept=settings.api.parsed_events_kept)
+                         parsed_events_kept=settings.api.parsed_events_kept,
+                         chatops=chatops_of(settings, bus) if bus is not None else None)
         config = uvicorn.Config(app, host=settings.api.listen_host, port=settings.api.listen_port, log_level="info",
                                 access_log=False, server_header=False, proxy_headers=False)
         server = uvicorn.Server(config)
@@ -82,8 +91,46 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
         if lost:
             raise WorkerLost(lost[0])
     finally:
+        if bus is not None:
+            await bus.close()
         await reads.dispose()
         await engine.dispose()
+
+
+async def connect_chatops(settings: Settings) -> Bus:
+    """The bus chat-ops publishes answers on: NATS as identity ``api.chatops.signing_identity`` (role chatops:
+    ``ApprovalGiven`` only), signing with its own key (created on the first start, entered in the keyring)."""
+    identity = settings.api.chatops.signing_identity
+    nats_url = settings.nats_url or resolve_endpoints(settings, None)[0]
+    signing = service_signing(settings, identity, CHATOPS)
+    return await Bus.connect(nats_url, bus_settings_for(settings, identity), name=f"keel-api-{identity}",
+                             signing=signing)
+
+
+def chatops_of(settings: Settings, bus: Bus) -> Callable[[EventStore], ChatOps]:
+    """The chat-ops handler's factory, its secrets read from their private files (``ConfigError`` naming the file
+    otherwise)."""
+    chat = settings.api.chatops
+
+    def secret(path: Path, what: str) -> str:
+        try:
+            value = read_secret(path).decode().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"api.chatops {what}: {exc}") from None
+        if len(value) < 16:
+            raise ConfigError(f"api.chatops {what}: the secret in {path} is under 16 characters")
+        return value
+
+    slack = secret(chat.slack_signing_secret_file, "slack_signing_secret_file") \
+        if chat.slack_signing_secret_file is not None else ""
+    callbacks = {c.name: Callback(c.name, secret(c.secret_file, f"callback {c.name}"), frozenset(c.approvers))
+                 for c in chat.callbacks}
+
+    def make(store: EventStore) -> ChatOps:
+        return ChatOps(store, bus.publish, slack_secret=slack, slack_approvers=dict(chat.slack_approvers),
+                       response_url_prefix=chat.slack_response_url_prefix, callbacks=callbacks,
+                       tolerance=chat.timestamp_tolerance, post=post_to_slack)
+    return make
 
 
 async def _watch_parent(server: Any, parent: int) -> None:
@@ -209,7 +256,7 @@ def _serve_here(settings: Settings, database_url: str, sock: socket.socket | Non
                 workers: Sequence[int] = (), parent: int | None = None) -> int:
     try:
         asyncio.run(serve(settings, database_url, sock, announce=announce, workers=workers, parent=parent))
-    except SchemaNotCurrent as exc:
+    except (SchemaNotCurrent, ConfigError, KeyringError, InsecurePathError) as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
     except WorkerLost as exc:

@@ -64,7 +64,8 @@ def destinations_from_settings(settings: NotifierSettings) -> list[Destination]:
             url = PAGERDUTY_EVENTS_URL
         out.append(Destination(name=d.name, kind=d.kind, url=url, secret=secret,  # type: ignore[arg-type]
                                min_severity=d.min_severity, kinds=tuple(d.kinds),  # type: ignore[arg-type]
-                               jobs=tuple(d.jobs), rate_per_minute=d.rate_per_minute))
+                               jobs=tuple(d.jobs), rate_per_minute=d.rate_per_minute,
+                               approval_buttons=d.approval_buttons))
     return out
 
 

@@ -52,6 +52,9 @@ INPUT_TYPES = ("IncidentOpened", "IncidentResolved", "ApprovalRequested", "Actio
 """The event types the notifier consumes."""
 RETRY_STATUSES = frozenset({408, 429})
 _NAMESPACE = uuid.UUID("5b0b5a4e-9a56-4d0e-9d35-7a1f2c3e4b61")
+APPROVE_ACTION, DENY_ACTION = "keel_approve", "keel_deny"
+"""The ``action_id`` of an approval request's two Slack buttons (their ``value`` is the ``ApprovalRequested``
+event id; ``keel.notifier.chatops`` reads the presses)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Destination:
     kinds: tuple[str, ...] = ()
     jobs: tuple[str, ...] = ()
     rate_per_minute: float = 30.0
+    approval_buttons: bool = False
+    """Slack: approval requests carry Approve / Deny buttons (chat-ops, answered by the API)."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,7 @@ def request(notification: Notification, destination: Destination, now: datetime)
     """The HTTP request that delivers ``notification`` to ``destination`` (signed at ``now`` for a webhook)."""
     ident = delivery_id(notification, destination)
     if destination.kind == "slack":
-        body = slack_message(notification)
+        body = slack_message(notification, destination.approval_buttons)
         headers = {"Content-Type": "application/json"}
     elif destination.kind == "pagerduty":
         body = pagerduty_event(notification, destination.secret)
@@ -176,7 +181,9 @@ def _json(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
 
 
-def slack_message(n: Notification) -> bytes:
+def slack_message(n: Notification, buttons: bool = False) -> bytes:
+    """An incoming-webhook message; ``buttons``: an approval request gets Approve / Deny buttons (the Slack app's
+    interactivity must point at the API's ``/v1/chatops/slack``)."""
     icon = {"info": ":white_check_mark:", "warning": ":warning:", "critical": ":rotating_light:"}[n.severity]
     facts = [{"type": "mrkdwn", "text": f"*{k}*\n{v}"} for k, v in list(n.fields.items())[:10]]
     blocks: list[dict[str, Any]] = [
@@ -185,10 +192,26 @@ def slack_message(n: Notification) -> bytes:
     ]
     if facts:
         blocks.append({"type": "section", "fields": facts})
+    if buttons and n.kind == "approval_requested" and n.fields.get("request"):
+        blocks.append(approval_buttons(n.fields["request"]))  # answered through the API's chat-ops route
     blocks.append({"type": "context", "elements": [{"type": "mrkdwn", "text": (
         f"job `{n.job_id}` · {n.event_type} `{n.event_id}` · {n.occurred_at.isoformat()}"
         + (f" · incident `{n.incident_id}`" if n.incident_id else ""))}]})
     return _json({"text": f"{n.title}: {n.text}"[:3000], "blocks": blocks})
+
+
+def approval_buttons(request_id: str) -> dict[str, Any]:
+    """The Block Kit ``actions`` block of an approval request's message: Approve (with a confirmation) and Deny,
+    each carrying the request's id."""
+    return {"type": "actions", "block_id": f"keel_approval_{request_id}"[:255], "elements": [
+        {"type": "button", "action_id": APPROVE_ACTION, "style": "primary", "value": request_id,
+         "text": {"type": "plain_text", "text": "Approve"},
+         "confirm": {"title": {"type": "plain_text", "text": "Approve this action?"},
+                     "text": {"type": "plain_text", "text": "Keel carries it out as soon as it hears."},
+                     "confirm": {"type": "plain_text", "text": "Approve"},
+                     "deny": {"type": "plain_text", "text": "Cancel"}}},
+        {"type": "button", "action_id": DENY_ACTION, "style": "danger", "value": request_id,
+         "text": {"type": "plain_text", "text": "Deny"}}]}
 
 
 def pagerduty_event(n: Notification, routing_key: str) -> bytes:
