@@ -255,6 +255,9 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
         return Decision("")
     generation = max(pending)  # an older restart still waiting is superseded by the newer one
     wait = job.restores[generation]
+    new_world = max((inventory.world_size for inventory in wait.inventories.values()), default=0)
+    if new_world and job.world_size and new_world != job.world_size:
+        return decide_reshard_restore(job, generation, wait, new_world, now, policy, subject)
     targets = restore_targets(job, wait)
     expected = {targets.get(r) for r in range(job.world_size)}
     missing_nodes = sorted(n for n in expected if n is not None and n not in wait.inventories)
@@ -299,6 +302,43 @@ def decide_restore(job: JobState, now: datetime, policy: BrokerPolicy, subject: 
     proposals.append(Proposal(payload, subject=subject, key=f"plan/{generation}"))
     proposals += [Proposal(f, subject=subject, key=f"fallback/{generation}/{f.rank}") for f in plan.fallbacks]
     return Decision(plan.reason, tuple(proposals))
+
+
+def decide_reshard_restore(job: JobState, generation: int, wait: RestoreWait, new_world: int, now: datetime,
+                           policy: BrokerPolicy, subject: str) -> Decision:
+    """The restore of a job restarted on another world size (the controller's shrink): the newest step
+    every *saved* rank (``job.world_size``, the size its ranks registered with) holds, each saved rank's
+    source from its fastest tier, all in the job-wide plan (``reshard_from``): every node stages every
+    saved rank's shard and each new rank loads its part resharded. Waits until the inventories name a node
+    for every new rank, or the wait's deadline."""
+    old_world = job.world_size
+    covered = {r for inventory in wait.inventories.values() if inventory.world_size == new_world
+               for r in inventory.ranks}
+    missing = [r for r in range(new_world) if r not in covered]
+    if missing and now < wait.deadline:
+        return Decision(f"generation {generation}: the job shrinks from {old_world} to {new_world} ranks; waiting "
+                        f"for the inventories of the nodes of new ranks {ranks_text(missing)}")
+    waited = (f"inventories from all {len(wait.inventories)} node(s) arrived" if not missing else
+              f"planned after the {policy.restore_plan_timeout.total_seconds():g}s wait without the nodes of new "
+              f"ranks {ranks_text(missing)}")
+    saved_nodes = {r: s.node_id for r, s in job.sites.items() if r < old_world}
+    plan = plan_restore(generation, old_world, saved_nodes, wait.inventories, job.addresses, job.persisted,
+                        previous_nodes=saved_nodes, waited=waited,
+                        below=(job.restore_below, job.restore_below_reason) if job.restore_below is not None
+                        else None, owner_digests=job.owner_digests)
+    # Every node reads every source: a memory slot on another node is fetched from its shard store too.
+    sources = [s if s.tier == "disk" else s.model_copy(update={"address": job.addresses.get(s.node_id, s.address)})
+               for s in plan.sources]
+    resharded = plan.step >= 0
+    reason = (f"generation {generation}: the job shrank from {old_world} to {new_world} ranks"
+              + (f": every node stages step {plan.step} of all {old_world} saved ranks and each new rank loads its "
+                 f"part resharded; " if resharded else "; ") + plan.reason)
+    payload = CheckpointRestorePlanned(generation=generation, step=plan.step, sources=sources, reason=reason,
+                                       ranks=len(sources), tiers=dict(sorted(Counter(s.tier for s in sources).items())),
+                                       node_parts=0, reshard_from=old_world if resharded else 0)
+    proposals = [Proposal(payload, subject=subject, key=f"plan/{generation}")]
+    proposals += [Proposal(f, subject=subject, key=f"fallback/{generation}/{f.rank}") for f in plan.fallbacks]
+    return Decision(reason, tuple(proposals))
 
 
 def node_parts(plan: RestorePlan, targets: Mapping[int, str], budget_bytes: int = PART_BUDGET_BYTES,

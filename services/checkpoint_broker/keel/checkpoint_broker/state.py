@@ -333,6 +333,10 @@ def _evolve_job(job: JobState, event: Event, policy: BrokerPolicy) -> JobState:
                 gens[groups.rank] = p.generation
         # A registration is proof of life: the node is a candidate again, for every rank.
         avoid = {r: nodes - {p.node_id} for r, nodes in job.avoid.items() if nodes - {p.node_id}}
+        if p.generation >= job.generation and 0 < p.world_size < job.world_size:
+            # The job shrank (a restart onto fewer nodes): the ranks past its new size exist no more.
+            sites = {r: s for r, s in sites.items() if r < p.world_size}
+            gens = {r: g for r, g in gens.items() if r < p.world_size}
         return replace(job, world_size=p.world_size if p.generation >= job.generation else job.world_size,
                        generation=max(job.generation, p.generation), sites=sites, site_generation=gens,
                        addresses={**job.addresses, p.node_id: p.store_address}, left=job.left - {p.node_id},
