@@ -595,3 +595,40 @@ def test_a_persistent_step_of_two_ranks_restores_into_one_and_trains_on_exactly(
     with pytest.raises(CheckpointCorruptError, match="SHA-256 mismatch .*the checkpoint is corrupt"):
         fresh.checkpointer(rank=0, world_size=1).restore(step_dir)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters(), strict=True))
+
+
+def test_an_agents_reshard_plan_restores_two_saved_ranks_into_one_and_trains_on_exactly(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan for a job the controller shrank (``reshard``: every saved rank's staged shard): the rank loads its part
+    resharded, bitwise as the saving run goes on; a saved rank the agent could not stage is named, nothing loaded."""
+    saved = build(0)
+    train(saved, 0, 2)
+    shards = {}
+    for rank in range(2):
+        path = shm / "restore" / f"rank{rank}.shard"
+        saved.checkpointer(rank=rank, world_size=2, groups={"dp": [0, 1], "pp": [rank], "tp": [rank]}).save_file(
+            path, step=1)
+        shards[str(rank)] = {"path": str(path), "format": "shard", "tier": "peer",
+                             "digest": ckpt_slots.sha256_hex(path.read_bytes())}
+    reference = train(saved, 2, 5)
+    plan = shm / "g1.json"
+    monkeypatch.setenv("KEEL_RESTORE_PLAN", str(plan))
+    document = {"generation": 1, "step": 1, "shards": {}, "reshard": {"world_size": 2, "shards": shards}}
+    ckpt_slots.write_file_atomic(plan, json.dumps(document).encode())
+    resumed = build(7)
+    ckpt = resumed.checkpointer(rank=0, world_size=1)
+    assert ckpt.restore() == 1
+    assert "resharded from 2 ranks to 1" in str(ckpt.restored_from) and "via plan g1.json" in str(ckpt.restored_from)
+    assert train(resumed, 2, 5) == reference
+
+    document["reshard"]["shards"]["1"] = {"error": "fetching rank 1 step 1 from its peer failed: unreachable"}
+    ckpt_slots.write_file_atomic(plan, json.dumps(document).encode())
+    fresh = build(8)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+    with pytest.raises(CheckpointError, match="saved rank 1: fetching rank 1 step 1 from its peer failed"):
+        fresh.checkpointer(rank=0, world_size=1).restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters(), strict=True))
+    document["reshard"] = {"world_size": "two", "shards": shards}
+    ckpt_slots.write_file_atomic(plan, json.dumps(document).encode())
+    with pytest.raises(CheckpointError, match="reshard part is not valid"):
+        fresh.checkpointer(rank=0, world_size=1).restore()

@@ -1134,6 +1134,8 @@ class Checkpointer:
         if step < 0:
             _log.info("keel restore: plan %s says start fresh", plan_path)
             return -1
+        if plan.get("reshard") is not None:
+            return self._restore_resharded_from_plan(plan_path, step, plan["reshard"])
         entry = (plan.get("shards") or {}).get(str(self.rank))
         if not isinstance(entry, dict) or "path" not in entry:
             raise CheckpointError(f"restore plan {plan_path} (step {step}) has no shard for rank {self.rank}")
@@ -1145,6 +1147,34 @@ class Checkpointer:
         loaded = self._load_verified(Path(entry["path"]), entry.get("digest") or None, trusted=trusted,
                                      owned=trusted)
         self.restored_from = f"{self.restored_from} via plan {plan_path.name} (tier {entry.get('tier', '?')})"
+        if loaded != step:
+            raise CheckpointError(f"{self.restored_from} holds step {loaded}, the plan says {step}")
+        return loaded
+
+    def _restore_resharded_from_plan(self, plan_path: Path, step: int, reshard: Any) -> int:
+        """A plan for a job that restarted on another world size (the controller's shrink): the agent staged
+        every saved rank's shard (``reshard.shards``, by saved rank, ``reshard.world_size`` of them); this rank
+        loads its part of them resharded (``load_resharded``)."""
+        try:
+            saved_world = int(reshard["world_size"])
+            entries = reshard["shards"]
+            if saved_world < 1 or not isinstance(entries, dict):
+                raise ValueError(f"world_size {saved_world}, shards {type(entries).__name__}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"restore plan {plan_path} (step {step}): its reshard part is not valid: {exc!r}") from None
+        problems = []
+        for rank in range(saved_world):
+            entry = entries.get(str(rank))
+            if not isinstance(entry, dict) or "path" not in entry:
+                problems.append(f"saved rank {rank}: " + (str(entry["error"]) if isinstance(entry, dict) and
+                                                          entry.get("error") else "no shard staged"))
+            elif entry.get("error"):
+                problems.append(f"saved rank {rank}: {entry['error']}")
+        if problems:
+            raise CheckpointError(f"restore plan {plan_path} (step {step}): the shards to reshard from could not all "
+                                  f"be staged: {'; '.join(problems)}")
+        loaded = self.load_resharded([entries[str(rank)]["path"] for rank in range(saved_world)])
+        self.restored_from = f"{self.restored_from} via plan {plan_path.name}"
         if loaded != step:
             raise CheckpointError(f"{self.restored_from} holds step {loaded}, the plan says {step}")
         return loaded
