@@ -27,7 +27,7 @@ import pytest
 from keel.agent.checkpointing import GrpcTransport, NodeCheckpointing, local_slot_files, plan_file
 from keel.agent.shard_store import TlsMaterial
 from keel.checkpoint import disk as ckpt_disk
-from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, slot_path
+from keel.checkpoint.slots import HEADER_BYTES, SlotWriter, read_header, read_payload, slot_path
 from keel.checkpoint_broker.decider import CheckpointBrokerDecider
 from keel.checkpoint_broker.restore import joined_sources
 from keel.checkpoint_broker.state import BrokerPolicy
@@ -725,3 +725,43 @@ def test_without_a_peer_tier_a_round_is_the_newest_step_of_every_local_rank(clus
     # A restart may resume from an older step: its rounds are new.
     node.ckpt.prepare_restart(generation=1)
     assert node.ckpt.reported_round == -1
+
+
+# -- a job that shrank (the controller's shrink instead of stop) ----------------------------------------------
+
+
+def test_a_shrunk_job_stages_every_saved_ranks_shard_on_every_node(cluster: Cluster) -> None:
+    """C is lost with no standby: A and B go on as a world of 2. Each reports the slots of the ranks it ran and the
+    new size; the broker plans every saved rank's source; each node stages all three shards (its own slot, the
+    other survivor's slot fetched from its store, the lost rank's backup), byte for byte what the ranks wrote."""
+    a, b, c = three_nodes(cluster)
+    backup = backed_up(cluster, 2)
+    c.kill_store()
+    for node, new_rank in ((a, 0), (b, 1)):
+        node.groups, node.steps = {}, {}
+        node.ckpt.reshape([new_rank], 2)
+        node.restart(1)
+        cluster.pump()
+    inventories = {i.node_id: i for i in cluster.payloads(CheckpointInventoryReported, generation=1)}
+    assert {n: (i.ranks, i.world_size) for n, i in inventories.items()} == {"A": ([0], 2), "B": ([1], 2)}
+    assert {(e.rank, e.step) for e in inventories["B"].entries if e.tier == "memory"} >= {(1, 2)}, \
+        "B lists the slots of the rank it ran, which it no longer runs"
+    [planned] = cluster.plans(1)
+    assert planned.step == 2 and planned.reshard_from == 3 and planned.node_parts == 0
+    assert {s.rank: (s.tier, s.node_id) for s in planned.sources} == {
+        0: ("memory", "A"), 1: ("memory", "B"), 2: ("peer", backup[2])}
+    for node in (a, b):
+        path = plan_file(node.agent_dir, 1)
+        cluster.wait_for(f"{node.node_id}'s plan file", path.exists)
+        plan = json.loads(path.read_text())
+        assert plan["step"] == 2 and plan["shards"] == {} and plan["reshard"]["world_size"] == 3
+        staged = plan["reshard"]["shards"]
+        assert sorted(staged) == ["0", "1", "2"] and not [e for e in staged.values() if e.get("error")]
+        owners = {0: a, 1: b, 2: c}
+        for rank, entry in staged.items():
+            owner = owners[int(rank)]
+            data = Path(entry["path"]).read_bytes()
+            if entry["format"] == "slot":
+                assert owner is node, "only a node's own slots are read in place"
+                data = read_payload(Path(entry["path"]), verify=True)[1]
+            assert data == owner.payloads[(int(rank), 2)], (node.node_id, rank, entry)

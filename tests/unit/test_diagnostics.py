@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.agent.commands import PromotionError, promoted_spec
+from keel.agent.commands import PromotionError, promoted_spec, reshape_problem
 from keel.agent.diagnostics import (
     DiagnosticsPolicy,
     LinkState,
@@ -289,3 +289,14 @@ def test_a_promoted_standby_takes_exactly_the_slice_of_its_new_node_rank() -> No
         promoted_spec(standby, 1, [2])
     with pytest.raises(PromotionError, match="outside 0..3"):
         promoted_spec(standby, 4, [8, 9])
+
+
+def test_a_shrink_moves_a_worker_to_a_lower_node_rank_of_fewer_nodes_only() -> None:
+    worker = LaunchSpec(nnodes=4, nproc_per_node=2, node_rank=3, master_addr="h", master_port=1,
+                        command=("-m", "x"), node_id="n03")
+    assert reshape_problem(worker, 2, 3) == ""
+    assert "outside 0..2" in reshape_problem(worker, 3, 3)
+    assert "cannot grow from 4 to 5 nodes" in reshape_problem(worker, 1, 5)
+    standby = LaunchSpec(nnodes=4, nproc_per_node=2, node_rank=0, master_addr="h", master_port=1,
+                         command=("-m", "x"), node_id="s00", standby=True)
+    assert "is a standby" in reshape_problem(standby, 0, 3)

@@ -271,6 +271,11 @@ def read_payload_consistent(path: Path) -> tuple[SlotHeader, bytes]:
     return before, payload
 
 
+SENT_DIR = "sent"
+"""Under a node's slot folder: local copies of the last two snapshots each rank backed up to its peer (slot
+format, ``keel.agent.checkpointing.keep_sent_copy``); its shard store serves them as slots too."""
+
+
 def list_slots(node_dir: Path) -> dict[int, list[Path]]:
     """The slot files under ``node_dir`` by rank (backup and restore folders excluded)."""
     out: dict[int, list[Path]] = {}

@@ -287,6 +287,8 @@ class _Plan:
     step: int
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     pending: dict[int, Future] = field(default_factory=dict)
+    reshard_from: int = 0
+    """A shrunk job's plan: ``entries`` are every saved rank's staged shard (0: this node's ranks' own)."""
 
 
 def plan_file(agent_dir: Path, generation: int) -> Path:
@@ -294,7 +296,7 @@ def plan_file(agent_dir: Path, generation: int) -> Path:
     return Path(agent_dir) / "restore" / f"g{generation}.json"
 
 
-SENT_DIR = "sent"
+SENT_DIR = ckpt_slots.SENT_DIR
 """Under the node folder: local copies of the last two snapshots each rank backed up to its peer (slot
 format). When a node is lost, the survivors' rings have moved past the last backed-up step; these copies
 let every surviving rank resume at the step the lost ranks' backups hold, from local memory."""
@@ -440,6 +442,10 @@ class NodeCheckpointing:
         """generation -> this node's parts of the broker's plan, by part number."""
         self.verified: dict[tuple[int, int, str], Path] = {}
         """(rank, step, digest) -> the local copy the last inventory hashed (what a plan may trust)."""
+        self.saved_ranks: list[int] = []
+        self.reshaped_world = 0
+        """After ``reshape`` (a shrink) until the next inventory: the ranks this node ran before, whose slots the
+        inventory lists too, and the job's new world size, which it reports."""
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -491,6 +497,15 @@ class NodeCheckpointing:
         self.reported_round = -1
         self.round_ready_since = None
         self.registered_generation = None
+
+    def reshape(self, local_ranks: list[int], world_size: int) -> None:
+        """The job shrank: this node runs ``local_ranks`` of ``world_size`` from the next generation on. Its
+        slots of the ranks it ran before stay listed by the next inventory (every node of the smaller job
+        restores from every saved rank's shard). Call before ``prepare_restart``."""
+        self.saved_ranks = sorted(set(self.local_ranks) - set(local_ranks))
+        self.reshaped_world = world_size
+        self.take_over(local_ranks)
+        self.world_size = world_size
 
     # -- before a restart ---------------------------------------------------------------------------
 
@@ -552,8 +567,10 @@ class NodeCheckpointing:
                                      for r in self.local_ranks]
         if self.supervised:
             self.emit(CheckpointInventoryReported(node_id=self.node_id, generation=generation, entries=entries,
-                                                  rejected=rejected, ranks=self.local_ranks),
+                                                  rejected=rejected, ranks=self.local_ranks,
+                                                  world_size=self.reshaped_world),
                       subject=f"node/{self.node_id}")
+            self.saved_ranks, self.reshaped_world = [], 0
             early = self.early_plans.pop(generation, None)
             if early is not None:
                 self._start_plan(early)
@@ -595,7 +612,7 @@ class NodeCheckpointing:
         entries: list[InventoryEntry] = []
         rejected: list[RejectedShard] = []
         self.verified = {}
-        for rank in self.local_ranks:
+        for rank in [*self.local_ranks, *self.saved_ranks]:
             seen: set[tuple[int, str]] = set()
             for path in local_slot_files(self.node_dir, rank):
                 try:
@@ -695,12 +712,12 @@ class NodeCheckpointing:
             self._start_plan(planned)
 
     def _start_plan(self, planned: CheckpointRestorePlanned) -> None:
-        plan = _Plan(planned.generation, planned.step)
+        plan = _Plan(planned.generation, planned.step, reshard_from=planned.reshard_from)
         for source in planned.sources:
-            if source.rank not in self.progress:
+            if source.rank not in self.progress and not plan.reshard_from:
                 continue
             entry: dict[str, Any] = {"digest": source.digest, "tier": source.tier}
-            if source.tier == "memory":
+            if source.tier == "memory" and (source.node_id == self.node_id or not plan.reshard_from):
                 slot = self.verified.get((source.rank, planned.step, source.digest))
                 if slot is None:
                     entry["error"] = f"no verified slot of step {planned.step} in {self.node_dir}"
@@ -724,7 +741,7 @@ class NodeCheckpointing:
                 plan.pending[source.rank] = self.pool.submit(
                     self._fetch, source.address, source.rank, planned.step, dest, source.digest, source.node_id)
             plan.entries[source.rank] = entry
-        if planned.step >= 0:
+        if planned.step >= 0 and not plan.reshard_from:
             for rank in self.local_ranks:
                 plan.entries.setdefault(rank, {"error": f"the broker's plan for generation {planned.generation} "
                                                         f"(step {planned.step}) names no source for rank {rank}"})
@@ -758,11 +775,22 @@ class NodeCheckpointing:
             del plan.pending[rank]
         shards = {str(rank): entry for rank, entry in plan.entries.items()}
         self._discard_newer_than(plan.step, plan.generation)
-        self._write_plan(plan.generation, plan.step, shards, reason="planned by the checkpoint broker")
+        if plan.reshard_from:
+            for rank in range(plan.reshard_from):
+                shards.setdefault(str(rank), {"error": f"the broker's plan for generation {plan.generation} (step "
+                                                       f"{plan.step}) names no source for saved rank {rank}"})
+            self._write_plan(plan.generation, plan.step, {}, reason="planned by the checkpoint broker: the job shrank, "
+                             f"every saved rank's shard staged to reshard from {plan.reshard_from} ranks",
+                             reshard={"world_size": plan.reshard_from, "shards": shards})
+        else:
+            self._write_plan(plan.generation, plan.step, shards, reason="planned by the checkpoint broker")
         self.plan = None
 
-    def _write_plan(self, generation: int, step: int, shards: dict[str, Any], reason: str) -> None:
+    def _write_plan(self, generation: int, step: int, shards: dict[str, Any], reason: str,
+                    reshard: dict[str, Any] | None = None) -> None:
         document = {"generation": generation, "step": step, "shards": shards, "reason": reason}
+        if reshard is not None:
+            document["reshard"] = reshard
         ckpt_slots.write_file_atomic(plan_file(self.agent_dir, generation), json.dumps(document, indent=1).encode(),
                                      fsync=False)
         log.info("%s: restore plan for generation %d: step %d (%s)", self.node_id, generation, step, reason)

@@ -140,6 +140,8 @@ def handle_restart(node: Node, command: Event) -> None:
         outcome, detail = "stale_generation", f"already at generation {node.generation}"
     elif problem := node.use_code(payload.code):
         outcome, detail = "failed", f"{problem}; the ranks keep running"
+    elif payload.nnodes and (problem := reshape_problem(node.spec, payload.node_rank, payload.nnodes)):
+        outcome, detail = "failed", f"{problem}; the ranks keep running"
     else:
         if node.rounds.running:
             log.warning("%s: a restart command arrived while diagnostics ran; ending the round unreported",
@@ -154,6 +156,16 @@ def handle_restart(node: Node, command: Event) -> None:
             node.spec = dataclasses.replace(node.spec, standby=False)
             node.supervisor.spec = node.spec
             node.rounds.cancel()
+        if payload.nnodes and (payload.nnodes, payload.node_rank) != (node.spec.nnodes, node.spec.node_rank):
+            # The job shrank: this node runs another slice of a smaller world from now on; its ranks restore
+            # every saved rank's shard resharded (the broker's plan names them all).
+            log.info("%s: the job shrinks: node rank %d of %d becomes node rank %d of %d", node.spec.node_id,
+                     node.spec.node_rank, node.spec.nnodes, payload.node_rank, payload.nnodes)
+            node.spec = dataclasses.replace(node.spec, node_rank=payload.node_rank, nnodes=payload.nnodes)
+            node.supervisor.spec = node.spec
+            if node.checkpointing is not None:
+                node.checkpointing.reshape([node.spec.global_rank(i) for i in range(node.spec.nproc_per_node)],
+                                           node.spec.world_size)
         # Start the new processes first: the inventory (hashing every slot) overlaps their start-up,
         # and they wait for the restore plan it leads to.
         node.start_ranks(payload.generation)
@@ -166,6 +178,18 @@ def handle_restart(node: Node, command: Event) -> None:
                        outcome=outcome, detail=detail),
         causation=command,
     )
+
+
+def reshape_problem(spec: LaunchSpec, node_rank: int, nnodes: int) -> str:
+    """Why this node cannot become node rank ``node_rank`` of ``nnodes`` ("" : it can). A job only shrinks
+    (the shard store admits the ranks of the size it started with), and a standby has no slice to move."""
+    if spec.standby:
+        return f"{spec.node_id} is a standby: a shrink restarts the job's own nodes only"
+    if not 0 <= node_rank < nnodes:
+        return f"node rank {node_rank} is outside 0..{nnodes - 1}"
+    if nnodes > spec.nnodes:
+        return f"the job cannot grow from {spec.nnodes} to {nnodes} nodes by a restart command"
+    return ""
 
 
 def follow_rendezvous(node: Node, master_addr: str) -> None:

@@ -66,6 +66,7 @@ from keel.agent.shard_access import (
     authorize_read,
 )
 from keel.checkpoint.slots import (
+    SENT_DIR,
     SlotError,
     SlotHeader,
     backup_path,
@@ -730,7 +731,9 @@ class ShardStoreServer:
         the same step; ``step=-1``: the newest. Raises ``_Abort(NOT_FOUND)`` listing why each failed."""
         candidates: list[tuple[int, int, Path, str]] = []  # (step, preference, path, kind)
         if kind in ("", "slot") and owner_node_id in ("", self.node_id):
-            for path in list_slots(self.node_dir).get(rank, []):
+            # The ring and the sent copies (a step the ring moved past, kept because its backup is what a lost
+            # peer's ranks restore: every rank of a shrunk job may need it from here).
+            for path in [*list_slots(self.node_dir).get(rank, []), *list_slots(self.node_dir / SENT_DIR).get(rank, [])]:
                 try:
                     header = read_header(path)
                 except SlotError:
