@@ -164,3 +164,14 @@ def test_the_approval_message_carries_buttons_only_where_configured() -> None:
     [actions] = [b for b in json.loads(request(note, interactive, T0).body)["blocks"] if b["type"] == "actions"]
     assert [(e["action_id"], e["value"]) for e in actions["elements"]] == [(APPROVE_ACTION, str(asked.id)),
                                                                           (DENY_ACTION, str(asked.id))]
+
+
+def test_a_strangers_refusal_keeps_slacks_url_to_tell_them_why() -> None:
+    body = slack_body(user="U0NOTALLOW")
+    with pytest.raises(Refused) as refused:
+        press(body, signed(body))
+    assert refused.value.response_url == "https://hooks.slack.com/actions/T1/1/abc"
+    forged = slack_body(user="U0NOTALLOW")
+    with pytest.raises(Refused) as unsigned:
+        press(forged, {**signed(forged), "X-Slack-Signature": "v0=" + "1" * 64})
+    assert unsigned.value.response_url == ""  # nothing from an unverified body is used

@@ -89,6 +89,8 @@ class ChatOps:
                                   response_url_prefix=self.response_url_prefix)
         except Refused as refused:
             log.warning("chat-ops slack: refused (%d): %s", refused.status, refused.reason)
+            if refused.response_url:  # signed by Slack, but not someone who may answer: tell them why
+                self._post_update(refused.response_url, f":no_entry: {refused.reason}", replace=False)
             return refused.status, {"ok": False, "detail": refused.reason}
         return await self._answer(action)
 
@@ -151,6 +153,8 @@ class ChatOps:
             raise Refused(404, f"no approval request {action.request_id} in the log; nothing was published")
         request: Event = recorded.event
         answers = [r.event async for r in self.store.read(job_id=request.job_id, types=["ApprovalGiven"])]
+        if any(a.id == event_id for a in answers):  # recorded since the first look
+            raise Refused(409, "replayed: the log already holds this request's answer; nothing was published")
         now = self.clock()
         try:
             find_open_request(str(request.id), [request], answers, now)
@@ -170,9 +174,13 @@ class ChatOps:
         return answer
 
     def _tell_slack(self, action: ApprovalAction, text: str, *, replace: bool) -> None:
-        if not action.response_url or self.post is None:
+        if action.response_url:
+            self._post_update(action.response_url, text, replace=replace)
+
+    def _post_update(self, url: str, text: str, *, replace: bool) -> None:
+        if self.post is None:
             return
-        post, url, body = self.post, action.response_url, slack_update(text, replace=replace)
+        post, body = self.post, slack_update(text, replace=replace)
         task = asyncio.get_running_loop().create_task(asyncio.to_thread(post, url, body))
         self._updates.add(task)
         task.add_done_callback(self._updates.discard)

@@ -51,10 +51,12 @@ _NAMESPACE = uuid.UUID("0f6f3d0a-6c55-4b8e-9d0b-2a3f1c7e5d21")
 class Refused(Exception):
     """A chat-ops request that publishes nothing: ``status`` is the HTTP answer, the message the reason."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, response_url: str = "") -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.response_url = response_url
+        """A verified Slack request's ``response_url`` (allowed by the prefix), to tell the presser why; else ''."""
 
 
 @dataclass(frozen=True)
@@ -139,13 +141,13 @@ def parse_slack(body: bytes, approvers: Mapping[str, str], response_url_prefix: 
     team = payload.get("team") if isinstance(payload.get("team"), dict) else {}
     handle = user.get("username") or user.get("name") or ""
     who = f"Slack user {user_id}" + (f" (@{str(handle)[:64]})" if handle else "")
-    if approver is None:
-        raise Refused(403, f"{who} is not an approver (chat-ops approvers list no such Slack user): nothing was "
-                           "published")
-    team_id = team.get("id") if isinstance(team, dict) else None
-    comment = f"via Slack, {who}" + (f", team {str(team_id)[:20]}" if team_id else "")
     url = payload.get("response_url")
     response_url = url if isinstance(url, str) and response_url_prefix and url.startswith(response_url_prefix) else ""
+    if approver is None:
+        raise Refused(403, f"{who} is not an approver (chat-ops approvers list no such Slack user): nothing was "
+                           "published", response_url)
+    team_id = team.get("id") if isinstance(team, dict) else None
+    comment = f"via Slack, {who}" + (f", team {str(team_id)[:20]}" if team_id else "")
     return value.lower(), action_id == APPROVE_ACTION, approver, comment, response_url
 
 
