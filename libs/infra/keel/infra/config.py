@@ -781,7 +781,8 @@ class ChatOpsSettings(_Section):
 
 
 class ApiSettings(_Section):
-    """The HTTP API (``keel-api``): read-only queries over the event store behind bearer tokens."""
+    """The HTTP API (``keel-api``): read-only queries over the event store behind bearer tokens, and chat-ops
+    approvals when ``chatops`` is set."""
 
     listen_host: str = "127.0.0.1"
     """The address it listens on (only this machine by default: put a TLS proxy in front to serve others)."""

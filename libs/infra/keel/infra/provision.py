@@ -39,6 +39,7 @@ from keel.infra.config import ConfigError, Settings, credentials_path, load_sett
 from keel.infra.nats_auth import (
     ADMIN,
     AUDITOR,
+    CHATOPS,
     OPERATOR,
     NatsAuthError,
     NatsAuthority,
@@ -90,6 +91,7 @@ BUNDLES: dict[str, Bundle] = {
     "migrate": Bundle(ADMIN),  # keel-migrate administers the streams; it signs nothing
     **{name: Bundle(name, name) for name in CONTROL_PLANE},  # each service: identity and key named after it
     "auditor": Bundle(AUDITOR),
+    "chatops": Bundle(CHATOPS, CHATOPS),  # the API's chat-ops approvals: publishes and signs ApprovalGiven only
 }
 """The bundles by name, besides ``operator`` (``operator_bundle``) and agents (``agent_bundle``)."""
 

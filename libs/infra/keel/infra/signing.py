@@ -283,9 +283,12 @@ CONTROL_PLANE = ("recorder", "controller", "checkpoint-broker", "actuator", "ana
 
 
 def ensure_control_plane_keys(settings: Settings, operator: str) -> list[SigningKey]:
-    """Every control-plane service's key and operator ``operator``'s, created when missing (``keel up``)."""
+    """Every control-plane service's key, the API's chat-ops key (``api.chatops.signing_identity``, role chatops)
+    and operator ``operator``'s, created when missing (``keel up``, ``keel credentials init``): the keyring knows
+    them all before any of them signs."""
     credentials = credentials_path(settings)
     keys = [ensure_signing_identity(credentials, name, name) for name in CONTROL_PLANE]
+    keys.append(ensure_signing_identity(credentials, settings.api.chatops.signing_identity, "chatops"))
     return [*keys, ensure_signing_identity(credentials, operator, "operator")]
 
 

@@ -1,7 +1,8 @@
 """``keel-api``: serve the HTTP API until SIGTERM or SIGINT (uvicorn), read-only, as the ``auditor`` role.
 
 Settings from ``--config``/``KEEL_CONFIG`` and ``KEEL_*`` (``api.*``: address, port, tokens), the database from
-``KEEL_DATABASE_URL`` or a running ``keel up``. Exit status 2 on a configuration error or an old schema.
+``KEEL_DATABASE_URL`` or a running ``keel up``. With ``api.chatops`` set, each process also connects to NATS
+(``KEEL_NATS_URL``) as the ``chatops`` identity, to publish chat-ops approvals (``keel.api.chatops``). Exit status 2 on a configuration error or an old schema.
 ``keel-api --new-token NAME [--scope operator]`` prints a new token and its ``api.tokens`` entry.
 """
 
