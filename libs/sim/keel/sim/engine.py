@@ -65,7 +65,8 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 TICK_S = 5.0
 """The job clock's interval while something is in flight (``controller.clock_quiet_interval``)."""
 HEARTBEAT_EVERY_S = 25.0
-"""Every machine's heartbeat while the clock ticks: within the controller's 30 s silence timeout."""
+"""A machine's heartbeat is fed once it has been this long unheard on the controller's recorded clock (within the
+controller's 30 s silence timeout; docs/fleet-sim.md, "Heartbeats")."""
 TIMED_STAGES = frozenset({"capturing", "diagnosing", "replaying", "recovering"})
 """An incident's stages with a deadline on the job clock: the simulator ticks the job through them."""
 HARDWARE = frozenset({"gpu_lost", "xid", "host_lost", "sdc", "fail_slow"})
@@ -126,6 +127,9 @@ class KeelSim:
                  record: bool = False, policy: ControllerPolicy | None = None) -> None:
         self.trace, self.cal, self.variant = trace, cal, variant
         self.rng = random.Random(seed * 7919 + 17)
+        self.id_rng = random.Random(seed * 7919 + 18)
+        """Event ids come from a stream of their own: how many events the simulated agents send changes no
+        duration drawn."""
         base = policy or ControllerPolicy()
         self.policy = replace(base, stack_analysis=base.stack_analysis and variant.analyzer,
                               sdc_replay=base.sdc_replay and variant.analyzer,
@@ -159,7 +163,8 @@ class KeelSim:
         self.restart_nodes: list[str] = []
         self.promotions: list[tuple[str, str, int]] = []
         self.ticking = False
-        self.next_heartbeat_s = 0.0
+        self.heard_s: dict[str, float] = {}
+        """Each machine's newest event produced by its agent (simulated seconds): what the controller hears."""
         self.stopped = False
         self._waiting_since: float | None = None
         self._provision_now = False
@@ -208,8 +213,12 @@ class KeelSim:
     def feed(self, payload: EventPayload, subject: str, producer: str = "agent") -> None:
         """One input to the controller, as the bus would deliver it; then carry out its decisions."""
         event = Event.create(payload, job_id=self.job_id, subject=subject, producer=producer,
-                             occurred_at=self.time(), event_id=uuid.UUID(int=self.rng.getrandbits(128)))
+                             occurred_at=self.time(), event_id=uuid.UUID(int=self.id_rng.getrandbits(128)))
         self.events += 1
+        if producer == "agent":
+            node = getattr(payload, "node_id", None)
+            if isinstance(node, str) and node:
+                self.heard_s[node] = self.now_s
         if self.record:
             self.log.append(event)
         result = self.session.observe(event)
@@ -224,10 +233,9 @@ class KeelSim:
         if not self.ticking:
             return
         self.feed(TimerTicked(now=self.time(), interval_s=TICK_S), f"clock/{self.job_id}", "clock")
-        if self.now_s >= self.next_heartbeat_s:
-            self.next_heartbeat_s = self.now_s + HEARTBEAT_EVERY_S
-            self._heartbeats()
         job = self.session.state.job(self.job_id)
+        if job.clock_since is not None and self.now_s - self.seconds(job.clock_since) >= HEARTBEAT_EVERY_S:
+            self._heartbeats(unheard_since_s=self.now_s - HEARTBEAT_EVERY_S)
         stage = job.incident.stage if job.incident is not None else None
         if stage not in TIMED_STAGES and self.pending_restart is None:
             self.ticking = False  # nothing waits on time: a gap, which the recorded clock skips
@@ -238,13 +246,38 @@ class KeelSim:
         if self.ticking or self.stopped:
             return
         self.ticking = True
-        self.next_heartbeat_s = self.now_s
         self._tick()
+        self._progress()
 
-    def _heartbeats(self) -> None:
+    def _progress(self) -> None:
+        """The step the job reached, as every agent's heartbeat reports it while the job steps: fed from one
+        live machine when the clock starts (the controller keeps the job's newest step, and a failure after
+        progress is no crash loop). The other machines' heartbeats would say the same."""
+        name = next((n for n in self.active_nodes() if n not in self.dead), None)
+        if name is not None:
+            self.feed(NodeHeartbeat(node_id=name, ranks_alive=1, ranks_expected=1, last_step=self.step_now(),
+                                    generation=self.generation_of.get(name, 0)), f"node/{name}")
+
+    def seconds(self, at: datetime) -> float:
+        return (at - T0).total_seconds()
+
+    def _heartbeats(self, unheard_since_s: float | None = None) -> None:
+        """Every live machine of the job heartbeats (``unheard_since_s`` None), or only those the controller has
+        heard nothing from since ``unheard_since_s``.
+
+        On the recorded clock the controller judges a machine silent by the time since it was last heard
+        (any event of its agent, credited at the tick after it) or since the current unbroken run of ticks
+        began (``JobView.clock_since``), whichever is later; past ``node_silence_timeout`` (30 s) it is lost.
+        Called after each tick of a run at least 25 s old with ``unheard_since_s`` = now - 25 s, it feeds
+        the heartbeats that keep every live machine heard within the timeout, and only those: a machine that
+        just acknowledged a request, reported a result or started its ranks is heard already, and none is
+        due before the run is 25 s old. The controller's view of who is silent is the same as if every
+        machine heartbeat every few seconds, as real agents do; only heartbeats it could not tell apart
+        from the ones fed are left out."""
         step = self.step_now()
+        heard = self.heard_s
         for name in self.active_nodes():
-            if name not in self.dead:
+            if name not in self.dead and (unheard_since_s is None or heard.get(name, -1.0) <= unheard_since_s):
                 self.feed(NodeHeartbeat(node_id=name, ranks_alive=1, ranks_expected=1, last_step=step,
                                         generation=self.generation_of.get(name, 0)), f"node/{name}")
 
