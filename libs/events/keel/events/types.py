@@ -397,18 +397,29 @@ class RankGroups(EventPayload):
     dp: list[int] = Field(default_factory=list)
     pp: list[int] = Field(default_factory=list)
     tp: list[int] = Field(default_factory=list)
+    shard: list[int] = Field(default_factory=list)
+    """The ranks across which this rank's state is sharded (FSDP2 / DTensor parameters: the mesh dimensions
+    they are sharded on; ZeRO: the optimizer's process group), the rank included; empty when nothing is
+    sharded (DDP: every DP peer holds a replica). Its members hold other parts of the state, not copies."""
 
 
-@event_type("CheckpointRanksRegistered", version=1, aggregate="node")
+@event_type("CheckpointRanksRegistered", version=2, aggregate="node")
 class CheckpointRanksRegistered(EventPayload):
-    """A node's ranks registered their Checkpointer: their parallel groups, and where the node's shard
-    store listens (``host:port`` of its gRPC ``ShardStore``) so peers can send it backups."""
+    """A node's ranks registered their Checkpointer: their parallel groups (v2: with each rank's ``shard``
+    group), and where the node's shard store listens (``host:port`` of its gRPC ``ShardStore``) so peers can
+    send it backups."""
 
     node_id: str
     generation: int = Field(ge=0)
     world_size: int = Field(ge=1)
     store_address: str
     ranks: list[RankGroups] = Field(min_length=1)
+
+
+@upcaster("CheckpointRanksRegistered", from_version=1)
+def _ranks_registered_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    # v1 knew no shard groups: its ranks were placed as replicas, as they are on replay.
+    return {**payload, "ranks": [{**r, "shard": []} for r in payload["ranks"]]}
 
 
 class BackupAssignment(EventPayload):

@@ -1,7 +1,7 @@
 """Backup placement: which node holds each rank's backup copy (the "peer" tier), and why.
 
-Every rank's backup goes to a node that shares no parallel group (DP, PP or TP) with the rank's node,
-load spread evenly; ``place_backups`` documents the fallback order when no such node exists, and each
+Every rank's backup goes to a node that shares no parallel group (DP, PP, TP or shard group) with the
+rank's node, load spread evenly; ``place_backups`` documents the fallback order when no such node exists, and each
 ``BackupAssignment.fallback`` says which one was taken. Re-placement (a backup peer failed, a node left,
 a rank moved) keeps every assignment that is still as good as the best available, so only the affected
 ranks move.
@@ -32,11 +32,16 @@ from keel.events.types import (
 from keel.kernel.decider import Decision, Proposal
 
 # Placement levels, best first. Only ISOLATED guarantees that evicting any single parallel group (every
-# node hosting one of its ranks) leaves a copy of every shard.
+# node hosting one of its ranks) leaves a copy of every shard. SHARES_DP is for DP peers that hold
+# replicas of the rank's state: a node hosting a peer of its shard group (FSDP2 / ZeRO: the DP peers hold
+# the other shards, not copies) is no better than one hosting a PP or TP peer.
 ISOLATED, DISJOINT, SHARES_DP, OWN_NODE_ONLY = 0, 1, 2, 3
 
+GROUP_KINDS = ("dp", "pp", "tp", "shard")
+"""``RankSite``'s groups, in the order a group's kind is named (a shard group equal to a DP group: "DP/shard")."""
+
 Signature = tuple[str, frozenset[str], frozenset[str]]
-"""A rank's node, the nodes of its DP/PP/TP peers, the nodes of its PP/TP peers."""
+"""A rank's node, the nodes of its DP/PP/TP/shard-group peers, the nodes of its PP/TP/shard-group peers."""
 
 
 class _Topology:
@@ -52,12 +57,15 @@ class _Topology:
         self.group_kind: dict[tuple[int, ...], str] = {}
         self.group_members: dict[tuple[int, ...], frozenset[int]] = {}
         for s in sites:
-            for kind in ("dp", "pp", "tp"):
+            for kind in GROUP_KINDS:
                 members = getattr(s, kind)
+                name = "shard" if kind == "shard" else kind.upper()
                 if members not in self.group_nodes:
                     self.group_members[members] = frozenset(members)
                     self.group_nodes[members] = frozenset(self.node_of[m] for m in members if m in self.node_of)
-                    self.group_kind[members] = kind.upper()
+                    self.group_kind[members] = name
+                elif kind == "shard" and len(members) > 1 and "shard" not in self.group_kind[members]:
+                    self.group_kind[members] += "/shard"  # FSDP2 on one mesh dimension: the DP group is sharded
         self.linked: dict[str, set[str]] = {}
         for nodes in self.group_nodes.values():
             for node in nodes:
@@ -67,18 +75,19 @@ class _Topology:
         self._interned: dict[Signature, Signature] = {}
 
     def signature(self, site: RankSite) -> Signature:
-        """What a rank's candidate levels depend on: its node, the nodes of its DP/PP/TP peers and
-        those of its PP/TP peers. Ranks with one signature rank every candidate alike (one object)."""
-        key = (site.node_id, site.dp, site.pp, site.tp)
+        """What a rank's candidate levels depend on: its node, the nodes of its DP/PP/TP/shard-group peers
+        and those of its PP/TP/shard-group peers (a shard peer holds another part of the state, not a copy).
+        Ranks with one signature rank every candidate alike (one object)."""
+        key = (site.node_id, site.dp, site.pp, site.tp, site.shard)
         if key not in self._signatures:
-            dp, pp, tp = (self.group_nodes[g] for g in (site.dp, site.pp, site.tp))
-            value = (site.node_id, dp | pp | tp, pp | tp)
+            dp, pp, tp, shard = (self.group_nodes[g] for g in (site.dp, site.pp, site.tp, site.shard))
+            value = (site.node_id, dp | pp | tp | shard, pp | tp | shard)
             self._signatures[key] = self._interned.setdefault(value, value)
         return self._signatures[key]
 
-    def shared_ranks(self, site: RankSite, backup: str) -> list[int]:
-        """The rank's DP/PP/TP peers running on ``backup``."""
-        peers = self.group_members[site.dp] | self.group_members[site.pp] | self.group_members[site.tp]
+    def shared_ranks(self, site: RankSite, backup: str, kinds: Sequence[str] = GROUP_KINDS) -> list[int]:
+        """The rank's peers in its ``kinds`` groups running on ``backup``."""
+        peers = frozenset().union(*(self.group_members[getattr(site, kind)] for kind in kinds))
         return sorted((peers & self.hosts.get(backup, set())) - {site.rank})  # O(group size), not O(node's ranks)
 
     def level(self, signature: Signature, candidate: str) -> int | None:
@@ -106,14 +115,28 @@ class _Topology:
         r, node = site.rank, site.node_id
         if level == ISOLATED:
             return ""
+        sharded = len(site.shard) > 1  # texts name the shard group only for a rank whose state is sharded
         if level == DISJOINT:
+            peers = "DP/PP/TP/shard-group" if sharded else "DP/PP/TP"
             return (f"every other node shares a parallel group with {node}: {backup} holds none of rank {r}'s "
-                    f"DP/PP/TP peers, but the {self.spanning_group(node, backup)} spans both nodes, so evicting "
+                    f"{peers} peers, but the {self.spanning_group(node, backup)} spans both nodes, so evicting "
                     f"that group would lose both copies of rank {r}")
         shared = self.shared_ranks(site, backup)
         if level == SHARES_DP:
+            if sharded:
+                return (f"every other node holds a DP, PP, TP or shard-group peer of rank {r}; {backup} shares only "
+                        f"its DP group (ranks {ranks_text(shared)}, replicas outside its shard group "
+                        f"{ranks_text(site.shard)}), never its PP, TP or shard group")
             return (f"every other node holds a DP, PP or TP peer of rank {r}; {backup} shares only its DP group "
                     f"(ranks {ranks_text(shared)}), never its PP or TP group")
+        if sharded:
+            why = [name for kind, name in (("pp", "PP group"), ("tp", "TP group"), ("shard", "shard group"))
+                   if self.shared_ranks(site, backup, (kind,))]
+            of = f" of its {' and '.join(why)}" if why else ""
+            shard_note = (f"; its shard group {ranks_text(site.shard)} holds the other parts of its state, not copies"
+                          if "shard group" in why else "")
+            return (f"every other node holds a PP, TP or shard-group peer of rank {r}; {backup} is only not its own "
+                    f"node (shares ranks {ranks_text(shared)}{of}{shard_note}): losing that group loses both copies")
         return (f"every other node holds a PP or TP peer of rank {r}; {backup} is only not its own node "
                 f"(shares ranks {ranks_text(shared)}): losing that group loses both copies")
 
@@ -129,11 +152,12 @@ def place_backups(
 
     Preference, per rank (``fallback`` says why whenever the first could not be met):
 
-    0. a node sharing no parallel group with the rank's node (no DP, PP or TP group has ranks on both):
-       evicting any single group then leaves a copy of every shard;
-    1. a node hosting none of the rank's own DP, PP and TP peers;
-    2. a node hosting none of its PP and TP peers (sharing only the DP group, whose replicas hold the
-       same parameters anyway);
+    0. a node sharing no parallel group with the rank's node (no DP, PP, TP or shard group has ranks on
+       both): evicting any single group then leaves a copy of every shard;
+    1. a node hosting none of the rank's own DP, PP, TP and shard-group peers;
+    2. a node hosting none of its PP, TP and shard-group peers (sharing only the DP group, whose replicas
+       hold the same parameters anyway; under FSDP2 / ZeRO the DP peers in its shard group hold other
+       shards, so they count like PP and TP peers);
     3. any node but its own.
 
     Among equally good nodes: the one holding the fewest backups, then the first after the rank's node

@@ -75,18 +75,23 @@ FOLDED = frozenset({
 
 @dataclass(frozen=True)
 class RankSite:
-    """A rank, the node that runs it and its parallel groups (global ranks, the rank included)."""
+    """A rank, the node that runs it and its parallel groups (global ranks, the rank included).
+
+    ``shard``: the ranks across which its state is sharded (FSDP2 / ZeRO; empty when nothing is): unlike DP
+    replicas, they hold other parts of the state, so placement treats them like PP and TP peers."""
 
     rank: int
     node_id: str
     dp: tuple[int, ...] = ()
     pp: tuple[int, ...] = ()
     tp: tuple[int, ...] = ()
+    shard: tuple[int, ...] = ()
 
     @classmethod
     def from_groups(cls, groups: RankGroups, node_id: str) -> RankSite:
         # Sorted and deduplicated: the members of one group then describe it by one equal tuple.
-        return cls(groups.rank, node_id, *(tuple(sorted(set(g))) for g in (groups.dp, groups.pp, groups.tp)))
+        return cls(groups.rank, node_id,
+                   *(tuple(sorted(set(g))) for g in (groups.dp, groups.pp, groups.tp, groups.shard)))
 
 
 @dataclass(frozen=True)
