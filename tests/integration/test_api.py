@@ -162,9 +162,12 @@ async def test_the_api_answers_what_the_cli_answers_and_refuses_what_it_cannot_u
         assert status == 200 and spec["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
         assert "/v1/incidents/{ref}/timeline" in spec["paths"] and "/v1/audit/evictions" in spec["paths"]
         # Each audit view's route offers only the filters it has: evictions have no kind, rollbacks no node.
-        names = {path: {p["name"] for p in spec["paths"][path]["get"].get("parameters", [])} for path in spec["paths"]}
+        names = {path: {p["name"] for p in spec["paths"][path]["get"].get("parameters", [])} for path in spec["paths"]
+                 if "get" in spec["paths"][path]}
         assert "kind" not in names["/v1/audit/evictions"] and "node" not in names["/v1/audit/rollbacks"]
         assert {"since", "until", "last", "job", "node", "kind", "limit"} <= names["/v1/audit/incidents"]
+        # The operator actions are in the spec (and refuse a read token: test_api_actions.py).
+        assert {"/v1/approvals/{request_id}", "/v1/nodes/{node_id}/cordon"} <= set(spec["paths"])
     finally:
         stop_process(process)
     assert process.returncode == 0, (scratch_dir / "api.log").read_text()
@@ -180,7 +183,7 @@ async def test_schemathesis_finds_no_server_error_and_no_answer_outside_the_spec
         tried = await asyncio.to_thread(fuzz_every_operation, base)
     finally:
         stop_process(process)
-    assert len(tried) == 14 and min(n for label, n in tried.items() if label != "GET /healthz") >= 5, tried
+    assert len(tried) == 17 and min(n for label, n in tried.items() if label != "GET /healthz") >= 5, tried
 
 
 def fuzz_every_operation(base: str) -> dict[str, int]:
@@ -189,7 +192,7 @@ def fuzz_every_operation(base: str) -> dict[str, int]:
 
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 14, [op.label for op in operations]
+    assert len(operations) == 17, [op.label for op in operations]
     tried: dict[str, int] = {}
     for operation in operations:
         @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))

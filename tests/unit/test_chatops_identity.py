@@ -1,6 +1,6 @@
 """The chat-ops identity's least privilege: its signing key (role ``chatops``) makes an ``ApprovalGiven`` count and
-nothing else, only with a chat-ops producer; its NATS identity may publish ``ApprovalGiven`` only. An operator's
-approval still has to name its signer."""
+nothing else, only with a chat-ops producer; its NATS identity (the API's) may publish ``ApprovalGiven`` and
+``NodeCordoned`` only. An operator's approval still has to name its signer."""
 
 from __future__ import annotations
 
@@ -48,9 +48,11 @@ def test_an_operators_approval_still_names_its_signer() -> None:
     assert not forged.ok and "names the identity that signed it" in forged.reason
 
 
-def test_the_chatops_nats_identity_publishes_approvals_only() -> None:
+def test_the_chatops_nats_identity_publishes_approvals_and_cordons_only() -> None:
+    # The API's NATS identity carries chat-ops answers and operator tokens' answers and cordons (keel.api.actions);
+    # a cordon counts only signed by an operator's key (above).
     assert CHATOPS in STANDARD_IDENTITIES  # keel up issues it
     allowed = permissions(new_identity(CHATOPS, CHATOPS), NatsScope())["publish"]["allow"]
     events = [s for s in allowed if s.startswith("keel.")]
-    assert events == ["keel.*.job.*.ApprovalGiven"]
+    assert events == ["keel.*.job.*.ApprovalGiven", "keel.*.node.*.NodeCordoned"]
     assert not [s for s in allowed if "CONSUMER.CREATE" in s or "DURABLE" in s or "MSG.GET" in s]

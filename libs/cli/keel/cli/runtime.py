@@ -407,10 +407,11 @@ def _api_command(args: argparse.Namespace) -> list[str]:
 
 def _api_env(settings: Settings, env: dict[str, str]) -> dict[str, str]:
     """The API's environment under ``keel up``: its configured tokens plus the local operator's
-    (``ensure_api_token``), as ``KEEL_API__TOKENS``: a digest each, never a token."""
+    (``ensure_api_token``), as ``KEEL_API__TOKENS``: a digest each, never a token. The local operator's token acts
+    as the operator's signing identity (``keel up`` created its key)."""
     token = ensure_api_token(settings)
-    entries = [{"name": t.name, "scope": t.scope, "sha256": t.sha256} for t in settings.api.tokens]
-    entries.append({"name": token.name, "scope": token.scope, "sha256": token.sha256})
+    entries = [t.model_dump(exclude_none=True, mode="json") for t in settings.api.tokens]
+    entries.append(token.entry())
     return {**env, "KEEL_API__TOKENS": json.dumps(entries)}
 
 
@@ -419,8 +420,9 @@ def api_token_path(settings: Settings) -> Path:
 
 
 def ensure_api_token(settings: Settings) -> ApiToken:
-    """The local operator's API token entry (scope ``operator``, named after the operator); the token itself is
-    made once, kept 0600 in the credentials folder, and read by whoever may read that folder."""
+    """The local operator's API token entry (scope ``operator``, named after the operator, acting as the operator's
+    signing identity); the token itself is made once, kept 0600 in the credentials folder, and read by whoever may
+    read that folder."""
     import secrets as random_source
 
     from keel.infra.api_auth import OPERATOR, TOKEN_BYTES, new_token, token_digest
@@ -428,8 +430,9 @@ def ensure_api_token(settings: Settings) -> ApiToken:
     from keel.infra.signing import operator_name
 
     path = api_token_path(settings)
+    operator = operator_name(settings, login_name())
     # A token's name allows fewer characters than a login name may hold.
-    name = re.sub(r"[^A-Za-z0-9_.@-]", "_", operator_name(settings, login_name()))[:58] + "-local"
+    name = re.sub(r"[^A-Za-z0-9_.@-]", "_", operator)[:58] + "-local"
     try:
         try:
             token = read_secret(path).decode().strip()
@@ -438,7 +441,7 @@ def ensure_api_token(settings: Settings) -> ApiToken:
             write_secret(path, f"{token}\n".encode())
     except (InsecurePathError, UnicodeDecodeError) as exc:
         raise CliError(f"the local API token {path}: {exc}") from None
-    return ApiToken(name, OPERATOR, token_digest(token))
+    return ApiToken(name, OPERATOR, token_digest(token), operator)
 
 
 def cmd_service(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,7 +1,8 @@
 """Who may call the API: bearer tokens with a scope, checked against their SHA-256 digests. Pure.
 
-Scopes: ``read`` may call every query; ``operator`` may call the queries and the actions (approvals, cordons:
-not served yet, see docs/api.md). The settings (``api.tokens``) hold each token's digest, never the token, so
+Scopes: ``read`` may call every query; ``operator`` may call the queries and the actions (approvals, cordons;
+docs/api.md). An operator token acts as one operator *signing identity* (``identity``, by default the token's
+name): the API signs its actions with that identity's key, so the event says who acted. The settings (``api.tokens``) hold each token's digest, never the token, so
 a leaked configuration grants nothing (``keel-api --new-token NAME`` makes a token and its entry). A token is ``keel_`` and 32 random bytes in URL-safe base64: enough
 entropy that an unsalted digest cannot be searched.
 
@@ -25,6 +26,8 @@ TOKEN_PREFIX = "keel_"
 TOKEN_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 """A token's name, as the settings accept it (``api.tokens[].name``)."""
 TOKEN_BYTES = 32
+IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+"""An operator signing identity's name (``keel.infra.signing.IDENTITY_RE``)."""
 
 
 class Unauthorized(Exception):
@@ -40,6 +43,8 @@ class ApiToken:
     name: str
     scope: str
     sha256: str
+    identity: str | None = None
+    """An operator token's signing identity (None: the token's name); a read token has none."""
 
     def __post_init__(self) -> None:
         if not TOKEN_NAME.fullmatch(self.name):
@@ -48,18 +53,39 @@ class ApiToken:
             raise ValueError(f"token {self.name!r}: scope {self.scope!r} is not one of {', '.join(SCOPES)}")
         if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
             raise ValueError(f"token {self.name!r}: sha256 must be 64 lowercase hex digits")
+        if self.identity is not None and self.scope != OPERATOR:
+            raise ValueError(f"token {self.name!r}: only an operator token has a signing identity (a read token "
+                             "cannot act)")
+        if self.scope == OPERATOR and not IDENTITY.fullmatch(self.signer):
+            raise ValueError(f"token {self.name!r}: signing identity {self.signer!r} is not a valid name (letters, "
+                             "digits, _ . @ -, at most 64, starting with a letter or digit): set its identity")
+
+    @property
+    def signer(self) -> str:
+        """The operator signing identity this token acts as (its ``identity``, else its name); '' for a read token."""
+        if self.scope != OPERATOR:
+            return ""
+        return self.identity or self.name
+
+    def entry(self) -> dict[str, str]:
+        """The token's ``api.tokens`` entry (no secret in it)."""
+        entry = {"name": self.name, "scope": self.scope, "sha256": self.sha256}
+        if self.scope == OPERATOR:
+            entry["identity"] = self.signer
+        return entry
 
 
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def new_token(name: str, scope: str, random_bytes: bytes) -> tuple[str, ApiToken]:
-    """A token from ``random_bytes`` (``TOKEN_BYTES`` of them, from ``secrets.token_bytes``) and its entry."""
+def new_token(name: str, scope: str, random_bytes: bytes, identity: str | None = None) -> tuple[str, ApiToken]:
+    """A token from ``random_bytes`` (``TOKEN_BYTES`` of them, from ``secrets.token_bytes``) and its entry
+    (``identity``: an operator token's signing identity, None for its name)."""
     if len(random_bytes) < TOKEN_BYTES:
         raise ValueError(f"a token needs {TOKEN_BYTES} random bytes, got {len(random_bytes)}")
     token = TOKEN_PREFIX + base64.urlsafe_b64encode(random_bytes).decode().rstrip("=")
-    return token, ApiToken(name, scope, token_digest(token))
+    return token, ApiToken(name, scope, token_digest(token), identity)
 
 
 def authenticate(presented: str | None, tokens: Sequence[ApiToken]) -> ApiToken:

@@ -707,9 +707,21 @@ class ApiTokenSettings(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.@-]{1,64}$")
     """Who holds it (a person or a tool): the API's log names the caller by it."""
     scope: Literal["read", "operator"] = "read"
-    """``read``: every query. ``operator``: the queries and the actions (approvals, cordons) once the API serves them."""
+    """``read``: every query. ``operator``: the queries and the actions (approvals, cordons), signed as ``identity``."""
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     """The token's SHA-256 digest in hex (``keel-api --new-token NAME`` makes a token and prints its entry)."""
+    identity: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+    """An operator token's signing identity (role ``operator``; default: the token's name): the API signs the
+    token's actions with its key in ``<credentials>/signing/``, and the events name it as who acted. The API does
+    not start when the key is missing (``keel-api --new-token NAME --scope operator`` creates it). A read token
+    has none."""
+
+    @model_validator(mode="after")
+    def _identity_for_operators(self) -> ApiTokenSettings:
+        if self.identity is not None and self.scope != "operator":
+            raise ValueError(f"token {self.name!r}: only an operator token has a signing identity (a read token "
+                             "cannot act)")
+        return self
 
 
 class ChatOpsCallbackSettings(_Section):
@@ -742,8 +754,10 @@ class ChatOpsSettings(_Section):
     """A request whose signed timestamp is further than this from the API's clock is refused (expired or
     replayed)."""
     signing_identity: str = Field("chatops", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
-    """The API's signing identity (role ``chatops``, which may sign ``ApprovalGiven`` only) and NATS identity
-    (which may publish it only). Its key is created on the first start, in ``<credentials>/signing/``."""
+    """The API's chat-ops signing identity (role ``chatops``, which may sign ``ApprovalGiven`` only) and the API's
+    NATS identity (which may publish ``ApprovalGiven`` and ``NodeCordoned`` only: chat-ops answers and operator
+    tokens' actions, the latter signed by each token's operator key). Its key is created on the first start, in
+    ``<credentials>/signing/``."""
 
     @field_validator("slack_approvers", mode="before")
     @classmethod
@@ -781,8 +795,8 @@ class ChatOpsSettings(_Section):
 
 
 class ApiSettings(_Section):
-    """The HTTP API (``keel-api``): read-only queries over the event store behind bearer tokens, and chat-ops
-    approvals when ``chatops`` is set."""
+    """The HTTP API (``keel-api``): queries over the event store behind bearer tokens, approvals and cordons for
+    operator tokens, and chat-ops approvals when ``chatops`` is set."""
 
     listen_host: str = "127.0.0.1"
     """The address it listens on (only this machine by default: put a TLS proxy in front to serve others)."""
@@ -791,7 +805,8 @@ class ApiSettings(_Section):
     serve_with_up: bool = True
     """``keel up`` starts the API with the services, with a local operator token (``keel up`` prints where)."""
     tokens: list[ApiTokenSettings] = Field(default_factory=list)
-    """Who may call it. None: every request but ``/healthz`` is refused, saying so."""
+    """Who may call it (``{"name", "scope", "sha256"}``, and an operator token's signing ``identity``). None: every
+    request but ``/healthz`` is refused, saying so. An operator token makes the API connect to NATS too."""
     max_page: int = Field(1000, ge=1, le=100_000)
     """The most events or audit rows one request returns (``limit`` is capped at it)."""
     workers: int = Field(0, ge=0, le=64)

@@ -19,7 +19,10 @@ Roles (``ROLES``) and what they may publish (``ROLE_EVENT_TYPES``; events are on
   own durable consumer (its exact name), so it cannot reconfigure another service's consumer.
 - ``operator``: approvals, cordons, code-version registration, fault injection.
 - ``auditor``: reads stream and consumer state; publishes nothing.
-- ``chatops``: the API's chat-ops approvals: ``ApprovalGiven`` only.
+- ``chatops``: the API's identity for its actions: ``ApprovalGiven`` (chat-ops answers, an operator token's
+  answers) and ``NodeCordoned`` (an operator token's cordons) only, publish only. What makes either one acted
+  on is its signature (``keel.events.signing``): the API's chatops key may sign approvals only, a cordon must
+  carry an operator's.
 
 Every identity has its own inbox prefix (``_INBOX.<user>``) and may subscribe only below it, so no
 client reads another's replies (JetStream deliveries of pull consumers go to inboxes).
@@ -102,7 +105,7 @@ ROLE_EVENT_TYPES: dict[str, tuple[tuple[str, str], ...]] = {
     OPERATOR: (("job", "ApprovalGiven"), ("node", "NodeCordoned"), ("code", "CodeVersionRegistered"),
                ("code", "CodeVersionRejected"), ("node", "FaultInjected"), ("job", "JobRegistered")),
     AUDITOR: (),
-    CHATOPS: (("job", "ApprovalGiven"),),
+    CHATOPS: (("job", "ApprovalGiven"), ("node", "NodeCordoned")),
 }
 AGENT_NODE_FACTS = (
     "NodeRegistered", "NodeHealthChanged", "NodeHeartbeat", "RanksRestarted", "CheckpointRanksRegistered",

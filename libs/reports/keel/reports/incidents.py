@@ -519,8 +519,9 @@ def approval_answer(request: Event, *, approved: bool, by: str, comment: str, no
 
 
 def cordon_event(job_id: str, node_id: str, *, cordoned: bool, by: str, reason: str, now: datetime,
-                 event_id: uuid.UUID | None = None) -> Event:
-    """The ``NodeCordoned`` event of a human cordoning (or uncordoning) ``node_id`` of ``job_id``."""
+                 event_id: uuid.UUID | None = None, producer: str = PRODUCER) -> Event:
+    """The ``NodeCordoned`` event of a human cordoning (or uncordoning) ``node_id`` of ``job_id``. ``producer``:
+    ``cli``, or ``api`` (an operator token's)."""
     if not by.strip():
         raise BadInput("a cordon needs a name: pass --by NAME")
     if cordoned and not reason.strip():
@@ -528,7 +529,7 @@ def cordon_event(job_id: str, node_id: str, *, cordoned: bool, by: str, reason: 
     if not SUBJECT_RE.match(f"node/{node_id}"):
         raise BadInput(f"not a node id: {node_id!r} (letters, digits and _ . : - only)")
     return Event.create(NodeCordoned(node_id=node_id, cordoned=cordoned, by=by, reason=reason), job_id=job_id,
-                        subject=f"node/{node_id}", producer=PRODUCER, occurred_at=now, event_id=event_id)
+                        subject=f"node/{node_id}", producer=producer, occurred_at=now, event_id=event_id)
 
 
 def choose_job(node_id: str, jobs: Sequence[str]) -> str:

@@ -15,13 +15,17 @@ route                                  what                            the comma
 ``GET /v1/audit/<view>``               an audit view, filtered         ``keel audit --format json``
 ``GET /v1/nodes``                      each node's last known health   -
 ``GET /v1/events``                     the log, paged by position      ``keel events``
+``POST /v1/approvals/{request_id}``    an operator's answer            ``keel approve`` / ``deny``
+``POST /v1/nodes/{node_id}/cordon``    an operator takes a node out    ``keel cordon``
+``POST /v1/nodes/{node_id}/uncordon``  ... or puts it back             ``keel uncordon``
 ``POST /v1/chatops/slack``             Slack's Approve / Deny buttons  ``keel approve`` / ``deny``
 ``POST /v1/chatops/callback/{name}``   a tool's signed answer          ``keel approve`` / ``deny``
 =====================================  ==============================  ===========================
 
 Errors are JSON ``{"detail": ...}``: 401 without a known token, 403 for a token whose scope does not
 allow the route, 404 for an id or job the log does not hold, 422 for a parameter that cannot be used (with
-the reason). Nothing is written to the store. The chat-ops routes (``keel.api.chatops``, served only when
+the reason). Nothing is written to the store. The actions (``keel.api.actions``) need an ``operator`` token:
+each publishes one event on the bus, signed by the token's operator identity. The chat-ops routes (``keel.api.chatops``, served only when
 ``api.chatops`` is configured) take no token: each request's signature authenticates it, and an answer is
 published on the bus signed by the API's ``chatops`` key.
 """
@@ -30,25 +34,28 @@ from __future__ import annotations
 
 import inspect
 import logging
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import asyncpg  # type: ignore[import-untyped]  # no stubs: its two exception bases only
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import keel.events.types  # noqa: F401 - registers the event types the store decodes
+from keel.api.actions import Actions, Refused
 from keel.api.chatops import ChatOps
 from keel.events.envelope import JOB_ID_RE, REGISTRY
 from keel.events.units import parse_duration
-from keel.infra.api_auth import READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
+from keel.infra.api_auth import OPERATOR, READ, ApiToken, Forbidden, Unauthorized, authenticate, authorize
 from keel.infra.store import EventStore, node_status_table
 from keel.notifier.chatops import MAX_BODY_BYTES
 from keel.reports.audit import VIEWS, AuditInputError, AuditQuery, rows_json
@@ -97,16 +104,56 @@ Last = Annotated[str | None, Query(pattern=DURATION_PATTERN, description="only t
 Limit = Annotated[int, Query(ge=1, le=100_000, description="at most this many (capped at api.max_page)")]
 
 
+TEXT = r"^[^\x00-\x08\x0b-\x1f\x7f]*$"
+"""An operator's free text (a comment, a reason): no control character but tab and newline (the log is JSON in
+PostgreSQL, which holds no NUL)."""
+NODE_ID = r"^[A-Za-z0-9_.:-]{1,128}$"
+"""A node id, as an event's subject takes it (``keel.events.envelope.SUBJECT_RE``)."""
+
+
+class ApprovalDecision(BaseModel):
+    """An operator's answer to an approval request."""
+
+    model_config = ConfigDict(extra="forbid")
+    decision: Literal["approve", "deny"] = Field(description="approve: the held action is carried out; deny: it is not")
+    comment: str = Field("", max_length=1000, pattern=TEXT, description="recorded with the answer")
+
+
+class CordonRequest(BaseModel):
+    """An operator's cordon (or uncordon) of a node."""
+
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field("", max_length=1000, pattern=TEXT, description="why (a cordon needs one)")
+    job: str | None = Field(None, pattern=JOB_ID_RE.pattern,
+                            description="the node's job (default: the one job the log has the node in)")
+
+
+_UNPUBLISHED = (503, "not published (the bus did not acknowledge it, or the API has no operator actions); try again")
+APPROVAL_ANSWERS: dict[int | str, dict[str, Any]] = {
+    **ERRORS, **{status: {"description": what, **_ERROR} for status, what in (
+        (404, "the log holds no such approval request"),
+        (409, "the request was already answered (by whom, in the reason)"),
+        (410, "the approval request expired"), _UNPUBLISHED)}}
+CORDON_ANSWERS: dict[int | str, dict[str, Any]] = {
+    **ERRORS, **{status: {"description": what, **_ERROR} for status, what in (
+        (404, "the log (or the job named) holds no event about this node"),
+        (409, "the bus already holds this event"), _UNPUBLISHED)}}
+
+
 def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int = 1000,
                store_engine: AsyncEngine | None = None, parsed_events_kept: int = 5_000,
-               chatops: Callable[[EventStore], ChatOps] | None = None) -> FastAPI:
+               chatops: Callable[[EventStore], ChatOps] | None = None,
+               actions: Callable[[EventStore], Actions] | None = None) -> FastAPI:
     """The API over ``engine`` (the event store, as the auditor), for callers holding one of ``tokens``.
     ``store_engine``: the engine of the ``EventStore``'s listing reads (``EventStore.fetch_engine``: pages and
     timelines), when not ``engine``.
     ``parsed_events_kept``: ``EventStore.parsed_kept`` (``api.parsed_events_kept``).
-    ``chatops``: makes the chat-ops approvals' handler over the store (``keel.api.chatops``); None: not served."""
+    ``chatops``: makes the chat-ops approvals' handler over the store (``keel.api.chatops``); None: not served.
+    ``actions``: makes the operator actions' handler over the store (``keel.api.actions``); None: the action
+    routes answer an operator token 503 (their spec is the same either way)."""
     app = FastAPI(title="Keel API", version=API_VERSION, docs_url=None, redoc_url=None,
-                  description="Incidents, timelines, ETTR, audit views and the event log of Keel, read-only.")
+                  description="Incidents, timelines, ETTR, audit views and the event log of Keel; approvals and "
+                              "cordons for operator tokens.")
     store = EventStore(engine, fetch_engine=store_engine)
     store.parsed_kept = parsed_events_kept
     bearer = HTTPBearer(auto_error=False, description="a token of api.tokens (keel-api --new-token NAME makes one)")
@@ -128,6 +175,7 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
         return check
 
     reader = Depends(caller(READ))  # every route's token check: a read scope at least
+    operator = Depends(caller(OPERATOR))  # the actions': an operator token
 
     async def answer(work: Awaitable[Any]) -> Any:
         """Run a query; the reporting functions' lookup and input errors become 404 and 422."""
@@ -299,9 +347,41 @@ def create_app(engine: AsyncEngine, tokens: Sequence[ApiToken], *, max_page: int
         return {"events": [{"position": r.position, **r.event.to_wire()} for r in rows],
                 "next_after": rows[-1].position if len(rows) == page else None}
 
+    _action_routes(app, actions(store) if actions is not None else None, operator)
     if chatops is not None:
         _chatops_routes(app, chatops(store))
     return app
+
+
+def _action_routes(app: FastAPI, handler: Actions | None, operator: Any) -> None:
+    """The operator actions: an operator token, each publishing one event signed by the token's identity."""
+
+    async def act(work: Callable[[Actions], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        if handler is None:
+            raise HTTPException(503, "this API serves no operator actions (no operator token was configured at "
+                                     "its start)")
+        try:
+            return await work(handler)
+        except Refused as refused:
+            raise HTTPException(refused.status, refused.reason) from None
+
+    @app.post("/v1/approvals/{request_id}", responses=APPROVAL_ANSWERS,
+              summary="answer a held action's approval request (approve or deny), as the token's operator: "
+                      "``keel approve`` / ``keel deny``")
+    async def approve(request_id: Annotated[uuid.UUID, Path(description="the ApprovalRequested event's id")],
+                      body: ApprovalDecision, token: ApiToken = operator) -> dict[str, Any]:
+        return await act(lambda h: h.answer(token, request_id, approved=body.decision == "approve",
+                                            comment=body.comment))
+
+    for verb, cordoned, text in (("cordon", True, "take a node out of service: ``keel cordon``"),
+                                 ("uncordon", False, "put a cordoned node back into service: ``keel uncordon``")):
+        async def cordon(node_id: Annotated[str, Path(pattern=NODE_ID, description="the node")],
+                         body: CordonRequest, token: ApiToken = operator,
+                         cordoned: bool = cordoned) -> dict[str, Any]:
+            return await act(lambda h: h.cordon(token, node_id, cordoned=cordoned, reason=body.reason, job=body.job))
+        _hide_parameter(cordon, "cordoned")
+        app.post(f"/v1/nodes/{{node_id}}/{verb}", responses=CORDON_ANSWERS, name=f"node_{verb}",
+                 summary=f"{text}, as the token's operator")(cordon)
 
 
 CHATOPS_ANSWERS: dict[int | str, dict[str, Any]] = {

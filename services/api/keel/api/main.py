@@ -1,9 +1,13 @@
 """``keel-api``: serve the HTTP API until SIGTERM or SIGINT (uvicorn), read-only, as the ``auditor`` role.
 
 Settings from ``--config``/``KEEL_CONFIG`` and ``KEEL_*`` (``api.*``: address, port, tokens), the database from
-``KEEL_DATABASE_URL`` or a running ``keel up``. With ``api.chatops`` set, each process also connects to NATS
-(``KEEL_NATS_URL``) as the ``chatops`` identity, to publish chat-ops approvals (``keel.api.chatops``). Exit status 2 on a configuration error or an old schema.
-``keel-api --new-token NAME [--scope operator]`` prints a new token and its ``api.tokens`` entry.
+``KEEL_DATABASE_URL`` or a running ``keel up``. With ``api.chatops`` set or an ``operator`` token, each process also
+connects to NATS (``KEEL_NATS_URL``) as the ``chatops`` identity (``api.chatops.signing_identity``), to publish
+chat-ops approvals (``keel.api.chatops``) and operator tokens' actions (``keel.api.actions``, each signed by its
+token's operator key, loaded at start). Exit status 2 on a configuration error (an operator token whose signing key
+is missing included) or an old schema.
+``keel-api --new-token NAME [--scope operator [--identity ID]]`` prints a new token and its ``api.tokens`` entry
+(an operator token's signing key is created when missing).
 """
 
 from __future__ import annotations
@@ -21,18 +25,35 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from keel.api.actions import Actions
 from keel.api.app import create_app
 from keel.api.chatops import Callback, ChatOps, post_to_slack
-from keel.events.signing import KeyringError
-from keel.infra.api_auth import READ, SCOPES, TOKEN_BYTES, ApiToken, new_token
+from keel.events.signing import KeyringError, SigningKey
+from keel.infra.api_auth import OPERATOR, READ, SCOPES, TOKEN_BYTES, ApiToken, new_token
 from keel.infra.bus import Bus
-from keel.infra.config import ConfigError, Settings, database_url_for, load_settings, resolve_endpoints
+from keel.infra.config import (
+    ConfigError,
+    Settings,
+    credentials_path,
+    database_url_for,
+    load_settings,
+    resolve_endpoints,
+)
 from keel.infra.dbroles import AUDITOR
 from keel.infra.nats_auth import CHATOPS, bus_settings_for
 from keel.infra.secrets import InsecurePathError, read_secret
 from keel.infra.service import ALIVE_INTERVAL_S, READY_FILE_ENV
-from keel.infra.signing import service_signing
+from keel.infra.signing import (
+    KeyringFile,
+    Signing,
+    ensure_signing_identity,
+    keyring_path,
+    load_signing_key,
+    service_signing,
+    signing_dir,
+)
 from keel.infra.store import EventStore, SchemaNotCurrent, check_schema_current, create_engine
+from keel.reports.incidents import load_node_jobs
 
 log = logging.getLogger("keel.api")
 
@@ -41,11 +62,44 @@ URL_FILE = "api.url"
 
 
 def tokens_of(settings: Settings) -> list[ApiToken]:
-    return [ApiToken(t.name, t.scope, t.sha256) for t in settings.api.tokens]
+    """``api.tokens`` (``ConfigError`` for an entry ``ApiToken`` refuses: an operator token's identity)."""
+    try:
+        return [ApiToken(t.name, t.scope, t.sha256, t.identity) for t in settings.api.tokens]
+    except ValueError as exc:
+        raise ConfigError(f"api.tokens: {exc}") from None
+
+
+def operator_keys(settings: Settings, tokens: Sequence[ApiToken]) -> dict[str, SigningKey]:
+    """Every operator token's signing key (by identity), from ``<credentials>/signing/``: checked at start, so a
+    token that cannot act is a ``ConfigError`` naming it and how to fix it, not a failure at its first action."""
+    keys: dict[str, SigningKey] = {}
+    credentials = credentials_path(settings)
+    for token in tokens:
+        if token.scope != OPERATOR or token.signer in keys:
+            continue
+        how = (f"create it with `keel-api --new-token {token.name} --scope operator --identity {token.signer}` (a new "
+               f"token too) or `keel credentials init` as that operator, or set the token's identity")
+        key_file = signing_dir(credentials) / f"{token.signer}.key"
+        try:
+            if not key_file.exists():
+                raise FileNotFoundError(key_file)
+            key = load_signing_key(credentials, token.signer)
+        except FileNotFoundError:
+            raise ConfigError(f"api.tokens: operator token {token.name!r} acts as {token.signer!r}, whose signing key "
+                              f"{key_file} is missing: {how}") from None
+        except KeyringError as exc:
+            raise ConfigError(f"api.tokens: operator token {token.name!r} acts as {token.signer!r}: {exc}; {how}") \
+                from None
+        if key.role != OPERATOR:
+            raise ConfigError(f"api.tokens: operator token {token.name!r} acts as {token.signer!r}, whose key has role "
+                              f"{key.role}, not operator: an operator token signs as an operator identity")
+        keys[token.signer] = key
+    return keys
 
 
 async def serve(settings: Settings, database_url: str, sock: socket.socket | None = None, *, announce: bool = True,
-                workers: Sequence[int] = (), parent: int | None = None) -> None:
+                workers: Sequence[int] = (), parent: int | None = None,
+                keys: dict[str, SigningKey] | None = None) -> None:
     """Serve until uvicorn is told to stop (SIGTERM, SIGINT); the engine is closed whatever happens.
 
     ``sock``: a listening socket to serve on (shared with the other worker processes), else uvicorn binds the
@@ -54,7 +108,8 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     ``api.listen_port: 0`` takes a free port), then the ready file (this pid), and touch it every
     ``ALIVE_INTERVAL_S`` while serving, as every Keel service does. ``workers``: the other processes' pids: when
     one ends, this one stops too (``WorkerLost``), so the supervisor restarts the whole API, not half of it.
-    ``parent`` (a worker's): the API's process that forked it; the worker stops when that one is gone."""
+    ``parent`` (a worker's): the API's process that forked it; the worker stops when that one is gone.
+    ``keys``: the operator tokens' signing keys (``operator_keys``; None: loaded here)."""
     import uvicorn
 
     engine = create_engine(database_url, settings.db_schema)
@@ -65,12 +120,16 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
     try:
         await check_schema_current(engine, settings.db_schema)
         tokens = tokens_of(settings)
+        if keys is None:
+            keys = operator_keys(settings, tokens)
         if not tokens and announce:
             log.warning("api: no tokens configured (api.tokens): every request but /healthz is refused")
-        bus = await connect_chatops(settings) if settings.api.chatops.enabled else None
+        chatops_on = settings.api.chatops.enabled
+        bus = await connect_api_bus(settings, chatops=chatops_on) if chatops_on or keys else None
         app = create_app(engine, tokens, max_page=settings.api.max_page, store_engine=reads,
                          parsed_events_kept=settings.api.parsed_events_kept,
-                         chatops=chatops_of(settings, bus) if bus is not None else None)
+                         chatops=chatops_of(settings, bus) if bus is not None and chatops_on else None,
+                         actions=actions_of(bus, keys, engine) if bus is not None and keys else None)
         config = uvicorn.Config(app, host=settings.api.listen_host, port=settings.api.listen_port, log_level="info",
                                 access_log=False, server_header=False, proxy_headers=False)
         server = uvicorn.Server(config)
@@ -98,14 +157,24 @@ async def serve(settings: Settings, database_url: str, sock: socket.socket | Non
         await engine.dispose()
 
 
-async def connect_chatops(settings: Settings) -> Bus:
-    """The bus chat-ops publishes answers on: NATS as identity ``api.chatops.signing_identity`` (role chatops:
-    ``ApprovalGiven`` only), signing with its own key (created on the first start, entered in the keyring)."""
+async def connect_api_bus(settings: Settings, *, chatops: bool = True) -> Bus:
+    """The bus the API publishes its actions on: NATS as identity ``api.chatops.signing_identity`` (role chatops:
+    ``ApprovalGiven`` and ``NodeCordoned`` only). ``chatops``: it signs chat-ops answers with that identity's own
+    key (created on the first start, entered in the keyring); an operator token's events come signed already."""
     identity = settings.api.chatops.signing_identity
     nats_url = settings.nats_url or resolve_endpoints(settings, None)[0]
-    signing = service_signing(settings, identity, CHATOPS)
+    signing = (service_signing(settings, identity, CHATOPS) if chatops
+               else Signing(keyring=KeyringFile(keyring_path(settings))))
     return await Bus.connect(nats_url, bus_settings_for(settings, identity), name=f"keel-api-{identity}",
                              signing=signing)
+
+
+def actions_of(bus: Bus, keys: dict[str, SigningKey], engine: Any) -> Callable[[EventStore], Actions]:
+    """The operator actions' handler's factory: publishing on ``bus``, signing with ``keys``."""
+
+    def make(store: EventStore) -> Actions:
+        return Actions(store, bus.publish, keys, lambda node: load_node_jobs(engine, node))
+    return make
 
 
 def chatops_of(settings: Settings, bus: Bus) -> Callable[[EventStore], ChatOps]:
@@ -195,16 +264,28 @@ async def _announce_when_listening(server: Any, token_count: int, processes: int
             log.warning("cannot touch the ready file %s: %s", ready, exc)
 
 
-def print_new_token(name: str, scope: str) -> int:
+def print_new_token(name: str, scope: str, identity: str | None = None, settings: Settings | None = None) -> int:
     """``keel-api --new-token NAME``: a fresh token on stdout's first line, its ``api.tokens`` entry (no secret) on
-    the second. Give the token to its holder; put the entry in the settings."""
+    the second. Give the token to its holder; put the entry in the settings. An operator token's entry names its
+    signing identity (``identity``, default ``NAME``), whose key is created in ``settings``' credentials folder
+    when missing (said on stderr)."""
     try:
-        token, entry = new_token(name, scope, secrets.token_bytes(TOKEN_BYTES))
-    except ValueError as exc:
+        token, entry = new_token(name, scope, secrets.token_bytes(TOKEN_BYTES), identity)
+        if entry.scope == OPERATOR:
+            if settings is None:
+                raise ValueError("an operator token needs the settings (its signing key's credentials folder)")
+            credentials = credentials_path(settings)
+            key_file = signing_dir(credentials) / f"{entry.signer}.key"
+            existed = key_file.exists()
+            ensure_signing_identity(credentials, entry.signer, OPERATOR)
+            print(f"keel-api: operator {entry.signer!r} signs this token's actions with {key_file} "
+                  f"({'existing' if existed else 'created'}; the keyring {keyring_path(settings)} holds its public "
+                  "key: copy it to hosts that keep their own)", file=sys.stderr)
+    except (ValueError, KeyringError, InsecurePathError, OSError) as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
     print(token)
-    print(json.dumps({"name": entry.name, "scope": entry.scope, "sha256": entry.sha256}))
+    print(json.dumps(entry.entry()))
     return 0
 
 
@@ -215,15 +296,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-token", metavar="NAME", help="print a new token for NAME and its api.tokens entry, "
                                                            "then exit (nothing is stored)")
     parser.add_argument("--scope", choices=SCOPES, default=READ, help="the new token's scope (default: read)")
+    parser.add_argument("--identity", help="an operator token's signing identity (default: NAME); its key is "
+                                           "created when missing")
     args = parser.parse_args(argv)
     if args.new_token is not None:
-        return print_new_token(args.new_token, args.scope)
+        if args.identity is not None and args.scope != OPERATOR:
+            parser.error("--identity is for --scope operator (a read token cannot act)")
+        new_settings = None
+        if args.scope == OPERATOR:
+            try:
+                new_settings = load_settings(Path(args.config) if args.config else None)
+            except ConfigError as exc:
+                print(f"keel-api: {exc}", file=sys.stderr)
+                return 2
+        return print_new_token(args.new_token, args.scope, args.identity, new_settings)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = load_settings(Path(args.config) if args.config else None)
-        database_url = database_url_for(settings, AUDITOR)  # the store only: the API needs no NATS
-    except ConfigError as exc:
+        keys = operator_keys(settings, tokens_of(settings))  # before anything starts: a token that cannot act
+        database_url = database_url_for(settings, AUDITOR)  # the store; NATS only for actions (serve)
+    except (ConfigError, InsecurePathError) as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
     # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again under the handler found at start:
@@ -231,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     processes = settings.api.workers or min(2, os.cpu_count() or 1)
     if processes == 1:
-        return _serve_here(settings, database_url)
+        return _serve_here(settings, database_url, keys=keys)
     try:
         sock = listening_socket(settings.api.listen_host, settings.api.listen_port)
     except OSError as exc:
@@ -244,19 +337,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         pid = os.fork()  # no thread and no event loop exists yet: the child starts clean
         if pid == 0:
             _die_with_parent(api_pid)
-            os._exit(_serve_here(settings, database_url, sock, announce=False, parent=api_pid))
+            os._exit(_serve_here(settings, database_url, sock, announce=False, parent=api_pid, keys=keys))
         workers.append(pid)
     try:
-        return _serve_here(settings, database_url, sock, workers=workers)
+        return _serve_here(settings, database_url, sock, workers=workers, keys=keys)
     finally:
         for pid in workers:
             _stop_worker(pid)
 
 
 def _serve_here(settings: Settings, database_url: str, sock: socket.socket | None = None, *, announce: bool = True,
-                workers: Sequence[int] = (), parent: int | None = None) -> int:
+                workers: Sequence[int] = (), parent: int | None = None,
+                keys: dict[str, SigningKey] | None = None) -> int:
     try:
-        asyncio.run(serve(settings, database_url, sock, announce=announce, workers=workers, parent=parent))
+        asyncio.run(serve(settings, database_url, sock, announce=announce, workers=workers, parent=parent, keys=keys))
     except (SchemaNotCurrent, ConfigError, KeyringError, InsecurePathError) as exc:
         print(f"keel-api: {exc}", file=sys.stderr)
         return 2
