@@ -427,7 +427,8 @@ def test_session_step_done_snapshots_and_reports_the_complete_step(shm: Path) ->
             pass
         steps = [r.checkpoint_step for r in reports if r.HasField("checkpoint_step")]
         assert steps and steps[-1] == 2 and sorted(set(steps)) == [0, 1, 2]
-        assert json.loads(reports[-1].checkpoint_groups_json) == {"dp": [0], "pp": [0], "tp": [0]}
+        # Nothing sharded (a plain model): no shard group.
+        assert json.loads(reports[-1].checkpoint_groups_json) == {"dp": [0], "pp": [0], "tp": [0], "shard": []}
         assert not reports[0].HasField("checkpoint_step")
     finally:
         agent.close()

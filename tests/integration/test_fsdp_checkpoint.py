@@ -142,6 +142,28 @@ def test_another_layout_is_refused_and_the_sharded_edge_cases_hold(shm: Path) ->
     assert "sharded ([S(0)] on mesh (2,)) in the checkpoint, a plain tensor now" in results["fsdp->plain"]
 
 
+def test_the_shard_group_is_found_from_the_live_sharded_state_and_places_backups_off_it(tmp_path: Path) -> None:
+    # Four gloo ranks: the shard group each Checkpointer sends the agent (``groups["shard"]``), from the model's
+    # DTensor meshes (FSDP2, HSDP) or the ZeRO optimizer's process group; none for DDP; the user's word wins.
+    procs = _launch([str(_ROOT / "tests" / "fixtures" / "fsdp_shard_groups.py")], {}, tmp_path, world=4)
+    out = finish_ranks(procs)
+    results = {r["case"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    assert all(r["keys"] == ["dp", "pp", "shard", "tp"] for r in results.values()), results
+    assert results["fsdp"]["shard"] == [[0, 1, 2, 3]] * 4  # FSDP2 on one mesh dimension: the DP group
+    assert results["hsdp 2x2"]["shard"] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # the shard dimension, not the replicas
+    assert results["ddp"]["shard"] == [[], [], [], []]  # replicas: nothing sharded
+    assert results["zero1"]["shard"] == [[0, 1, 2, 3]] * 4  # the optimizer state's partitions
+    assert results["given"]["shard"] == [[0], [1], [2], [3]]
+    # The broker places those HSDP ranks (one a node) on the other replica's nodes, never next to a shard peer.
+    from keel.checkpoint_broker.placement import place_backups
+    from keel.checkpoint_broker.state import RankSite
+
+    sites = [RankSite(r, f"n{r}", dp=(0, 1, 2, 3), pp=(r,), tp=(r,), shard=tuple(shard))
+             for r, shard in enumerate(results["hsdp 2x2"]["shard"])]
+    placed = {a.rank: a.backup_node_id for a in place_backups(sites, {f"n{r}": f"n{r}:7301" for r in range(4)})}
+    assert all(int(node[1:]) // 2 != r // 2 for r, node in placed.items()), placed
+
+
 def test_zero1_state_loads_into_its_partition_and_other_shardings_are_refused(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEEL_")}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(_ROOT)})

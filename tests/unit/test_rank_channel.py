@@ -134,3 +134,29 @@ def test_the_checkpoint_blocking_total_only_grows(channel: RankChannel) -> None:
         send(channel, report(seq=seq, checkpoint_blocking_s=total))
         channel.drain(NOW, 1, ME)
     assert channel.ranks[3].checkpoint_blocking_s == 0.75
+
+
+def test_a_ranks_shard_group_is_passed_through_to_its_checkpoint_registration(channel: RankChannel,
+                                                                              tmp_path: Path) -> None:
+    # What the SDK sends (Checkpointer.groups as JSON) reaches CheckpointRanksRegistered as the rank's groups,
+    # its shard group included; an SDK that sends none (before shard groups) registers none.
+    from keel.agent.checkpointing import NodeCheckpointing
+    from keel.events.types import CheckpointRanksRegistered
+
+    send(channel, report(checkpoint_groups_json='{"dp": [1, 3], "pp": [3], "shard": [2, 3], "tp": [3]}'))
+    channel.drain(NOW, 1, ME)
+    assert channel.ranks[3].groups == {"dp": [1, 3], "pp": [3], "tp": [3], "shard": [2, 3]}
+    emitted: list[object] = []
+    ckpt = NodeCheckpointing(job_id="j", node_id="n0", local_ranks=[3], world_size=4, node_dir=tmp_path / "shm",
+                             agent_dir=tmp_path / "agent", emit=lambda payload, *a, **k: emitted.append(payload),
+                             transport=None, persist_root=None)
+    ckpt.tick(0.0, {3: channel.ranks[3].groups}, {})
+    [registered] = [p for p in emitted if isinstance(p, CheckpointRanksRegistered)]
+    assert [(g.rank, g.dp, g.shard) for g in registered.ranks] == [(3, [1, 3], [2, 3])]
+    older = RankChannel(tmp_path / "older.sock")
+    try:
+        send(older, report(checkpoint_groups_json='{"dp": [1, 3], "pp": [3], "tp": [3]}'))
+        older.drain(NOW, 1, ME)
+        assert older.ranks[3].groups == {"dp": [1, 3], "pp": [3], "tp": [3], "shard": []}
+    finally:
+        older.close()

@@ -374,8 +374,10 @@ class Checkpointer:
     CUDA) is captured too. An ``extra`` object with ``keel_snapshot_by_reference = True`` has its state kept by
     reference at a snapshot, like parameters and optimizer state: its tensors must not change until the copy is
     done (``wait()``; the optimizer's step waits for it). ``loader``: a ``keel.sdk.ResumableLoader`` around a DataLoader, or torchdata's
-    ``StatefulDataLoader`` (a plain DataLoader or a ``DistributedSampler`` is refused with what to pass). ``groups``: this rank's parallel groups ``{"dp", "pp", "tp"}`` (default: one group
-    of every rank for ``dp``, just this rank for ``pp`` and ``tp``). ``rank`` / ``world_size`` default to
+    ``StatefulDataLoader`` (a plain DataLoader or a ``DistributedSampler`` is refused with what to pass). ``groups``: this rank's parallel groups ``{"dp", "pp", "tp", "shard"}`` (default: one group
+    of every rank for ``dp``, just this rank for ``pp`` and ``tp``; for ``shard``, the ranks its state is sharded
+    across, found from the model's DTensor meshes or a ZeroRedundancyOptimizer's process group by ``shard_group``,
+    empty when nothing is sharded). The broker places backups by them. ``rank`` / ``world_size`` default to
     the session's, then torch.distributed's, then ``RANK`` / ``WORLD_SIZE``. ``ckpt_dir`` defaults to
     ``$KEEL_CKPT_DIR``; with neither, snapshots are off (``enabled`` is false) but ``restore`` from a plan
     or a file, ``save_file`` and ``load_file`` still work.
@@ -427,11 +429,17 @@ class Checkpointer:
             "dp": [int(r) for r in groups.get("dp", range(self.world_size))],
             "pp": [int(r) for r in groups.get("pp", [self.rank])],
             "tp": [int(r) for r in groups.get("tp", [self.rank])],
+            "shard": sorted({int(r) for r in groups["shard"]}) if "shard" in groups else shard_group(model, optimizer),
         }
+        """This rank's parallel groups (global ranks), sent to the agent for backup placement. ``shard``: the ranks
+        across which its state is sharded (empty when nothing is): its peers there hold other parts, not copies."""
         for name, members in self.groups.items():
-            if self.rank not in members:
+            if self.rank not in members and (members or name != "shard"):
                 raise ValueError(f"rank {self.rank} is not in its own {name} group {members}")
-        self.topology = {**{k: len(v) for k, v in self.groups.items()}, "groups": self.groups}
+        # What a checkpoint records and a restore compares: the DP/PP/TP groups (the shard group follows from
+        # the model's layout, which is compared tensor by tensor).
+        self.topology = {**{k: len(self.groups[k]) for k in _TOPOLOGY_GROUPS},
+                         "groups": {k: self.groups[k] for k in _TOPOLOGY_GROUPS}}
         env_dir = os.environ.get("KEEL_CKPT_DIR") or None
         self.ckpt_dir: Path | None = Path(ckpt_dir) if ckpt_dir else (Path(env_dir) if env_dir else None)
         self.slots = slots
@@ -1279,7 +1287,8 @@ class Checkpointer:
         if meta["world_size"] != self.world_size:
             refuse(f"world size {meta['world_size']} in the checkpoint, {self.world_size} now: {_RESHARD_HINT}")
         saved_groups = (meta.get("topology") or {}).get("groups") or {}
-        diffs = [f"{k} {saved_groups.get(k)} -> {v}" for k, v in self.groups.items() if saved_groups.get(k) != v]
+        diffs = [f"{k} {saved_groups.get(k)} -> {self.groups[k]}" for k in _TOPOLOGY_GROUPS
+                 if saved_groups.get(k) != self.groups[k]]
         if diffs:
             refuse("parallel groups differ (checkpoint -> now): " + ", ".join(diffs))
         if not isinstance(tree, dict):
@@ -1518,6 +1527,36 @@ def _is_parameter_shaped(value: Any, live_param: Any) -> bool:
     if isinstance(value, shard.ShardedTensor):
         return True
     return isinstance(value, torch.Tensor) and shard.is_dtensor(live_param) and tuple(value.shape) == tuple(live_param.shape)
+
+
+_TOPOLOGY_GROUPS = ("dp", "pp", "tp")
+
+
+def shard_group(model: nn.Module | None, optimizer: object = None) -> list[int]:
+    """The global ranks across which this rank's training state is sharded, found from the state itself: for
+    DTensor parameters (FSDP2 ``fully_shard``, tensor parallelism), every rank of each mesh dimension a parameter
+    is sharded on (FSDP2 on a 1-D mesh: the DP group; HSDP: the shard dimension's group, not the replicas); for a
+    ``ZeroRedundancyOptimizer``, the ranks of its process group (each holds one partition of the optimizer
+    state). Empty when nothing is sharded (DDP: every DP peer holds a replica) or without torch.distributed.
+    Through public APIs only: ``DTensor.device_mesh`` / ``.placements``, ``DeviceMesh.get_group``,
+    ``torch.distributed.get_process_group_ranks``."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    ranks: set[int] = set()
+    seen: set[tuple[int, int]] = set()
+    for param in model.parameters() if model is not None else ():
+        if not shard.is_dtensor(param):
+            continue
+        mesh, placements = param.device_mesh, param.placements
+        for dim, placement in enumerate(placements):
+            if placement.is_shard() and (id(mesh), dim) not in seen:
+                seen.add((id(mesh), dim))
+                ranks.update(dist.get_process_group_ranks(mesh.get_group(dim)))
+    if _is_zero_redundancy(optimizer):
+        group = getattr(optimizer, "process_group", None)
+        ranks.update(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return sorted(ranks)
 
 
 def _is_zero_redundancy(optimizer: object) -> bool:

@@ -275,10 +275,12 @@ def _sender(ancillary: list[tuple[int, int, bytes]]) -> Sender | None:
 
 
 def _parse_groups(text: str, rank: int) -> dict[str, list[int]] | None:
-    """``{"dp": [...], "pp": [...], "tp": [...]}`` from a rank, or None (logged) when malformed."""
+    """``{"dp": [...], "pp": [...], "tp": [...], "shard": [...]}`` from a rank, or None (logged) when malformed.
+    A group the rank did not send is just the rank (``shard``: none, as from an SDK without shard groups)."""
     try:
         raw = json.loads(text)
         groups = {kind: [int(r) for r in raw.get(kind, [rank])] for kind in ("dp", "pp", "tp")}
+        groups["shard"] = [int(r) for r in raw.get("shard", [])]
     except (ValueError, TypeError, AttributeError) as exc:
         log.warning("rank %d sent malformed checkpoint groups %r: %s", rank, text[:200], exc)
         return None
