@@ -1548,7 +1548,8 @@ def shard_group(model: nn.Module | None, optimizer: object = None) -> list[int]:
     for param in model.parameters() if model is not None else ():
         if not shard.is_dtensor(param):
             continue
-        mesh, placements = param.device_mesh, param.placements
+        dtensor: Any = param  # a DTensor: its mesh and placements
+        mesh, placements = dtensor.device_mesh, dtensor.placements
         for dim, placement in enumerate(placements):
             if placement.is_shard() and (id(mesh), dim) not in seen:
                 seen.add((id(mesh), dim))
