@@ -1,4 +1,4 @@
-"""``keel-api``: serve the HTTP API until SIGTERM or SIGINT (uvicorn), read-only, as the ``auditor`` role.
+"""``keel-api``: serve the HTTP API until SIGTERM or SIGINT (uvicorn), reading the store as the ``auditor`` role.
 
 Settings from ``--config``/``KEEL_CONFIG`` and ``KEEL_*`` (``api.*``: address, port, tokens), the database from
 ``KEEL_DATABASE_URL`` or a running ``keel up``. With ``api.chatops`` set or an ``operator`` token, each process also
