@@ -765,3 +765,12 @@ def test_a_shrunk_job_stages_every_saved_ranks_shard_on_every_node(cluster: Clus
                 assert owner is node, "only a node's own slots are read in place"
                 data = read_payload(Path(entry["path"]), verify=True)[1]
             assert data == owner.payloads[(int(rank), 2)], (node.node_id, rank, entry)
+    # The lost rank's backup, held by one survivor, is staged as a link of its own: the store renaming or
+    # dropping its copies afterwards (a newer backup discarded, the next round's rotation) cannot pull it from
+    # under the rank that reads it (seen end to end: a discarded newer backup moved the older one away).
+    holder = {"A": a, "B": b}[backup[2]]
+    entry = json.loads(plan_file(holder.agent_dir, 1).read_text())["reshard"]["shards"]["2"]
+    assert entry["tier"] == "peer" and "/restore/g1/" in entry["path"], entry
+    assert holder.ckpt.transport is not None
+    holder.ckpt.transport.discard_backup(2)
+    assert Path(entry["path"]).read_bytes() == c.payloads[(2, 2)]

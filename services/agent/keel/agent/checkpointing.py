@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -289,6 +290,10 @@ class _Plan:
     pending: dict[int, Future] = field(default_factory=dict)
     reshard_from: int = 0
     """A shrunk job's plan: ``entries`` are every saved rank's staged shard (0: this node's ranks' own)."""
+    held: dict[int, Path] = field(default_factory=dict)
+    """Ranks restored from a backup this node holds, and where the plan points for each: the backup is linked
+    there once the abandoned history is dropped (``_stage_held``), because dropping a newer backup moves the
+    older one it restores from into the newest copy's place."""
 
 
 def plan_file(agent_dir: Path, generation: int) -> Path:
@@ -728,10 +733,9 @@ class NodeCheckpointing:
             elif source.tier == "disk":
                 entry.update(path=source.path, format="shard")
             elif source.node_id == self.node_id and self.transport is not None:
-                held = next((h for h in self.transport.held_backups()[0]
-                             if h["rank"] == source.rank and h["step"] == planned.step), None)
-                entry.update(path=held["path"], format="shard") if held else entry.update(
-                    error=f"backup of rank {source.rank} step {planned.step} is gone from this node")
+                dest = self.node_dir / "restore" / f"g{planned.generation}" / f"rank{source.rank}.shard"
+                entry.update(path=str(dest), format="shard")
+                plan.held[source.rank] = dest
             elif self.transport is None:
                 entry["error"] = "this agent has no shard transport to fetch a peer copy"
             else:
@@ -747,6 +751,26 @@ class NodeCheckpointing:
                                                         f"(step {planned.step}) names no source for rank {rank}"})
         self.plan = plan
         self._finish_plan_if_ready()
+
+    def _stage_held(self, plan: _Plan) -> None:
+        """Link each backup this node holds that the plan restores from to the plan's path for it (after
+        ``_discard_newer_than``, which can move it): a later backup round renaming the held copies cannot pull
+        it from under the rank. An entry whose backup is gone says so instead."""
+        if not plan.held or self.transport is None:
+            return
+        held = {h["rank"]: Path(h["path"]) for h in self.transport.held_backups()[0] if h["step"] == plan.step}
+        for rank, dest in plan.held.items():
+            source = held.get(rank)
+            try:
+                if source is None:
+                    raise FileNotFoundError(f"no backup of step {plan.step}")
+                dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                dest.unlink(missing_ok=True)
+                os.link(source, dest)  # same file system (the node folder); no copy of the bytes
+            except OSError as exc:
+                plan.entries[rank] = {**plan.entries[rank], "error": f"backup of rank {rank} step {plan.step} "
+                                      f"is gone from this node: {exc}"}
+                plan.entries[rank].pop("path", None)
 
     def _fetch(self, address: str, rank: int, step: int, dest: Path, digest: str, holder: str) -> float:
         started = time.monotonic()
@@ -773,8 +797,9 @@ class NodeCheckpointing:
                                                  from_tier="peer", to_tier="none", reason=reason),
                           subject=f"job/{self.job_id}")  # a job-aggregate event: node/... is refused
             del plan.pending[rank]
-        shards = {str(rank): entry for rank, entry in plan.entries.items()}
         self._discard_newer_than(plan.step, plan.generation)
+        self._stage_held(plan)
+        shards = {str(rank): entry for rank, entry in plan.entries.items()}
         if plan.reshard_from:
             for rank in range(plan.reshard_from):
                 shards.setdefault(str(rank), {"error": f"the broker's plan for generation {plan.generation} (step "
