@@ -79,6 +79,16 @@ def assert_the_api_serves_the_log(up: dict, status: dict) -> None:
     assert code == 200 and "job1" in json.dumps(jobs), jobs
     code, events = get("/v1/events?job=job1", token)
     assert code == 200 and {e["type"] for e in events["events"]} >= {"NodeRegistered", "NodeEvicted"}, events
+    # The local operator token may act (the operator's key loaded, the API on NATS): an unknown request is 404,
+    # not 503 (no actions) nor 403.
+    ask = urllib.request.Request(api["url"] + "/v1/approvals/00000000-0000-4000-8000-000000000000", method="POST",
+                                 data=b'{"decision": "approve"}', headers={"Authorization": f"Bearer {token}",
+                                                                         "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(ask, timeout=30)
+        raise AssertionError("an unknown approval request was answered")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 404 and "no approval request" in exc.read().decode()
 
 
 def test_up_records_events_and_down_leaves_nothing_running(scratch_dir: Path) -> None:

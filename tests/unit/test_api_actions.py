@@ -281,7 +281,7 @@ def test_an_operator_token_whose_key_is_missing_stops_the_start(tmp_path: Path, 
     loaded = api_main.operator_keys(settings, api_main.tokens_of(settings))
     assert list(loaded) == ["alice"] and loaded["alice"].public.public_text() == keys["alice"].public.public_text()
     _, carol = new_token("carol-laptop", OPERATOR, bytes(32), identity="carol")
-    with pytest.raises(ConfigError, match=r"'carol-laptop' acts as 'carol'.*keel-api --new-token"):
+    with pytest.raises(ConfigError, match=r"'carol-laptop' acts as 'carol'.*KEEL_SIGNING__OPERATOR=carol keel credentials init"):
         api_main.operator_keys(settings_with(tmp_path, carol), [carol])
     _, chat = new_token("bot", OPERATOR, bytes(32), identity="chatops")
     with pytest.raises(ConfigError, match="role chatops, not operator"):

@@ -77,8 +77,9 @@ def operator_keys(settings: Settings, tokens: Sequence[ApiToken]) -> dict[str, S
     for token in tokens:
         if token.scope != OPERATOR or token.signer in keys:
             continue
-        how = (f"create it with `keel-api --new-token {token.name} --scope operator --identity {token.signer}` (a new "
-               f"token too) or `keel credentials init` as that operator, or set the token's identity")
+        how = (f"create it with `KEEL_SIGNING__OPERATOR={token.signer} keel credentials init` (or `keel-api --new-token "
+               f"NAME --scope operator --identity {token.signer}`, which makes a new token too) with the same "
+               "credentials folder, or set the token's identity to an operator that has a key")
         key_file = signing_dir(credentials) / f"{token.signer}.key"
         try:
             if not key_file.exists():
