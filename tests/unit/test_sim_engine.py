@@ -9,10 +9,9 @@ from collections import Counter
 
 from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
-from keel.events.types import TimerTicked
 from keel.kernel.replay import verify
 from keel.sim.config import load_calibration
-from keel.sim.engine import HEARTBEAT_EVERY_S, TICK_S, TIMED_STAGES, VARIANTS, KeelSim
+from keel.sim.engine import HEARTBEAT_EVERY_S, VARIANTS, KeelSim
 from keel.sim.metrics import summarise
 from keel.sim.trace import Failure, Trace
 
@@ -73,26 +72,17 @@ def test_the_recorded_log_replays_to_the_same_decisions() -> None:
 class _EveryHeartbeat(KeelSim):
     """The simulator as it was: every machine of the job heartbeats every 25 s while the clock ticks."""
 
-    def _tick(self) -> None:
-        if not self.ticking:
-            return
-        self.feed(TimerTicked(now=self.time(), interval_s=TICK_S), f"clock/{self.job_id}", "clock")
+    next_every_s = 0.0
+
+    def _heartbeat_round(self, job: object) -> None:
         if self.now_s >= self.next_every_s:
             self.next_every_s = self.now_s + HEARTBEAT_EVERY_S
             self._heartbeats()
-        job = self.session.state.job(self.job_id)
-        stage = job.incident.stage if job.incident is not None else None
-        if stage not in TIMED_STAGES and self.pending_restart is None:
-            self.ticking = False
-            return
-        self.at(self.now_s + TICK_S, self._tick)
 
     def _start_clock(self) -> None:
-        if self.ticking or self.stopped:
-            return
-        self.ticking = True
-        self.next_every_s = self.now_s
-        self._tick()
+        if not self.ticking and not self.stopped:
+            self.next_every_s = self.now_s
+        super()._start_clock()
 
 
 def _decisions(sim: KeelSim) -> list[tuple[str, str, str]]:
@@ -128,3 +118,33 @@ def test_heartbeats_fed_only_to_machines_unheard_for_25_s_give_the_decisions_eve
         assert fed.events < every.events, (variant, fed.events, every.events)
         assert len(_decisions(every)) > 50 and _decisions(fed) == _decisions(every), variant
         assert every_result.losses == fed_result.losses, variant
+
+
+def test_silent_data_corruption_is_located_by_the_replay_and_its_machine_evicted_with_the_clock_ticking() -> None:
+    # The simulated agents register Keel's Checkpointer (the ranks' pipeline groups): rung 5 has replay units.
+    sim, result = _run((Failure(3600.0, "sdc", "sdc", (13,), repair_s=DAY_S),), nodes=96, standby_min=8)
+    types = Counter(e.type for e in sim.log)
+    assert types["CheckpointRanksRegistered"] >= 96 and types["SdcReplayRequested"] == 1
+    assert result.incidents_by_rung == {"rung5": 1} and result.job_stops == 0  # type: ignore[attr-defined]
+    assert "n00013" not in sim.rank_of and result.evicted_nodes == 1  # type: ignore[attr-defined]
+    # The clock ticked through the diagnostics round and the replay (their deadlines were live), not only
+    # from the restart on.
+    opened = next(e.occurred_at for e in sim.log if e.type == "IncidentOpened")
+    restart = next(e.occurred_at for e in sim.log if e.type == "RestartDecided")
+    ticks = [e.occurred_at for e in sim.log if e.type == "TimerTicked" and opened < e.occurred_at < restart]
+    assert len(ticks) >= 10 and restart > opened
+    lost = summarise(result.losses, DAY_S)  # type: ignore[attr-defined]
+    assert lost.lost_h < 0.2 and "human" not in lost.lost_h_by_phase, lost
+
+
+def test_a_fail_slow_machine_is_still_convicted_after_the_job_was_stopped_and_requeued() -> None:
+    # A host crash the breaker cannot evict (max_evictions 0: the job stops, a human requeues it) while a
+    # machine is slow: the analyzer convicts it in the requeued job, and its slowness ends there.
+    trace = Trace(nodes=16, horizon_s=DAY_S, failures=(
+        Failure(3600.0, "fail_slow", "fail_slow", (7,), slowdown=1.5, duration_s=12 * 3600.0),
+        Failure(3601.0, "host_crash", "host_lost", (2,), repair_s=DAY_S)))
+    sim = KeelSim(trace, load_calibration(), seed=1, policy=ControllerPolicy(standby_min=1, max_evictions=0))
+    result = sim.run()
+    assert result.job_stops >= 1
+    slow = [loss for loss in result.losses if loss.phase == "slow"]
+    assert slow and max(loss.end_s for loss in slow) < 3600.0 + 4 * 3600.0, slow

@@ -28,6 +28,7 @@ from keel.controller.decider import ControllerDecider
 from keel.controller.policy import ControllerPolicy
 from keel.events.envelope import Event, EventPayload
 from keel.events.types import (
+    CheckpointRanksRegistered,
     CheckpointRestorePlanned,
     CheckResult,
     DiagnosticsCompleted,
@@ -43,6 +44,7 @@ from keel.events.types import (
     NodeHeartbeat,
     NodeRegistered,
     RankExited,
+    RankGroups,
     RanksRestartRequested,
     RankStarted,
     RestartDecided,
@@ -163,6 +165,8 @@ class KeelSim:
         self.restart_nodes: list[str] = []
         self.promotions: list[tuple[str, str, int]] = []
         self.ticking = False
+        self.clock_run = 0
+        """Which run of ticks is the current one: a tick scheduled by an earlier run is dropped."""
         self.heard_s: dict[str, float] = {}
         """Each machine's newest event produced by its agent (simulated seconds): what the controller hears."""
         self.stopped = False
@@ -229,24 +233,33 @@ class KeelSim:
             self.session.expect_echo(produced.id)
             self._act(produced)
 
-    def _tick(self) -> None:
-        if not self.ticking:
-            return
+    def _tick(self, run: int, first: bool = False) -> None:
+        """A tick of the job clock; the next one follows while an incident waits on time. The first tick of a
+        run comes just before the input that started the clock (so that input is decided at the current time)
+        and always has a successor: what the input opens (a diagnostics round, a stack capture) is known only
+        after it."""
+        if not self.ticking or run != self.clock_run:
+            return  # a tick of a run that ended (the clock stopped since, and may have started again)
         self.feed(TimerTicked(now=self.time(), interval_s=TICK_S), f"clock/{self.job_id}", "clock")
         job = self.session.state.job(self.job_id)
-        if job.clock_since is not None and self.now_s - self.seconds(job.clock_since) >= HEARTBEAT_EVERY_S:
-            self._heartbeats(unheard_since_s=self.now_s - HEARTBEAT_EVERY_S)
+        self._heartbeat_round(job)
         stage = job.incident.stage if job.incident is not None else None
-        if stage not in TIMED_STAGES and self.pending_restart is None:
+        if not first and stage not in TIMED_STAGES and self.pending_restart is None:
             self.ticking = False  # nothing waits on time: a gap, which the recorded clock skips
             return
-        self.at(self.now_s + TICK_S, self._tick)
+        self.at(self.now_s + TICK_S, self._tick, run)
+
+    def _heartbeat_round(self, job: Any) -> None:
+        """After a tick: the heartbeats that keep every live machine heard (``_heartbeats``)."""
+        if job.clock_since is not None and self.now_s - self.seconds(job.clock_since) >= HEARTBEAT_EVERY_S:
+            self._heartbeats(unheard_since_s=self.now_s - HEARTBEAT_EVERY_S)
 
     def _start_clock(self) -> None:
         if self.ticking or self.stopped:
             return
         self.ticking = True
-        self._tick()
+        self.clock_run += 1
+        self._tick(self.clock_run, first=True)
         self._progress()
 
     def _progress(self) -> None:
@@ -303,6 +316,8 @@ class KeelSim:
         for rank, name in enumerate(nodes):
             self.feed(RankStarted(node_id=name, rank=rank, local_rank=0, world_size=len(nodes), pid=1000 + rank,
                                   generation=self.generation), f"rank/{rank}")
+        for name in nodes:
+            self._register_checkpointer(name, self.generation)
         if first and self.variant.standby and not self.standbys:
             # The cluster brings one warm standby up with the job; its registration is a pool change, on which
             # the controller sizes the pool (the binomial model) and asks for the rest (provisioned at once).
@@ -310,6 +325,17 @@ class KeelSim:
         self._provision_now = False
         self._heartbeats()
         self.ticking = False
+
+    def _register_checkpointer(self, name: str, generation: int) -> None:
+        """The machine's ranks registered Keel's Checkpointer, with their parallel groups: the rank's pipeline
+        group of ``nodes_per_pp_group`` machines (its tensor-parallel peers are on the machine itself). What
+        rung 5 replays by: without it the controller has no replay units and restarts in place."""
+        rank = self.rank_of[name]
+        first = rank - rank % self.pp
+        pp = list(range(first, min(len(self.names), first + self.pp)))
+        self.feed(CheckpointRanksRegistered(node_id=name, generation=generation, world_size=len(self.names),
+                                            store_address=f"{name}:7070", ranks=[RankGroups(rank=rank, pp=pp)]),
+                  f"node/{name}")
 
     def _fail(self, failure: Failure) -> None:
         if self.stopped and failure.signal not in HARDWARE:
@@ -488,6 +514,9 @@ class KeelSim:
                 self.feed(RankStarted(node_id=name, rank=self.rank_of[name], local_rank=0,
                                       world_size=len(self.names), pid=2000 + generation,
                                       generation=generation), f"rank/{self.rank_of[name]}")
+        for standby, _, _ in self.promotions:
+            if standby in self.rank_of:
+                self._register_checkpointer(standby, generation)
         self.promotions, self.restart_nodes = [], []
         culprit = self._recurring()
         if culprit is not None:
@@ -596,7 +625,10 @@ class KeelSim:
                                     nodes=bad[:1], rounds=2, reason=f"sim: {kind}"), f"job/{self.job_id}", "analyzer")
 
     def _convict_slow(self, node: str) -> None:
-        if node not in self.slow or node not in self.rank_of or self.stopped:
+        if node not in self.slow or node not in self.rank_of:
+            return
+        if self.stopped:  # the analyzer watches the requeued job too: it convicts the machine there
+            self.at(self.now_s + self._draw("agent", "failslow_conviction"), self._convict_slow, node)
             return
         self._start_clock()
         self.feed(FailSlowConvicted(group_kind="node", group_ranks=[self.rank_of[node]], group_nodes=[node],
