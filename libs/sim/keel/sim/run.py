@@ -1,10 +1,19 @@
 """Every system on the same trace, in one run: Keel and its ablations (the real controller), the baselines
 (cost models), with ETTR, the worst 1-hour window and lost time for each (pure but for the wall clock
-reading that times the simulation)."""
+reading that times the simulation, and the worker processes ``run_many`` may fork).
+
+``run_many`` runs several seeds and failure-rate factors at once, each system of each run in its own task,
+over ``jobs`` worker processes: the systems of a run share nothing but the trace, which each task draws again
+from the seed (the same trace: generation is deterministic). Tasks and results cross between processes as
+plain values (names, numbers, JSON text).
+"""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -12,35 +21,86 @@ from keel.sim.baselines import BASELINES, baseline_losses
 from keel.sim.config import Calibration, FailureMix
 from keel.sim.engine import VARIANTS, KeelSim
 from keel.sim.metrics import summarise
-from keel.sim.trace import generate
+from keel.sim.trace import Trace, generate
 
 SYSTEMS = (*VARIANTS, *BASELINES)
+COST_ORDER = ("keel_no_memory_ckpt", "keel_no_analyzer", "keel", "keel_no_hot_update", "keel_no_standby")
+"""The Keel variants, slowest to simulate first (a long restore ticks every machine's heartbeat through it):
+handed out in this order, the workers finish together."""
 
 
-def run_all(mix: FailureMix, cal: Calibration, *, nodes: int, days: float, seed: int,
-            systems: tuple[str, ...] = SYSTEMS) -> dict[str, Any]:
-    """One seed: a trace, then every system in ``systems`` over it. Returns a JSON-ready dict."""
+def _check(systems: tuple[str, ...]) -> None:
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
-    trace = generate(mix, nodes=nodes, days=days, seed=seed)
-    out: dict[str, Any] = {"seed": seed, "nodes": nodes, "days": days, "failures": len(trace.failures),
-                           "failures_by_kind": {k.name: trace.count(k.name) for k in mix.kinds},
-                           "code_changes": len(trace.code_changes_s), "systems": {}}
-    for system in systems:
-        started = time.perf_counter()
-        extra: dict[str, Any] = {}
-        if system in VARIANTS:
-            result = KeelSim(trace, cal, variant=VARIANTS[system], seed=seed).run()
-            losses = result.losses
-            extra = {"incidents_by_rung": result.incidents_by_rung, "evicted_nodes": result.evicted_nodes,
-                     "over_evicted_nodes": result.over_evicted_nodes, "standbys_promoted": result.standbys_promoted,
-                     "standbys_provisioned": result.standbys_provisioned, "job_stops": result.job_stops,
-                     "events": result.events, "decisions": result.decisions}
-        else:
-            losses = baseline_losses(system, trace, cal, seed=seed)
-        summary = asdict(summarise(losses, trace.horizon_s))
-        out["systems"][system] = {**summary, **extra, "sim_wall_s": round(time.perf_counter() - started, 3)}
+
+
+def _header(mix: FailureMix, trace: Trace, *, nodes: int, days: float, seed: int) -> dict[str, Any]:
+    return {"seed": seed, "nodes": nodes, "days": days, "failures": len(trace.failures),
+            "failures_by_kind": {k.name: trace.count(k.name) for k in mix.kinds},
+            "code_changes": len(trace.code_changes_s), "systems": {}}
+
+
+def run_system(system: str, trace: Trace, cal: Calibration, *, seed: int) -> dict[str, Any]:
+    """One system over ``trace``: its summary (JSON-ready), with the wall time its simulation took."""
+    started = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if system in VARIANTS:
+        result = KeelSim(trace, cal, variant=VARIANTS[system], seed=seed).run()
+        losses = result.losses
+        extra = {"incidents_by_rung": result.incidents_by_rung, "evicted_nodes": result.evicted_nodes,
+                 "over_evicted_nodes": result.over_evicted_nodes, "standbys_promoted": result.standbys_promoted,
+                 "standbys_provisioned": result.standbys_provisioned, "job_stops": result.job_stops,
+                 "events": result.events, "decisions": result.decisions}
+    else:
+        losses = baseline_losses(system, trace, cal, seed=seed)
+    summary = asdict(summarise(losses, trace.horizon_s))
+    return {**summary, **extra, "sim_wall_s": round(time.perf_counter() - started, 3)}
+
+
+def run_all(mix: FailureMix, cal: Calibration, *, nodes: int, days: float, seed: int,
+            systems: tuple[str, ...] = SYSTEMS, jobs: int = 1) -> dict[str, Any]:
+    """One seed: a trace, then every system in ``systems`` over it. Returns a JSON-ready dict."""
+    return run_many(mix, cal, nodes=nodes, days=days, runs=[(seed, 1.0, systems)], jobs=jobs)[0]
+
+
+_WORK: dict[str, Any] = {}
+"""What the forked workers read: the mix, the calibration and the run's shape (set before the pool forks)."""
+
+
+def _task(key: tuple[int, float, str]) -> str:
+    seed, factor, system = key
+    mix: FailureMix = _WORK["mix"]
+    trace = generate(mix.scaled(factor) if factor != 1.0 else mix, nodes=_WORK["nodes"], days=_WORK["days"], seed=seed)
+    return json.dumps(run_system(system, trace, _WORK["cal"], seed=seed))
+
+
+def run_many(mix: FailureMix, cal: Calibration, *, nodes: int, days: float,
+             runs: list[tuple[int, float, tuple[str, ...]]], jobs: int = 1) -> list[dict[str, Any]]:
+    """Each ``(seed, failure-rate factor, systems)`` of ``runs``: its trace and every one of its systems over
+    it, in ``jobs`` worker processes (1: in this one). Returns one JSON-ready dict per run, in order; each
+    system's summary is the same whatever ``jobs`` is, but for its ``sim_wall_s``."""
+    for _, _, systems in runs:
+        _check(systems)
+
+    def cost(task: tuple[int, float, str]) -> tuple[int, float]:
+        system = task[2]
+        return (COST_ORDER.index(system) if system in COST_ORDER else len(COST_ORDER), -task[1])
+
+    tasks = sorted({(seed, factor, system) for seed, factor, systems in runs for system in systems}, key=cost)
+    _WORK.update(mix=mix, cal=cal, nodes=nodes, days=days)
+    if jobs > 1 and len(tasks) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                                 mp_context=multiprocessing.get_context("fork")) as pool:
+            done = dict(zip(tasks, pool.map(_task, tasks), strict=True))
+    else:
+        done = {task: _task(task) for task in tasks}
+    out = []
+    for seed, factor, systems in runs:
+        scaled = mix.scaled(factor) if factor != 1.0 else mix
+        result = _header(scaled, generate(scaled, nodes=nodes, days=days, seed=seed), nodes=nodes, days=days, seed=seed)
+        result["systems"] = {system: json.loads(done[(seed, factor, system)]) for system in systems}
+        out.append(result)
     return out
 
 

@@ -1,0 +1,25 @@
+"""keel.sim.run: every system of every run in worker processes gives what one process gives (the wall times
+aside), and the sensitivity runs' systems are their own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.sim.config import load_calibration, load_mix
+from keel.sim.run import SYSTEMS, run_many
+
+
+def _without_wall_times(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**run, "systems": {s: {k: v for k, v in summary.items() if k != "sim_wall_s"}
+                                for s, summary in run["systems"].items()}} for run in runs]
+
+
+def test_runs_spread_over_worker_processes_give_what_one_process_gives() -> None:
+    mix, cal = load_mix(), load_calibration()
+    plan = [(1, 1.0, SYSTEMS), (2, 1.0, SYSTEMS), (1, 4.0, ("keel", "oracle"))]
+    alone = run_many(mix, cal, nodes=24, days=2.0, runs=plan, jobs=1)
+    spread = run_many(mix, cal, nodes=24, days=2.0, runs=plan, jobs=2)
+    assert _without_wall_times(spread) == _without_wall_times(alone)
+    assert [list(r["systems"]) for r in alone] == [list(SYSTEMS), list(SYSTEMS), ["keel", "oracle"]]
+    # Four times the failure rate is another trace: more failures than seed 1's own run.
+    assert alone[2]["failures"] > alone[0]["failures"] and alone[0]["seed"] == alone[2]["seed"] == 1
