@@ -44,7 +44,7 @@ RUN useradd --system --uid 10001 --gid 0 --home-dir /home/keel --create-home --s
     /var/lib/keel/export/nats /var/lib/keel/export/migrate /var/lib/keel/export/recorder \
     /var/lib/keel/export/controller /var/lib/keel/export/checkpoint-broker /var/lib/keel/export/actuator \
     /var/lib/keel/export/analyzer /var/lib/keel/export/hot-update /var/lib/keel/export/notifier \
-    /var/lib/keel/export/operator \
+    /var/lib/keel/export/operator /var/lib/keel/export/api \
     /var/lib/keel/export/agent \
  && install -d -m 0750 -o 10001 -g 0 /var/lib/keel/checkpoints
 

@@ -47,6 +47,7 @@ module "manifests" {
   job                     = var.job
 
   api_tokens       = var.api_tokens
+  api_chatops      = var.api_chatops
   api_replicas     = var.api_replicas
   api_resources    = var.api_resources
   api_client_cidrs = var.api_client_cidrs

@@ -353,13 +353,54 @@ variable "job" {
 }
 
 variable "api_tokens" {
-  description = "Who may call the HTTP API (keel-api): each token's name, scope (read or operator) and SHA-256, as `keel-api --new-token NAME [--scope operator]` prints them; the tokens themselves stay with their holders. Empty: every request but /healthz is refused."
-  type        = list(object({ name = string, scope = string, sha256 = string }))
-  default     = []
+  description = "Who may call the HTTP API (keel-api): each token's name, scope (read or operator), SHA-256 and, for an operator token, the operator signing identity it acts as (identity; default: its name), as `keel-api --new-token NAME [--scope operator [--identity ID]]` prints them; the tokens themselves stay with their holders. Empty: every request but /healthz is refused. An operator token's key must be in credentials_dir (signing/<identity>.key): the API signs its actions with it and connects to NATS as `chatops` (README: The HTTP API's actions)."
+  type = list(object({
+    name     = string
+    scope    = string
+    sha256   = string
+    identity = optional(string)
+  }))
+  default = []
 
   validation {
     condition     = alltrue([for t in var.api_tokens : contains(["read", "operator"], t.scope) && can(regex("^[0-9a-f]{64}$", t.sha256))])
     error_message = "every api_tokens entry needs scope read or operator and sha256 as 64 lowercase hex digits (what keel-api --new-token prints)."
+  }
+
+  validation {
+    condition     = alltrue([for t in var.api_tokens : can(regex("^[A-Za-z0-9_.@-]{1,64}$", t.name)) && (t.identity == null ? true : t.scope == "operator" && can(regex("^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$", t.identity)))])
+    error_message = "api_tokens: a name is 1-64 of letters, digits, _ . @ -; only an operator token has an identity (a read token cannot act), and it is 1-64 of letters, digits, _ . @ -, starting with a letter or digit."
+  }
+
+  # The API refuses to start without them (exit 2): refused here, before anything is applied.
+  validation {
+    condition = alltrue([
+      for t in var.api_tokens : fileexists("${pathexpand(var.credentials_dir)}/signing/${coalesce(t.identity, t.name)}.key") if t.scope == "operator"
+    ])
+    error_message = "api_tokens: an operator token acts as an operator signing identity whose key must be in credentials_dir, and these have none: ${join(", ", [for t in var.api_tokens : "${t.name} (identity ${coalesce(t.identity, t.name)}: ${pathexpand(var.credentials_dir)}/signing/${coalesce(t.identity, t.name)}.key)" if t.scope == "operator" && !fileexists("${pathexpand(var.credentials_dir)}/signing/${coalesce(t.identity, t.name)}.key")])}. Create each with `KEEL_CREDENTIALS_DIR=<credentials_dir> keel-credentials init --operator <identity>` (or make the token there: `keel-api --new-token NAME --scope operator --identity <identity>`), or set the token's identity to an operator that has a key."
+  }
+}
+
+variable "api_chatops" {
+  description = "Chat-ops approvals served by the API (docs/api.md): Slack's buttons (slack_signing_secret_file: a file holding the Slack app's signing secret; slack_approvers: Slack user id -> operator name) and signed generic callbacks (callbacks: name, secret_file, approvers), timestamp_tolerance (e.g. \"5m\"; null: the default). The secret files are read on the machine you apply from, like credentials_dir, into the API's credentials Secret. null (or neither Slack nor a callback): off. On: the API connects to NATS as `chatops` and signs answers with the chatops key of credentials_dir."
+  type = object({
+    slack_signing_secret_file = optional(string)
+    slack_approvers           = optional(map(string), {})
+    callbacks = optional(list(object({
+      name        = string
+      secret_file = string
+      approvers   = optional(list(string), [])
+    })), [])
+    timestamp_tolerance = optional(string)
+  })
+  default = null
+
+  validation {
+    condition = var.api_chatops == null ? true : alltrue(concat(
+      var.api_chatops.slack_signing_secret_file == null ? [] : [fileexists(pathexpand(var.api_chatops.slack_signing_secret_file))],
+      [for c in var.api_chatops.callbacks : fileexists(pathexpand(c.secret_file)) && can(regex("^[A-Za-z0-9_.-]{1,64}$", c.name))],
+    ))
+    error_message = "api_chatops: slack_signing_secret_file and every callback's secret_file must be files on this machine, and a callback's name 1-64 of letters, digits, _ . -."
   }
 }
 

@@ -98,9 +98,9 @@ def _variables(master: Path, **overrides: Any) -> dict[str, Any]:
     }
 
 
-def _workspace(scratch: Path) -> Path:
+def _workspace(scratch: Path, name: str = "root") -> Path:
     """The root's variables and module call, with fixed database passwords in place of random_password."""
-    folder = scratch / "root"
+    folder = scratch / name
     folder.mkdir()
     for name in ("variables.tf", "manifests.tf"):
         shutil.copy(TERRAFORM / name, folder / name)
@@ -458,3 +458,118 @@ def test_no_manifest_sends_an_empty_list_or_map(rendered: dict[str, Any], scratc
     for key, obj in objects.items():
         assert list(_empty_fields(obj)) == [], key
         validate(obj, f"V1{obj['kind']}", key)
+
+
+# -- the API's actions: operator tokens and chat-ops ---------------------------------------------------------
+
+OPERATOR_TOKENS = [{"name": "alice", "scope": "operator", "sha256": "cd" * 32},
+                   {"name": "pager", "scope": "operator", "sha256": "ef" * 32, "identity": "bob@corp"}]
+"""Operator tokens: one acting as its name, one as another identity (with an "@", which no Secret key may hold)."""
+
+
+@pytest.fixture(scope="module")
+def acting(rendered: dict[str, Any], scratch: Path) -> dict[str, Any]:
+    """The same deployment with operator tokens and chat-ops (Slack and one callback): the API acts."""
+    master: Path = rendered["master"]
+    env = {**os.environ, "KEEL_CREDENTIALS_DIR": str(master), "KEEL_HOME": str(scratch / "home")}
+    credentials = str(Path(sys.executable).parent / "keel-credentials")
+    for operator in ("alice", "bob@corp"):  # what the README says to run for each operator token's identity
+        subprocess.run([credentials, "init", "--operator", operator], env=env, check=True, capture_output=True)
+    chatops = scratch / "chatops"
+    chatops.mkdir()
+    (chatops / "slack").write_text("slack-signing-secret-0123456789\n")
+    (chatops / "pager").write_text("whsec_" + base64.b64encode(b"p" * 32).decode() + "\n")
+    variables = _variables(master, api_tokens=[API_TOKEN_ENTRY, *OPERATOR_TOKENS], api_chatops={
+        "slack_signing_secret_file": str(chatops / "slack"), "slack_approvers": {"U024BE7LH": "alice"},
+        "callbacks": [{"name": "pager", "secret_file": str(chatops / "pager"), "approvers": ["bob@corp"]}],
+        "timestamp_tolerance": "2m"})
+    folder = _workspace(scratch, "root-acting")
+    (folder / "test.tfvars.json").write_text(json.dumps(variables))
+    _terraform(folder, "apply", "-auto-approve", "-var-file=test.tfvars.json")
+    outputs = json.loads(_terraform(folder, "output", "-json").stdout)
+    return {"objects": outputs["objects"]["value"], "secrets": outputs["secrets"]["value"], "folder": folder,
+            "master": master, "variables": variables}
+
+
+def test_an_acting_api_gets_the_chatops_identity_its_keys_and_nats_and_starts_on_them(acting: dict[str, Any],
+                                                                                    scratch: Path) -> None:
+    from keel.api.main import chatops_of, operator_keys, tokens_of
+    from keel.infra.config import load_settings
+    from keel.infra.nats_auth import bus_settings_for, load_identity
+    from keel.infra.provision import install_tree
+
+    objects, secrets = acting["objects"], acting["secrets"]
+    for key, obj in {**objects, **secrets}.items():
+        validate(obj, f"V1{obj['kind']}", key)
+        assert list(_empty_fields(obj)) == [], key
+    deployment = objects["Deployment/keel-api"]
+    spec = _pod_spec(deployment)
+    [container], [init] = spec["containers"], spec["initContainers"]
+    # Its bundle, installed as every control-plane pod's is, and the settings ConfigMap (NATS URL, credentials dir).
+    assert init["command"][:2] == ["keel-credentials", "install"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "keel-settings"}}, {"secretRef": {"name": "keel-database-auditor"}}]
+    settings_map = objects["ConfigMap/keel-settings"]["data"]
+    assert settings_map["KEEL_NATS_URL"] == f"tls://nats.{NAMESPACE}.svc.cluster.local:4222"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    source = volumes["credentials-source"]["secret"]
+    assert source["secretName"] == "keel-credentials-api"
+    paths = sorted(item["path"] for item in source["items"])
+    # Least privilege: the chatops identity, its key, the operator tokens' keys and chat-ops' secrets; no other
+    # identity or key (not the CLI operator's, not a service's).
+    assert paths == ["chatops/callback-pager.secret", "chatops/slack.secret", "nats/chatops.json",
+                     "nats/shard-ca/tls/ca.pem", "signing/alice.key", "signing/bob@corp.key", "signing/chatops.key",
+                     "signing/keyring.json"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert {"checksum/keel-credentials", "checksum/keel-settings"} <= set(annotations)
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert json.loads(env["KEEL_API__TOKENS"]) == [API_TOKEN_ENTRY, *OPERATOR_TOKENS]  # identity kept, none added
+
+    # What the pod holds, put where its volumes put it, copied as the init container does, read as keel-api does
+    # at start: every operator token's key, the NATS identity, chat-ops' secrets. No exit 2.
+    secret = secrets["Secret/keel-credentials-api"]["data"]
+    mounted = scratch / "api-mounted"
+    for item in source["items"]:
+        (mounted / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (mounted / item["path"]).write_bytes(base64.b64decode(secret[item["key"]]))
+    assert (mounted / "signing/bob@corp.key").read_bytes() == (acting["master"] / "signing/bob@corp.key").read_bytes()
+    run_dir = scratch / "api-run"
+    install_tree(mounted, run_dir / "credentials")
+    pod_env = {**settings_map, **env, "KEEL_CREDENTIALS_DIR": str(run_dir / "credentials")}
+    pod_env = {k: v.replace(settings_map["KEEL_CREDENTIALS_DIR"], str(run_dir / "credentials")) for k, v in pod_env.items()}
+    settings = load_settings(environ=pod_env)
+    assert sorted(operator_keys(settings, tokens_of(settings))) == ["alice", "bob@corp"]
+    assert settings.api.chatops.enabled and settings.api.chatops.slack_approvers == {"U024BE7LH": "alice"}
+    assert settings.api.chatops.timestamp_tolerance.total_seconds() == 120
+    chatops_of(settings, None)  # type: ignore[arg-type]  # reads and checks both secrets; the bus is used later
+    bus = bus_settings_for(settings, settings.api.chatops.signing_identity)
+    assert load_identity(bus.credentials).name == "chatops"
+
+    # Its pod is a NATS client, and the policies let it reach NATS (4222) and nothing else new.
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects.values() if o["kind"] == "NetworkPolicy"}
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    nats_ingress = next(r for r in policies["nats"]["ingress"] if r["ports"] == [{"port": 4222, "protocol": "TCP"}])
+    assert _selects(nats_ingress["from"][0]["podSelector"]["matchLabels"], labels)
+    assert policies["keel-api"]["egress"][1:] == [{"to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "nats", "app.kubernetes.io/name": "nats"}}}],
+                                                   "ports": [{"port": 4222, "protocol": "TCP"}]}]
+
+
+def test_a_read_only_api_gets_no_nats_access_and_no_bundle(rendered: dict[str, Any]) -> None:
+    objects = rendered["objects"]
+    labels = objects["Deployment/keel-api"]["spec"]["template"]["metadata"]["labels"]
+    assert "keel.dev/nats-client" not in labels and "Secret/keel-credentials-api" not in rendered["secrets"]
+    policy = next(o["spec"] for o in objects.values() if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "keel-api")
+    assert all(4222 not in [p["port"] for p in rule.get("ports", [])] for rule in policy["egress"])
+
+
+def test_an_operator_token_without_its_key_or_a_read_token_with_an_identity_is_refused_at_plan(acting: dict[str, Any]) -> None:
+    folder: Path = acting["folder"]
+    cases = {
+        "these have none: ghost (identity ghost:": [{"name": "ghost", "scope": "operator", "sha256": "aa" * 32}],
+        "these have none: pager (identity nobody:": [{**OPERATOR_TOKENS[1], "identity": "nobody"}],
+        "only an operator token has an identity": [{**API_TOKEN_ENTRY, "identity": "alice"}],
+    }
+    for message, tokens in cases.items():
+        (folder / "bad.tfvars.json").write_text(json.dumps({**acting["variables"], "api_tokens": tokens}))
+        result = _terraform(folder, "plan", "-no-color", "-var-file=bad.tfvars.json", check=False)
+        said = " ".join(result.stderr.replace("│", " ").split())
+        assert result.returncode != 0 and message in said, (message, said[-1500:])

@@ -198,7 +198,7 @@ def test_the_image_owns_every_credentials_mount_point_so_its_volumes_are_private
     assert match, "the Dockerfile creates the credentials mount points 0700, owned by uid 10001"
     private = set(match.group(1).replace("\\", " ").split())
     assert "USER 10001" in dockerfile
-    for name in ("credentials", *KEEL_CONTAINERS):
+    for name in ("credentials", "api", *KEEL_CONTAINERS):
         service = compose["services"][name]
         assert "user" not in service, name  # the image's uid, the one the mount points belong to
         for target, source in _mounts(service).items():
@@ -217,7 +217,46 @@ def test_compose_has_no_default_password_anywhere() -> None:
                 # Each token's name, scope and SHA-256 only (keel-api --new-token): no token, and none by default.
                 assert value == "[]", (name, key, value)
                 continue
+            if key == "KEEL_API__CHATOPS__SLACK_SIGNING_SECRET_FILE":
+                assert value == "", (name, key, value)  # off by default; a file in the API's credentials volume
+                continue
             if re.search(r"PASSWORD|PASS$|SECRET|TOKEN", key):
                 assert key.endswith("_FILE") and str(value).startswith("/run/secrets/"), (name, key, value)
     for secret in compose["secrets"].values():
         assert "environment" not in secret and secret["file"].startswith("./.secrets/")
+
+
+def test_the_api_gets_its_bundle_from_the_credentials_step_with_the_same_api_settings() -> None:
+    """Operator tokens and chat-ops publish on NATS as ``chatops`` and sign with keys the API loads at start (else
+    it exits 2): the credentials step exports the API's bundle, made from the API's own settings, into the volume
+    the API mounts as its credentials folder, and the API reaches NATS over TLS."""
+    compose = _compose()
+    services = compose["services"]
+    exports, server_volume = _credentials_exports(compose)
+    step, api = services["credentials"], services["api"]
+    master = _mounts(step)[step["environment"]["KEEL_CREDENTIALS_DIR"]]
+    environment = api["environment"]
+    assert environment["KEEL_NATS_URL"] == "tls://nats:4222"
+    assert _mounts(api) == {environment["KEEL_CREDENTIALS_DIR"]: exports["api"]}  # its bundle, nothing else
+    assert exports["api"] not in (master, server_volume) and exports["api"] in compose["volumes"]
+    assert [n for n, s in services.items() if exports["api"] in _mounts(s).values()] == ["credentials", "api"]
+    assert api["depends_on"]["credentials"]["condition"] == "service_completed_successfully"
+    assert api["depends_on"]["nats"]["condition"] == "service_healthy"
+    # The bundle is made from exactly the settings the API runs with.
+    api_settings = {k: v for k, v in environment.items() if k.startswith("KEEL_API__")
+                    and k not in ("KEEL_API__LISTEN_HOST", "KEEL_API__LISTEN_PORT")}
+    assert {"KEEL_API__TOKENS", "KEEL_API__CHATOPS__SLACK_SIGNING_SECRET_FILE",
+            "KEEL_API__CHATOPS__CALLBACKS"} <= set(api_settings)
+    assert {k: v for k, v in step["environment"].items() if k.startswith("KEEL_API__")} == api_settings
+    # As the file ships, a read-only API: its bundle holds no NATS identity and no key.
+    from keel.infra.config import load_settings
+    from keel.infra.provision import Bundle, api_bundle
+
+    assert api_bundle(load_settings(environ={k: str(v) for k, v in environment.items()
+                                             if k.startswith("KEEL_API__")})) == Bundle(None)
+    # With an operator token the same settings give the chatops identity and the token's key.
+    tokens = '[{"name": "alice", "scope": "operator", "sha256": "' + "ab" * 32 + '"}]'
+    with_token = load_settings(environ={**{k: str(v) for k, v in api_settings.items()}, "KEEL_API__TOKENS": tokens})
+    assert api_bundle(with_token) == Bundle("chatops", None, ("alice",))
+    # The image creates the export's mount point, owned by uid 10001 (see the test above).
+    assert "/var/lib/keel/export/api" in (ROOT / "Dockerfile").read_text()

@@ -182,3 +182,39 @@ def test_signing_keys_stay_in_their_own_bundles(master: Path, tmp_path: Path) ->
     assert [p.name for p in signing_dir(tmp_path / "controller").glob("*.key")] == ["controller.key"]
     assert not (tmp_path / "controller/nats/analyzer.json").exists()
     assert not list((tmp_path / "controller").rglob("ca.key"))  # the CA's key never leaves the master
+
+
+def test_the_api_bundle_holds_what_its_settings_need_and_a_read_only_api_gets_no_nats_identity(
+        master: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the compose credentials step exports as ``api`` (docker-compose.yml): with operator tokens, the
+    chatops NATS identity and each token's operator key (which the API loads at start); with chat-ops, the chatops
+    signing key too; read-only, neither."""
+    from keel.api.main import operator_keys, tokens_of
+    from keel.infra.provision import api_bundle
+
+    digest = "ab" * 32
+    tokens = json.dumps([{"name": "oncall", "scope": "read", "sha256": digest},
+                         {"name": "alice", "scope": "operator", "sha256": digest},
+                         {"name": "pager", "scope": "operator", "sha256": digest, "identity": "bob"}])
+    monkeypatch.setenv("KEEL_CREDENTIALS_DIR", str(master))
+    read_only = load_settings(environ={"KEEL_API__TOKENS": tokens[:tokens.index("},") + 1] + "]"})
+    assert api_bundle(read_only) == Bundle(None)
+    assert list(bundle_files(master, api_bundle(read_only))) == ["nats/shard-ca/tls/ca.pem", "signing/keyring.json"]
+
+    # An operator token whose identity has no key in the master: refused, naming how to create it.
+    monkeypatch.setenv("KEEL_API__TOKENS", tokens)
+    assert main(["init", f"--export=api={tmp_path / 'refused'}"]) == 1
+    assert "acts as 'alice'" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    for operator in ("alice", "bob"):
+        assert main(["init", f"--operator={operator}"]) == 0
+    assert main(["init", f"--export=api={tmp_path / 'api'}"]) == 0
+    assert _tree(tmp_path / "api") == ["nats/chatops.json", "nats/shard-ca/tls/ca.pem", "signing/alice.key",
+                                       "signing/bob.key", "signing/keyring.json"]
+    api = load_settings(environ={"KEEL_CREDENTIALS_DIR": str(tmp_path / "api"), "KEEL_API__TOKENS": tokens})
+    assert sorted(operator_keys(api, tokens_of(api))) == ["alice", "bob"]  # what keel-api checks at start
+    assert bus_settings_for(api, "chatops").credentials == tmp_path / "api/nats/chatops.json"
+
+    # Chat-ops adds its own signing key.
+    monkeypatch.setenv("KEEL_API__CHATOPS__SLACK_SIGNING_SECRET_FILE", "/var/lib/keel/credentials/chatops/slack.secret")
+    assert main(["init", f"--export=api={tmp_path / 'chatops'}"]) == 0
+    assert "signing/chatops.key" in _tree(tmp_path / "chatops")

@@ -9,11 +9,12 @@
 #   NATS JetStream: a StatefulSet of var.nats_replicas servers (TLS, Keel's identities), its Services and PDB
 #   migrate Job; one Deployment per control-plane service, each with startup, readiness and liveness probes
 #   the actuator's ServiceAccount and RBAC (exactly the Kubernetes API calls keel.actuator.kubernetes makes)
-#   the HTTP API (keel-api: read-only, as the auditor role, behind var.api_tokens) and its Service
+#   the HTTP API (keel-api: as the auditor role, behind var.api_tokens; with an operator token or var.api_chatops
+#   it also gets the chatops NATS identity and the keys it signs with) and its Service
 #   the node-agent DaemonSet and the standby Deployment of the job (var.job), when one is given
 #   NetworkPolicies: ingress denied by default; NATS only from Keel's pods (and var.nats_client_cidrs); the
 #   managed PostgreSQL only from the pods that use it; the Kubernetes API only from the actuator; the HTTP API
-#   only from pods labelled keel.dev/api-client and var.api_client_cidrs
+#   only from pods labelled keel.dev/api-client and var.api_client_cidrs (and it reaches NATS only when it acts)
 
 locals {
   ns = var.namespace
@@ -134,14 +135,41 @@ locals {
     # keel-migrate administers the streams as NATS's admin; it signs nothing.
     { migrate = ["nats/admin.json", local.ca_path, local.keyring] },
     { for name in keys(local.services) : name => ["nats/${name}.json", local.ca_path, local.keyring, "signing/${name}.key"] },
+    # The HTTP API, only when it acts (keel.infra.provision.api_bundle): NATS as chatops (which may publish
+    # ApprovalGiven and NodeCordoned only), the chatops key with chat-ops, and each operator token's key. A
+    # read-only API gets no bundle.
+    {
+      for name in(local.api_acts ? ["api"] : []) : name => concat(
+        ["nats/chatops.json", local.ca_path, local.keyring],
+        local.api_chatops ? ["signing/chatops.key"] : [],
+        [for signer in local.api_signers : "signing/${signer}.key"],
+      )
+    },
   )
-  # Secret keys cannot hold "/": the file's path with "/" as "_"; the pod's volume puts each key back at its path.
+  # The operator identities the API's operator tokens act as (each one's identity, else its name).
+  api_signers = distinct([for t in var.api_tokens : coalesce(t.identity, t.name) if t.scope == "operator"])
+  api_chatops = var.api_chatops == null ? false : var.api_chatops.slack_signing_secret_file != null || length(var.api_chatops.callbacks) > 0
+  api_acts    = local.api_chatops || length(local.api_signers) > 0
+  # Chat-ops' secrets join the API's bundle (path in the bundle => file on the machine applying): Keel reads a
+  # secret only from a private file of its own, which the init container's copy is.
+  api_chatops_files = local.api_chatops ? merge(
+    var.api_chatops.slack_signing_secret_file == null ? {} : { "chatops/slack.secret" = pathexpand(var.api_chatops.slack_signing_secret_file) },
+    { for c in var.api_chatops.callbacks : "chatops/callback-${c.name}.secret" => pathexpand(c.secret_file) },
+  ) : {}
+  bundle_sources = {
+    for name, paths in local.bundle_paths : name => merge(
+      { for p in paths : p => "${local.master}/${p}" },
+      name == "api" ? local.api_chatops_files : {},
+    )
+  }
+  # Secret keys cannot hold "/" (nor "@", which an operator's name may): the file's path with "/" as "_" and "@"
+  # as "_at_"; the pod's volume puts each key back at its path.
   bundle_items = {
-    for name, paths in local.bundle_paths : name => [for p in paths : { key = replace(p, "/", "_"), path = p }]
+    for name, files in local.bundle_sources : name => [for p in keys(files) : { key = replace(replace(p, "/", "_"), "@", "_at_"), path = p }]
   }
   bundles = {
-    for name, paths in local.bundle_paths : name => {
-      for p in paths : replace(p, "/", "_") => base64encode(sensitive(file("${local.master}/${p}")))
+    for name, files in local.bundle_sources : name => {
+      for p, source in files : replace(replace(p, "/", "_"), "@", "_at_") => base64encode(sensitive(file(source)))
     }
   }
 
@@ -589,11 +617,26 @@ locals {
 # -- the HTTP API ---------------------------------------------------------------------------------------
 
 locals {
-  # Read-only over the event store as keel_auditor; no NATS identity, no settings of the services (it reads
-  # none of them): its own few settings below. Stateless: var.api_replicas of it may serve side by side.
+  # Reads the event store as keel_auditor. Read-only (no operator token, no chat-ops): no NATS identity, no
+  # settings of the services, its own few settings below. When it acts (local.api_acts) it is a NATS client like
+  # the control plane: the settings ConfigMap (KEEL_NATS_URL, KEEL_CREDENTIALS_DIR, the bus's subjects), its
+  # bundle copied by the init container, the nats-client label and the egress to NATS. Stateless:
+  # var.api_replicas of it may serve side by side.
   api_port = 8380
-  api_labels = merge(local.common_labels, local.database_client,
+  api_labels = merge(local.common_labels, local.database_client, local.api_acts ? local.nats_client : {},
   { "app.kubernetes.io/name" = "keel-api", "app.kubernetes.io/component" = "api" })
+  api_init = [for name in(local.api_acts ? ["api"] : []) : local.credentials_init[name]]
+  # Chat-ops' settings, its secrets where the init container's copy puts them.
+  api_chatops_env = local.api_chatops ? merge(
+    var.api_chatops.slack_signing_secret_file == null ? {} : { KEEL_API__CHATOPS__SLACK_SIGNING_SECRET_FILE = "${local.credentials_dir}/chatops/slack.secret" },
+    length(var.api_chatops.slack_approvers) == 0 ? {} : { KEEL_API__CHATOPS__SLACK_APPROVERS = jsonencode(var.api_chatops.slack_approvers) },
+    length(var.api_chatops.callbacks) == 0 ? {} : {
+      KEEL_API__CHATOPS__CALLBACKS = jsonencode([
+        for c in var.api_chatops.callbacks : { name = c.name, secret_file = "${local.credentials_dir}/chatops/callback-${c.name}.secret", approvers = c.approvers }
+      ])
+    },
+    var.api_chatops.timestamp_tolerance == null ? {} : { KEEL_API__CHATOPS__TIMESTAMP_TOLERANCE = var.api_chatops.timestamp_tolerance },
+  ) : {}
   api_client = { "keel.dev/api-client" = "true" }
   api_probe  = { httpGet = { path = "/healthz", port = "http" } }
 
@@ -608,10 +651,16 @@ locals {
         template = {
           metadata = {
             labels = local.api_labels
-            annotations = {
-              "checksum/keel-database"   = local.database_checksums["auditor"]
-              "checksum/keel-api-tokens" = sha256(jsonencode(var.api_tokens))
-            }
+            annotations = merge(
+              {
+                "checksum/keel-database"   = local.database_checksums["auditor"]
+                "checksum/keel-api-tokens" = sha256(jsonencode(var.api_tokens))
+              },
+              local.api_acts ? {
+                "checksum/keel-settings"    = local.settings_checksum
+                "checksum/keel-credentials" = lookup(local.bundle_checksums, "api", "")
+              } : {},
+            )
           }
           spec = merge(
             {
@@ -625,24 +674,31 @@ locals {
                 imagePullPolicy = var.image_pull_policy
                 command         = ["keel-api"]
                 ports           = [{ name = "http", containerPort = local.api_port, protocol = "TCP" }]
-                envFrom         = [{ secretRef = { name = "keel-database-auditor" } }]
-                env = [for key, value in {
+                envFrom = concat(
+                  local.api_acts ? [{ configMapRef = { name = "keel-settings" } }] : [],
+                  [{ secretRef = { name = "keel-database-auditor" } }],
+                )
+                env = [for key, value in merge({
                   KEEL_DB_SCHEMA        = var.db_schema
                   KEEL_HOME             = "/tmp/keel"
                   KEEL_API__LISTEN_HOST = "0.0.0.0"
                   KEEL_API__LISTEN_PORT = tostring(local.api_port)
-                  # Only each token's name, scope and SHA-256: no token is in the cluster.
-                  KEEL_API__TOKENS = jsonencode(var.api_tokens)
-                } : { name = key, value = value }]
+                  # Only each token's name, scope, SHA-256 and an operator token's identity: no token is in the cluster.
+                  KEEL_API__TOKENS = jsonencode([for t in var.api_tokens : { for k, v in t : k => v if v != null }])
+                }, local.api_chatops_env) : { name = key, value = value }]
                 resources       = var.api_resources
                 securityContext = local.container_security
-                volumeMounts    = [{ name = "tmp", mountPath = "/tmp" }]
-                startupProbe    = merge(local.api_probe, { periodSeconds = 5, failureThreshold = 60 })
-                readinessProbe  = merge(local.api_probe, { periodSeconds = 10, failureThreshold = 3 })
-                livenessProbe   = merge(local.api_probe, { periodSeconds = 20, timeoutSeconds = 5, failureThreshold = 3 })
+                volumeMounts = concat(
+                  [{ name = "tmp", mountPath = "/tmp" }],
+                  local.api_acts ? [{ name = "credentials", mountPath = local.credentials_run_dir }] : [],
+                )
+                startupProbe   = merge(local.api_probe, { periodSeconds = 5, failureThreshold = 60 })
+                readinessProbe = merge(local.api_probe, { periodSeconds = 10, failureThreshold = 3 })
+                livenessProbe  = merge(local.api_probe, { periodSeconds = 20, timeoutSeconds = 5, failureThreshold = 3 })
               }]
-              volumes = [{ name = "tmp", emptyDir = {} }]
+              volumes = concat([{ name = "tmp", emptyDir = {} }], flatten([for name in(local.api_acts ? ["api"] : []) : [for v in local.credentials_volumes[name] : v if v.name != "tmp"]]))
             },
+            length(local.api_init) == 0 ? {} : { initContainers = local.api_init },
             local.pod_placement,
           )
         }
@@ -937,7 +993,8 @@ locals {
       }
     }
     # The HTTP API: reached from pods labelled keel.dev/api-client (a TLS proxy, a dashboard) and from
-    # var.api_client_cidrs; it reaches DNS (and the database, by the policy above) only.
+    # var.api_client_cidrs; it reaches DNS (and the database, by the policy above), and NATS only when it acts
+    # (operator tokens, chat-ops).
     "NetworkPolicy/keel-api" = {
       apiVersion = "networking.k8s.io/v1", kind = "NetworkPolicy"
       metadata   = { name = "keel-api", namespace = local.ns, labels = local.common_labels }
@@ -949,7 +1006,10 @@ locals {
           [for cidr in var.api_client_cidrs : { ipBlock = { cidr = cidr } }])
           ports = [{ protocol = "TCP", port = local.api_port }]
         }]
-        egress = [local.dns_egress]
+        egress = concat(
+          [local.dns_egress],
+          local.api_acts ? [{ to = [{ podSelector = { matchLabels = local.nats_labels } }], ports = [{ protocol = "TCP", port = 4222 }] }] : [],
+        )
       }
     }
     # The Kubernetes API: the actuator only.

@@ -160,7 +160,22 @@ variable "job" {
 }
 
 variable "api_tokens" {
-  type = list(object({ name = string, scope = string, sha256 = string }))
+  type = list(object({ name = string, scope = string, sha256 = string, identity = optional(string) }))
+}
+
+variable "api_chatops" {
+  description = "Chat-ops settings of the API (see ../../variables.tf); the secret files are paths on the machine applying."
+  type = object({
+    slack_signing_secret_file = optional(string)
+    slack_approvers           = optional(map(string), {})
+    callbacks = optional(list(object({
+      name        = string
+      secret_file = string
+      approvers   = optional(list(string), [])
+    })), [])
+    timestamp_tolerance = optional(string)
+  })
+  default = null
 }
 
 variable "api_replicas" {

@@ -759,9 +759,17 @@ class ChatOpsSettings(_Section):
     tokens' actions, the latter signed by each token's operator key). Its key is created on the first start, in
     ``<credentials>/signing/``."""
 
+    @field_validator("slack_signing_secret_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # docker-compose.yml passes ${KEEL_API__CHATOPS__SLACK_SIGNING_SECRET_FILE:-}: empty means no Slack.
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("slack_approvers", mode="before")
     @classmethod
     def _approvers_from_text(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            return {}
         if isinstance(value, str):
             try:
                 value = json.loads(value)

@@ -14,6 +14,11 @@ of the same layout holding only
     signing/<its name>.key              its signing key, when it signs (``signing.service_signing``)
     signing/keyring.json                the public keyring it checks signatures against
 
+The HTTP API's bundle (``api_bundle``, exported as ``api``) depends on its settings: the ``chatops`` NATS identity
+when it acts (chat-ops configured or an operator token in ``api.tokens``), the chat-ops signing key when chat-ops
+is configured, and the signing key of every operator token's identity; a read-only API's holds the CA and the
+keyring only.
+
 so a service started with ``KEEL_CREDENTIALS_DIR`` pointing at its bundle finds everything where it looks,
 and a compromised container holds no other role's secret (``bundle_files`` says what goes in; ``BUNDLES``
 names them). ``export_server`` writes what the NATS server needs: ``authorization.conf`` (every identity of
@@ -35,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel.infra.api_auth import OPERATOR as OPERATOR_SCOPE
 from keel.infra.config import ConfigError, Settings, credentials_path, load_settings
 from keel.infra.nats_auth import (
     ADMIN,
@@ -60,6 +66,7 @@ __all__ = [
     "Bundle",
     "ProvisionError",
     "agent_bundle",
+    "api_bundle",
     "bundle_files",
     "export_bundle",
     "export_server",
@@ -81,10 +88,13 @@ class ProvisionError(RuntimeError):
 
 @dataclass(frozen=True)
 class Bundle:
-    """One consumer's part of the master: its NATS identity and, when it signs events, its signing identity."""
+    """One consumer's part of the master: its NATS identity (None: it connects to no NATS) and, when it signs
+    events, its signing identity, plus ``operator_keys``: the operator identities whose keys it signs with for
+    others (the API's operator tokens)."""
 
-    nats_identity: str
+    nats_identity: str | None
     signing_identity: str | None = None
+    operator_keys: tuple[str, ...] = ()
 
 
 BUNDLES: dict[str, Bundle] = {
@@ -93,7 +103,11 @@ BUNDLES: dict[str, Bundle] = {
     "auditor": Bundle(AUDITOR),
     "chatops": Bundle(CHATOPS, CHATOPS),  # the API's chat-ops approvals: publishes and signs ApprovalGiven only
 }
-"""The bundles by name, besides ``operator`` (``operator_bundle``) and agents (``agent_bundle``)."""
+"""The bundles by name, besides ``operator`` (``operator_bundle``), ``api`` (``api_bundle``) and agents
+(``agent_bundle``)."""
+
+EXTRA_BUNDLES = ("operator", "api")
+"""Bundle names ``--export`` takes besides ``BUNDLES``."""
 
 
 def operator_bundle(operator: str) -> Bundle:
@@ -105,25 +119,47 @@ def agent_bundle(job_id: str, node_id: str) -> Bundle:
     return Bundle(agent_identity_name(job_id, node_id))
 
 
-def bundle_named(name: str, operator: str) -> Bundle:
+def operator_signers(settings: Settings) -> tuple[str, ...]:
+    """The signing identities of the operator tokens in ``api.tokens`` (each one's ``identity``, else its name)."""
+    return tuple(sorted({t.identity or t.name for t in settings.api.tokens if t.scope == OPERATOR_SCOPE}))
+
+
+def api_bundle(settings: Settings) -> Bundle:
+    """The HTTP API's part for ``settings``: NATS as ``api.chatops.signing_identity`` only when it acts (chat-ops
+    configured, or an operator token), that identity's signing key only with chat-ops (an operator token's
+    actions are signed by its operator's key), and every operator token's key. A read-only API gets the CA and
+    the keyring only."""
+    chat = settings.api.chatops
+    signers = operator_signers(settings)
+    acts = chat.enabled or bool(signers)
+    return Bundle(chat.signing_identity if acts else None, chat.signing_identity if chat.enabled else None, signers)
+
+
+def bundle_named(name: str, operator: str, settings: Settings | None = None) -> Bundle:
     if name == "operator":
         return operator_bundle(operator)
+    if name == "api":
+        if settings is None:
+            raise ProvisionError("the api bundle is made from the API's settings (api.tokens, api.chatops)")
+        return api_bundle(settings)
     try:
         return BUNDLES[name]
     except KeyError:
-        raise ProvisionError(f"no bundle named {name!r}; one of {', '.join([*BUNDLES, 'operator'])}") from None
+        raise ProvisionError(f"no bundle named {name!r}; one of {', '.join([*BUNDLES, *EXTRA_BUNDLES])}") from None
 
 
 def bundle_files(credentials_dir: Path, bundle: Bundle) -> dict[str, Path]:
     """``{path inside the bundle: file in the master}`` (pure; the files may not exist yet)."""
     credentials_dir = Path(credentials_dir)
     files = {
-        f"nats/{bundle.nats_identity}.json": identity_file(credentials_dir, bundle.nats_identity),
         "nats/shard-ca/tls/ca.pem": server_tls_ca(credentials_dir),
         f"signing/{KEYRING_FILE}": signing_dir(credentials_dir) / KEYRING_FILE,
     }
-    if bundle.signing_identity is not None:
-        files[f"signing/{bundle.signing_identity}.key"] = signing_dir(credentials_dir) / f"{bundle.signing_identity}.key"
+    if bundle.nats_identity is not None:
+        files[f"nats/{bundle.nats_identity}.json"] = identity_file(credentials_dir, bundle.nats_identity)
+    for signer in (bundle.signing_identity, *bundle.operator_keys):
+        if signer is not None:
+            files[f"signing/{signer}.key"] = signing_dir(credentials_dir) / f"{signer}.key"
     return {relative: files[relative] for relative in sorted(files)}
 
 
@@ -150,12 +186,15 @@ def _private_path(root: Path, relative: str) -> Path:
     return folder / parts[-1]
 
 
-def _copy(files: dict[str, Path], dest: Path, hint: str) -> list[str]:
+def _copy(files: dict[str, Path], dest: Path, hint: str, hints: dict[str, str] | None = None) -> list[str]:
+    for relative, source in files.items():  # all there, or nothing written
+        if not source.exists() and not source.is_symlink():
+            raise ProvisionError(f"{source} does not exist: {(hints or {}).get(relative, hint)}")
     for relative, source in files.items():
         try:
             data = read_secret(source)
         except FileNotFoundError:
-            raise ProvisionError(f"{source} does not exist: {hint}") from None
+            raise ProvisionError(f"{source} does not exist: {(hints or {}).get(relative, hint)}") from None
         write_secret(_private_path(dest, relative), data)
     return list(files)
 
@@ -166,7 +205,12 @@ def export_bundle(credentials_dir: Path, bundle: Bundle, dest: Path) -> list[str
     written, relative to ``dest``. ``ProvisionError`` names a missing file and the command that creates it."""
     hint = ("run `keel-credentials init --tls-host HOST` (or `keel credentials init --tls-host HOST`) first; an "
             "agent's identity comes from `issue-agent`")
-    return _copy(bundle_files(credentials_dir, bundle), Path(dest), hint)
+    hints = {f"signing/{signer}.key": f"an operator token acts as {signer!r} (api.tokens), whose key is not in the "
+                                      f"master: create it with `keel-credentials init --operator {signer}` (or "
+                                      f"`keel-api --new-token NAME --scope operator --identity {signer}`) with this "
+                                      "credentials folder, or set the token's identity to an operator that has a key"
+             for signer in bundle.operator_keys}
+    return _copy(bundle_files(credentials_dir, bundle), Path(dest), hint, hints)
 
 
 STORE_FILES = ("store/cert.pem", "store/key.pem", "store/ca.pem")
@@ -271,7 +315,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "'operator')")
     init.add_argument("--auth-file", type=Path, help="write the NATS server's authorization here too")
     init.add_argument("--export", action="append", type=_export_arg, default=[], metavar="NAME=FOLDER",
-                      help=f"write bundle NAME into FOLDER (repeat); NAME: {', '.join([*BUNDLES, 'operator'])}")
+                      help=f"write bundle NAME into FOLDER (repeat); NAME: {', '.join([*BUNDLES, *EXTRA_BUNDLES])} "
+                           "(api: from the API's settings, api.tokens and api.chatops)")
     init.add_argument("--export-server", type=Path, metavar="FOLDER",
                       help="write the NATS server's authorization.conf, cert.pem and key.pem into FOLDER")
     agent = sub.add_parser("issue-agent", help="one node's agent identity for one job, and its bundle")
@@ -311,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "init":
             operator = args.operator or settings.signing.operator or "operator"
-            bundles = [(bundle_named(name, operator), folder) for name, folder in args.export]  # before any change
+            bundles = [(bundle_named(name, operator, settings), folder) for name, folder in args.export]  # before any change
             result = init_credentials(settings, operator=operator, tls_hosts=args.tls_host, auth_file=args.auth_file)
             exported: dict[str, list[str]] = {}
             for bundle, folder in bundles:
