@@ -478,8 +478,9 @@ def on_tick(plan: ActionPlan, p: TimerTicked) -> None:
         return
     if job.stopped or job.finished or (incident is not None and incident.stage not in ("recovering", "observing")):
         return
-    quiet_for = {n.node_id: q for n in job.active if not n.eviction_pending and (q := job.silence(n, now)) is not None}
-    lost = [n for n in job.active if n.node_id in quiet_for and quiet_for[n.node_id] > policy.node_silence_timeout]
+    active = job.active  # sorted on every tick: once, not twice
+    quiet_for = {n.node_id: q for n in active if not n.eviction_pending and (q := job.silence(n, now)) is not None}
+    lost = [n for n in active if n.node_id in quiet_for and quiet_for[n.node_id] > policy.node_silence_timeout]
     if not lost:
         return
     silence = max(quiet_for[n.node_id].total_seconds() for n in lost)

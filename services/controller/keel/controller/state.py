@@ -20,7 +20,8 @@ back (never applied again: versions are content-addressed, a fix is another vers
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal, TypeVar
@@ -97,6 +98,60 @@ def replace(view: _V, /, **changes: object) -> _V:
     state.update(view.__dict__)
     state.update(changes)
     return copied
+
+
+HEARD_BUCKETS = 64
+"""``HeardMap``'s buckets: a node added copies the bucket tuple and one bucket (about machines / 64 entries)."""
+
+
+@dataclass(frozen=True, eq=False)
+class HeardMap(Mapping[str, datetime]):
+    """``JobView.heard``: the nodes heard since the latest tick, with their newest timestamp. Immutable, and
+    cheap to extend: every agent event of a job adds to it, so a copy of the whole map per event (a plain
+    dict's) made one heartbeat round of N machines cost N^2 / 2 entry copies (the fleet simulator found it).
+    Here a node goes into one of ``HEARD_BUCKETS`` buckets, chosen by a CRC of its id (the same in every
+    process, so a snapshot decodes to the same buckets), and only that bucket is copied. Equal to any mapping
+    with the same items, a plain dict included (a snapshot of an older state holds one)."""
+
+    buckets: tuple[Mapping[str, datetime], ...] = ()
+    size: int = 0
+
+    @staticmethod
+    def bucket(node_id: str) -> int:
+        return zlib.crc32(node_id.encode()) % HEARD_BUCKETS
+
+    def __getitem__(self, node_id: str) -> datetime:
+        if not self.buckets:
+            raise KeyError(node_id)
+        return self.buckets[self.bucket(node_id)][node_id]
+
+    def get(self, node_id: str, default: datetime | None = None) -> datetime | None:  # type: ignore[override]
+        return self.buckets[self.bucket(node_id)].get(node_id, default) if self.buckets else default
+
+    def __iter__(self) -> Iterator[str]:
+        for bucket in self.buckets:
+            yield from bucket
+
+    def __len__(self) -> int:
+        return self.size
+
+    def set(self, node_id: str, at: datetime) -> HeardMap:
+        """This map with ``node_id`` heard at ``at`` (this one left as it was)."""
+        buckets = self.buckets or tuple({} for _ in range(HEARD_BUCKETS))
+        b = self.bucket(node_id)
+        bucket = buckets[b]
+        grown = node_id not in bucket
+        return HeardMap(buckets[:b] + ({**bucket, node_id: at},) + buckets[b + 1:], self.size + grown)
+
+    @staticmethod
+    def of(items: Mapping[str, datetime]) -> HeardMap:
+        """A ``HeardMap`` of ``items`` (itself when it is one)."""
+        if isinstance(items, HeardMap):
+            return items
+        heard = HeardMap()
+        for node_id, at in items.items():
+            heard = heard.set(node_id, at)
+        return heard
 
 
 @dataclass(frozen=True)
@@ -685,7 +740,7 @@ def _heard(job: JobView, event: Event) -> JobView:
     seen = job.heard.get(node_id)
     if seen is not None and seen >= event.occurred_at:
         return job
-    return replace(job, heard={**job.heard, node_id: event.occurred_at})
+    return replace(job, heard=HeardMap.of(job.heard).set(node_id, event.occurred_at))
 
 
 def _evolve_tick(job: JobView, p: TimerTicked) -> JobView:
