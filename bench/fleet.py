@@ -10,6 +10,8 @@ seed 1). ``--quick``: 30 days, one seed, no sensitivity table (at x4 the failure
 quadruple). ``--smoke``: 32 machines for 3 days (seconds; the test suite's), with the sensitivity table.
 Every system of every run is a task of its own, spread over ``--jobs`` worker processes (default: every core);
 ``sim_wall_s`` is the wall time of all of them, ``sim_wall_s_summed`` the sum of their own wall times.
+``--scale-curve 150,1200,12500 [--days 2]``: Keel and the baselines at each machine count (to 100,000 GPUs),
+with what simulating Keel cost per event, written to ``--json``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="30 days, one seed")
     mode.add_argument("--smoke", action="store_true", help="32 machines, 3 days, one seed (seconds)")
+    mode.add_argument("--scale-curve", metavar="MACHINES",
+                      help="comma-separated machine counts (e.g. 150,1200,12500): Keel and the baselines at each, "
+                           "for --days (default 2), seed 1; ETTR and the simulation's cost per point")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--nodes", type=int, help="machines of 8 GPUs (default 1,200; --smoke 32)")
     parser.add_argument("--days", type=float, help="simulated days (default 90; --quick 30; --smoke 3)")
@@ -46,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes, one system of one run each (default: every core)")
     args = parser.parse_args(argv)
+    if args.scale_curve:
+        return scale_curve(argv, args)
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     nodes = args.nodes or (32 if args.smoke else 1200)
     days = args.days or (3.0 if args.smoke else 30.0 if args.quick else 90.0)
@@ -94,6 +101,44 @@ def main(argv: list[str] | None = None) -> int:
     print(f"keel ETTR {result['ettr']['keel']:.4f} (target >= {TARGETS['ettr_keel_min']}), worst 1-hour window "
           f"{result['worst_window_min']['keel']:.1f} min (target <= {TARGETS['worst_window_min_keel_max']:g}); "
           f"simulated in {sim_wall_s:.1f} s: {result['verdict']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+CURVE_SYSTEMS = ("keel", "conventional", "torchelastic", "oracle")
+
+
+def scale_curve(argv: list[str], args: argparse.Namespace) -> int:
+    """ETTR and what the simulation costs as the job grows (issue 21, item 5): Keel and the baselines at each
+    machine count, one seed, the same mix. The cost per event staying flat is the check that no decider's cost
+    grows faster than linearly with the job; the events themselves grow with machines x failures."""
+    machines = [int(n) for n in args.scale_curve.split(",")]
+    days = args.days or 2.0
+    seed = int((args.seeds or "1").split(",")[0])
+    mix, cal = load_mix(args.mix), load_calibration(args.calibration)
+    per_node = int(cal.job["gpus_per_node"])
+    points = []
+    print(f"{'GPUs':>8} {'failures':>8} {'keel ETTR':>9} {'worst (min)':>11} {'events':>9} {'wall (s)':>9} "
+          f"{'us/event':>8}")
+    started = time.perf_counter()
+    for nodes in machines:
+        [run] = run_many(mix, cal, nodes=nodes, days=days, runs=[(seed, 1.0, CURVE_SYSTEMS)], jobs=max(1, args.jobs))
+        keel = run["systems"]["keel"]
+        point = {"nodes": nodes, "gpus": nodes * per_node, "days": days, "failures": run["failures"],
+                 "ettr": {s: round(v["ettr"], 5) for s, v in run["systems"].items()},
+                 "worst_window_min": {s: round(v["worst_window_min"], 2) for s, v in run["systems"].items()},
+                 "keel_events": keel["events"], "keel_decisions": keel["decisions"],
+                 "keel_sim_wall_s": keel["sim_wall_s"],
+                 "keel_us_per_event": round(keel["sim_wall_s"] / max(1, keel["events"]) * 1e6, 2),
+                 "keel_job_stops": keel["job_stops"], "keel_incidents_by_rung": keel["incidents_by_rung"]}
+        points.append(point)
+        print(f"{point['gpus']:>8} {point['failures']:>8} {keel['ettr']:>9.4f} {keel['worst_window_min']:>11.1f} "
+              f"{keel['events']:>9} {keel['sim_wall_s']:>9.1f} {point['keel_us_per_event']:>8.1f}", flush=True)
+    result: dict[str, Any] = {**provenance(argv, "bench.fleet"), "mode": "scale_curve", "days": days, "seed": seed,
+                              "systems": list(CURVE_SYSTEMS), "points": points,
+                              "sim_wall_s": round(time.perf_counter() - started, 2)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
