@@ -10,7 +10,7 @@ from keel.sim.run import SYSTEMS, run_many
 
 
 def _without_wall_times(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{**run, "systems": {s: {k: v for k, v in summary.items() if k != "sim_wall_s"}
+    return [{**run, "systems": {s: {k: v for k, v in summary.items() if k not in ("sim_wall_s", "sim_cpu_s")}
                                 for s, summary in run["systems"].items()}} for run in runs]
 
 
