@@ -135,15 +135,19 @@ def scale_curve(argv: list[str], args: argparse.Namespace) -> int:
                  "keel_us_per_event": round(keel["sim_cpu_s"] / max(1, keel["events"]) * 1e6, 2),
                  "keel_job_stops": keel["job_stops"], "keel_incidents_by_rung": keel["incidents_by_rung"]}
         points.append(point)
+        _write(args.json, {**provenance(argv, "bench.fleet"), "mode": "scale_curve", "days": days, "seed": seed,
+                           "systems": list(CURVE_SYSTEMS), "points": points,
+                           "sim_wall_s": round(time.perf_counter() - started, 2)})
         print(f"{point['gpus']:>8} {point['failures']:>8} {keel['ettr']:>9.4f} {keel['worst_window_min']:>11.1f} "
               f"{keel['events']:>9} {keel['sim_cpu_s']:>9.1f} {point['keel_us_per_event']:>8.1f}", flush=True)
-    result: dict[str, Any] = {**provenance(argv, "bench.fleet"), "mode": "scale_curve", "days": days, "seed": seed,
-                              "systems": list(CURVE_SYSTEMS), "points": points,
-                              "sim_wall_s": round(time.perf_counter() - started, 2)}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _write(path: Path | None, result: dict[str, Any]) -> None:
+    """The curve so far (after each point: a long curve cut short keeps the points it has)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
