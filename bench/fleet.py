@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", help="comma-separated seeds (default 1,2,3; --quick and --smoke 1)")
     parser.add_argument("--mix", type=Path, help="a failure mix YAML (default: keel.sim's failures.yaml)")
     parser.add_argument("--calibration", type=Path, help="a calibration YAML (default: keel.sim's)")
+    parser.add_argument("--no-sensitivity", action="store_true",
+                        help="leave out the sensitivity table (--quick always does)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes, one system of one run each (default: every core)")
     args = parser.parse_args(argv)
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus = nodes * int(cal.job["gpus_per_node"])
     jobs = max(1, args.jobs)
     started = time.perf_counter()
-    factors = () if args.quick else SENSITIVITY
+    factors = () if args.quick or args.no_sensitivity else SENSITIVITY
     plan = [(seed, 1.0, SYSTEMS) for seed in seeds] + [(seeds[0], f, SENSITIVITY_SYSTEMS) for f in factors]
     done = run_many(mix, cal, nodes=nodes, days=days, runs=plan, jobs=jobs)
     sim_wall_s = time.perf_counter() - started
