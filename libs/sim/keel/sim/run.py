@@ -4,17 +4,20 @@ reading that times the simulation, and the worker processes ``run_many`` may for
 
 ``run_many`` runs several seeds and failure-rate factors at once, each system of each run in its own task,
 over ``jobs`` worker processes: the systems of a run share nothing but the trace, which each task draws again
-from the seed (the same trace: generation is deterministic). Tasks and results cross between processes as
-plain values (names, numbers, JSON text).
+from the seed (the same trace: generation is deterministic). A forked child inherits its task and writes its
+result as JSON text into a file of its own: nothing crosses between processes as pickle.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
+import signal
+import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+import traceback
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from keel.sim.baselines import BASELINES, baseline_losses
@@ -67,7 +70,48 @@ def run_all(mix: FailureMix, cal: Calibration, *, nodes: int, days: float, seed:
 
 
 _WORK: dict[str, Any] = {}
-"""What the forked workers read: the mix, the calibration and the run's shape (set before the pool forks)."""
+"""What the forked workers read: the mix, the calibration and the run's shape (set before the children fork)."""
+
+
+def _in_children(tasks: list[tuple[int, float, str]], jobs: int) -> dict[tuple[int, float, str], str]:
+    """Each task in a forked child, at most ``jobs`` at once, in ``tasks``' order: the child runs ``_task`` and
+    writes its JSON text to a file of its own, which the parent reads once the child exits 0. A child that fails
+    stops the others and raises here, with its exit status (its traceback went to stderr)."""
+    done: dict[tuple[int, float, str], str] = {}
+    running: dict[int, tuple[tuple[int, float, str], Path]] = {}
+    queue = list(enumerate(tasks))
+    with tempfile.TemporaryDirectory(prefix="keel-sim-") as scratch:
+        try:
+            while queue or running:
+                while queue and len(running) < jobs:
+                    index, task = queue.pop(0)
+                    out = Path(scratch) / f"task{index}.json"
+                    pid = os.fork()
+                    if pid == 0:  # the child: one task, then exit without running the parent's cleanup
+                        status = 1
+                        try:
+                            out.write_text(_task(task))
+                            status = 0
+                        except BaseException:
+                            traceback.print_exc()
+                        finally:
+                            os._exit(status)
+                    running[pid] = (task, out)
+                pid, wait_status = os.waitpid(-1, 0)
+                if pid not in running:
+                    continue  # not one of ours
+                task, out = running.pop(pid)
+                code = os.waitstatus_to_exitcode(wait_status)
+                if code != 0:
+                    raise RuntimeError(f"simulating {task[2]} (seed {task[0]}, failure rates x{task[1]}) failed in "
+                                       f"its worker process (exit status {code})")
+                done[task] = out.read_text()
+        finally:
+            for pid in running:
+                os.kill(pid, signal.SIGKILL)
+            for pid in running:
+                os.waitpid(pid, 0)
+    return done
 
 
 def _task(key: tuple[int, float, str]) -> str:
@@ -91,10 +135,8 @@ def run_many(mix: FailureMix, cal: Calibration, *, nodes: int, days: float,
 
     tasks = sorted({(seed, factor, system) for seed, factor, systems in runs for system in systems}, key=cost)
     _WORK.update(mix=mix, cal=cal, nodes=nodes, days=days)
-    if jobs > 1 and len(tasks) > 1 and "fork" in multiprocessing.get_all_start_methods():
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
-                                 mp_context=multiprocessing.get_context("fork")) as pool:
-            done = dict(zip(tasks, pool.map(_task, tasks), strict=True))
+    if jobs > 1 and len(tasks) > 1 and hasattr(os, "fork"):
+        done = _in_children(tasks, jobs)
     else:
         done = {task: _task(task) for task in tasks}
     out = []
