@@ -1,6 +1,7 @@
 """ETTR on a simulated fleet: Keel's real controller against the baselines, on the same failure traces.
 
-    python -m bench.fleet [--quick | --smoke] [--json PATH] [--nodes N] [--days D] [--seeds 1,2,3] [--jobs N]
+    python -m bench.fleet [--quick | --smoke] [--json PATH] [--charts DIR] [--nodes N] [--days D] [--seeds 1,2,3]
+    python -m bench.fleet --charts-from bench/results/fleet.json --charts docs/img/fleet
 
 ``keel.sim`` (docs/fleet-sim.md) generates a failure trace from the default mix (``keel.sim/failures.yaml``:
 Llama 3's and ByteRobust's published figures), then runs every system over it: Keel and its ablations with
@@ -12,6 +13,10 @@ Every system of every run is a task of its own, spread over ``--jobs`` worker pr
 ``sim_wall_s`` is the wall time of all of them, ``sim_wall_s_summed`` the sum of their own wall times.
 ``--scale-curve 150,1200,12500 [--days 2]``: Keel and the baselines at each machine count (to 100,000 GPUs),
 with what simulating Keel cost per event, written to ``--json``.
+``--charts DIR`` writes ``ettr.svg`` (every system's cumulative ETTR by day, the target dashed) and
+``lost_time.svg`` (Keel's lost hours by phase and mechanism, every system's by phase) and, where Debian's headless
+Chromium is installed, their PNGs (``keel.sim.charts``); ``--charts-from PATH`` draws them from a results file
+already written, without simulating anything.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._provenance import provenance
+from keel.sim.charts import write_charts
 from keel.sim.config import load_calibration, load_mix
 from keel.sim.run import SYSTEMS, run_many, table
 
@@ -52,8 +58,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the sensitivity table (--quick always does)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes, one system of one run each (default: every core)")
+    parser.add_argument("--charts", type=Path, metavar="DIR",
+                        help="write ettr.svg and lost_time.svg here, and their PNGs where a headless Chromium is "
+                             "installed (without one: the SVGs only, said on stderr)")
+    parser.add_argument("--charts-from", type=Path, metavar="PATH",
+                        help="draw the --charts from this results file (a --json of an earlier run) and exit: "
+                             "nothing is simulated")
     args = parser.parse_args(argv)
+    if args.charts_from is not None:
+        if args.charts is None:
+            parser.error("--charts-from needs --charts DIR")
+        return charts_from(args.charts_from, args.charts)
     if args.scale_curve:
+        if args.charts is not None:
+            parser.error("--charts draws a run's ETTR and lost time; --scale-curve has neither by day")
         return scale_curve(argv, args)
     mode_name = "smoke" if args.smoke else "quick" if args.quick else "full"
     nodes = args.nodes or (32 if args.smoke else 1200)
@@ -106,7 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.charts:
+        _report_charts(write_charts(result, args.charts))
     return 0
+
+
+def charts_from(path: Path, directory: Path) -> int:
+    """The charts of a results file already written (``--charts-from``): no simulation."""
+    try:
+        result = json.loads(path.read_text())
+        written = write_charts(result, directory)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"cannot draw charts from {path}: {exc}", file=sys.stderr)
+        return 2
+    _report_charts(written)
+    return 0
+
+
+def _report_charts(written: list[Path]) -> None:
+    print("charts: " + ", ".join(str(p) for p in written))
 
 
 CURVE_SYSTEMS = ("keel", "conventional", "torchelastic", "oracle")

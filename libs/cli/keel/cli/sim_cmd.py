@@ -3,12 +3,15 @@
     keel sim                                       1,200 machines (9,600 GPUs), 30 days, seed 1, every system
     keel sim --nodes 64 --days 7 --systems keel,conventional,oracle --json out.json
     keel sim --nodes 32 --days 3 --log fleet.jsonl --verify
+    keel sim --nodes 64 --days 7 --charts charts/
 
 ``keel.sim`` (docs/fleet-sim.md) draws a failure trace from the mix (``--mix``, default: the packaged
 ``failures.yaml`` of published figures), then runs each system over it: Keel and its ablations through the
 real controller's decider on a simulated clock, the conventional, torchelastic and oracle stacks as cost models.
 It prints one line per system (ETTR, the worst 1-hour window, hours lost) and, with ``--json``, writes the whole
-run (lost time by mechanism and phase, incidents by rung, standby use).
+run (lost time by mechanism and phase, incidents by rung, standby use). ``--charts DIR`` draws the run
+(``keel.sim.charts``): ``ettr.svg`` and ``lost_time.svg``, and their PNGs where Debian's headless Chromium is
+installed (without it the SVGs only, said on stderr).
 
 ``--log PATH`` runs Keel once more with its log recorded (every input and decision, one JSON envelope per line,
 as the bus carries them); ``--verify`` folds that log (read back from the file, with ``--log``) through a fresh
@@ -45,6 +48,8 @@ def register(sub: Subparsers) -> None:
     sim.add_argument("--mix", type=Path, help="a failure mix YAML (default: keel.sim's failures.yaml)")
     sim.add_argument("--calibration", type=Path, help="a calibration YAML (default: keel.sim's calibration.yaml)")
     sim.add_argument("--json", type=Path, help="write the run here (JSON)")
+    sim.add_argument("--charts", type=Path, metavar="DIR",
+                     help="write ettr.svg and lost_time.svg here (and their PNGs with a headless Chromium)")
     sim.add_argument("--log", type=Path, help="record Keel's run and write its log here (JSON lines)")
     sim.add_argument("--verify", action="store_true",
                      help="replay Keel's recorded log through a fresh controller; exit 1 on any divergence")
@@ -76,6 +81,11 @@ def cmd_sim(args: argparse.Namespace, settings: Settings) -> int:
         args.json.write_text(json.dumps({"gpus": gpus, "calibration_sources": list(cal.sources), **run}, indent=2)
                              + "\n")
         print(f"wrote {args.json}")
+    if args.charts:
+        from keel.sim.charts import write_charts
+
+        written = write_charts({"gpus": gpus, **run}, args.charts)
+        print("wrote " + ", ".join(str(p) for p in written))
     if args.log is None and not args.verify:
         return 0
     return _recorded_run(args, mix, cal)
