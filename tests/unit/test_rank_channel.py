@@ -3,6 +3,7 @@ not the rank it claims to be (the kernel names the sender) is ignored."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -145,7 +146,7 @@ def test_a_ranks_shard_group_is_passed_through_to_its_checkpoint_registration(ch
 
     send(channel, report(checkpoint_groups_json='{"dp": [1, 3], "pp": [3], "shard": [2, 3], "tp": [3]}'))
     channel.drain(NOW, 1, ME)
-    assert channel.ranks[3].groups == {"dp": [1, 3], "pp": [3], "tp": [3], "shard": [2, 3]}
+    assert channel.ranks[3].groups == {"dp": [1, 3], "pp": [3], "tp": [3], "shard": [2, 3], "shard_is_dp": False}
     emitted: list[object] = []
     ckpt = NodeCheckpointing(job_id="j", node_id="n0", local_ranks=[3], world_size=4, node_dir=tmp_path / "shm",
                              agent_dir=tmp_path / "agent", emit=lambda payload, *a, **k: emitted.append(payload),
@@ -157,6 +158,40 @@ def test_a_ranks_shard_group_is_passed_through_to_its_checkpoint_registration(ch
     try:
         send(older, report(checkpoint_groups_json='{"dp": [1, 3], "pp": [3], "tp": [3]}'))
         older.drain(NOW, 1, ME)
-        assert older.ranks[3].groups == {"dp": [1, 3], "pp": [3], "tp": [3], "shard": []}
+        assert older.ranks[3].groups == {"dp": [1, 3], "pp": [3], "tp": [3], "shard": [], "shard_is_dp": False}
     finally:
         older.close()
+
+
+def test_a_shard_group_equal_to_the_dp_group_travels_once_and_a_world_sized_registration_fits(
+        channel: RankChannel, tmp_path: Path) -> None:
+    # FSDP2 on a 1-D mesh: the shard group is the DP group, often the whole world. The SDK sends it as "dp" and
+    # the registration carries shard_is_dp, not a second copy: a 4,096-rank job's node of 8 ranks (each with the
+    # whole world as its DP group) stays within the event size limit, as it did before shard groups.
+    from keel.agent.checkpointing import NodeCheckpointing
+    from keel.checkpoint_broker.state import RankSite
+    from keel.events.types import CheckpointRanksRegistered, RankGroups
+    from keel.infra.config import BusSettings
+    from keel.sdk.session import groups_on_the_wire
+
+    world = list(range(4096))
+    wire = groups_on_the_wire({"dp": world, "pp": [3], "tp": [3], "shard": world})
+    assert wire["shard"] == "dp"
+    assert groups_on_the_wire({"dp": [1, 3], "pp": [3], "tp": [3], "shard": [3]})["shard"] == [3]
+    send(channel, report(checkpoint_groups_json=json.dumps(wire)))
+    channel.drain(NOW, 1, ME)
+    groups = channel.ranks[3].groups
+    assert groups is not None and groups["shard"] == [] and groups["shard_is_dp"] is True
+    emitted: list[object] = []
+    ckpt = NodeCheckpointing(job_id="j", node_id="n0", local_ranks=[3], world_size=4096, node_dir=tmp_path / "shm",
+                             agent_dir=tmp_path / "agent", emit=lambda payload, *a, **k: emitted.append(payload),
+                             transport=None, persist_root=None)
+    ckpt.tick(0.0, {3: groups}, {})
+    [registered] = [p for p in emitted if isinstance(p, CheckpointRanksRegistered)]
+    assert RankSite.from_groups(registered.ranks[0], "n0").shard == tuple(world)  # the broker sees the DP group
+    node = CheckpointRanksRegistered(node_id="n0", generation=0, world_size=4096, store_address="10.0.0.1:7301",
+                                     ranks=[RankGroups(rank=r, dp=world, pp=[r], tp=[r], shard_is_dp=True)
+                                            for r in range(8)])
+    assert len(node.model_dump_json()) < BusSettings().max_event_bytes
+    with pytest.raises(ValueError, match="leave shard empty"):
+        RankGroups(rank=0, dp=[0, 1], shard=[0, 1], shard_is_dp=True)

@@ -401,6 +401,20 @@ class RankGroups(EventPayload):
     """The ranks across which this rank's state is sharded (FSDP2 / DTensor parameters: the mesh dimensions
     they are sharded on; ZeRO: the optimizer's process group), the rank included; empty when nothing is
     sharded (DDP: every DP peer holds a replica). Its members hold other parts of the state, not copies."""
+    shard_is_dp: bool = False
+    """The shard group is the DP group (FSDP2 on a 1-D mesh, ZeRO over DP), and ``shard`` is left empty: a DP
+    group is often the whole world, and a node's registration must not carry it twice."""
+
+    @model_validator(mode="after")
+    def _one_shard_group(self) -> RankGroups:
+        if self.shard_is_dp and self.shard:
+            raise ValueError("shard_is_dp names the DP group as the shard group: leave shard empty")
+        return self
+
+    @property
+    def shard_group(self) -> list[int]:
+        """The shard group's members, whichever way it was sent."""
+        return self.dp if self.shard_is_dp else self.shard
 
 
 @event_type("CheckpointRanksRegistered", version=2, aggregate="node")

@@ -71,6 +71,18 @@ KERNEL_OOM_LIMIT_BYTES = 64 * 1024**2
 KERNEL_OOM_CAP_BYTES = 4 * 1024**3
 
 
+def groups_on_the_wire(groups: dict[str, list[int]]) -> dict[str, object]:
+    """A rank's parallel groups as it reports them to its agent: a shard group equal to the DP group (FSDP2 on a
+    1-D mesh, ZeRO over DP, whose DP group is often the whole world) is sent as ``"dp"``, not as a second copy of
+    the list, so the report and the node's registration stay within their size limits at tens of thousands of
+    ranks."""
+    wire: dict[str, object] = dict(groups)
+    shard = groups.get("shard") or []
+    if shard and sorted(set(shard)) == sorted(set(groups.get("dp") or [])):
+        wire["shard"] = "dp"
+    return wire
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """What the node agent tells a rank through its environment (see ``from_env``)."""
@@ -299,7 +311,7 @@ class Session:
         already did), and reports carry the checkpointer's parallel groups. Called by ``Checkpointer``."""
         self._checkpointer = checkpointer
         with self._lock:
-            self._checkpoint_groups_json = json.dumps(checkpointer.groups, sort_keys=True)
+            self._checkpoint_groups_json = json.dumps(groups_on_the_wire(checkpointer.groups), sort_keys=True)
 
     def checkpoint_completed(self, step: int) -> None:
         """Report that the slot of ``step`` is COMPLETE; thread-safe (the checkpoint copy thread calls it)."""

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -84,8 +85,9 @@ class RankState:
     """The newest step whose shared-memory snapshot the rank completed (-1: none)."""
     checkpoint_blocking_s: float = 0.0
     """The seconds the rank's training thread has spent blocked in checkpointing so far (a running total)."""
-    groups: dict[str, list[int]] | None = None
-    """The rank's parallel groups (``dp``, ``pp``, ``tp``: global ranks), once its Checkpointer exists."""
+    groups: dict[str, Any] | None = None
+    """The rank's parallel groups (``dp``, ``pp``, ``tp``, ``shard``: global ranks; ``shard_is_dp``) as
+    ``RankGroups`` fields, once its Checkpointer exists."""
 
 
 def _fold_collective(state: RankState, report: node_local_pb2.RankReport, now: datetime) -> None:
@@ -274,13 +276,16 @@ def _sender(ancillary: list[tuple[int, int, bytes]]) -> Sender | None:
     return None
 
 
-def _parse_groups(text: str, rank: int) -> dict[str, list[int]] | None:
-    """``{"dp": [...], "pp": [...], "tp": [...], "shard": [...]}`` from a rank, or None (logged) when malformed.
-    A group the rank did not send is just the rank (``shard``: none, as from an SDK without shard groups)."""
+def _parse_groups(text: str, rank: int) -> dict[str, Any] | None:
+    """``{"dp": [...], "pp": [...], "tp": [...], "shard": [...] | "dp"}`` from a rank, as ``RankGroups`` fields,
+    or None (logged) when malformed. A group the rank did not send is just the rank (``shard``: none, as from an
+    SDK without shard groups); ``"shard": "dp"`` is a shard group equal to the DP group (``shard_is_dp``)."""
     try:
         raw = json.loads(text)
-        groups = {kind: [int(r) for r in raw.get(kind, [rank])] for kind in ("dp", "pp", "tp")}
-        groups["shard"] = [int(r) for r in raw.get("shard", [])]
+        groups: dict[str, Any] = {kind: [int(r) for r in raw.get(kind, [rank])] for kind in ("dp", "pp", "tp")}
+        shard = raw.get("shard", [])
+        groups["shard_is_dp"] = shard == "dp"
+        groups["shard"] = [] if shard == "dp" else [int(r) for r in shard]
     except (ValueError, TypeError, AttributeError) as exc:
         log.warning("rank %d sent malformed checkpoint groups %r: %s", rank, text[:200], exc)
         return None

@@ -822,7 +822,7 @@ class NodeCheckpointing:
 
     # -- the loop -------------------------------------------------------------------------------------
 
-    def tick(self, monotonic_s: float, groups: dict[int, dict[str, list[int]] | None],
+    def tick(self, monotonic_s: float, groups: dict[int, dict[str, Any] | None],
              checkpoint_steps: dict[int, int]) -> None:
         """Fold finished background work into events and start new work.
 
@@ -840,7 +840,7 @@ class NodeCheckpointing:
         # Memory and peer holdings are no events of their own: they ride on the agent's heartbeat
         # (``holdings``), which goes early when a report round completes (``report_due``).
 
-    def _register(self, groups: dict[int, dict[str, list[int]] | None]) -> None:
+    def _register(self, groups: dict[int, dict[str, Any] | None]) -> None:
         if self.registered_generation == self.generation:
             return
         if any(groups.get(rank) is None for rank in self.local_ranks):

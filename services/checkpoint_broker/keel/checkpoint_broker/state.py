@@ -91,7 +91,7 @@ class RankSite:
     def from_groups(cls, groups: RankGroups, node_id: str) -> RankSite:
         # Sorted and deduplicated: the members of one group then describe it by one equal tuple.
         return cls(groups.rank, node_id,
-                   *(tuple(sorted(set(g))) for g in (groups.dp, groups.pp, groups.tp, groups.shard)))
+                   *(tuple(sorted(set(g))) for g in (groups.dp, groups.pp, groups.tp, groups.shard_group)))
 
 
 @dataclass(frozen=True)
