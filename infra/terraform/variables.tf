@@ -379,6 +379,15 @@ variable "api_tokens" {
     ])
     error_message = "api_tokens: an operator token acts as an operator signing identity whose key must be in credentials_dir, and these have none: ${join(", ", [for t in var.api_tokens : "${t.name} (identity ${coalesce(t.identity, t.name)}: ${pathexpand(var.credentials_dir)}/signing/${coalesce(t.identity, t.name)}.key)" if t.scope == "operator" && !fileexists("${pathexpand(var.credentials_dir)}/signing/${coalesce(t.identity, t.name)}.key")])}. Create each with `KEEL_CREDENTIALS_DIR=<credentials_dir> keel-credentials init --operator <identity>` (or make the token there: `keel-api --new-token NAME --scope operator --identity <identity>`), or set the token's identity to an operator that has a key."
   }
+
+  # A token named after a service (controller, actuator, ...) would copy that service's private key into the
+  # API's Secret: only operators' keys go there.
+  validation {
+    condition = alltrue([
+      for t in var.api_tokens : try(jsondecode(file("${pathexpand(var.credentials_dir)}/signing/keyring.json")).identities[coalesce(t.identity, t.name)].role, "operator") == "operator" if t.scope == "operator"
+    ])
+    error_message = "api_tokens: an operator token must act as an operator's identity, and these name another role's (its private key would go into the API's Secret): ${join(", ", [for t in var.api_tokens : "${t.name} (identity ${coalesce(t.identity, t.name)})" if t.scope == "operator" && try(jsondecode(file("${pathexpand(var.credentials_dir)}/signing/keyring.json")).identities[coalesce(t.identity, t.name)].role, "operator") != "operator"])}. Give each an operator identity (`identity`)."
+  }
 }
 
 variable "api_chatops" {

@@ -567,6 +567,8 @@ def test_an_operator_token_without_its_key_or_a_read_token_with_an_identity_is_r
         "these have none: ghost (identity ghost:": [{"name": "ghost", "scope": "operator", "sha256": "aa" * 32}],
         "these have none: pager (identity nobody:": [{**OPERATOR_TOKENS[1], "identity": "nobody"}],
         "only an operator token has an identity": [{**API_TOKEN_ENTRY, "identity": "alice"}],
+        "these name another role's (its private key would go into the API's Secret): pager (identity controller)":
+            [{**OPERATOR_TOKENS[1], "identity": "controller"}],
     }
     for message, tokens in cases.items():
         (folder / "bad.tfvars.json").write_text(json.dumps({**acting["variables"], "api_tokens": tokens}))

@@ -218,3 +218,17 @@ def test_the_api_bundle_holds_what_its_settings_need_and_a_read_only_api_gets_no
     monkeypatch.setenv("KEEL_API__CHATOPS__SLACK_SIGNING_SECRET_FILE", "/var/lib/keel/credentials/chatops/slack.secret")
     assert main(["init", f"--export=api={tmp_path / 'chatops'}"]) == 0
     assert "signing/chatops.key" in _tree(tmp_path / "chatops")
+
+
+def test_an_operator_token_named_after_a_service_never_exports_that_services_key(
+        master: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hand-written api.tokens entry acting as ``controller`` (a service's identity, whose key signs restarts and
+    evictions) is refused before anything is written: the API's bundle takes operators' keys only."""
+    tokens = json.dumps([{"name": "pager", "scope": "operator", "sha256": "ab" * 32, "identity": "controller"}])
+    monkeypatch.setenv("KEEL_CREDENTIALS_DIR", str(master))
+    monkeypatch.setenv("KEEL_API__TOKENS", tokens)
+    assert (master / "signing" / "controller.key").exists()  # the key is there to be copied, and is not
+    assert main(["init", f"--export=api={tmp_path / 'api'}"]) == 1
+    err = capsys.readouterr().err
+    assert "'controller'" in err and "controller role's identity, not an operator's" in err, err
+    assert not (tmp_path / "api").exists()

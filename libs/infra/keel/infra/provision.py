@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from keel.events.signing import KeyringError, parse_keyring
 from keel.infra.api_auth import OPERATOR as OPERATOR_SCOPE
 from keel.infra.config import ConfigError, Settings, credentials_path, load_settings
 from keel.infra.nats_auth import (
@@ -210,7 +211,28 @@ def export_bundle(credentials_dir: Path, bundle: Bundle, dest: Path) -> list[str
                                       f"`keel-api --new-token NAME --scope operator --identity {signer}`) with this "
                                       "credentials folder, or set the token's identity to an operator that has a key"
              for signer in bundle.operator_keys}
+    _check_operator_keys(Path(credentials_dir), bundle.operator_keys)
     return _copy(bundle_files(credentials_dir, bundle), Path(dest), hint, hints)
+
+
+def _check_operator_keys(credentials_dir: Path, signers: Sequence[str]) -> None:
+    """Every key a bundle takes as an operator's is an operator's in the master's keyring: a token named after a
+    service (``controller``, ``actuator``) must not copy that service's private key into the API's bundle."""
+    if not signers:
+        return
+    ring_file = signing_dir(credentials_dir) / KEYRING_FILE
+    try:
+        ring = parse_keyring(ring_file.read_bytes(), source=str(ring_file))
+    except FileNotFoundError:
+        raise ProvisionError(f"{ring_file} does not exist: run `keel-credentials init` first") from None
+    except KeyringError as exc:
+        raise ProvisionError(str(exc)) from None
+    for signer in signers:
+        entry = ring.get(signer)
+        if entry is not None and entry.role != "operator":
+            raise ProvisionError(f"an operator token acts as {signer!r} (api.tokens), which is the {entry.role} role's "
+                                 "identity, not an operator's: its private key stays out of the API's bundle; give the "
+                                 "token an operator identity (`identity:`)")
 
 
 STORE_FILES = ("store/cert.pem", "store/key.pem", "store/ca.pem")
