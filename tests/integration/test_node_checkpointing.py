@@ -737,6 +737,9 @@ def test_a_shrunk_job_stages_every_saved_ranks_shard_on_every_node(cluster: Clus
     a, b, c = three_nodes(cluster)
     backup = backed_up(cluster, 2)
     c.kill_store()
+    stale = a.ckpt.node_dir / "restore" / "g0" / "rank9.shard"  # an older restart's staged copy
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"old")
     for node, new_rank in ((a, 0), (b, 1)):
         node.groups, node.steps = {}, {}
         node.ckpt.reshape([new_rank], 2)
@@ -768,6 +771,7 @@ def test_a_shrunk_job_stages_every_saved_ranks_shard_on_every_node(cluster: Clus
     # The lost rank's backup, held by one survivor, is staged as a link of its own: the store renaming or
     # dropping its copies afterwards (a newer backup discarded, the next round's rotation) cannot pull it from
     # under the rank that reads it (seen end to end: a discarded newer backup moved the older one away).
+    assert not stale.parent.exists(), "an older generation's staged shards are dropped when a new plan starts"
     holder = {"A": a, "B": b}[backup[2]]
     entry = json.loads(plan_file(holder.agent_dir, 1).read_text())["reshard"]["shards"]["2"]
     assert entry["tier"] == "peer" and "/restore/g1/" in entry["path"], entry

@@ -102,7 +102,7 @@ BUNDLES: dict[str, Bundle] = {
     "migrate": Bundle(ADMIN),  # keel-migrate administers the streams; it signs nothing
     **{name: Bundle(name, name) for name in CONTROL_PLANE},  # each service: identity and key named after it
     "auditor": Bundle(AUDITOR),
-    "chatops": Bundle(CHATOPS, CHATOPS),  # the API's chat-ops approvals: publishes and signs ApprovalGiven only
+    "chatops": Bundle(CHATOPS, CHATOPS),  # the API: signs chat-ops answers (ApprovalGiven); may publish ApprovalGiven and NodeCordoned
 }
 """The bundles by name, besides ``operator`` (``operator_bundle``), ``api`` (``api_bundle``) and agents
 (``agent_bundle``)."""

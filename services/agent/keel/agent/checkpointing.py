@@ -718,6 +718,7 @@ class NodeCheckpointing:
 
     def _start_plan(self, planned: CheckpointRestorePlanned) -> None:
         plan = _Plan(planned.generation, planned.step, reshard_from=planned.reshard_from)
+        self._drop_older_restores(planned.generation)
         for source in planned.sources:
             if source.rank not in self.progress and not plan.reshard_from:
                 continue
@@ -752,15 +753,25 @@ class NodeCheckpointing:
         self.plan = plan
         self._finish_plan_if_ready()
 
+    def _drop_older_restores(self, generation: int) -> None:
+        """Remove the shards staged for older generations' restores (``restore/g<h>/``, fetched copies and links
+        to held backups): their ranks are stopped, and in memory they would pin a shard per restart."""
+        root = self.node_dir / "restore"
+        for folder in root.glob("g*") if root.is_dir() else ():
+            older = folder.name[1:].isdigit() and int(folder.name[1:]) < generation
+            if older and folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+
     def _stage_held(self, plan: _Plan) -> None:
         """Link each backup this node holds that the plan restores from to the plan's path for it (after
         ``_discard_newer_than``, which can move it): a later backup round renaming the held copies cannot pull
         it from under the rank. An entry whose backup is gone says so instead."""
         if not plan.held or self.transport is None:
             return
-        held = {h["rank"]: Path(h["path"]) for h in self.transport.held_backups()[0] if h["step"] == plan.step}
+        held = {(h["rank"], h["sha256"]): Path(h["path"]) for h in self.transport.held_backups()[0]
+                if h["step"] == plan.step}
         for rank, dest in plan.held.items():
-            source = held.get(rank)
+            source = held.get((rank, plan.entries[rank].get("digest")))  # the very copy the broker planned
             try:
                 if source is None:
                     raise FileNotFoundError(f"no backup of step {plan.step}")
