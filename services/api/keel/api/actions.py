@@ -26,8 +26,9 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
+from keel.api.chatops import Published, Store  # what publishing answers and the store reads: as chat-ops
 from keel.events.envelope import Event, now_utc, payload_of
 from keel.events.signing import SigningKey, sign_event, verify_event
 from keel.events.types import ApprovalGiven, ApprovalRequested
@@ -47,17 +48,6 @@ class Refused(Exception):
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)
         self.status, self.reason = status, reason
-
-
-class Published(Protocol):
-    @property
-    def duplicate(self) -> bool: ...
-
-
-class Store(Protocol):
-    async def get(self, event_id: uuid.UUID) -> Any: ...
-
-    def read(self, *, job_id: str | None = None, types: list[str] | None = None) -> Any: ...
 
 
 def answer_event_id(request_id: uuid.UUID) -> uuid.UUID:
